@@ -1,0 +1,45 @@
+"""torch_budget: an exact, enforced budget for CUDA device memory in PyTorch.
+
+A thin facade: names resolve lazily so that `import torch_budget` is cheap and works
+on machines without CUDA.
+"""
+
+_EXPORTS = {
+    # allocator shim
+    "install": "allocator",
+    "installed": "allocator",
+    "route": "allocator",
+    "stats": "allocator",
+    "empty_cache": "allocator",
+    "set_budget": "allocator",
+    "capabilities": "allocator",
+    "TorchBudgetError": "allocator",
+    # graphs
+    "GraphPoolManager": "graphs",
+    # eager workspace
+    "WorkspaceShrinkPolicy": "workspace",
+    "workspace": "workspace",
+    "WorkspaceMetadata": "workspace",
+    # planner
+    "CacheCost": "budget",
+    "profile": "budget",
+    "plan": "budget",
+}
+
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_budget' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"torch_budget.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
