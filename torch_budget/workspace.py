@@ -1,0 +1,589 @@
+"""Eager workspace manager: one grow-only scratch buffer per forward, shrunk lazily.
+
+Attention-style kernels share one scratch buffer per forward and each layer grows it to its
+own need, so its size is the largest layer's need, not the sum. Grow-only keeps it large
+after one long request; `WorkspaceShrinkPolicy` decides when to give the excess back and
+`workspace(metadata)` applies it around each forward (SPEC section 5).
+
+Metadata protocol
+-----------------
+Any object can serve as workspace metadata if it has these attributes (`WorkspaceMetadata`
+is a ready implementation for code without its own metadata class):
+
+- ``workspace``: the eager workspace, a 1-D contiguous ``torch.uint8`` tensor on the device,
+  or None before warm-up. Grow it only through `get` or, for a backend with its own sizing,
+  by ``workspace.resize_(n)`` of this same tensor object; never rebind it to another tensor.
+- ``is_graph_metadata`` (bool): metadata used by CUDA graphs; `workspace` does nothing for it.
+- ``reclaimable`` (bool): the workspace is pure scratch and may be released and reallocated.
+  Off unless the backend declares it: a backend that keeps staged state in its workspace
+  would lose that state.
+- ``workspace_state``: where `warm_up` stores the manager's per-workspace state (a
+  `WorkspaceState`); None or absent before warm-up. The object must allow setting it and
+  must support weak references (any ordinary class does).
+
+Optional attributes, read when present:
+
+- ``multi_stream`` (bool, read every forward): the workspace is used from several streams;
+  reclamation is disabled at the next forward, with one warning.
+- ``stream_fn`` (callable, read at warm-up): returns a comparable identity of the stream the
+  caller runs on. Needed only for devices whose streams torch_budget cannot see; on CUDA the
+  current raw stream is used.
+- ``graph_workspace``: a separate workspace whose addresses are baked into captured graphs.
+  The manager never reads or writes it.
+
+One metadata object stands for one workspace: its state (floor, policy, stream, the
+in-forward flag) lives in it, so keep it for the workspace's life rather than rebuilding it
+per step.
+
+Note [Eager workspace reclamation]
+----------------------------------
+Grow-only sizing makes the tensor's logical size the largest request seen since it was last
+set to 0. So at the start of a forward, when the capacity exceeds the floor, the manager sets
+the logical size to 0 while keeping the storage (`Tensor.resize_(0)`); each layer's grow-only
+request then reuses the storage, and at the end of the forward the logical size is that
+forward's true demand and the storage size is the capacity. At the floor nothing can be
+reclaimed, so the resize is skipped (it is the only per-forward torch call).
+
+To shrink, the old tensor is dropped before the smaller one is allocated: releasing first
+means the new allocation can reuse the released memory instead of raising the peak, and
+shrinking in place (`resize_` to fewer bytes) would keep the whole storage and return nothing.
+Memory is handed back to the allocator on the stream the workspace was used on, which is
+only safe while that is the one stream using it; so the first forward on another stream (or
+a metadata that declares `multi_stream`) disables reclamation for good.
+
+Under graph capture the manager does nothing: capture runs on its own stream, a resize would
+be recorded into the graph, and a replacement would move an address the graph baked in.
+Graph metadata is likewise left alone, and the graph workspace is a separate tensor that
+eager forwards never touch.
+"""
+
+import functools
+import logging
+import sys
+import threading
+import weakref
+from contextlib import nullcontext
+
+__all__ = [
+    "WORKSPACE_TAG",
+    "WorkspaceMetadata",
+    "WorkspaceShrinkPolicy",
+    "WorkspaceState",
+    "get",
+    "warm_up",
+    "workspace",
+]
+
+# The allocator ledger charges workspace allocations to this tag when the shim is installed.
+WORKSPACE_TAG = "workspace"
+
+_log = logging.getLogger(__name__)
+_NO_SCOPE = nullcontext()
+
+
+def _as_bytes(name, value):
+    """Return `value` as a non-negative int byte count, or raise naming `name`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer byte count, got a bool ({value!r})")
+    try:
+        value = value.__index__()
+    except AttributeError:
+        raise TypeError(f"{name} must be an integer byte count, got {type(value).__name__} ({value!r})") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    return value
+
+
+class WorkspaceShrinkPolicy:
+    """Decides when a grow-only workspace should shrink, and to what size.
+
+    A workspace shrinks only after `WINDOW` consecutive forwards that needed less than its
+    capacity, without growth in between, so a single short forward between long ones never
+    costs a reallocation. The target is the largest demand of that window (never below the
+    floor), so none of the forwards that motivated the shrink would have had to grow again.
+    Forwards that needed nothing (required == 0) neither count nor break the window.
+    """
+
+    WINDOW = 3
+
+    __slots__ = ("_floor", "_remaining", "_window_max")
+
+    def __init__(self, floor_bytes):
+        # _floor: the capacity never shrinks below this; fixed for the policy's life.
+        # _remaining: underfilled forwards still needed before a shrink; 1 <= _remaining <= WINDOW.
+        # _window_max: largest demand of the current window; 0 exactly when _remaining == WINDOW.
+        self._floor = _as_bytes("floor_bytes", floor_bytes)
+        self._remaining = self.WINDOW
+        self._window_max = 0
+
+    @property
+    def floor(self):
+        return self._floor
+
+    @property
+    def remaining(self):
+        """Underfilled forwards still needed before the next shrink."""
+        return self._remaining
+
+    @property
+    def window_max(self):
+        """Largest demand seen in the current window (0 when the window is empty)."""
+        return self._window_max
+
+    def reset(self):
+        """Start a fresh window."""
+        self._remaining = self.WINDOW
+        self._window_max = 0
+
+    def finish_forward(self, required, capacity, grew):
+        """Record one forward and return the size to shrink to, or None to keep the workspace.
+
+        required: bytes the forward needed (its largest single request).
+        capacity: bytes the workspace holds at the end of the forward.
+        grew: whether the workspace grew during the forward.
+        """
+        if type(required) is not int:
+            required = _as_bytes("required", required)
+        if type(capacity) is not int:
+            capacity = _as_bytes("capacity", capacity)
+        floor = self._floor
+        if required < 0:
+            raise ValueError(f"required must be >= 0 bytes, got {required}")
+        if capacity < required or capacity < floor:
+            raise ValueError(
+                f"capacity {capacity} is below max(required={required}, floor={floor}) bytes: "
+                "a workspace holds at least what its forward used and at least its floor"
+            )
+        if required == 0:
+            return None
+        if grew or capacity == floor or required == capacity:
+            self._remaining = self.WINDOW
+            self._window_max = 0
+            return None
+        if required > self._window_max:
+            self._window_max = required
+        self._remaining -= 1
+        if self._remaining:
+            return None
+        target = self._window_max if self._window_max > floor else floor
+        self._remaining = self.WINDOW
+        self._window_max = 0
+        return target
+
+    def __repr__(self):
+        return (
+            f"WorkspaceShrinkPolicy(floor_bytes={self._floor}, remaining={self._remaining}, "
+            f"window_max={self._window_max})"
+        )
+
+
+def _allocation_scope():
+    """The scope to allocate workspace memory in: the shim's route charging tag "workspace"
+    when the shim is installed, else a no-op.
+
+    `install()` lives in torch_budget.allocator, so the shim can only be installed if that
+    module was imported; looking in sys.modules avoids importing (and loading the compiled
+    shim) just to learn that nothing is installed.
+    """
+    allocator = sys.modules.get("torch_budget.allocator")
+    if allocator is None:
+        return _NO_SCOPE
+    try:
+        installed, route = allocator.installed, allocator.route
+    except AttributeError:
+        # A partial or older allocator module without the routing interface: nothing routes.
+        return _NO_SCOPE
+    return route(tag=WORKSPACE_TAG) if installed() else _NO_SCOPE
+
+
+def _describe(meta):
+    return f"{type(meta).__name__} at {id(meta):#x}"
+
+
+def _missing_warm_up(meta):
+    return ValueError(
+        f"{_describe(meta)} has no eager workspace: warm-up must create it before forwards "
+        "use it (call warm_up(meta, nbytes) or meta.warm_up(nbytes)); its capacity becomes the floor"
+    )
+
+
+def _replaced(meta):
+    return RuntimeError(
+        f"the workspace tensor of {_describe(meta)} was replaced outside the manager: grow it "
+        "with get() or resize_() of the same tensor, or use a new metadata object for a new workspace"
+    )
+
+
+class WorkspaceState:
+    """Per-workspace state of the manager, and the context manager `workspace()` returns.
+
+    Created by `warm_up` and stored in ``meta.workspace_state``; treat it as opaque. One object
+    is reused for every forward of its workspace, so entering a forward allocates nothing.
+
+    Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
+    in-forward flag; it is taken without blocking, so an overlapping forward (nested, or from
+    another thread) fails at once instead of sharing the buffer. Every field below except the
+    configuration ones is written only by the thread holding `_lock`, or by `get` from the
+    thread running the forward.
+    """
+
+    __slots__ = (
+        "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
+        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active",
+    )
+
+    def __init__(self, meta, tensor, stream_fn, capturing):
+        capacity = tensor.untyped_storage().nbytes()
+        self._meta = weakref.ref(meta)  # weak: the metadata owns the state, not the reverse
+        self._lock = threading.Lock()
+        self._policy = WorkspaceShrinkPolicy(capacity)
+        self._floor = capacity  # fixed at warm-up; the capacity is never reclaimed below it
+        self._device = tensor.device
+        self._stream_fn = stream_fn  # None: the device has no streams to tell apart
+        self._stream = stream_fn() if stream_fn is not None else None  # stream it was used on
+        self._capturing = capturing  # None: the device cannot capture graphs
+        self._tensor = tensor  # always `meta.workspace`, except while a shrink swaps them
+        self._capacity = capacity  # storage bytes of _tensor; >= _floor except after a failed shrink
+        self._entry_capacity = capacity  # _capacity when the current forward began
+        self._measuring = False  # this forward's demand feeds the policy
+        self._disabled = False  # reclamation disabled for good (stream change or multi-stream)
+        self._active = None  # the metadata, held strongly only during a forward
+
+    @property
+    def floor(self):
+        return self._floor
+
+    @property
+    def capacity(self):
+        """Bytes the eager workspace holds now."""
+        return self._capacity
+
+    @property
+    def policy(self):
+        return self._policy
+
+    @property
+    def reclaim_disabled(self):
+        return self._disabled
+
+    @property
+    def in_forward(self):
+        return self._lock.locked()
+
+    def __enter__(self):
+        if not self._lock.acquire(False):
+            meta = self._meta()
+            raise RuntimeError(
+                f"overlapping forwards share the workspace of {_describe(meta)}: a forward is already "
+                "running on it (nested, or in another thread); give each concurrent forward its own metadata"
+            )
+        try:
+            meta = self._meta()
+            self._active = meta
+            if meta.workspace is not self._tensor:
+                raise _replaced(meta)
+            if self._disabled or not meta.reclaimable:
+                return None
+            capturing = self._capturing
+            if capturing is not None and capturing():
+                return None
+            stream_fn = self._stream_fn
+            if stream_fn is not None:
+                stream = stream_fn()
+                if stream != self._stream:
+                    self._disable(meta, f"it is used on stream {stream!r} but was used on stream {self._stream!r}")
+                    return None
+            if getattr(meta, "multi_stream", False):
+                self._disable(meta, "its metadata declares multi_stream")
+                return None
+            capacity = self._capacity
+            if capacity >= self._floor:  # below the floor only after a failed shrink; see _shrink
+                if capacity > self._floor:
+                    self._tensor.resize_(0)  # keeps the storage; see Note [Eager workspace reclamation]
+                self._entry_capacity = capacity
+                self._measuring = True
+            return None
+        except BaseException:
+            self._active = None
+            self._lock.release()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            # A forward that raised did not finish its demand; it must not count.
+            if self._measuring and exc_type is None:
+                target = self._measure()
+                if target is not None:
+                    self._shrink(self._active, target)
+        finally:
+            self._measuring = False
+            self._active = None
+            self._lock.release()
+        return False
+
+    def _measure(self):
+        """Feed this forward's demand to the policy; return its shrink target or None."""
+        tensor = self._tensor
+        if self._active.workspace is not tensor:
+            return None  # replaced mid-forward; the next forward reports it
+        required = tensor.numel()
+        capacity = self._capacity
+        if required > capacity:
+            # Grown by the backend's own resize_ rather than get(): read the storage.
+            capacity = self._capacity = tensor.untyped_storage().nbytes()
+        elif capacity == self._floor:
+            # At the floor without growth the policy would only reset a window that is
+            # already empty (every capacity change resets it), so skip the call.
+            return None
+        return self._policy.finish_forward(required, capacity, capacity > self._entry_capacity)
+
+    def _shrink(self, meta, target):
+        """Replace the workspace by one of `target` bytes, releasing the old one first.
+
+        See Note [Eager workspace reclamation]. Views a caller kept from an earlier forward
+        keep the old storage alive; layers must not hold workspace views across forwards.
+        """
+        import torch
+
+        device = self._device
+        # Drop every reference the manager holds before allocating, so the old storage is
+        # back in the allocator when the new tensor is carved.
+        meta.workspace = None
+        self._tensor = None
+        try:
+            with _allocation_scope():
+                fresh = torch.empty(target, dtype=torch.uint8, device=device)
+        except BaseException:
+            # Leave a valid, empty workspace: the next forward's requests regrow it, and it is
+            # measured again once it is back at its floor.
+            empty = torch.empty(0, dtype=torch.uint8, device=device)
+            meta.workspace = self._tensor = empty
+            self._capacity = 0
+            self._policy.reset()
+            raise
+        meta.workspace = self._tensor = fresh
+        self._capacity = target
+
+    def _disable(self, meta, why):
+        self._disabled = True
+        _log.warning(
+            "torch_budget: eager workspace reclamation disabled for good for %s: %s. Releasing a "
+            "workspace used from several streams could free memory another stream still uses; "
+            "it now stays at its largest size (%d bytes, floor %d).",
+            _describe(meta), why, self._capacity, self._floor,
+        )
+
+    def __repr__(self):
+        return (
+            f"WorkspaceState(device={self._device}, capacity={self._capacity}, floor={self._floor}, "
+            f"reclaim_disabled={self._disabled}, in_forward={self._lock.locked()})"
+        )
+
+
+class _NoWorkspace:
+    """What `workspace()` returns for graph metadata: a context that does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+
+_GRAPH_NOOP = _NoWorkspace()
+
+
+def workspace(metadata):
+    """Context manager around one eager forward: ``with torch_budget.workspace(meta): ...``.
+
+    Raises ValueError if warm-up has not created the eager workspace, RuntimeError when a
+    forward is already running on the same workspace. Does nothing for graph metadata or
+    under graph capture. See Note [Eager workspace reclamation].
+    """
+    if metadata.is_graph_metadata:
+        return _GRAPH_NOOP
+    state = getattr(metadata, "workspace_state", None)
+    if state is None:
+        raise _missing_warm_up(metadata)
+    return state
+
+
+def _check_workspace_tensor(tensor, meta):
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{_describe(meta)}.workspace must be a torch.Tensor, got {type(tensor).__name__}")
+    problems = []
+    if tensor.dtype != torch.uint8:
+        problems.append(f"dtype {tensor.dtype} (must be torch.uint8)")
+    if tensor.dim() != 1:
+        problems.append(f"{tensor.dim()} dimensions (must be 1)")
+    if tensor._base is not None or tensor.storage_offset() != 0 or not tensor.is_contiguous():
+        problems.append("a view (must own its storage from offset 0)")
+    if tensor.requires_grad:
+        problems.append("requires_grad=True")
+    if problems:
+        raise ValueError(f"{_describe(meta)}.workspace cannot be managed: it has " + ", ".join(problems))
+
+
+def _device_hooks(device, meta):
+    """Stream-identity and capture-check callables for `device`, resolved once at warm-up so
+    that forwards pay for neither a lookup nor a Stream object."""
+    import torch
+
+    stream_fn = getattr(meta, "stream_fn", None)
+    if device.type != "cuda":
+        return stream_fn, None
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+    if stream_fn is None:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            stream_fn = functools.partial(raw, device.index)
+        else:
+            stream_fn = functools.partial(lambda index: torch.cuda.current_stream(index).cuda_stream, device.index)
+    return stream_fn, capturing
+
+
+def warm_up(meta, nbytes=None, device=None):
+    """Create the eager workspace of `meta`; its capacity becomes the floor. Returns it.
+
+    With `nbytes`, allocates a workspace of that many bytes on `device` (default
+    ``meta.device``). Without, adopts the tensor already in ``meta.workspace``. Warm up on the
+    stream the forwards will run on: the first forward on another stream disables reclamation.
+    A metadata object is warmed up once.
+    """
+    import torch
+
+    if getattr(meta, "workspace_state", None) is not None:
+        raise RuntimeError(
+            f"{_describe(meta)} is already warmed up (floor {meta.workspace_state.floor} bytes); "
+            "use a new metadata object for a new workspace"
+        )
+    if nbytes is None:
+        tensor = getattr(meta, "workspace", None)
+        if tensor is None:
+            raise ValueError(f"{_describe(meta)} has no workspace to adopt: pass nbytes to allocate one")
+    else:
+        nbytes = _as_bytes("nbytes", nbytes)
+        if device is None:
+            device = getattr(meta, "device", None)
+        if device is None:
+            raise ValueError(f"{_describe(meta)} has no device: pass device= to warm_up")
+        with _allocation_scope():
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _check_workspace_tensor(tensor, meta)
+    stream_fn, capturing = _device_hooks(tensor.device, meta)
+    state = WorkspaceState(meta, tensor, stream_fn, capturing)
+    meta.workspace = tensor
+    meta.workspace_state = state
+    return tensor
+
+
+def get(meta, nbytes):
+    """Return a `nbytes` uint8 view of the shared eager workspace, growing it if needed.
+
+    Every layer of a forward asks for its own need; the one storage grows to the largest
+    (grow-only), so the workspace holds the largest layer's need, not the sum. The view is
+    valid until the next `get` on the same metadata and must not be kept across forwards.
+    """
+    tensor = meta.workspace
+    if type(nbytes) is not int or nbytes < 0:
+        nbytes = _as_bytes("nbytes", nbytes)
+    if tensor is None:
+        raise _missing_warm_up(meta)
+    if nbytes > tensor.numel():
+        _grow(meta, tensor, nbytes)
+    return tensor[:nbytes]
+
+
+def _grow(meta, tensor, nbytes):
+    """Raise the logical size of `tensor` to `nbytes`, growing its storage when it is short."""
+    state = getattr(meta, "workspace_state", None)
+    if state is None:
+        raise _missing_warm_up(meta)
+    if tensor is not state._tensor:
+        raise _replaced(meta)
+    if nbytes > state._capacity:
+        with _allocation_scope():
+            if meta.reclaimable:
+                # Pure scratch: release the old storage before allocating the new one, so growth
+                # never holds both (and copies nothing); every view shares this storage object.
+                storage = tensor.untyped_storage()
+                storage.resize_(0)
+                storage.resize_(nbytes)
+            else:
+                tensor.resize_(nbytes)  # a stateful backend's staged contents are copied over
+        state._capacity = tensor.untyped_storage().nbytes()
+    tensor.resize_(nbytes)
+
+
+class WorkspaceMetadata:
+    """Workspace metadata for code without its own metadata class (see the protocol above).
+
+    device: where the eager workspace lives.
+    reclaimable: the workspace is pure scratch (safe to release and reallocate).
+    is_graph_metadata: used by CUDA graphs; the manager leaves it alone.
+    multi_stream: used from several streams; disables reclamation at the first forward.
+    graph_workspace: the workspace captured graphs use, kept apart from the eager one.
+    stream_fn: identity of the current stream, for devices torch_budget cannot query.
+    """
+
+    __slots__ = (
+        "device", "workspace", "graph_workspace", "is_graph_metadata", "reclaimable",
+        "multi_stream", "stream_fn", "workspace_state", "__weakref__",
+    )
+
+    def __init__(
+        self,
+        device="cuda",
+        *,
+        reclaimable=False,
+        is_graph_metadata=False,
+        multi_stream=False,
+        graph_workspace=None,
+        stream_fn=None,
+    ):
+        import torch
+
+        self.device = torch.device(device)
+        self.workspace = None
+        self.graph_workspace = graph_workspace
+        self.is_graph_metadata = bool(is_graph_metadata)
+        self.reclaimable = bool(reclaimable)
+        self.multi_stream = bool(multi_stream)
+        if stream_fn is not None and not callable(stream_fn):
+            raise TypeError(f"stream_fn must be callable, got {type(stream_fn).__name__}")
+        self.stream_fn = stream_fn
+        self.workspace_state = None
+
+    def warm_up(self, nbytes=None):
+        """Create the eager workspace (`nbytes` on this metadata's device); see `warm_up`."""
+        return warm_up(self, nbytes)
+
+    def get(self, nbytes):
+        """A `nbytes` view of the shared eager workspace; see `get`."""
+        return get(self, nbytes)
+
+    @property
+    def capacity(self):
+        """Bytes the eager workspace holds (0 before warm-up)."""
+        state = self.workspace_state
+        return 0 if state is None else state.capacity
+
+    @property
+    def floor(self):
+        state = self.workspace_state
+        return 0 if state is None else state.floor
+
+    @property
+    def reclaim_disabled(self):
+        state = self.workspace_state
+        return False if state is None else state.reclaim_disabled
+
+    def __repr__(self):
+        return (
+            f"WorkspaceMetadata(device={self.device}, capacity={self.capacity}, floor={self.floor}, "
+            f"reclaimable={self.reclaimable}, is_graph_metadata={self.is_graph_metadata})"
+        )
