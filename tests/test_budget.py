@@ -1,0 +1,411 @@
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import GiB, MiB
+from torch_budget.budget import (
+    CacheCost,
+    Plan,
+    Profile,
+    Reserve,
+    WorkspaceReserve,
+    attended_token_cap,
+    cli_plan,
+    plan,
+    profile,
+    workspace_reserve,
+)
+
+# --- CacheCost ---------------------------------------------------------------------------------
+
+
+def test_tokens_for_budget_is_floor_of_budget_minus_intercept_over_slope():
+    cost = CacheCost(slope=4096, intercept=1000)
+    assert cost.tokens_for_budget(10 * 4096 + 1000) == 10
+    assert cost.tokens_for_budget(10 * 4096 + 999) == 9
+    assert cost.bytes_for_tokens(10) == 10 * 4096 + 1000
+
+
+def test_tokens_for_budget_below_intercept_is_zero_not_negative():
+    assert CacheCost(slope=4096, intercept=5 * MiB).tokens_for_budget(1 * MiB) == 0
+    assert CacheCost(slope=4096).tokens_for_budget(-3 * GiB) == 0
+
+
+@pytest.mark.parametrize("slope", [0, -4096])
+def test_tokens_for_budget_is_zero_when_slope_not_positive(slope):
+    assert CacheCost(slope=slope).tokens_for_budget(80 * GiB) == 0
+
+
+def test_adding_costs_adds_slope_and_intercept_and_drops_policy_fields():
+    kv = CacheCost(slope=4096, intercept=0, max_tokens_per_request=8192, policy="lru")
+    state = CacheCost(slope=0, intercept=2 * MiB, max_tokens_per_request=1024, policy="pinned")
+    total = kv + state
+    assert total == CacheCost(slope=4096, intercept=2 * MiB)
+    assert total.max_tokens_per_request is None and total.policy is None
+
+
+def test_shard_changes_only_the_slope_and_keeps_policy_fields():
+    cost = CacheCost(slope=4096, intercept=3 * MiB, max_tokens_per_request=8192, policy="lru")
+    sharded = cost.shard(4)
+    assert sharded == CacheCost(slope=1024, intercept=3 * MiB, max_tokens_per_request=8192, policy="lru")
+
+
+def test_shard_rounds_slope_up_so_a_rank_never_undercounts():
+    assert CacheCost(slope=10).shard(4).slope == 3
+
+
+def test_shard_rejects_zero_ways():
+    with pytest.raises(ValueError, match="ways"):
+        CacheCost(slope=4096).shard(0)
+
+
+def test_negative_intercept_is_rejected():
+    with pytest.raises(ValueError, match="intercept"):
+        CacheCost(slope=4096, intercept=-1)
+
+
+# --- per-token workspace reserve ---------------------------------------------------------------
+
+
+def test_workspace_reserve_splits_budget_in_proportion_when_cap_is_large():
+    # k=3, w=1: a quarter of the budget goes to the workspace.
+    assert workspace_reserve(3, 1, 1000, 10_000) == WorkspaceReserve(bytes=250, tokens=250)
+
+
+def test_workspace_reserve_is_bounded_by_the_attended_token_cap():
+    assert workspace_reserve(3, 2, 1000, 100) == WorkspaceReserve(bytes=200, tokens=100)
+
+
+@pytest.mark.parametrize("k,w,b,cap", [(0, 1, 1000, 100), (3, 0, 1000, 100), (3, 1, 0, 100), (3, 1, 1000, 0),
+                                       (-3, 1, 1000, 100), (3, -1, 1000, 100), (3, 1, -1000, 100), (3, 1, 1000, -5)])
+def test_workspace_reserve_is_zero_for_any_non_positive_input(k, w, b, cap):
+    assert workspace_reserve(k, w, b, cap) == WorkspaceReserve(0, 0)
+
+
+def test_attended_token_cap_default_is_largest_batch_times_max_seq_len():
+    assert attended_token_cap(max_batch=8, max_num_tokens=4096, max_seq_len=2048) == 8 * 2048
+    assert attended_token_cap(max_batch=256, max_num_tokens=16, max_seq_len=2048) == 16 * 2048
+
+
+def test_attended_token_cap_user_value_is_floored_at_max_seq_len():
+    assert attended_token_cap(8, 4096, 2048, user_cap=100) == 2048
+    assert attended_token_cap(8, 4096, 2048, user_cap=-5) == 2048
+
+
+def test_attended_token_cap_user_value_is_capped_at_the_default():
+    assert attended_token_cap(8, 4096, 2048, user_cap=10**9) == 8 * 2048
+
+
+def test_attended_token_cap_user_value_in_range_is_kept():
+    assert attended_token_cap(8, 4096, 2048, user_cap=5000) == 5000
+
+
+def test_attended_token_cap_rejects_non_positive_scheduler_limits():
+    with pytest.raises(ValueError, match="max_batch"):
+        attended_token_cap(0, 4096, 2048)
+
+
+# --- Profile arithmetic --------------------------------------------------------------------------
+
+
+def test_profile_derives_activations_extra_cost_and_peak():
+    p = Profile.from_measurements(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=22 * GiB,
+                                  total=80 * GiB, model_bytes=16 * GiB)
+    assert p.activation_bytes == 4 * GiB
+    assert p.extra_cost == 1 * GiB
+    assert p.peak == 21 * GiB
+
+
+def test_profile_extra_cost_is_never_negative():
+    p = Profile.from_measurements(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=20 * GiB,
+                                  total=80 * GiB, model_bytes=16 * GiB)
+    assert p.extra_cost == 0 and p.peak == 20 * GiB
+
+
+def test_profile_rejects_peak_below_weights():
+    with pytest.raises(ValueError, match="below model_bytes"):
+        Profile.from_measurements(torch_peak=1 * GiB, torch_used=1 * GiB, total_used=1 * GiB,
+                                  total=80 * GiB, model_bytes=16 * GiB)
+
+
+# --- plan: the seven steps -----------------------------------------------------------------------
+
+COST = CacheCost(slope=128 * 1024, max_tokens_per_request=8192)
+
+
+def base_profile(**overrides):
+    values = dict(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=22 * GiB, total=80 * GiB, model_bytes=16 * GiB)
+    values.update(overrides)
+    return Profile.from_measurements(**values)
+
+
+def check_ledger_adds_up(p: Plan):
+    assert sum(line.bytes for line in p.lines) == p.total
+
+
+def test_plan_available_is_fraction_of_card_minus_peak():
+    p = plan(base_profile(), COST)
+    assert p.kv_bytes == math.floor((80 - 21) * GiB * 0.9)
+    assert p.kv_tokens == COST.tokens_for_budget(p.kv_bytes)
+    assert p.line("KV pool").bytes == p.kv_bytes
+    check_ledger_adds_up(p)
+
+
+def test_plan_memory_outside_torch_lowers_the_budget():
+    more = plan(base_profile(total_used=24 * GiB), COST)
+    assert more.line("non-torch").bytes == 3 * GiB
+    assert more.kv_bytes == math.floor((80 - 23) * GiB * 0.9)
+
+
+def test_plan_reserves_beside_the_peak_are_scaled_by_fraction():
+    p = plan(base_profile(), COST, beside_peak=[Reserve("penalty table", 2 * GiB, "first request only")])
+    assert p.kv_bytes == math.floor((80 - 21 - 2) * GiB * 0.9)
+    assert p.line("penalty table").bytes == 2 * GiB
+    check_ledger_adds_up(p)
+
+
+def test_reserve_increment_reserves_only_what_a_config_adds():
+    assert Reserve.increment("penalty", profiled_bytes=1 * GiB, needed_bytes=3 * GiB, reason="r").bytes == 2 * GiB
+    assert Reserve.increment("penalty", profiled_bytes=3 * GiB, needed_bytes=1 * GiB, reason="r").bytes == 0
+
+
+def test_plan_gives_estimation_kv_back():
+    p = plan(base_profile(), COST, estimation_kv_bytes=2 * GiB)
+    assert p.kv_bytes == math.floor((80 - 21 + 2) * GiB * 0.9)
+    # The estimation KV is not charged to activations on the ledger.
+    assert p.line("activations").bytes == 2 * GiB
+    check_ledger_adds_up(p)
+
+
+def test_plan_fraction_one_gives_everything_past_the_peak():
+    assert plan(base_profile(), COST, fraction=1.0).kv_bytes == (80 - 21) * GiB
+
+
+@pytest.mark.parametrize("fraction", [0, -0.1, 1.5, True])
+def test_plan_rejects_fraction_outside_unit_interval(fraction):
+    with pytest.raises(ValueError, match="fraction"):
+        plan(base_profile(), COST, fraction=fraction)
+
+
+def test_plan_reserves_from_kv_are_subtracted_in_full():
+    full = plan(base_profile(), COST)
+    p = plan(base_profile(), COST, from_kv=[Reserve("decode graphs", 3 * GiB, "captured after KV", "graph_pools")])
+    assert p.kv_bytes == full.kv_bytes - 3 * GiB
+    assert p.bytes_in("graph_pools") == 3 * GiB
+    check_ledger_adds_up(p)
+
+
+def test_plan_per_token_workspace_uses_the_shared_split():
+    full = plan(base_profile(), COST)
+    w = 8 * 1024
+    p = plan(base_profile(), COST, workspace_bytes_per_token=w, max_batch=64, max_num_tokens=4096, max_seq_len=8192)
+    expected = workspace_reserve(COST.slope, w, full.kv_bytes, 64 * 8192)
+    assert expected.bytes > 0
+    assert p.kv_bytes == full.kv_bytes - expected.bytes
+    assert p.workspace_tokens == expected.tokens
+    assert p.line("per-token workspace").bytes == expected.bytes
+    check_ledger_adds_up(p)
+
+
+def test_plan_per_token_workspace_takes_max_seq_len_from_the_cache_cost():
+    a = plan(base_profile(), COST, workspace_bytes_per_token=8 * 1024, max_batch=2, max_num_tokens=4096)
+    b = plan(base_profile(), COST, workspace_bytes_per_token=8 * 1024, max_batch=2, max_num_tokens=4096, max_seq_len=8192)
+    assert a.kv_bytes == b.kv_bytes and a.workspace_tokens == 2 * 8192
+
+
+def test_plan_per_token_workspace_needs_scheduler_limits():
+    with pytest.raises(ValueError, match="max_batch"):
+        plan(base_profile(), COST, workspace_bytes_per_token=8 * 1024)
+
+
+def test_plan_byte_cap_lowers_the_budget():
+    p = plan(base_profile(), COST, max_kv_bytes=10 * GiB)
+    assert p.kv_bytes == 10 * GiB
+    check_ledger_adds_up(p)
+
+
+def test_plan_token_cap_is_converted_to_bytes_with_the_cache_cost():
+    p = plan(base_profile(), COST, max_kv_tokens=1000)
+    assert p.kv_bytes == COST.bytes_for_tokens(1000)
+    assert p.kv_tokens == 1000
+
+
+def test_plan_caps_never_raise_the_budget():
+    full = plan(base_profile(), COST)
+    p = plan(base_profile(), COST, max_kv_bytes=1000 * GiB, max_kv_tokens=10**9)
+    assert p.kv_bytes == full.kv_bytes
+
+
+def test_plan_rejects_negative_caps():
+    with pytest.raises(ValueError, match="max_kv_bytes"):
+        plan(base_profile(), COST, max_kv_bytes=-1)
+
+
+def test_plan_single_process_is_its_own_min():
+    p = plan(base_profile(), COST)
+    assert p.world_size == 1 and p.steps[-1].kv_bytes == p.kv_bytes
+
+
+def test_plan_clamps_negative_budget_to_zero_and_reports_overcommit():
+    p = plan(base_profile(torch_peak=79 * GiB, torch_used=79 * GiB, total_used=82 * GiB), COST)
+    assert p.kv_bytes == 0 and p.kv_tokens == 0
+    assert p.line("headroom").bytes == -2 * GiB
+    assert "OVER-COMMITTED" in p.line("headroom").reason
+    check_ledger_adds_up(p)
+
+
+def test_plan_clamps_when_reserves_from_kv_exceed_what_is_available():
+    p = plan(base_profile(), COST, from_kv=[Reserve("huge", 100 * GiB, "too big")])
+    assert p.kv_bytes == 0
+
+
+def test_plan_steps_trace_each_stage_of_the_budget():
+    p = plan(base_profile(), COST, from_kv=[Reserve("g", 1 * GiB, "r", "graph_pools")], max_kv_bytes=20 * GiB)
+    by_step = {s.step: s.kv_bytes for s in p.steps}
+    assert [s.step for s in p.steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert by_step[4] - by_step[5] == 1 * GiB
+    assert by_step[6] == 20 * GiB == p.kv_bytes
+
+
+def test_plan_splits_eager_workspace_out_of_activations():
+    p = plan(base_profile(), COST, eager_workspace_in_peak=512 * MiB)
+    assert p.line("eager workspace").bytes == 512 * MiB
+    assert p.line("activations").bytes == 4 * GiB - 512 * MiB
+    check_ledger_adds_up(p)
+
+
+def test_plan_rejects_estimation_kv_larger_than_activations():
+    with pytest.raises(ValueError, match="estimation_kv_bytes"):
+        plan(base_profile(), COST, estimation_kv_bytes=5 * GiB)
+
+
+def test_plan_json_round_trip_is_exact():
+    p = plan(base_profile(), COST, from_kv=[Reserve("g", 1 * GiB, "r", "graph_pools")], max_kv_tokens=5000)
+    again = Plan.from_json(p.to_json())
+    assert again == p
+
+
+def test_plan_text_names_every_line_and_the_token_count():
+    p = plan(base_profile(), COST, beside_peak=[Reserve("encoder outputs", 1 * GiB, "vision tower")])
+    text = p.to_text()
+    for line in p.lines:
+        assert line.name in text
+    assert f"{p.kv_tokens} tokens" in text
+
+
+def test_plan_notes_must_name_an_existing_line():
+    with pytest.raises(ValueError, match="no-such-line"):
+        plan(base_profile(), COST, notes={"no-such-line": "x"})
+
+
+# --- profile() -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device error")
+def test_profile_without_cuda_says_what_to_do_instead():
+    with pytest.raises(RuntimeError, match="from_measurements"):
+        profile(lambda: None, model_bytes=0)
+
+
+def test_profile_releases_cache_and_resets_peak_before_the_forward(monkeypatch):
+    # Stand-in for the public torch.cuda calls, recording their order.
+    calls = []
+    stats = {"allocated_bytes.all.peak": 20 * GiB, "reserved_bytes.all.current": 21 * GiB}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: calls.append("sync"))
+    monkeypatch.setattr(cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset_peak"))
+    monkeypatch.setattr(cuda, "memory_stats", lambda *a: calls.append("stats") or stats)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: calls.append("mem_get_info") or (58 * GiB, 80 * GiB))
+
+    p = profile(lambda x: calls.append(f"forward {x}"), 7, model_bytes=16 * GiB)
+    assert calls == ["sync", "empty_cache", "reset_peak", "forward 7", "sync", "stats", "mem_get_info"]
+    assert (p.torch_peak, p.torch_used, p.total_used, p.total) == (20 * GiB, 21 * GiB, 22 * GiB, 80 * GiB)
+    assert (p.activation_bytes, p.extra_cost, p.peak) == (4 * GiB, 1 * GiB, 21 * GiB)
+
+
+def test_profile_names_missing_allocator_statistics(monkeypatch):
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(cuda, name, lambda *a: None)
+    monkeypatch.setattr(cuda, "memory_stats", lambda *a: {})
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (1 * GiB, 2 * GiB))
+    monkeypatch.setattr(cuda, "get_allocator_backend", lambda: "pluggable")
+    with pytest.raises(RuntimeError, match="allocated_bytes.all.peak"):
+        profile(lambda: None, model_bytes=0)
+
+
+@pytest.mark.gpu
+def test_profile_measures_a_real_forward_on_the_device():
+    weights = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+
+    def forward():
+        scratch = torch.ones(32 * MiB, dtype=torch.uint8, device="cuda")
+        return int(scratch.sum().item())
+
+    p = profile(forward, model_bytes=weights.numel())
+    free, total = torch.cuda.mem_get_info()
+    assert p.total == total
+    assert p.activation_bytes >= 32 * MiB
+    assert p.peak >= p.torch_peak >= 96 * MiB
+
+
+# --- cli_plan ------------------------------------------------------------------------------------
+
+
+def test_cli_plan_plans_the_built_in_model_without_a_device(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert cli_plan(["--gpu-mem-gib", "80", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "KV pool" in text and "weights" in text
+    saved = Plan.from_json(out.read_text())
+    assert saved.total == 80 * GiB and saved.kv_bytes > 0
+
+
+def test_cli_plan_described_model_weights_follow_the_shape(capsys):
+    args = ["--gpu-mem-gib", "80", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+            "--head-dim", "128", "--vocab", "128256", "--intermediate", "14336", "--dtype", "bfloat16",
+            "--activation-gib", "2", "--max-kv-tokens", "100000"]
+    assert cli_plan(args) == 0
+    text = capsys.readouterr().out
+    # Llama-3-8B shape: 8.03e9 parameters in bfloat16.
+    assert "14.96 GiB" in text
+    assert "100000 tokens at 131072 B/token" in text
+
+
+def test_cli_plan_reads_model_from_config_file(capsys, tmp_path):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps({"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 4, "head_dim": 32,
+                               "vocab": 1000, "max_seq_len": 256, "dtype": "float32"}))
+    assert cli_plan(["--config", str(cfg), "--gpu-mem-gib", "1"]) == 0
+    assert "2 layers, hidden 128" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu-mem-gib", "-1"], "non-negative"),
+    (["--gpu-mem-gib", "8", "--dtype", "int3"], "int3"),
+    (["--gpu-mem-gib", "8", "--layers", "0"], "positive"),
+    (["--gpu-mem-gib", "8", "--config", "/does/not/exist.json"], "does not exist"),
+    (["--gpu-mem-gib", "8", "--heads", "7"], "kv_heads"),
+    (["--gpu-mem-gib", "8", "--fraction", "2"], "(0, 1]"),
+])
+def test_cli_plan_bad_input_exits_2_with_a_message_not_a_traceback(capsys, args, message):
+    assert cli_plan(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_plan_rejects_unknown_config_keys(capsys, tmp_path):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps({"layerz": 2}))
+    assert cli_plan(["--config", str(cfg), "--gpu-mem-gib", "8"]) == 2
+    assert "layerz" in capsys.readouterr().err
