@@ -1,0 +1,132 @@
+import json
+
+import pytest
+
+from conftest import GiB, MiB
+from torch_budget.budget import CacheCost, Profile, Reserve, plan
+from torch_budget.report import (
+    LedgerLine,
+    cli_report,
+    format_bytes,
+    format_table,
+    load_ledger,
+    measured_ledger,
+    write_png,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def sample_plan():
+    prof = Profile.from_measurements(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=22 * GiB,
+                                     total=80 * GiB, model_bytes=16 * GiB)
+    return plan(prof, CacheCost(slope=128 * 1024),
+                beside_peak=[Reserve("encoder outputs", 1 * GiB, "vision tower")],
+                from_kv=[Reserve("decode graphs", 2 * GiB, "captured after KV", "graph_pools")],
+                title="sample")
+
+
+def test_format_bytes_uses_gib_from_one_gib_and_mib_below():
+    assert format_bytes(3 * GiB // 2) == "1.50 GiB"
+    assert format_bytes(512 * MiB) == "512.0 MiB"
+    assert format_bytes(-2 * GiB) == "-2.00 GiB"
+
+
+def test_table_shows_each_line_with_size_and_share_of_card():
+    lines = measured_ledger(80 * GiB, weights=16 * GiB, kv_pool=40 * GiB, activations=512 * MiB)
+    text = format_table(lines, 80 * GiB, title="measured")
+    rows = {row.split()[0]: row for row in text.splitlines()}
+    assert "16.00 GiB" in rows["weights"] and "20.0%" in rows["weights"]
+    assert "512.0 MiB" in rows["activations"] and "0.6%" in rows["activations"]
+    assert "23.50 GiB" in rows["headroom"] and "29.4%" in rows["headroom"]
+    assert text.splitlines()[0] == "measured"
+
+
+def test_table_columns_are_aligned():
+    text = format_table(sample_plan().lines, 80 * GiB)
+    rows = [r for r in text.splitlines() if "%" in r and not r.startswith("line")]
+    ends = {r.index("%") for r in rows}
+    assert len(ends) == 1, text
+
+
+def test_table_totals_match_the_card_for_a_plan():
+    p = sample_plan()
+    text = format_table(p.lines, p.total)
+    assert text.count("80.00 GiB") >= 2 and "100.0%" in text
+
+
+def test_measured_ledger_headroom_is_what_is_left_and_zero_lines_are_dropped():
+    lines = measured_ledger(10 * GiB, weights=4 * GiB, non_torch=1 * GiB)
+    assert [line.category for line in lines] == ["weights", "non_torch", "headroom"]
+    assert lines[-1].bytes == 5 * GiB
+
+
+def test_ledger_line_rejects_unknown_category_and_negative_bytes():
+    with pytest.raises(ValueError, match="category"):
+        LedgerLine("x", "snacks", 1, "")
+    with pytest.raises(ValueError, match="negative"):
+        LedgerLine("weights", "weights", -1, "")
+    assert LedgerLine("headroom", "headroom", -1, "over").bytes == -1
+
+
+def test_png_is_written_and_is_a_valid_png(tmp_path):
+    from PIL import Image
+
+    p = sample_plan()
+    out = write_png(p.lines, p.total, tmp_path / "sub" / "ledger.png", title=p.title)
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(out) as img:
+        img.verify()
+    with Image.open(out) as img:
+        width, height = img.size
+    assert width > 800 and height > 200
+
+
+def test_png_of_an_overcommitted_ledger_is_still_drawn(tmp_path):
+    lines = [LedgerLine("weights", "weights", 9 * GiB, ""), LedgerLine("headroom", "headroom", -1 * GiB, "over")]
+    out = write_png(lines, 8 * GiB, tmp_path / "over.png")
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cli_report_prints_table_and_writes_png(tmp_path, capsys):
+    p = sample_plan()
+    src = tmp_path / "plan.json"
+    src.write_text(p.to_json())
+    out = tmp_path / "ledger.png"
+    assert cli_report([str(src), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "KV pool" in text and "decode graphs" in text and "sample" in text
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cli_report_default_png_sits_beside_the_ledger(tmp_path, capsys):
+    src = tmp_path / "measured.json"
+    lines = measured_ledger(8 * GiB, weights=2 * GiB)
+    src.write_text(json.dumps({"total": 8 * GiB, "lines": [line.to_dict() for line in lines]}))
+    assert cli_report([str(src)]) == 0
+    assert (tmp_path / "measured.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_load_ledger_reads_a_plan_file(tmp_path):
+    p = sample_plan()
+    src = tmp_path / "plan.json"
+    src.write_text(p.to_json())
+    title, total, lines = load_ledger(src)
+    assert (title, total, lines) == (p.title, p.total, p.lines)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    ("{not json", "not valid JSON"),
+    ('{"lines": []}', "'total'"),
+    ('{"total": -5, "lines": []}', "non-positive"),
+    ('{"total": 100, "lines": [{"name": "w", "category": "weights"}]}', "'bytes'"),
+    ('{"total": 100, "lines": [{"name": "w", "category": "nope", "bytes": 1}]}', "nope"),
+])
+def test_cli_report_bad_input_exits_2_with_a_message(tmp_path, capsys, content, message):
+    src = tmp_path / "ledger.json"
+    if content is not None:
+        src.write_text(content)
+    assert cli_report([str(src)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
