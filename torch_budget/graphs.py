@@ -1,0 +1,1193 @@
+"""CUDA graphs as a second budget: buckets, static buffers, pinned shadows, shared pools.
+
+A captured graph replays fixed addresses and allocates nothing, so everything it touches
+is resident from capture until the graph is destroyed. This module makes that memory
+explicit and bounded:
+
+- a bucket rule turns the user's max batch / max tokens into the discrete set of sizes
+  that are captured (`BucketRule`); a step is padded up to the nearest one;
+- graph-visible inputs and outputs are static buffers sized once by the largest captured
+  bucket and written in place (`StaticInput`, `StaticBuffers`);
+- host-sourced inputs go through pinned host shadows whose host-to-device copy is itself
+  captured, so a step is one CPU memcpy plus one replay;
+- graphs of one forward (pieces, buckets, runners) share a private pool whose ownership
+  is recorded (`PoolLedger`), so a pool handle is never reused after it was let go;
+- ranks agree on the graph key before replaying (`GraphPoolManager.agree`).
+
+Only public torch APIs are used, so the same code runs on torch's native allocator and
+behind `torch_budget.install()`. The module imports on a CPU-only torch build; capture
+and replay need a CUDA device, the rest (buckets, buffers, eager runs) also works on CPU.
+
+A manager and its runners are driven from one thread, and replays go to one stream at a
+time (see Note [Static outputs make pool sharing safe]).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+__all__ = [
+    "BucketRule",
+    "EagerPiece",
+    "GraphPoolManager",
+    "GraphRunner",
+    "PoolInUseError",
+    "PoolLedger",
+    "PoolReleasedError",
+    "StaticBufferRebindError",
+    "StaticBuffers",
+    "StaticInput",
+    "pad_to_bucket",
+    "resolve_buckets",
+]
+
+PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() return
+AxisSize = Union[int, Callable[[int], int]]
+
+
+class StaticBufferRebindError(TypeError):
+    """A graph-visible buffer was assigned a new tensor instead of being written in place."""
+
+
+class PoolInUseError(RuntimeError):
+    """A graph pool was released while graphs still hold it."""
+
+
+class PoolReleasedError(RuntimeError):
+    """A graph pool handle was used after it had been released."""
+
+
+# ---------------------------------------------------------------------------------------
+# Buckets
+# ---------------------------------------------------------------------------------------
+
+# Note [Buckets are part of the budget]
+# A captured graph has fixed shapes, so every step is padded up to a captured size; the
+# padding is forced, not an optimization. The set of sizes is a trade: denser buckets waste
+# less compute on padding but mean more graphs, longer start-up and more resident memory
+# (static buffers are sized by the largest bucket; each graph keeps its exec and pool
+# blocks). So the set is computed by a rule with explicit stages, and the stages that cut it
+# down (divisibility, memory, count) are knobs of the budget:
+#   candidates -> filter (divisible_by, memory_limit, max_count) -> resolve (sort, dedup).
+# The user's max is always a candidate, but a filter may drop it; then steps above the
+# largest surviving bucket run eagerly, and static buffers stay at that smaller size.
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: object, what: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BucketRule:
+    """The rule that turns a max batch / max token count into the captured sizes.
+
+    Candidates are `small` (those <= max_size), then multiples of `step` below
+    `coarse_from`, then multiples of `coarse_step` from `coarse_from`, then `max_size`.
+    Filters then drop sizes not divisible by `divisible_by` (e.g. the tensor-parallel
+    size when tokens are split across ranks), sizes whose `cost(size)` exceeds
+    `memory_limit` bytes, and thin the set to `max_count` sizes (keeping the smallest and
+    the largest, spread evenly in between). See Note [Buckets are part of the budget].
+    """
+
+    max_size: int
+    small: tuple = (1, 2, 4)
+    step: int = 8
+    coarse_from: int = 256
+    coarse_step: int = 16
+    divisible_by: int = 1
+    max_count: int | None = None
+    memory_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_size, "BucketRule.max_size")
+        for size in self.small:
+            _positive_int(size, f"BucketRule.small entry {size!r}")
+        _positive_int(self.step, "BucketRule.step")
+        _positive_int(self.coarse_from, "BucketRule.coarse_from")
+        _positive_int(self.coarse_step, "BucketRule.coarse_step")
+        _positive_int(self.divisible_by, "BucketRule.divisible_by")
+        if self.max_count is not None:
+            _positive_int(self.max_count, "BucketRule.max_count")
+        if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit < 0):
+            raise ValueError(f"BucketRule.memory_limit must be a byte count >= 0, got {self.memory_limit!r}")
+
+    def candidates(self) -> list[int]:
+        """Every size the rule would capture before any filter."""
+        top = self.max_size
+        sizes = [s for s in self.small if s <= top]
+        sizes += range(self.step, min(self.coarse_from, top + 1), self.step)
+        if self.coarse_from <= top:
+            sizes += range(self.coarse_from, top + 1, self.coarse_step)
+        sizes.append(top)
+        return sizes
+
+    def filter(self, sizes: Sequence[int], cost: Callable[[int], int] | None = None) -> list[int]:
+        """Drop the sizes the budget cannot afford; `cost(size)` is bytes for `memory_limit`."""
+        kept = sorted({s for s in sizes if s % self.divisible_by == 0})
+        if self.memory_limit is not None:
+            if cost is None:
+                raise ValueError(
+                    f"BucketRule.memory_limit={self.memory_limit} needs a cost function "
+                    "(bytes per bucket) to compare against"
+                )
+            kept = [s for s in kept if cost(s) <= self.memory_limit]
+        if self.max_count is not None and len(kept) > self.max_count:
+            last = len(kept) - 1
+            if self.max_count == 1:
+                kept = [kept[last]]
+            else:
+                picks = {round(i * last / (self.max_count - 1)) for i in range(self.max_count)}
+                kept = [kept[i] for i in sorted(picks)]
+        return kept
+
+    def resolve(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """Sorted, deduplicated sizes; an empty set is an error, not a silent eager fallback."""
+        resolved = tuple(sorted(set(sizes)))
+        if not resolved:
+            raise ValueError(f"{self!r} leaves no bucket to capture; relax divisible_by, memory_limit or max_count")
+        return resolved
+
+    def buckets(self, cost: Callable[[int], int] | None = None) -> tuple[int, ...]:
+        """candidates -> filter -> resolve."""
+        return self.resolve(self.filter(self.candidates(), cost))
+
+
+def resolve_buckets(spec: BucketRule | int | Sequence[int],
+                    cost: Callable[[int], int] | None = None) -> tuple[int, ...]:
+    """Buckets from a rule, from a max size (default rule) or from an explicit list."""
+    if isinstance(spec, BucketRule):
+        return spec.buckets(cost)
+    if _is_int(spec):
+        return BucketRule(spec).buckets(cost)
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        raise ValueError(f"buckets must be a BucketRule, a max size or a list of sizes, got {spec!r}")
+    for size in spec:
+        _positive_int(size, f"bucket {size!r}")
+    if not spec:
+        raise ValueError("buckets must not be empty")
+    return tuple(sorted(set(spec)))
+
+
+def pad_to_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest bucket >= n, or None when n is above the largest (run that step eagerly).
+
+    `buckets` must be sorted ascending.
+    """
+    _positive_int(n, "row count n")
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+# ---------------------------------------------------------------------------------------
+# Static buffers
+# ---------------------------------------------------------------------------------------
+
+# Note [Static buffer layout]
+# Each static buffer (device input, host shadow, output) is one flat allocation of the
+# largest element count any captured bucket needs. The view for bucket b is the contiguous
+# prefix flat[:numel(b)].view(shape(b)). With the batch axis first this is exactly buf[:b];
+# for any other layout (batch axis elsewhere, or a symbolic axis whose size depends on the
+# bucket) a prefix still is contiguous, so the captured host-to-device copy moves
+# numel(b) elements in one memcpy instead of a strided copy of the maximum shape. Each
+# graph always sees the same view of its bucket, so the reinterpretation is invisible
+# to it; code that fills a buffer for bucket b uses runner.view(name, b) or step().
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    """A graph-visible input.
+
+    `shape` is the shape without the batch axis; `batch_axis` says where the bucketed
+    (batch / token) axis is inserted, or None for an input whose shape does not follow
+    the bucket. A str entry in `shape` names a symbolic axis whose size the runner's
+    `axes` gives (a constant, or a function of the bucket); the buffer is sized at that
+    axis's maximum over the captured buckets. `source="host"` inputs get a pinned host
+    shadow whose copy to the device is captured in the graph; `source="device"` inputs are
+    written on the device (by step(), an eager piece, or in place by the caller).
+    `pad_value` fills the rows a step does not provide (e.g. -1 for a KV slot mapping, so
+    padded rows write nowhere).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple = ()
+    batch_axis: int | None = 0
+    source: str = "host"
+    pad_value: int | float | bool = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name.startswith("_"):
+            raise ValueError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+        for dim in self.shape:
+            if isinstance(dim, str):
+                if not dim:
+                    raise ValueError(f"static input {self.name!r}: a symbolic axis needs a non-empty name")
+            else:
+                _positive_int(dim, f"static input {self.name!r}: dimension {dim!r}")
+        if self.batch_axis is not None and (not _is_int(self.batch_axis) or not 0 <= self.batch_axis <= len(self.shape)):
+            raise ValueError(
+                f"static input {self.name!r}: batch_axis must be None or in [0, {len(self.shape)}], got {self.batch_axis!r}"
+            )
+        if self.source not in ("host", "device"):
+            raise ValueError(f"static input {self.name!r}: source must be 'host' or 'device', got {self.source!r}")
+        if not isinstance(self.pad_value, (int, float)):
+            raise ValueError(f"static input {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
+        floating = self.dtype.is_floating_point or self.dtype.is_complex
+        if not floating and self.dtype != torch.bool and float(self.pad_value) != int(self.pad_value):
+            raise ValueError(f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
+
+
+class _Layout:
+    """Per-bucket shapes of one static buffer and its flat size. See Note [Static buffer layout]."""
+
+    __slots__ = ("shapes", "max_shape", "numel")
+
+    def __init__(self, shapes: dict[int, tuple[int, ...]]):
+        self.shapes = shapes
+        ndim = len(next(iter(shapes.values())))
+        self.max_shape = tuple(max(s[d] for s in shapes.values()) for d in range(ndim))
+        self.numel = math.prod(self.max_shape)
+
+    def view(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
+        shape = self.shapes[bucket]
+        return flat[: math.prod(shape)].view(shape)
+
+    def full(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(self.max_shape)
+
+
+def _rebind_message(owner: str, name: str) -> str:
+    return (
+        f"{owner}: static buffer {name!r} is read by captured CUDA graphs at a fixed address; "
+        f"rebinding it to a new tensor would leave the graphs reading the old one. Write in "
+        f"place instead: buffers[{name!r}].copy_(new) or runner.step(n, {name}=new)"
+    )
+
+
+class StaticBuffers(Mapping):
+    """A read-only name -> tensor view of graph-visible buffers.
+
+    Assigning (item or attribute) raises StaticBufferRebindError naming the buffer,
+    because the graphs keep reading the old address; write with `.copy_()` instead.
+    `bucket` is the bucket the views belong to (None for the full, largest views).
+    """
+
+    __slots__ = ("_owner", "_tensors", "_bucket")
+
+    def __init__(self, owner: str, tensors: dict[str, torch.Tensor], bucket: int | None = None):
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_tensors", tensors)
+        object.__setattr__(self, "_bucket", bucket)
+
+    @property
+    def bucket(self) -> int | None:
+        return self._bucket
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self._owner} has no static buffer {name!r}; it has {sorted(self._tensors)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise AttributeError(f"{self._owner} has no static buffer {name!r}") from None
+
+    def __setitem__(self, name: str, value: object) -> None:
+        raise StaticBufferRebindError(_rebind_message(self._owner, name))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise StaticBufferRebindError(_rebind_message(self._owner, name))
+
+    def __delitem__(self, name: str) -> None:
+        raise StaticBufferRebindError(_rebind_message(self._owner, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise StaticBufferRebindError(_rebind_message(self._owner, name))
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
+        return f"StaticBuffers({self._owner}, bucket={self._bucket}, {{{shapes}}})"
+
+
+# ---------------------------------------------------------------------------------------
+# Pool ownership
+# ---------------------------------------------------------------------------------------
+
+# Note [Pool ownership]
+# torch frees a private graph pool once every graph captured into it has been destroyed
+# (and empty_cache runs). Capturing into a pool id after that point is the crash other
+# engines hit when one component releases a pool another still hands out. So the ledger
+# records, per pool handle, which graphs hold it (holder = (runner, bucket, piece)):
+# - a graph is added after its capture succeeded and removed after g.reset();
+# - release(pool) with holders left raises PoolInUseError naming them;
+# - a pool the manager created ("shared" or a runner's "own") is released automatically
+#   when its last holder goes: nobody else can hold it, so it is dead, and the manager
+#   hands out a fresh handle for the next capture;
+# - a pool handed in from outside (pool=other.pool()) may still be held by graphs the
+#   ledger does not know, so only an explicit release() ends it;
+# - capturing into a released handle raises PoolReleasedError.
+
+
+def _pool_key(pool: object) -> tuple[int, int]:
+    if not isinstance(pool, tuple) or len(pool) != 2 or not all(_is_int(x) for x in pool):
+        raise ValueError(
+            "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() "
+            f"or CUDAGraph.pool(), got {pool!r}"
+        )
+    return pool
+
+
+class PoolLedger:
+    """Which graphs hold which private pool. See Note [Pool ownership]."""
+
+    def __init__(self) -> None:
+        # Invariant: a key of _holders is registered and not released; _released never
+        # has an entry with holders.
+        self._holders: dict[tuple[int, int], set[tuple]] = {}
+        self._owner: dict[tuple[int, int], str] = {}
+        self._auto: dict[tuple[int, int], bool] = {}
+        self._released: set[tuple[int, int]] = set()
+
+    def register(self, pool: PoolHandle, owner: str, auto_release: bool) -> None:
+        """Start tracking `pool`; `auto_release` when nothing outside the ledger can hold it."""
+        key = _pool_key(pool)
+        self.check_usable(key)
+        if key not in self._holders:
+            self._holders[key] = set()
+            self._owner[key] = owner
+            self._auto[key] = auto_release
+
+    def check_usable(self, pool: PoolHandle) -> None:
+        key = _pool_key(pool)
+        if key in self._released:
+            raise PoolReleasedError(
+                f"graph pool {key} was released (owner: {self._owner.get(key, 'unknown')}); "
+                "capturing into it again could reuse memory torch already freed. Use a new "
+                "handle (torch.cuda.graph_pool_handle()) or the manager's shared pool"
+            )
+
+    def acquire(self, pool: PoolHandle, holder: tuple) -> None:
+        key = _pool_key(pool)
+        self.check_usable(key)
+        if key not in self._holders:
+            raise ValueError(f"graph pool {key} is not registered with this ledger")
+        self._holders[key].add(holder)
+
+    def drop(self, pool: PoolHandle, holder: tuple) -> None:
+        key = _pool_key(pool)
+        holders = self._holders.get(key)
+        if holders is None or holder not in holders:
+            raise ValueError(f"graph {holder} does not hold graph pool {key}")
+        holders.discard(holder)
+        if not holders and self._auto[key]:
+            self._retire(key)
+
+    def release(self, pool: PoolHandle) -> None:
+        """End `pool`; raises PoolInUseError while any graph holds it."""
+        key = _pool_key(pool)
+        if key in self._released:
+            return
+        holders = self._holders.get(key, set())
+        if holders:
+            listed = ", ".join(f"runner {r!r} bucket {b} piece {p}" for r, b, p in sorted(holders))
+            raise PoolInUseError(
+                f"graph pool {key} (owner: {self._owner.get(key, 'unknown')}) is still held by "
+                f"{len(holders)} graph(s): {listed}; close or release those runners first"
+            )
+        self._retire(key)
+
+    def _retire(self, key: tuple[int, int]) -> None:
+        self._holders.pop(key, None)
+        self._auto.pop(key, None)
+        self._released.add(key)
+
+    def holders(self, pool: PoolHandle) -> tuple:
+        return tuple(sorted(self._holders.get(_pool_key(pool), ())))
+
+    def owner(self, pool: PoolHandle) -> str | None:
+        return self._owner.get(_pool_key(pool))
+
+    def is_released(self, pool: PoolHandle) -> bool:
+        return _pool_key(pool) in self._released
+
+    def pools(self) -> dict[tuple[int, int], tuple]:
+        """Live pools -> the graphs holding them."""
+        return {key: tuple(sorted(h)) for key, h in self._holders.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# Runner
+# ---------------------------------------------------------------------------------------
+
+# Note [Shadow fencing]
+# A host-sourced input reaches the device by a copy captured in the graph: replay reads
+# the pinned shadow when the copy node runs, which can be long after replay() returned on
+# the host. Writing the next step's data into the shadow before then would feed the
+# earlier replay the new data. Two ways out: double-buffer (two shadow sets, two graphs
+# per bucket, alternating) or fence. We fence: an event is recorded right after the replay
+# of the graph that holds the copies, and the next host write waits on it. The cost is
+# that the host cannot stage step k+1 before step k's first graph has run; in decoding it
+# has to wait for step k's sampled tokens anyway, and doubling every graph would double
+# capture time and graph count for no gain there.
+
+# Note [Static outputs make pool sharing safe]
+# A piece's outputs are copied, inside its graph, into static output buffers allocated
+# outside any pool, and the piece's own result tensors are dropped after capture. So no
+# pool block is live between replays, and graphs of all buckets, all pieces and all runners
+# that share one pool may reuse each other's blocks (capturing the largest bucket first
+# lets the smaller ones fit in its blocks). What that needs: replays that share a pool run
+# one after another on one stream. A runner that replays concurrently with another on a
+# second stream must own its pool (pool="own"). The extra copy is one small kernel per
+# output inside the graph, no extra launch.
+
+
+class EagerPiece:
+    """A part of the forward that cannot be captured; it runs eagerly between graphs.
+
+    `fn(buffers)` receives the bucket's StaticBuffers and must write its results in place
+    (into a device input or an earlier piece's output) and return None: a tensor it
+    returned would be new memory that the next graph cannot see.
+    """
+
+    def __init__(self, fn: Callable[[StaticBuffers], None]):
+        if not callable(fn):
+            raise ValueError(f"EagerPiece needs a callable, got {fn!r}")
+        self.fn = fn
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def _piece_name(piece: object) -> str:
+    if isinstance(piece, EagerPiece):
+        return piece.name
+    return getattr(piece, "__name__", repr(piece))
+
+
+class _GraphStep:
+    __slots__ = ("graph", "holder", "copies_inputs")
+
+    def __init__(self, graph: Any, holder: tuple, copies_inputs: bool):
+        self.graph = graph
+        self.holder = holder
+        self.copies_inputs = copies_inputs
+
+
+class _EagerStep:
+    __slots__ = ("piece", "buffers")
+
+    def __init__(self, piece: EagerPiece, buffers: StaticBuffers):
+        self.piece = piece
+        self.buffers = buffers
+
+
+class GraphRunner:
+    """One forward (a sequence of pieces) captured once per bucket; made by GraphPoolManager.runner().
+
+    Public state: `name`, `buckets` (sizes a step may be padded to), `captured`,
+    `pool`, `inputs` / `outputs` / `shadows` (StaticBuffers of the full, largest views),
+    `static_nbytes` / `shadow_nbytes`. A step: `step(n, **host_data)`; the same computation
+    without graphs: `run_eager(n, **host_data)`.
+    """
+
+    def __init__(self, manager: GraphPoolManager, name: str, pieces: Sequence[Callable | EagerPiece], *,
+                 buckets: BucketRule | int | Sequence[int], inputs: Sequence[StaticInput],
+                 axes: Mapping[str, AxisSize] | None, output_axes: Mapping[str, int | None] | None,
+                 pool: str | PoolHandle, warmup: int):
+        self._buffer_names: set[str] = set()
+        self._manager = manager
+        self._label = f"graph runner {name!r}"
+        self.name = name
+        self.device = manager.device
+        self._pieces = self._check_pieces(pieces)
+        self._axes = dict(axes or {})
+        self._output_axes = dict(output_axes or {})
+        self._warmup_iters = _positive_int(warmup, f"{self._label}: warmup iterations")
+
+        self._specs: dict[str, StaticInput] = {}
+        for spec in inputs:
+            if not isinstance(spec, StaticInput):
+                raise ValueError(f"{self._label}: inputs must be StaticInput declarations, got {spec!r}")
+            if spec.name in self._specs:
+                raise ValueError(f"{self._label}: static input {spec.name!r} is declared twice")
+            self._specs[spec.name] = spec
+        for spec in self._specs.values():
+            for dim in spec.shape:
+                if isinstance(dim, str) and dim not in self._axes:
+                    raise ValueError(
+                        f"{self._label}: static input {spec.name!r} uses symbolic axis {dim!r}, "
+                        f"which axes= does not size (declared: {sorted(self._axes)})"
+                    )
+
+        self._all_buckets = resolve_buckets(buckets, cost=self._input_nbytes)
+        self._available = list(self._all_buckets)
+        self._in_layouts = {
+            name: _Layout({b: self._input_shape(spec, b) for b in self._all_buckets})
+            for name, spec in self._specs.items()
+        }
+
+        # Static memory: allocated now, kept until close(). See Note [Static buffer layout].
+        pin = self.device.type == "cuda"
+        self._in_flat: dict[str, torch.Tensor] = {}
+        self._shadow_flat: dict[str, torch.Tensor] = {}
+        for name, spec in self._specs.items():
+            numel = self._in_layouts[name].numel
+            self._in_flat[name] = torch.full((numel,), spec.pad_value, dtype=spec.dtype, device=self.device)
+            if spec.source == "host":
+                shadow = torch.empty((numel,), dtype=spec.dtype, pin_memory=pin)
+                self._shadow_flat[name] = shadow.fill_(spec.pad_value)
+        self._in_views = {b: {n: self._in_layouts[n].view(f, b) for n, f in self._in_flat.items()}
+                          for b in self._all_buckets}
+        self._shadow_views = {b: {n: self._in_layouts[n].view(f, b) for n, f in self._shadow_flat.items()}
+                              for b in self._all_buckets}
+        self._out_layouts: dict[str, _Layout] = {}
+        self._out_flat: dict[str, torch.Tensor] = {}
+        self._out_axis: dict[str, int | None] = {}
+        self._out_producer: dict[str, int] = {}
+        self._buffer_names.update(self._specs)
+
+        self._pool_mode, self._pool = self._check_pool(pool)
+        self._plans: dict[int, list] = {}
+        self._fence = None  # torch.cuda.Event, see Note [Shadow fencing]
+        self._fence_armed = False
+        self._closed = False
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _check_pieces(self, pieces: Sequence) -> list:
+        if callable(pieces) or isinstance(pieces, EagerPiece):
+            pieces = [pieces]
+        pieces = list(pieces)
+        for piece in pieces:
+            if not (callable(piece) or isinstance(piece, EagerPiece)):
+                raise ValueError(f"{self._label}: a piece must be callable or an EagerPiece, got {piece!r}")
+        if not pieces or isinstance(pieces[0], EagerPiece):
+            first = _piece_name(pieces[0]) if pieces else None
+            raise ValueError(
+                f"{self._label}: the first piece must be captured (got {first!r}): host inputs are "
+                "copied to the device inside the first graph, so an eager piece before it would read stale inputs"
+            )
+        return pieces
+
+    def _check_pool(self, pool: object) -> tuple[str, PoolHandle | None]:
+        if pool in ("shared", "own"):
+            return pool, None
+        key = _pool_key(pool) if isinstance(pool, tuple) else None
+        if key is None:
+            raise ValueError(
+                f"{self._label}: pool must be 'shared', 'own' or a handle from "
+                f"torch.cuda.graph_pool_handle() / CUDAGraph.pool(), got {pool!r}"
+            )
+        self._manager.ledger.check_usable(key)
+        return "external", pool
+
+    def _axis_size(self, axis: str, bucket: int) -> int:
+        size = self._axes[axis]
+        value = size(bucket) if callable(size) else size
+        return _positive_int(value, f"{self._label}: size of symbolic axis {axis!r} at bucket {bucket}")
+
+    def _input_shape(self, spec: StaticInput, bucket: int) -> tuple[int, ...]:
+        dims = [self._axis_size(d, bucket) if isinstance(d, str) else d for d in spec.shape]
+        if spec.batch_axis is not None:
+            dims.insert(spec.batch_axis, bucket)
+        return tuple(dims)
+
+    def _input_nbytes(self, bucket: int) -> int:
+        """Device bytes of the static inputs if `bucket` were the largest (BucketRule.memory_limit)."""
+        return sum(math.prod(self._input_shape(s, bucket)) * s.dtype.itemsize for s in self._specs.values())
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._label} is closed")
+
+    # -- public state -------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Sizes a step may be padded to: the rule's set minus released buckets."""
+        return tuple(self._available)
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._plans))
+
+    @property
+    def pool(self) -> PoolHandle | None:
+        """The pool handle this runner's graphs were captured into (None before capture)."""
+        return self._pool
+
+    @property
+    def inputs(self) -> StaticBuffers:
+        self._require_open()
+        return StaticBuffers(self._label, {n: self._in_layouts[n].full(f) for n, f in self._in_flat.items()})
+
+    @property
+    def shadows(self) -> StaticBuffers:
+        self._require_open()
+        return StaticBuffers(self._label, {n: self._in_layouts[n].full(f) for n, f in self._shadow_flat.items()})
+
+    @property
+    def outputs(self) -> StaticBuffers:
+        self._require_open()
+        return StaticBuffers(self._label, {n: self._out_layouts[n].full(f) for n, f in self._out_flat.items()})
+
+    @property
+    def static_nbytes(self) -> int:
+        """Device bytes of static inputs and outputs (graph pools not included)."""
+        flats = list(self._in_flat.values()) + list(self._out_flat.values())
+        return sum(t.numel() * t.element_size() for t in flats)
+
+    @property
+    def shadow_nbytes(self) -> int:
+        """Pinned host bytes of the shadows."""
+        return sum(t.numel() * t.element_size() for t in self._shadow_flat.values())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def view(self, name: str, bucket: int) -> torch.Tensor:
+        """The device view of static buffer `name` that the graph for `bucket` uses."""
+        self._require_open()
+        if bucket not in self._in_views:
+            raise ValueError(f"{self._label}: {bucket!r} is not one of its buckets {self._all_buckets}")
+        if name in self._in_views[bucket]:
+            return self._in_views[bucket][name]
+        if name in self._out_flat:
+            return self._out_layouts[name].view(self._out_flat[name], bucket)
+        raise KeyError(f"{self._label} has no static buffer {name!r}; it has {sorted(self._buffer_names)}")
+
+    def bucket_for(self, n: int) -> int | None:
+        """The bucket a step of n rows is padded to; None above the largest (run it eagerly)."""
+        return pad_to_bucket(self._available, n)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name.startswith("_") or name not in self.__dict__.get("_buffer_names", ()):
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        if name in self._in_flat:
+            return self._in_layouts[name].full(self._in_flat[name])
+        return self._out_layouts[name].full(self._out_flat[name])
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self.__dict__.get("_buffer_names", ()):
+            raise StaticBufferRebindError(_rebind_message(self._label, name))
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"captured={self.captured}"
+        return f"GraphRunner({self.name!r}, buckets={self._all_buckets}, {state})"
+
+    # -- staging ------------------------------------------------------------------------
+
+    def _choose_bucket(self, n: int, bucket: int | None) -> int:
+        _positive_int(n, f"{self._label}: row count n")
+        if bucket is None:
+            chosen = self.bucket_for(n)
+            if chosen is None:
+                top = self._available[-1] if self._available else None
+                raise ValueError(
+                    f"{self._label}: {n} rows exceed its largest bucket {top}; run this step "
+                    "eagerly (bucket_for(n) returns None for such steps)"
+                )
+            return chosen
+        if bucket not in self._available or bucket < n:
+            raise ValueError(
+                f"{self._label}: bucket {bucket!r} cannot hold {n} rows "
+                f"(buckets: {tuple(self._available)})"
+            )
+        return bucket
+
+    def _stage(self, bucket: int, n: int, data: Mapping[str, object]) -> None:
+        unknown = set(data) - set(self._specs)
+        if unknown:
+            raise ValueError(f"{self._label}: unknown static input(s) {sorted(unknown)}; declared: {sorted(self._specs)}")
+        missing = [name for name in self._shadow_flat if name not in data]
+        if missing:
+            raise ValueError(
+                f"{self._label}: host input(s) {missing} missing; every host-sourced input is "
+                "copied by the graph each step, so each step must provide it"
+            )
+        if self._shadow_flat:
+            self._wait_fence()
+        for name, value in data.items():
+            spec = self._specs[name]
+            if spec.source == "host":
+                target = self._shadow_views[bucket][name]
+            else:
+                target = self._in_views[bucket][name]
+            self._write(spec, target, value, n, bucket)
+
+    def _write(self, spec: StaticInput, target: torch.Tensor, value: object, n: int, bucket: int) -> None:
+        """Copy `value` into the leading corner of `target` and pad the rest."""
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        where = f"{self._label}: input {spec.name!r}"
+        if spec.source == "host" and value.device.type != "cpu":
+            raise ValueError(
+                f"{where} is host-sourced but got a tensor on {value.device}; pass a CPU tensor "
+                "(reading a device tensor back would synchronise) or declare source='device'"
+            )
+        if not torch.can_cast(value.dtype, spec.dtype):
+            raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, which does not cast safely")
+        shape, cap = tuple(value.shape), tuple(target.shape)
+        if len(shape) != len(cap):
+            raise ValueError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
+        axis = spec.batch_axis
+        if axis is not None and shape[axis] != n:
+            raise ValueError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
+        if any(s > c for s, c in zip(shape, cap)):
+            raise ValueError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
+        if shape == cap:
+            target.copy_(value)
+            return
+        differs = [d for d in range(len(cap)) if shape[d] != cap[d]]
+        if differs == [axis]:
+            target.narrow(axis, n, cap[axis] - n).fill_(spec.pad_value)
+            target.narrow(axis, 0, n).copy_(value)
+        else:
+            target.fill_(spec.pad_value)
+            target[tuple(slice(0, s) for s in shape)].copy_(value)
+
+    def _copy_inputs(self, bucket: int) -> None:
+        """Shadow -> device static copies; captured into the first graph of each bucket."""
+        shadows = self._shadow_views[bucket]
+        statics = self._in_views[bucket]
+        for name, shadow in shadows.items():
+            statics[name].copy_(shadow, non_blocking=True)
+
+    # See Note [Shadow fencing].
+    def _arm_fence(self) -> None:
+        if self.device.type != "cuda" or not self._shadow_flat:
+            return
+        if self._fence is None:
+            self._fence = torch.cuda.Event()
+        self._fence.record(torch.cuda.current_stream(self.device))
+        self._fence_armed = True
+
+    def _wait_fence(self) -> None:
+        if self._fence_armed:
+            self._fence.synchronize()
+            self._fence_armed = False
+
+    # -- outputs ------------------------------------------------------------------------
+
+    def _store_outputs(self, index: int, bucket: int, result: object, capturing: bool) -> dict[str, torch.Tensor]:
+        """Copy a piece's results into static outputs. See Note [Static outputs make pool sharing safe]."""
+        pname = _piece_name(self._pieces[index])
+        if result is None:
+            return {}
+        if not isinstance(result, Mapping):
+            raise TypeError(
+                f"{self._label}: piece {pname!r} returned {type(result).__name__}; a piece returns "
+                "a dict of named output tensors, or None"
+            )
+        views = {}
+        for name, tensor in result.items():
+            where = f"{self._label}: output {name!r} of piece {pname!r}"
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{where} is a {type(tensor).__name__}, not a tensor")
+            if name not in self._out_layouts:
+                if capturing:
+                    raise RuntimeError(f"{where} appeared during capture but not during warm-up; pieces must be deterministic")
+                self._add_output(index, name, tensor, bucket, where)
+            elif self._out_producer[name] != index:
+                other = _piece_name(self._pieces[self._out_producer[name]])
+                raise ValueError(f"{where}: piece {other!r} already produces an output of that name")
+            layout, flat = self._out_layouts[name], self._out_flat[name]
+            expected = layout.shapes[bucket]
+            if tuple(tensor.shape) != expected or tensor.dtype != flat.dtype or tensor.device != flat.device:
+                raise ValueError(
+                    f"{where} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} at bucket {bucket}; "
+                    f"expected {expected} {flat.dtype} on {flat.device} (only its batch axis "
+                    f"{self._out_axis[name]} may follow the bucket)"
+                )
+            view = layout.view(flat, bucket)
+            view.copy_(tensor)
+            views[name] = view
+        return views
+
+    def _add_output(self, index: int, name: str, tensor: torch.Tensor, bucket: int, where: str) -> None:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"{where}: output names must be identifiers not starting with '_'")
+        if name in self._specs:
+            raise ValueError(f"{where} has the name of a static input; give it another name")
+        axis = self._output_axes.get(name, 0)
+        shape = list(tensor.shape)
+        if axis is not None:
+            if not _is_int(axis) or not 0 <= axis < len(shape) or shape[axis] != bucket:
+                raise ValueError(
+                    f"{where} has shape {tuple(shape)} at bucket {bucket}; its batch axis {axis!r} should "
+                    f"have size {bucket}. Set output_axes={{{name!r}: <axis>}}, or None for an output "
+                    "that does not follow the bucket"
+                )
+        shapes = {}
+        for b in self._all_buckets:
+            if axis is not None:
+                shape[axis] = b
+            shapes[b] = tuple(shape)
+        layout = _Layout(shapes)
+        self._out_layouts[name] = layout
+        self._out_flat[name] = torch.zeros((layout.numel,), dtype=tensor.dtype, device=tensor.device)
+        self._out_axis[name] = axis
+        self._out_producer[name] = index
+        self._buffer_names.add(name)
+
+    def _result(self, bucket: int, n: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, flat in self._out_flat.items():
+            view = self._out_layouts[name].view(flat, bucket)
+            axis = self._out_axis[name]
+            out[name] = view if axis is None else view.narrow(axis, 0, n)
+        return out
+
+    # -- eager, warm-up, capture, replay ------------------------------------------------
+
+    def _run_pieces_eagerly(self, bucket: int) -> None:
+        self._copy_inputs(bucket)
+        self._arm_fence()
+        visible = dict(self._in_views[bucket])
+        for index, piece in enumerate(self._pieces):
+            buffers = StaticBuffers(self._label, dict(visible), bucket)
+            if isinstance(piece, EagerPiece):
+                self._call_eager(piece, buffers)
+            else:
+                visible.update(self._store_outputs(index, bucket, piece(buffers), capturing=False))
+
+    def _call_eager(self, piece: EagerPiece, buffers: StaticBuffers) -> None:
+        if piece.fn(buffers) is not None:
+            raise TypeError(
+                f"{self._label}: eager piece {piece.name!r} returned a value; it must write its "
+                "results in place into static buffers and return None"
+            )
+
+    def run_eager(self, n: int, *, bucket: int | None = None, **data: object) -> dict[str, torch.Tensor]:
+        """The step's computation without graphs, through the same static buffers and padding.
+
+        The reference for a replay, and the way to run a runner on a CPU device.
+        """
+        self._require_open()
+        chosen = self._choose_bucket(n, bucket)
+        self._stage(chosen, n, data)
+        self._run_pieces_eagerly(chosen)
+        return self._result(chosen, n)
+
+    def capture(self) -> None:
+        """Warm up and capture every bucket not yet captured, largest first.
+
+        Largest first: a smaller bucket's graph can then reuse blocks the larger one freed
+        in the shared pool (see Note [Static outputs make pool sharing safe]).
+        """
+        self._require_open()
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise RuntimeError(f"{self._label} lives on {self.device}; CUDA graph capture needs a CUDA device")
+        pending = [b for b in reversed(self._all_buckets) if b not in self._plans]
+        if not pending:
+            return
+        pool = self._manager._pool_for(self)
+        stream = self._manager._capture_stream()
+        for bucket in pending:
+            self._warm_up(bucket, stream)
+            self._capture_bucket(bucket, pool, stream)
+        self._available = sorted(set(self._available) | set(pending))
+
+    def _warm_up(self, bucket: int, stream: Any) -> None:
+        """Eager runs on the capture stream first, as torch recommends: lazy inits (cuBLAS
+        workspaces, autotuning) happen outside capture, and outputs get their static buffers."""
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for _ in range(self._warmup_iters):
+                self._run_pieces_eagerly(bucket)
+        current.wait_stream(stream)
+
+    def _capture_bucket(self, bucket: int, pool: PoolHandle, stream: Any) -> None:
+        ledger = self._manager.ledger
+        plan: list = []
+        visible = dict(self._in_views[bucket])
+        try:
+            first = True
+            for index, piece in enumerate(self._pieces):
+                buffers = StaticBuffers(self._label, dict(visible), bucket)
+                if isinstance(piece, EagerPiece):
+                    plan.append(_EagerStep(piece, buffers))
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    if first:
+                        self._copy_inputs(bucket)
+                    views = self._store_outputs(index, bucket, piece(buffers), capturing=True)
+                # The piece's own result tensors are gone now; their pool blocks are free
+                # for the next capture.
+                holder = (self.name, bucket, index)
+                ledger.acquire(pool, holder)
+                plan.append(_GraphStep(graph, holder, copies_inputs=first))
+                first = False
+                visible.update(views)
+        except BaseException:
+            # Undo this bucket's partial capture, then let the error through.
+            for step in plan:
+                if isinstance(step, _GraphStep):
+                    step.graph.reset()
+                    ledger.drop(pool, step.holder)
+            raise
+        self._plans[bucket] = plan
+
+    def step(self, n: int, *, bucket: int | None = None, **data: object) -> dict[str, torch.Tensor]:
+        """Stage `data` (host inputs into their shadows, device inputs into their buffers),
+        then replay the bucket's graphs in order with eager pieces in between.
+
+        `bucket` overrides the padded size (e.g. the one agree() returned). Returns the
+        outputs as views of static buffers narrowed to n rows, valid until the next step.
+        """
+        self._require_open()
+        chosen = self._choose_bucket(n, bucket)
+        plan = self._plans.get(chosen)
+        if plan is None:
+            raise RuntimeError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
+        self._stage(chosen, n, data)
+        for entry in plan:
+            if isinstance(entry, _GraphStep):
+                entry.graph.replay()
+                if entry.copies_inputs:
+                    self._arm_fence()
+            else:
+                self._call_eager(entry.piece, entry.buffers)
+        return self._result(chosen, n)
+
+    # -- teardown -----------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        # A graph or buffer must not be freed while queued work may still use it.
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+
+    def _drop_plan(self, bucket: int) -> None:
+        for entry in self._plans.pop(bucket):
+            if isinstance(entry, _GraphStep):
+                entry.graph.reset()
+                self._manager.ledger.drop(self._pool, entry.holder)
+
+    def release(self, bucket: int) -> None:
+        """Destroy the graphs of one bucket; steps of that size then pad to the next bucket.
+
+        Static buffers stay (the remaining graphs read them). Pool memory comes back once
+        no graph holds the pool and empty_cache runs.
+        """
+        self._require_open()
+        if bucket not in self._plans:
+            raise ValueError(f"{self._label}: bucket {bucket!r} is not captured (captured: {self.captured})")
+        self._synchronize()
+        self._drop_plan(bucket)
+        self._available.remove(bucket)
+
+    def close(self) -> None:
+        """Destroy every graph and drop every static buffer and shadow; idempotent.
+
+        The device memory returns to the allocator; torch.cuda.empty_cache() hands it
+        back to the driver.
+        """
+        if self._closed:
+            return
+        self._synchronize()
+        for bucket in list(self._plans):
+            self._drop_plan(bucket)
+        if self._pool_mode == "own" and self._pool is not None and not self._manager.ledger.is_released(self._pool):
+            self._manager.ledger.release(self._pool)
+        for store in (self._in_flat, self._shadow_flat, self._out_flat, self._in_views, self._shadow_views):
+            store.clear()
+        self._available = []
+        self._fence = None
+        self._fence_armed = False
+        self._closed = True
+        self._manager._forget(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Manager
+# ---------------------------------------------------------------------------------------
+
+# Note [Rank agreement]
+# With data-parallel attention each rank sees its own batch and would pick its own bucket
+# (and tier, e.g. full graph vs piecewise vs eager). Graphs contain collectives, so ranks
+# replaying different graphs deadlock or exchange mismatched sizes. agree() all-gathers the
+# key; if all ranks picked the same it is kept, otherwise every rank takes the most
+# conservative one: the largest bucket (each rank's rows fit, the extra is padding) and the
+# most conservative tier. A rank that must run eagerly (bucket None) makes all run eagerly.
+_EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
+
+
+class GraphPoolManager:
+    """Owns the graph pools of one device and the runners captured into them.
+
+    `tiers` orders the graph tiers agree() understands from most optimized to most
+    conservative. Use as a context manager, or call close().
+    """
+
+    def __init__(self, device: str | torch.device | None = "cuda", *,
+                 tiers: Sequence[str] = ("full", "piecewise", "eager")):
+        device = torch.device(device if device is not None else "cuda")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        tiers = tuple(tiers)
+        if not tiers or len(set(tiers)) != len(tiers) or not all(isinstance(t, str) for t in tiers):
+            raise ValueError(f"tiers must be distinct strings, least to most conservative; got {tiers!r}")
+        self.tiers = tiers
+        self.ledger = PoolLedger()
+        self._shared: PoolHandle | None = None
+        self._stream = None
+        self._runners: dict[str, GraphRunner] = {}
+
+    def runner(self, name: str, pieces: Sequence[Callable | EagerPiece] | Callable, *,
+               buckets: BucketRule | int | Sequence[int], inputs: Sequence[StaticInput] = (),
+               axes: Mapping[str, AxisSize] | None = None,
+               output_axes: Mapping[str, int | None] | None = None,
+               pool: str | PoolHandle = "shared", warmup: int = 2) -> GraphRunner:
+        """Declare a forward to capture. Static buffers are allocated now; call capture().
+
+        `pieces`: callables `piece(buffers) -> dict | None` (captured) and EagerPiece
+        entries, in forward order. `axes` sizes symbolic axes of inputs (int, or a function
+        of the bucket). `output_axes` gives each output's batch axis (default 0; None: not
+        bucketed). `pool`: "shared" (the manager's pool), "own" (a pool for this runner
+        alone) or a handle such as other_graph.pool().
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"runner name must be a non-empty str, got {name!r}")
+        if name in self._runners:
+            raise ValueError(f"a runner named {name!r} already exists; close it or pick another name")
+        runner = GraphRunner(self, name, pieces, buckets=buckets, inputs=inputs, axes=axes,
+                             output_axes=output_axes, pool=pool, warmup=warmup)
+        self._runners[name] = runner
+        return runner
+
+    @property
+    def runners(self) -> dict[str, GraphRunner]:
+        return dict(self._runners)
+
+    def pools(self) -> dict[tuple[int, int], tuple]:
+        """Live pools -> the (runner, bucket, piece) graphs holding them."""
+        return self.ledger.pools()
+
+    def release_pool(self, pool: PoolHandle) -> None:
+        """Let go of a pool handle; raises PoolInUseError while graphs hold it."""
+        self.ledger.release(pool)
+        if self._shared is not None and _pool_key(pool) == self._shared:
+            self._shared = None
+
+    def _pool_for(self, runner: GraphRunner) -> PoolHandle:
+        """The pool a runner captures into now. See Note [Pool ownership]."""
+        if runner._pool_mode == "external":
+            # Raises PoolReleasedError once the handle was let go.
+            self.ledger.register(runner._pool, "handed in", auto_release=False)
+            return runner._pool
+        if runner._pool is not None and not self.ledger.is_released(runner._pool):
+            return runner._pool
+        if runner._pool_mode == "shared":
+            if self._shared is None or self.ledger.is_released(self._shared):
+                self._shared = torch.cuda.graph_pool_handle()
+                self.ledger.register(self._shared, "manager (shared)", auto_release=True)
+            handle = self._shared
+        else:
+            handle = torch.cuda.graph_pool_handle()
+            self.ledger.register(handle, f"runner {runner.name!r} (own)", auto_release=True)
+        runner._pool = handle
+        return handle
+
+    def _capture_stream(self) -> Any:
+        # One stream for every capture: torch asks that captures sharing a pool use the
+        # same stream, and warm-up runs on it so its lazy state exists before capture.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _forget(self, runner: GraphRunner) -> None:
+        if self._runners.get(runner.name) is runner:
+            del self._runners[runner.name]
+
+    def _encode_tier(self, tier: int | str) -> int:
+        if isinstance(tier, str):
+            if tier not in self.tiers:
+                raise ValueError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
+            return self.tiers.index(tier)
+        if not _is_int(tier) or tier < 0:
+            raise ValueError(f"a graph tier is one of {self.tiers} or an int >= 0, got {tier!r}")
+        return tier
+
+    def agree(self, bucket: int | None, tier: int | str, group: Any = None) -> tuple[int | None, int | str]:
+        """The (bucket, tier) every rank of `group` uses. See Note [Rank agreement].
+
+        `bucket` None means this rank runs eagerly. Returns the local choice when all ranks
+        agree, with world size 1, or when torch.distributed is not initialized.
+        """
+        if bucket is not None:
+            _positive_int(bucket, "bucket")
+        tier_code = self._encode_tier(tier)
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return bucket, tier
+        world = dist.get_world_size(group)
+        if world == 1:
+            return bucket, tier
+        device = "cpu"
+        if str(dist.get_backend(group)) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([_EAGER_BUCKET if bucket is None else bucket, tier_code],
+                            dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        rows = torch.stack(gathered).cpu().tolist()
+        if all(row == rows[0] for row in rows):
+            return bucket, tier
+        top_bucket = max(row[0] for row in rows)
+        top_tier = max(row[1] for row in rows)
+        agreed_bucket = None if top_bucket == _EAGER_BUCKET else top_bucket
+        if isinstance(tier, str):
+            if top_tier >= len(self.tiers):
+                raise ValueError(f"a rank chose tier code {top_tier}, unknown to tiers {self.tiers}")
+            return agreed_bucket, self.tiers[top_tier]
+        return agreed_bucket, top_tier
+
+    def close(self) -> None:
+        """Close every runner and let go of the shared pool; idempotent."""
+        for runner in list(self._runners.values()):
+            runner.close()
+        if self._shared is not None and not self.ledger.is_released(self._shared):
+            self.ledger.release(self._shared)
+        self._shared = None
+
+    def __enter__(self) -> GraphPoolManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GraphPoolManager({self.device}, runners={sorted(self._runners)}, pools={len(self.pools())})"
