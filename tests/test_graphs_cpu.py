@@ -1,0 +1,477 @@
+"""GraphPoolManager logic that does not need a device: buckets, static buffers, padding,
+rebinding, pool ownership. CPU tensors stand in for device buffers."""
+
+import pytest
+import torch
+
+from conftest import MiB
+from torch_budget.graphs import (
+    BucketRule,
+    EagerPiece,
+    GraphPoolManager,
+    PoolInUseError,
+    PoolLedger,
+    PoolReleasedError,
+    StaticBufferRebindError,
+    StaticInput,
+    pad_to_bucket,
+    resolve_buckets,
+)
+
+HIDDEN = 8
+
+
+def _linear_piece(weight):
+    def linear(buffers):
+        return {"y": buffers["x"] @ weight + buffers["pos"].unsqueeze(-1)}
+    return linear
+
+
+def _runner(manager, name="decode", buckets=(1, 2, 4, 8), **kwargs):
+    weight = torch.randn(HIDDEN, HIDDEN)
+    inputs = kwargs.pop("inputs", [
+        StaticInput("x", torch.float32, (HIDDEN,)),
+        StaticInput("pos", torch.float32, (), pad_value=-1),
+    ])
+    return manager.runner(name, kwargs.pop("pieces", _linear_piece(weight)), buckets=buckets,
+                          inputs=inputs, **kwargs), weight
+
+
+# -- buckets ---------------------------------------------------------------------------
+
+def test_bucket_rule_builds_small_sizes_then_multiples_of_step_then_coarse_steps():
+    rule = BucketRule(300, small=(1, 2, 4), step=8, coarse_from=256, coarse_step=16)
+    buckets = rule.buckets()
+    assert buckets[:5] == (1, 2, 4, 8, 16)
+    assert all(b % 8 == 0 for b in buckets[3:] if b < 256)
+    assert buckets[-4:] == (256, 272, 288, 300)
+    assert 248 in buckets and 264 not in buckets
+
+
+def test_bucket_rule_always_offers_the_max_as_a_candidate():
+    assert BucketRule(13).buckets() == (1, 2, 4, 8, 13)
+    assert BucketRule(3).buckets() == (1, 2, 3)
+
+
+def test_bucket_rule_drops_sizes_not_divisible_by_tensor_parallel_size():
+    buckets = BucketRule(100, divisible_by=8).buckets()
+    assert buckets[0] == 8
+    assert all(b % 8 == 0 for b in buckets)
+    assert buckets[-1] == 96  # 100 itself is dropped, so the largest captured bucket is 96
+
+
+def test_bucket_rule_count_limit_keeps_smallest_and_largest_spread_between():
+    buckets = BucketRule(512, max_count=5).buckets()
+    assert len(buckets) == 5
+    assert buckets[0] == 1 and buckets[-1] == 512
+    assert list(buckets) == sorted(set(buckets))
+    assert BucketRule(512, max_count=1).buckets() == (512,)
+
+
+def test_bucket_rule_memory_limit_drops_buckets_that_cost_too_much():
+    rule = BucketRule(64, memory_limit=5 * MiB)
+    buckets = rule.buckets(cost=lambda b: b * 256 * 1024)  # 256 KiB per row
+    assert buckets[-1] == 16 and 24 not in buckets
+    with pytest.raises(ValueError, match="cost function"):
+        rule.buckets()
+
+
+def test_bucket_rule_that_leaves_nothing_raises_naming_the_rule():
+    with pytest.raises(ValueError, match="divisible_by=16.*leaves no bucket"):
+        BucketRule(8, divisible_by=16).buckets()
+
+
+@pytest.mark.parametrize("field,value", [("max_size", 0), ("step", -8), ("divisible_by", 2.0),
+                                         ("max_count", 0), ("memory_limit", -1)])
+def test_bucket_rule_rejects_bad_knobs_naming_them(field, value):
+    kwargs = {"max_size": 64, field: value}
+    with pytest.raises(ValueError, match=f"{field}.*{value}"):
+        BucketRule(**kwargs)
+
+
+def test_explicit_bucket_list_is_sorted_and_deduplicated():
+    assert resolve_buckets([8, 2, 8, 1]) == (1, 2, 8)
+    assert resolve_buckets(16) == BucketRule(16).buckets()
+    with pytest.raises(ValueError, match="bucket 0"):
+        resolve_buckets([4, 0])
+    with pytest.raises(ValueError, match="must not be empty"):
+        resolve_buckets([])
+
+
+def test_rows_pad_up_to_the_nearest_bucket():
+    buckets = (1, 2, 4, 8, 16)
+    assert [pad_to_bucket(buckets, n) for n in (1, 3, 4, 5, 16)] == [1, 4, 4, 8, 16]
+
+
+def test_rows_above_the_largest_bucket_run_eagerly():
+    assert pad_to_bucket((1, 2, 4), 5) is None
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.5, True])
+def test_row_count_must_be_a_positive_int(n):
+    with pytest.raises(ValueError, match="row count"):
+        pad_to_bucket((1, 2, 4), n)
+
+
+# -- static buffers ---------------------------------------------------------------------
+
+def test_static_buffers_are_capped_by_largest_captured_bucket_not_user_max():
+    manager = GraphPoolManager("cpu")
+    runner, _ = _runner(manager, buckets=BucketRule(100, divisible_by=8))
+    assert runner.buckets[-1] == 96
+    assert runner.inputs["x"].shape == (96, HIDDEN)
+    assert runner.inputs["pos"].shape == (96,)
+    assert runner.static_nbytes == 96 * HIDDEN * 4 + 96 * 4
+    assert runner.shadow_nbytes == runner.static_nbytes
+    assert runner.bucket_for(97) is None
+
+
+def test_memory_limit_uses_static_input_bytes_per_bucket():
+    manager = GraphPoolManager("cpu")
+    inputs = [StaticInput("hidden", torch.float16, (1024,))]  # 2 KiB per row
+    runner, _ = _runner(manager, buckets=BucketRule(4096, memory_limit=1 * MiB), inputs=inputs,
+                        pieces=lambda b: None)
+    assert runner.buckets[-1] == 512
+    assert runner.inputs["hidden"].numel() * 2 == 1 * MiB
+
+
+def test_symbolic_axis_is_sized_at_its_maximum_over_captured_buckets():
+    manager = GraphPoolManager("cpu")
+    inputs = [
+        StaticInput("tokens", torch.int64, ()),
+        StaticInput("block_table", torch.int32, ("blocks",), pad_value=-1),
+        StaticInput("rope", torch.float32, ("rot", 2), batch_axis=None),
+    ]
+    runner, _ = _runner(manager, buckets=[1, 4, 16], inputs=inputs, pieces=lambda b: None,
+                        axes={"blocks": lambda b: 64 // b, "rot": 32})
+    # blocks is largest at the smallest bucket; each dimension is sized at its maximum.
+    assert runner.inputs["block_table"].shape == (16, 64)
+    assert runner.view("block_table", 4).shape == (4, 16)
+    assert runner.view("rope", 1).shape == runner.view("rope", 16).shape == (32, 2)
+
+
+def test_undeclared_symbolic_axis_is_rejected_naming_input_and_axis():
+    manager = GraphPoolManager("cpu")
+    with pytest.raises(ValueError, match="'block_table'.*'blocks'"):
+        _runner(manager, inputs=[StaticInput("block_table", torch.int32, ("blocks",))])
+
+
+def test_bucket_views_are_contiguous_prefixes_of_one_allocation():
+    manager = GraphPoolManager("cpu")
+    inputs = [StaticInput("kv_index", torch.int32, (3,), batch_axis=1)]
+    runner, _ = _runner(manager, inputs=inputs, pieces=lambda b: None)
+    full = runner.inputs["kv_index"]
+    assert full.shape == (3, 8)
+    for bucket in runner.buckets:
+        view = runner.view("kv_index", bucket)
+        assert view.shape == (3, bucket)
+        assert view.is_contiguous()
+        assert view.data_ptr() == full.data_ptr()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"name": "1x"}, "identifier"),
+    ({"name": "_x"}, "identifier"),
+    ({"dtype": "float32"}, "torch.dtype"),
+    ({"shape": (0,)}, "dimension 0"),
+    ({"batch_axis": 2}, "batch_axis"),
+    ({"source": "disk"}, "'disk'"),
+    ({"dtype": torch.int64, "pad_value": 0.5}, "pad_value 0.5"),
+])
+def test_static_input_declaration_errors_name_the_bad_value(kwargs, match):
+    fields = {"name": "x", "dtype": torch.float32, "shape": (4,)}
+    fields.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        StaticInput(**fields)
+
+
+# -- rebinding --------------------------------------------------------------------------
+
+def test_rebinding_an_input_item_raises_naming_the_buffer():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(StaticBufferRebindError, match="'x'.*copy_"):
+        runner.inputs["x"] = torch.zeros(8, HIDDEN)
+
+
+def test_rebinding_by_attribute_raises_naming_the_buffer():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(StaticBufferRebindError, match="'pos'"):
+        runner.inputs.pos = torch.zeros(8)
+    with pytest.raises(StaticBufferRebindError, match="'pos'"):
+        setattr(runner, "pos", torch.zeros(8))
+    with pytest.raises(StaticBufferRebindError, match="'x'"):
+        del runner.inputs["x"]
+
+
+def test_rebinding_an_output_raises_once_the_output_exists():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    runner.run_eager(2, x=torch.randn(2, HIDDEN), pos=torch.zeros(2))
+    with pytest.raises(StaticBufferRebindError, match="'y'"):
+        runner.outputs["y"] = torch.zeros(8, HIDDEN)
+    with pytest.raises(StaticBufferRebindError, match="'y'"):
+        runner.y = torch.zeros(8, HIDDEN)
+
+
+def test_in_place_writes_reach_every_bucket_view():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    runner.inputs["x"].copy_(torch.full((8, HIDDEN), 3.0))
+    assert torch.equal(runner.view("x", 2), torch.full((2, HIDDEN), 3.0))
+    assert runner.x.data_ptr() == runner.view("x", 4).data_ptr()
+
+
+# -- staging, padding, outputs ----------------------------------------------------------
+
+def test_step_data_is_padded_into_the_shadow_and_outputs_are_narrowed():
+    runner, weight = _runner(GraphPoolManager("cpu"))
+    x, pos = torch.randn(3, HIDDEN), torch.arange(3.0)
+    out = runner.run_eager(3, x=x, pos=pos)
+    assert out["y"].shape == (3, HIDDEN)
+    torch.testing.assert_close(out["y"], x @ weight + pos.unsqueeze(-1))
+    # Bucket 4: the fourth row is padding with the declared pad value.
+    assert runner.view("pos", 4)[3].item() == -1
+    assert runner.shadows["pos"][3].item() == -1
+    assert torch.equal(runner.view("x", 4)[3], torch.zeros(HIDDEN))
+
+
+def test_padding_overwrites_rows_left_from_a_larger_earlier_step():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    runner.run_eager(4, x=torch.ones(4, HIDDEN), pos=torch.ones(4))
+    runner.run_eager(3, x=torch.ones(3, HIDDEN), pos=torch.ones(3))
+    assert runner.view("pos", 4).tolist() == [1, 1, 1, -1]
+
+
+def test_symbolic_axis_data_smaller_than_its_maximum_is_padded():
+    manager = GraphPoolManager("cpu")
+    inputs = [StaticInput("block_table", torch.int32, ("blocks",), pad_value=-1)]
+    runner = manager.runner("paged", lambda b: {"first": b["block_table"][:, 0].clone()}, buckets=[2, 4],
+                            inputs=inputs, axes={"blocks": 6})
+    out = runner.run_eager(3, block_table=torch.tensor([[5, 6], [7, 8], [9, 10]], dtype=torch.int32))
+    assert out["first"].tolist() == [5, 7, 9]
+    assert runner.view("block_table", 4)[0].tolist() == [5, 6, -1, -1, -1, -1]
+    assert runner.view("block_table", 4)[3].tolist() == [-1] * 6
+
+
+def test_outputs_get_static_buffers_sized_for_the_largest_bucket_even_if_first_seen_small():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    runner.run_eager(1, x=torch.randn(1, HIDDEN), pos=torch.zeros(1))
+    assert runner.outputs["y"].shape == (8, HIDDEN)
+    first = runner.outputs["y"].data_ptr()
+    runner.run_eager(7, x=torch.randn(7, HIDDEN), pos=torch.zeros(7))
+    assert runner.outputs["y"].data_ptr() == first
+
+
+@pytest.mark.parametrize("data,error,match", [
+    ({"x": torch.randn(3, HIDDEN)}, ValueError, r"\['pos'\] missing"),
+    ({"x": torch.randn(3, HIDDEN), "pos": torch.zeros(3), "mask": torch.zeros(3)}, ValueError, "'mask'"),
+    ({"x": torch.randn(2, HIDDEN), "pos": torch.zeros(3)}, ValueError, "'x' has 2 rows.*n=3"),
+    ({"x": torch.randn(3, HIDDEN + 1), "pos": torch.zeros(3)}, ValueError, "'x' has shape .3, 9."),
+    ({"x": torch.randn(3), "pos": torch.zeros(3)}, ValueError, "'x' expects 2 dims"),
+    ({"x": torch.randn(3, HIDDEN), "pos": torch.zeros(3, dtype=torch.complex64)}, TypeError, "'pos'.*complex64"),
+])
+def test_bad_step_data_is_rejected_naming_the_input(data, error, match):
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(error, match=match):
+        runner.run_eager(3, **data)
+
+
+def test_integer_host_data_is_cast_to_the_declared_dtype():
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("ids", lambda b: {"ids2": b["ids"] * 2}, buckets=[4],
+                            inputs=[StaticInput("ids", torch.int32, ())])
+    assert runner.run_eager(2, ids=[3, 4])["ids2"].tolist() == [6, 8]
+
+
+def test_step_above_the_largest_bucket_raises_with_eager_hint():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(ValueError, match="9 rows exceed its largest bucket 8.*eagerly"):
+        runner.run_eager(9, x=torch.randn(9, HIDDEN), pos=torch.zeros(9))
+
+
+def test_explicit_bucket_must_hold_the_rows():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    out = runner.run_eager(3, bucket=8, x=torch.randn(3, HIDDEN), pos=torch.zeros(3))
+    assert out["y"].shape == (3, HIDDEN) and runner.view("pos", 8)[3].item() == -1
+    with pytest.raises(ValueError, match="bucket 2 cannot hold 3 rows"):
+        runner.run_eager(3, bucket=2, x=torch.randn(3, HIDDEN), pos=torch.zeros(3))
+
+
+def test_output_without_batch_axis_needs_output_axes_none():
+    manager = GraphPoolManager("cpu")
+    summed = lambda b: {"total": b["x"].sum()}  # noqa: E731
+    runner = manager.runner("sum", summed, buckets=[2, 4], inputs=[StaticInput("x", torch.float32, ())])
+    with pytest.raises(ValueError, match="'total'.*output_axes"):
+        runner.run_eager(2, x=torch.ones(2))
+    runner = manager.runner("sum2", summed, buckets=[2, 4], inputs=[StaticInput("x", torch.float32, ())],
+                            output_axes={"total": None})
+    assert runner.run_eager(2, x=torch.ones(2))["total"].item() == 2.0
+
+
+def test_piece_returning_a_bare_tensor_is_rejected():
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("bare", lambda b: b["x"] * 2, buckets=[2], inputs=[StaticInput("x", torch.float32, ())])
+    with pytest.raises(TypeError, match="returned Tensor.*dict"):
+        runner.run_eager(2, x=torch.ones(2))
+
+
+def test_pieces_see_earlier_outputs_and_eager_pieces_write_in_place():
+    manager = GraphPoolManager("cpu")
+
+    def first(b):
+        return {"h": b["x"] + 1}
+
+    def double_into_scratch(b):
+        b["scratch"].copy_(b["h"] * 2)
+
+    def second(b):
+        return {"y": b["scratch"] - 1}
+
+    inputs = [StaticInput("x", torch.float32, ()), StaticInput("scratch", torch.float32, (), source="device")]
+    runner = manager.runner("pw", [first, EagerPiece(double_into_scratch), second], buckets=[4], inputs=inputs)
+    out = runner.run_eager(2, x=torch.tensor([1.0, 2.0]))
+    assert out["y"].tolist() == [3.0, 5.0]
+
+
+def test_eager_piece_must_not_return_a_value():
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("bad", [lambda b: None, EagerPiece(lambda b: b["x"] * 2)], buckets=[2],
+                            inputs=[StaticInput("x", torch.float32, ())])
+    with pytest.raises(TypeError, match="in place"):
+        runner.run_eager(2, x=torch.ones(2))
+
+
+def test_first_piece_must_be_captured():
+    with pytest.raises(ValueError, match="first piece must be captured"):
+        GraphPoolManager("cpu").runner("bad", [EagerPiece(lambda b: None)], buckets=[2])
+
+
+def test_capture_needs_a_cuda_device():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(RuntimeError, match="'decode' lives on cpu.*CUDA device"):
+        runner.capture()
+
+
+def test_step_on_an_uncaptured_bucket_raises():
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(RuntimeError, match="bucket 4 is not captured"):
+        runner.step(3, x=torch.randn(3, HIDDEN), pos=torch.zeros(3))
+
+
+def test_close_drops_static_buffers_and_the_runner_name():
+    manager = GraphPoolManager("cpu")
+    runner, _ = _runner(manager)
+    runner.close()
+    assert runner.closed and runner.static_nbytes == 0
+    assert "decode" not in manager.runners
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.run_eager(1, x=torch.randn(1, HIDDEN), pos=torch.zeros(1))
+    _runner(manager)  # the name is free again
+
+
+def test_duplicate_runner_name_is_rejected():
+    manager = GraphPoolManager("cpu")
+    _runner(manager)
+    with pytest.raises(ValueError, match="'decode' already exists"):
+        _runner(manager)
+
+
+# -- pool ownership ---------------------------------------------------------------------
+
+POOL_A = (0, 101)
+POOL_B = (0, 102)
+
+
+def test_ledger_records_which_graphs_hold_a_pool():
+    ledger = PoolLedger()
+    ledger.register(POOL_A, "manager", auto_release=True)
+    ledger.acquire(POOL_A, ("decode", 8, 0))
+    ledger.acquire(POOL_A, ("decode", 4, 0))
+    assert ledger.holders(POOL_A) == (("decode", 4, 0), ("decode", 8, 0))
+    assert ledger.pools() == {POOL_A: (("decode", 4, 0), ("decode", 8, 0))}
+
+
+def test_releasing_a_pool_still_held_raises_naming_the_holders():
+    ledger = PoolLedger()
+    ledger.register(POOL_A, "manager", auto_release=False)
+    ledger.acquire(POOL_A, ("decode", 8, 1))
+    with pytest.raises(PoolInUseError, match="runner 'decode' bucket 8 piece 1"):
+        ledger.release(POOL_A)
+    assert not ledger.is_released(POOL_A)
+
+
+def test_owned_pool_is_released_when_its_last_graph_goes():
+    ledger = PoolLedger()
+    ledger.register(POOL_A, "manager", auto_release=True)
+    ledger.acquire(POOL_A, ("decode", 8, 0))
+    ledger.acquire(POOL_A, ("prefill", 64, 0))
+    ledger.drop(POOL_A, ("decode", 8, 0))
+    assert not ledger.is_released(POOL_A)
+    ledger.drop(POOL_A, ("prefill", 64, 0))
+    assert ledger.is_released(POOL_A) and ledger.pools() == {}
+
+
+def test_handed_in_pool_stays_usable_until_released_explicitly():
+    ledger = PoolLedger()
+    ledger.register(POOL_B, "handed in", auto_release=False)
+    ledger.acquire(POOL_B, ("decode", 8, 0))
+    ledger.drop(POOL_B, ("decode", 8, 0))
+    assert not ledger.is_released(POOL_B)
+    ledger.acquire(POOL_B, ("decode", 8, 0))
+    ledger.drop(POOL_B, ("decode", 8, 0))
+    ledger.release(POOL_B)
+    assert ledger.is_released(POOL_B)
+
+
+def test_capturing_into_a_released_pool_raises():
+    ledger = PoolLedger()
+    ledger.register(POOL_A, "manager", auto_release=False)
+    ledger.release(POOL_A)
+    with pytest.raises(PoolReleasedError, match=r"\(0, 101\) was released"):
+        ledger.acquire(POOL_A, ("decode", 8, 0))
+    with pytest.raises(PoolReleasedError):
+        ledger.register(POOL_A, "again", auto_release=True)
+
+
+def test_dropping_a_graph_that_does_not_hold_the_pool_raises():
+    ledger = PoolLedger()
+    ledger.register(POOL_A, "manager", auto_release=True)
+    with pytest.raises(ValueError, match="does not hold"):
+        ledger.drop(POOL_A, ("decode", 8, 0))
+
+
+def test_runner_with_released_handed_in_pool_is_refused():
+    manager = GraphPoolManager("cpu")
+    manager.ledger.register(POOL_B, "handed in", auto_release=False)
+    manager.release_pool(POOL_B)
+    with pytest.raises(PoolReleasedError, match=r"\(0, 102\)"):
+        _runner(manager, pool=POOL_B)
+
+
+@pytest.mark.parametrize("pool", ["mine", (1, 2, 3), ("a", "b"), 7])
+def test_runner_rejects_a_bad_pool_spec(pool):
+    with pytest.raises(ValueError, match="pool"):
+        _runner(GraphPoolManager("cpu"), pool=pool)
+
+
+# -- agreement without distributed -----------------------------------------------------
+
+def test_agree_without_distributed_returns_the_local_choice():
+    manager = GraphPoolManager("cpu")
+    assert manager.agree(16, "piecewise") == (16, "piecewise")
+    assert manager.agree(None, 0) == (None, 0)
+
+
+def test_agree_rejects_unknown_tier_and_bad_bucket():
+    manager = GraphPoolManager("cpu")
+    with pytest.raises(ValueError, match="'turbo'"):
+        manager.agree(16, "turbo")
+    with pytest.raises(ValueError, match="bucket"):
+        manager.agree(0, "full")
+
+
+def test_graphs_module_imports_without_touching_cuda(fresh):
+    out = fresh("""
+        import torch
+        import torch_budget.graphs
+        print(torch.cuda.is_initialized())
+    """)
+    assert out.strip() == "False"
