@@ -1,0 +1,134 @@
+// Best-fit block cache with split/coalesce and per-stream reuse.
+//
+// Note [Stream-ordered reuse]
+// A block handed back by torch may still be read or written by kernels queued on
+// its stream. Reusing it for another allocation on the *same* stream is safe: the
+// new work is queued behind the old. Reusing it on another stream is not, so free
+// blocks are indexed by (stream, size, address) and a lookup only ever matches its
+// own stream. A block used on other streams (record_stream) is not returned to the
+// free set at free time: the device allocator records an event on each of those
+// streams and frees the block once all of them completed (see device_allocator.cpp).
+//
+// A BlockPool does not know where memory comes from: a Backing (the VMM or the
+// synchronous route) creates segments and makes address ranges usable.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <vector>
+
+namespace tb {
+
+constexpr size_t kMinBlockSize = 512;           // every size is rounded up to this
+constexpr size_t kSmallSize = 1 << 20;          // requests up to this come from small segments
+constexpr size_t kSmallSegment = 2 << 20;       // sync route: segment size for small requests
+constexpr size_t kMidSegment = 20 << 20;        // sync route: segment size for requests < 10 MiB
+constexpr size_t kMinLargeAlloc = 10 << 20;
+constexpr size_t kRoundLarge = 2 << 20;
+
+class BlockPool;
+
+struct Segment {
+  uintptr_t base = 0;
+  size_t size = 0;       // bytes of address range (VMM: reserved VA, sync: allocated)
+  bool small = false;
+  CUstream stream = nullptr;
+  int route = 0;
+  BlockPool* pool = nullptr;
+  size_t live = 0;       // blocks allocated or waiting on events
+  struct Block* head = nullptr;  // block at `base`; stable: merges keep the lower block
+  // VMM only: the physical handle mapped at each granule, 0 where unmapped.
+  std::vector<CUmemGenericAllocationHandle> granules;
+  size_t mapped = 0;     // granules mapped
+};
+
+struct Block {
+  uintptr_t ptr = 0;
+  size_t size = 0;        // rounded bytes owned by this block
+  size_t requested = 0;   // bytes the caller asked for, while allocated
+  CUstream stream = nullptr;
+  Segment* segment = nullptr;
+  Block* prev = nullptr;  // address-order neighbours inside the segment
+  Block* next = nullptr;
+  bool allocated = false;
+  int pending = 0;        // recorded-stream events still outstanding after free
+  int tag = 0;
+  int route = 0;          // route charged in the ledger
+  int device = 0;
+  std::vector<CUstream> recorded;  // streams other than `stream` that used the block
+
+  bool is_free() const { return !allocated && pending == 0; }
+};
+
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return reinterpret_cast<uintptr_t>(a->stream) < reinterpret_cast<uintptr_t>(b->stream);
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+  }
+};
+using FreeSet = std::set<Block*, BlockOrder>;
+
+class Backing {
+ public:
+  virtual ~Backing() = default;
+  // Adds a segment to `pool` that can hold at least `size` bytes on `stream`,
+  // with one free block covering it. false + error on failure.
+  virtual bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) = 0;
+  // Makes [ptr, ptr+size) of `seg` usable. false + error on failure (nothing changed).
+  virtual bool ensure_backed(Segment& seg, uintptr_t ptr, size_t size) = 0;
+  // Gives back what `pool` holds beyond its live blocks. The caller synchronised the
+  // device. Returns the bytes released.
+  virtual size_t release_cached(BlockPool& pool) = 0;
+  // Gives back everything of a segment with no live block.
+  virtual void destroy_segment(Segment& seg) = 0;
+};
+
+class BlockPool {
+ public:
+  BlockPool(Backing* backing, int route, bool graph_pool) : backing_(backing), route_(route), graph_pool_(graph_pool) {}
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  static size_t round_size(size_t size) {
+    return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
+  }
+
+  // Best fit on `stream`, growing through the backing when nothing fits.
+  Block* malloc(size_t size, CUstream stream);
+  // Returns a block to the free set, merging with free neighbours.
+  void free(Block* block);
+
+  // Registers a new segment covered by one free block (used by backings).
+  Block* add_segment(std::unique_ptr<Segment> seg);
+  // Removes a segment with no live blocks and its single free block (used by backings).
+  void remove_segment(Segment* seg);
+
+  FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
+  const std::vector<std::unique_ptr<Segment>>& segments() const { return segments_; }
+  Backing* backing() const { return backing_; }
+  int route() const { return route_; }
+  bool graph_pool() const { return graph_pool_; }
+  size_t live_blocks() const { return live_; }
+  // Largest free block (for torch's cacheInfo).
+  size_t largest_free() const;
+  // Visits every block of every segment in address order.
+  void for_each_block(const std::function<void(const Segment&, const Block&)>& fn) const;
+
+ private:
+  Backing* backing_;
+  int route_;
+  bool graph_pool_;
+  FreeSet small_free_;
+  FreeSet large_free_;
+  std::vector<std::unique_ptr<Segment>> segments_;
+  size_t live_ = 0;
+};
+
+}  // namespace tb

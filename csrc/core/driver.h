@@ -1,0 +1,102 @@
+// Driver entry points used by the core, resolved at run time.
+//
+// The core never links against libcuda: it reaches the driver through this table,
+// filled either from libcuda.so.1 (load_cuda_driver) or by a host-memory stand-in
+// used by the CPU tests (csrc/testing/host_driver.cpp). A machine without a driver
+// builds and imports fine; asking for memory there is a clean error.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+namespace tb {
+
+struct DriverApi {
+  CUresult (*init)(unsigned int flags);
+  CUresult (*driverGetVersion)(int* version);
+  CUresult (*deviceGet)(CUdevice* dev, int ordinal);
+  CUresult (*deviceGetCount)(int* count);
+  CUresult (*deviceGetAttribute)(int* value, CUdevice_attribute attr, CUdevice dev);
+  CUresult (*deviceTotalMem)(size_t* bytes, CUdevice dev);
+  CUresult (*primaryCtxRetain)(CUcontext* ctx, CUdevice dev);
+  CUresult (*ctxGetCurrent)(CUcontext* ctx);
+  CUresult (*ctxSetCurrent)(CUcontext ctx);
+  CUresult (*ctxSynchronize)();
+  CUresult (*memGetInfo)(size_t* free_bytes, size_t* total_bytes);
+  // synchronous route
+  CUresult (*memAlloc)(CUdeviceptr* ptr, size_t bytes);
+  CUresult (*memFree)(CUdeviceptr ptr);
+  // VMM route
+  CUresult (*memAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                unsigned long long flags);
+  CUresult (*memAddressFree)(CUdeviceptr ptr, size_t size);
+  CUresult (*memCreate)(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                        unsigned long long flags);
+  CUresult (*memRelease)(CUmemGenericAllocationHandle handle);
+  CUresult (*memMap)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                     unsigned long long flags);
+  CUresult (*memUnmap)(CUdeviceptr ptr, size_t size);
+  CUresult (*memSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count);
+  CUresult (*memGetAllocationGranularity)(size_t* granularity, const CUmemAllocationProp* prop,
+                                          CUmemAllocationGranularity_flags option);
+  // stream-ordered pool route
+  CUresult (*memPoolCreate)(CUmemoryPool* pool, const CUmemPoolProps* props);
+  CUresult (*memPoolDestroy)(CUmemoryPool pool);
+  CUresult (*memPoolSetAttribute)(CUmemoryPool pool, CUmemPool_attribute attr, void* value);
+  CUresult (*memPoolGetAttribute)(CUmemoryPool pool, CUmemPool_attribute attr, void* value);
+  CUresult (*memPoolTrimTo)(CUmemoryPool pool, size_t keep);
+  CUresult (*memAllocFromPoolAsync)(CUdeviceptr* ptr, size_t bytes, CUmemoryPool pool, CUstream stream);
+  CUresult (*memFreeAsync)(CUdeviceptr ptr, CUstream stream);
+  // stream order
+  CUresult (*eventCreate)(CUevent* event, unsigned int flags);
+  CUresult (*eventDestroy)(CUevent event);
+  CUresult (*eventRecord)(CUevent event, CUstream stream);
+  CUresult (*eventQuery)(CUevent event);
+  CUresult (*eventSynchronize)(CUevent event);
+  CUresult (*streamWaitEvent)(CUstream stream, CUevent event, unsigned int flags);
+  CUresult (*streamSynchronize)(CUstream stream);
+  CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode* mode);
+  // copies for release/restore
+  CUresult (*memcpyDtoH)(void* dst, CUdeviceptr src, size_t bytes);
+  CUresult (*memcpyHtoD)(CUdeviceptr dst, const void* src, size_t bytes);
+  CUresult (*memsetD8)(CUdeviceptr dst, unsigned char value, size_t bytes);
+  CUresult (*memHostAlloc)(void** ptr, size_t bytes, unsigned int flags);
+  CUresult (*memFreeHost)(void* ptr);
+  CUresult (*getErrorName)(CUresult error, const char** name);
+};
+
+// The table in use; nullptr until a driver was loaded or installed.
+const DriverApi* driver();
+
+// Fills the table from libcuda.so.1. Returns false with a reason when the library
+// or one of the entry points is missing.
+bool load_cuda_driver(std::string* why);
+
+// Replaces the table (the host stand-in of the tests). Not thread-safe: call
+// before any allocation.
+void set_driver(const DriverApi* api);
+
+// "CUDA_ERROR_OUT_OF_MEMORY" style name of a driver result.
+std::string driver_error_name(CUresult r);
+
+}  // namespace tb
+
+namespace tb {
+
+// Lets this thread make driver calls that stream capture in global mode forbids
+// (cuMemCreate, cuMemAlloc, ...) while some stream is capturing, as torch's own
+// allocator does. A no-op when `active` is false.
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(bool active);
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  bool active_;
+  CUstreamCaptureMode previous_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+};
+
+}  // namespace tb

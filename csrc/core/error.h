@@ -1,0 +1,50 @@
+// Errors inside the core: a code plus a message kept per thread.
+//
+// Nothing in the core throws or aborts: a failing call returns false / nullptr after
+// set_error(); the C ABI returns the code and Python (or the torch bridge) turns it
+// into a real exception with last_error_message().
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+namespace tb {
+
+enum ErrorCode : int {
+  kOk = 0,
+  kInvalidArgument = 1,  // bad input from the caller (unknown pointer, negative size, ...)
+  kOutOfMemory = 2,      // budget exceeded or the driver refused, after one retry
+  kDriverError = 3,      // a driver call failed for another reason
+  kNotAvailable = 4,     // no driver / capability missing / not initialised
+  kState = 5,            // call not allowed in the current state (e.g. already installed)
+};
+
+void set_error(ErrorCode code, std::string message);
+ErrorCode last_error_code();
+const std::string& last_error_message();
+void clear_error();
+
+// Records a failed driver call with the file:line and the driver's error name.
+bool fail_driver(CUresult r, const char* call, const char* file, int line);
+
+}  // namespace tb
+
+// Evaluates a driver call; on failure records it and makes the enclosing function
+// return `ret`.
+#define TB_DRIVER_CHECK(call, ret)                                   \
+  do {                                                               \
+    CUresult tb_r_ = (call);                                         \
+    if (tb_r_ != CUDA_SUCCESS) {                                     \
+      ::tb::fail_driver(tb_r_, #call, __FILE__, __LINE__);           \
+      return ret;                                                    \
+    }                                                                \
+  } while (0)
+
+#define TB_REQUIRE(cond, code, msg, ret)                             \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      ::tb::set_error((code), (msg));                                \
+      return ret;                                                    \
+    }                                                                \
+  } while (0)

@@ -1,0 +1,101 @@
+// The ledger: what each device holds, per route and per tag.
+//
+// Lock rule: every counter is written only under its DeviceAllocator's mutex, and
+// read without any lock (relaxed atomics), so stats never wait for the allocation
+// path and never synchronise the device. A reader may see two counters from two
+// different instants; each counter on its own is exact.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace tb {
+
+enum Route : int { kRouteVmm = 0, kRoutePool = 1, kRouteSync = 2, kRouteCount = 3 };
+const char* route_name(int route);
+
+constexpr int kMaxTags = 64;  // tag 0 is "untagged"
+
+// current / peak / allocated (sum of increments) / freed (sum of decrements),
+// the four numbers torch reports for every statistic.
+struct Stat {
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> freed{0};
+
+  void add(int64_t n) {
+    int64_t c = current.load(std::memory_order_relaxed) + n;
+    current.store(c, std::memory_order_relaxed);
+    if (c > peak.load(std::memory_order_relaxed)) peak.store(c, std::memory_order_relaxed);
+    allocated.store(allocated.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+  void sub(int64_t n) {
+    current.store(current.load(std::memory_order_relaxed) - n, std::memory_order_relaxed);
+    freed.store(freed.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+  void reset_peak() { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+  void reset_accumulated() {
+    allocated.store(0, std::memory_order_relaxed);
+    freed.store(0, std::memory_order_relaxed);
+  }
+  int64_t get() const { return current.load(std::memory_order_relaxed); }
+};
+
+// Index into the torch-compatible stat arrays: aggregate, small pool, large pool.
+enum PoolKind : int { kAggregate = 0, kSmallPool = 1, kLargePool = 2, kPoolKinds = 3 };
+
+struct StatArray3 {
+  Stat s[kPoolKinds];
+  void add(bool small, int64_t n) {
+    s[kAggregate].add(n);
+    s[small ? kSmallPool : kLargePool].add(n);
+  }
+  void sub(bool small, int64_t n) {
+    s[kAggregate].sub(n);
+    s[small ? kSmallPool : kLargePool].sub(n);
+  }
+  void reset_peak() {
+    for (auto& x : s) x.reset_peak();
+  }
+  void reset_accumulated() {
+    for (auto& x : s) x.reset_accumulated();
+  }
+};
+
+struct Ledger {
+  // torch's names (see c10::CachingDeviceAllocator::DeviceStats)
+  StatArray3 allocation;        // live allocations (count)
+  StatArray3 segment;           // segments / mapped granule runs (count)
+  StatArray3 active;            // allocated or waiting on a recorded stream (count)
+  StatArray3 allocated_bytes;   // bytes of live blocks (rounded sizes)
+  StatArray3 reserved_bytes;    // bytes held from the driver, cached included
+  StatArray3 active_bytes;
+  StatArray3 requested_bytes;   // bytes asked for by callers (unrounded)
+  StatArray3 inactive_split;    // free blocks carved from a larger run (count)
+  StatArray3 inactive_split_bytes;
+
+  // per route and per tag
+  Stat route_allocated[kRouteCount];
+  Stat route_reserved[kRouteCount];
+  std::atomic<int64_t> route_count[kRouteCount] = {};  // allocations served, cumulative
+  Stat tag_allocated[kMaxTags];
+  Stat tag_requested[kMaxTags];
+  std::atomic<int64_t> tag_count[kMaxTags] = {};
+  Stat graph_pool_reserved;  // memory held by private (graph) pools
+
+  std::atomic<int64_t> num_alloc_retries{0};
+  std::atomic<int64_t> num_ooms{0};
+  std::atomic<int64_t> num_device_alloc{0};
+  std::atomic<int64_t> num_device_free{0};
+  std::atomic<int64_t> num_sync_all_streams{0};
+
+  void reset_peaks();
+  void reset_accumulated();
+};
+
+inline void bump(std::atomic<int64_t>& c, int64_t n = 1) {
+  c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+}
+
+}  // namespace tb

@@ -1,0 +1,39 @@
+// Routing scopes: a process-wide default route plus a per-thread stack of
+// (route, tag) pushed and popped like `with` blocks.
+//
+// The stack is thread_local, so scopes on one thread never leak into another; the
+// allocation path reads only the top entry (no lock).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace tb {
+
+constexpr int kRouteDefault = -1;  // "keep the route of the enclosing scope"
+
+struct Scope {
+  int route;  // kRouteVmm / kRoutePool / kRouteSync
+  int tag;    // index into the tag registry, 0 = untagged
+};
+
+// Route used when no scope is open (set by install()).
+void set_default_route(int route);
+int default_route();
+
+// The scope in force on this thread.
+Scope current_scope();
+// Pushes a scope; route kRouteDefault keeps the current route, tag < 0 keeps the
+// current tag. Returns false (kInvalidArgument) on an unknown route or tag.
+bool push_scope(int route, int tag);
+// Pops the innermost scope; false (kState) when the stack is empty.
+bool pop_scope();
+int scope_depth();
+
+// Tag registry: names to small integers, process-wide, never shrinks.
+// Returns -1 (kInvalidArgument) on an empty name or when the table is full.
+int tag_id(const std::string& name);
+std::string tag_name(int id);
+int tag_count();
+
+}  // namespace tb

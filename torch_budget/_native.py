@@ -1,0 +1,128 @@
+"""Loads the compiled libraries and declares every C signature in one place.
+
+The libraries export a plain C ABI (csrc/tb_capi.h): calls return 0 or an error
+code and never throw; `check()` turns a code into a Python exception carrying the
+message the library kept for this thread.
+"""
+import ctypes
+import glob
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# csrc/core/error.h
+OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE = range(6)
+ROUTES = {"vmm": 0, "pool": 1, "sync": 2}
+ROUTE_NAMES = {v: k for k, v in ROUTES.items()}
+INT64_MAX = (1 << 63) - 1
+
+
+class TorchBudgetError(RuntimeError):
+    """A failure inside torch_budget's compiled allocator."""
+
+
+class NotBuiltError(ImportError):
+    """The compiled part was not built (pip install --no-build-isolation -e .)."""
+
+
+_c_i64_4 = ctypes.c_int64 * 4
+_c_i64_6 = ctypes.c_int64 * 6
+
+
+def _declare(lib, host):
+    i, i64, vp, d, cp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_char_p
+    u64, ssz = ctypes.c_uint64, ctypes.c_ssize_t
+    sigs = {
+        "tb_last_error": (cp, []),
+        "tb_last_error_code": (i, []),
+        "tb_configure": (i, [i64, d, i, i]),
+        "tb_device_count": (i, []),
+        "tb_capabilities": (i, [i, _c_i64_4]),
+        "tb_malloc": (vp, [ssz, i, vp]),
+        "tb_free": (None, [vp, ssz, i, vp]),
+        "tb_free_checked": (i, [vp]),
+        "tb_record_stream": (i, [vp, vp]),
+        "tb_push_scope": (i, [i, i]),
+        "tb_pop_scope": (i, []),
+        "tb_scope_depth": (i, []),
+        "tb_tag_id": (i, [cp]),
+        "tb_current_route": (i, []),
+        "tb_set_budget": (i, [i, i64]),
+        "tb_get_budget": (i64, [i]),
+        "tb_empty_cache": (i, [i]),
+        "tb_begin_pool": (i, [i, u64, u64, vp]),
+        "tb_end_pool": (i, [i, u64, u64]),
+        "tb_release_pool": (i, [i, u64, u64]),
+        "tb_stats_json": (cp, [i]),
+        "tb_segments_json": (cp, [i]),
+        "tb_reset_peaks": (i, [i]),
+    }
+    if host:
+        sigs.update({
+            "tb_host_use": (i, [i64, i, i]),
+            "tb_host_submit": (None, [vp]),
+            "tb_host_complete": (None, [vp]),
+            "tb_host_used": (i64, []),
+            "tb_host_counters": (None, [_c_i64_6]),
+        })
+    else:
+        sigs.update({"tb_torch_install": (i, []), "tb_torch_installed": (i, [])})
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+def library_path(name):
+    found = sorted(glob.glob(os.path.join(_HERE, name + "*.so")))
+    if not found:
+        raise NotBuiltError(
+            f"torch_budget.{name} is not built: run `pip install --no-build-isolation -e .` "
+            "in the repository (it needs a CUDA build of torch and the CUDA headers)"
+        )
+    return found[0]
+
+
+_libs = {}
+
+
+def load(name="_C"):
+    """The library `name` ("_C" serves torch, "_host_core" is the CPU test stand-in)."""
+    lib = _libs.get(name)
+    if lib is None:
+        if name == "_C":
+            import torch  # noqa: F401  (its libraries must be loaded first)
+        lib = _declare(ctypes.CDLL(library_path(name), mode=ctypes.RTLD_GLOBAL), host=name != "_C")
+        _libs[name] = lib
+    return lib
+
+
+def is_built(name="_C"):
+    try:
+        library_path(name)
+    except NotBuiltError:
+        return False
+    return True
+
+
+def error(lib, code=None):
+    """The exception for the library's last error on this thread."""
+    code = lib.tb_last_error_code() if code is None else code
+    msg = (lib.tb_last_error() or b"").decode(errors="replace") or f"error code {code}"
+    if code == INVALID_ARGUMENT:
+        return ValueError(msg)
+    if code == OUT_OF_MEMORY:
+        try:
+            import torch
+
+            return torch.cuda.OutOfMemoryError(msg)
+        except (ImportError, AttributeError):
+            return MemoryError(msg)
+    return TorchBudgetError(msg)
+
+
+def check(lib, rc):
+    if rc != 0:
+        raise error(lib, rc)
+    return rc
