@@ -437,8 +437,8 @@ class PoolLedger:
         return _pool_key(pool) in self._released
 
     def pools(self) -> dict[tuple[int, int], tuple]:
-        """Live pools -> the graphs holding them."""
-        return {key: tuple(sorted(h)) for key, h in self._holders.items()}
+        """Pools that graphs hold now -> those graphs."""
+        return {key: tuple(sorted(h)) for key, h in self._holders.items() if h}
 
 
 # ---------------------------------------------------------------------------------------
@@ -1092,7 +1092,7 @@ class GraphPoolManager:
         return dict(self._runners)
 
     def pools(self) -> dict[tuple[int, int], tuple]:
-        """Live pools -> the (runner, bucket, piece) graphs holding them."""
+        """Pools that graphs hold now -> the (runner, bucket, piece) graphs holding them."""
         return self.ledger.pools()
 
     def release_pool(self, pool: PoolHandle) -> None:

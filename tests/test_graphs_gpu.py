@@ -1,0 +1,351 @@
+"""GraphPoolManager on a CUDA device: capture, replay, pools, release, shadows.
+
+Each test captures graphs, so each runs in a fresh process (the `fresh` fixture). The
+`installed` variants first swap torch's allocator for the compiled shim with
+torch_budget.install() and run the same checks; they skip, saying why, when the shim is
+not importable or not built.
+"""
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parent.parent
+
+PRELUDE = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch_budget
+    from torch_budget.graphs import (EagerPiece, GraphPoolManager, PoolInUseError, PoolReleasedError,
+                                     StaticBufferRebindError, StaticInput)
+
+    if __INSTALL__:
+        try:
+            import torch_budget.allocator  # noqa: F401
+        except ImportError as exc:
+            print(f"SKIP: torch_budget.allocator is not importable ({exc})")
+            sys.exit(0)
+        try:
+            torch_budget.install()
+        except ImportError as exc:
+            print(f"SKIP: the compiled allocator extension is not built ({exc})")
+            sys.exit(0)
+        backend = torch.cuda.get_allocator_backend()
+        assert backend != "native", f"install() left torch's allocator in place ({backend})"
+
+    MiB = 1 << 20
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    DEV = torch.device("cuda", torch.cuda.current_device())
+    H = 64
+    W1 = torch.randn(H, 4 * H, device=DEV) / H ** 0.5
+    W2 = torch.randn(4 * H, H, device=DEV) / (4 * H) ** 0.5
+
+    def reference(x, pos):
+        # Row-wise, so padded rows of a bucket cannot leak into real rows.
+        return torch.nn.functional.gelu((x + pos.unsqueeze(-1).to(x.dtype)) @ W1) @ W2
+
+    CALLS = [0]
+
+    def mlp(buffers):
+        CALLS[0] += 1
+        return {"y": reference(buffers["x"], buffers["pos"])}
+
+    def mlp_inputs():
+        return [StaticInput("x", torch.float32, (H,)), StaticInput("pos", torch.int64, ())]
+
+    def host_batch(n, gen=None):
+        return torch.randn(n, H, generator=gen), torch.randint(0, 1000, (n,), generator=gen)
+
+    def check(got, x, pos):
+        torch.testing.assert_close(got, reference(x.to(DEV), pos.to(DEV)), rtol=1e-4, atol=1e-4)
+    """
+)
+
+
+def _run(fresh, body, install=False):
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    code = PRELUDE.replace("__INSTALL__", repr(bool(install))) + textwrap.dedent(body) + "\nprint('DONE')\n"
+    out = fresh(code, env=env)
+    if out.startswith("SKIP:"):
+        pytest.skip(out.strip()[len("SKIP:"):].strip())
+    assert out.rstrip().endswith("DONE"), out
+    return out
+
+
+ALLOCATORS = pytest.mark.parametrize("install", [False, True], ids=["native", "installed"])
+
+
+@ALLOCATORS
+def test_replay_matches_eager_for_several_buckets_with_changing_data(fresh, install):
+    _run(fresh, """
+        manager = GraphPoolManager()
+        runner = manager.runner("mlp", mlp, buckets=[1, 2, 4, 8, 16, 32], inputs=mlp_inputs())
+        runner.capture()
+        assert runner.captured == (1, 2, 4, 8, 16, 32), runner.captured
+        calls_after_capture = CALLS[0]
+
+        for n in [1, 3, 8, 17, 32, 5, 2, 32, 9, 16]:
+            x, pos = host_batch(n)
+            got = runner.step(n, x=x, pos=pos)["y"].clone()
+            assert got.shape == (n, H), got.shape
+            check(got, x, pos)
+            # The same padding through the eager path gives the same rows.
+            eager = runner.run_eager(n, x=x, pos=pos)["y"].clone()
+            torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+        calls_after_steps = CALLS[0]
+
+        # Replay does not call the Python piece and allocates nothing on the device.
+        for n in [7, 30, 1]:
+            x, pos = host_batch(n)
+            runner.step(n, x=x, pos=pos)
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        for n in [7, 30, 1, 32, 4]:
+            x, pos = host_batch(n)
+            runner.step(n, x=x, pos=pos)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated
+        eager_calls = calls_after_steps - calls_after_capture
+        assert CALLS[0] - calls_after_steps == 0, "step() ran the piece instead of replaying"
+        assert eager_calls == 10, eager_calls
+
+        assert runner.bucket_for(33) is None
+        manager.close()
+        assert manager.pools() == {}
+    """, install)
+
+
+@ALLOCATORS
+def test_pieces_share_one_pool_and_replay_in_order_around_an_eager_piece(fresh, install):
+    _run(fresh, """
+        def up(b):
+            return {"h": torch.nn.functional.gelu((b["x"] + b["pos"].unsqueeze(-1).float()) @ W1)}
+
+        EAGER_CALLS = []
+
+        def sort_rows(b):
+            # Stands in for an op that cannot be captured; writes in place, row by row.
+            EAGER_CALLS.append(b.bucket)
+            torch.sort(b["h"], dim=-1, out=(b["mixed"], b["order"]))
+
+        def down(b):
+            return {"y": b["mixed"] @ W2}
+
+        def piecewise_reference(x, pos):
+            h = torch.nn.functional.gelu((x + pos.unsqueeze(-1).float()) @ W1)
+            return h.sort(dim=-1).values @ W2
+
+        buckets = [2, 8, 32]
+        inputs = mlp_inputs() + [StaticInput("mixed", torch.float32, (4 * H,), source="device"),
+                                 StaticInput("order", torch.int64, (4 * H,), source="device")]
+        manager = GraphPoolManager()
+        runner = manager.runner("pw", [up, EagerPiece(sort_rows), down], buckets=buckets, inputs=inputs)
+        runner.capture()
+
+        pools = manager.pools()
+        assert list(pools) == [tuple(runner.pool)], pools
+        holders = pools[tuple(runner.pool)]
+        assert sorted(holders) == sorted(("pw", b, i) for b in buckets for i in (0, 2)), holders
+
+        # A second "shared" runner joins the same pool; an "own" runner gets its own.
+        other = manager.runner("mlp", mlp, buckets=[4, 16], inputs=mlp_inputs())
+        other.capture()
+        own = manager.runner("own", mlp, buckets=[4], inputs=mlp_inputs(), pool="own")
+        own.capture()
+        assert tuple(other.pool) == tuple(runner.pool)
+        assert tuple(own.pool) != tuple(runner.pool)
+        assert len(manager.pools()) == 2
+
+        EAGER_CALLS.clear()
+        for n in [5, 2, 32, 11, 1, 8]:
+            x, pos = host_batch(n)
+            got = runner.step(n, x=x, pos=pos)["y"].clone()
+            torch.testing.assert_close(got, piecewise_reference(x.to(DEV), pos.to(DEV)), rtol=1e-4, atol=1e-4)
+            # Interleave the runners that share the pool: replays are sequential on one stream.
+            x2, pos2 = host_batch(min(n, 16))
+            check(other.step(min(n, 16), x=x2, pos=pos2)["y"].clone(), x2, pos2)
+            x3, pos3 = host_batch(3)
+            check(own.step(3, x=x3, pos=pos3)["y"].clone(), x3, pos3)
+        assert EAGER_CALLS == [8, 2, 32, 32, 2, 8], EAGER_CALLS
+
+        # The shared pool outlives one runner and goes with the last.
+        runner.close()
+        assert len(manager.pools()) == 2
+        x, pos = host_batch(16)
+        check(other.step(16, x=x, pos=pos)["y"].clone(), x, pos)
+        manager.close()
+        assert manager.pools() == {}
+    """, install)
+
+
+@ALLOCATORS
+def test_runner_captures_into_the_pool_of_an_existing_graph(fresh, install):
+    _run(fresh, """
+        static_in = torch.zeros(16, H, device=DEV)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.relu(static_in @ W1)
+        torch.cuda.current_stream().wait_stream(side)
+        first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(first, stream=side):
+            static_out = torch.relu(static_in @ W1)
+
+        manager = GraphPoolManager()
+        runner = manager.runner("borrow", mlp, buckets=[4, 16], inputs=mlp_inputs(), pool=first.pool())
+        runner.capture()
+        assert tuple(runner.pool) == tuple(first.pool())
+        assert list(manager.pools()) == [tuple(first.pool())]
+
+        for n in [3, 16, 4, 9]:
+            x, pos = host_batch(n)
+            check(runner.step(n, x=x, pos=pos)["y"].clone(), x, pos)
+            data = torch.randn(16, H, device=DEV)
+            static_in.copy_(data)
+            first.replay()
+            torch.testing.assert_close(static_out, torch.relu(data @ W1), rtol=1e-4, atol=1e-4)
+
+        try:
+            manager.release_pool(first.pool())
+        except PoolInUseError as exc:
+            assert "'borrow'" in str(exc), exc
+        else:
+            raise AssertionError("releasing a pool held by graphs did not raise")
+
+        runner.close()
+        assert manager.pools() == {}, manager.pools()
+        manager.release_pool(first.pool())
+        try:
+            manager.runner("again", mlp, buckets=[4], inputs=mlp_inputs(), pool=first.pool())
+        except PoolReleasedError as exc:
+            assert str(tuple(first.pool())) in str(exc), exc
+        else:
+            raise AssertionError("a released pool handle was accepted")
+
+        # The graph that owns the pool in torch's eyes is untouched.
+        data = torch.randn(16, H, device=DEV)
+        static_in.copy_(data)
+        first.replay()
+        torch.testing.assert_close(static_out, torch.relu(data @ W1), rtol=1e-4, atol=1e-4)
+    """, install)
+
+
+def test_close_returns_graph_and_static_memory_to_the_driver(fresh):
+    _run(fresh, """
+        HB, FF = 1024, 8192
+        W1b = torch.randn(HB, FF, device=DEV) / HB ** 0.5
+        W2b = torch.randn(FF, HB, device=DEV) / FF ** 0.5
+
+        def big(b):
+            return {"y": torch.nn.functional.gelu(b["x"] @ W1b) @ W2b}
+
+        manager = GraphPoolManager()
+
+        def captured(name):
+            r = manager.runner(name, big, buckets=[128, 256, 512], pool="own",
+                               inputs=[StaticInput("x", torch.float32, (HB,))])
+            r.capture()
+            return r
+
+        # A first cycle, and a matmul on this stream, leave behind what outlives any runner
+        # (cuBLAS workspaces per stream); measure from there.
+        captured("first").close()
+        big({"x": torch.randn(8, HB, device=DEV)})
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
+
+        runner = captured("big")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved() - base
+        # The 512-row intermediates (512 x 8192 fp32 = 16 MiB) live in the pool, plus statics.
+        assert runner.static_nbytes == 2 * 512 * HB * 4, runner.static_nbytes
+        assert held >= 16 * MiB + runner.static_nbytes, held
+
+        # Releasing one bucket leaves the others working; steps of its size pad further up or go eager.
+        runner.release(512)
+        assert runner.captured == (128, 256) and runner.bucket_for(300) is None
+        x = torch.randn(200, HB)
+        got = runner.step(200, x=x)["y"].clone()
+        torch.testing.assert_close(got, big({"x": x.to(DEV)})["y"], rtol=1e-4, atol=1e-4)
+        del got
+
+        runner.close()
+        assert manager.pools() == {}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_reserved() - base
+        assert left <= 2 * MiB, f"held {held / MiB:.1f} MiB while captured, {left / MiB:.1f} MiB left after close"
+        print(f"held={held / MiB:.1f}MiB left={left / MiB:.1f}MiB")
+    """)
+
+
+@ALLOCATORS
+def test_rebinding_a_captured_buffer_raises_and_in_place_writes_are_replayed(fresh, install):
+    _run(fresh, """
+        def with_bias(b):
+            return {"y": reference(b["x"], b["pos"]) + b["bias"]}
+
+        inputs = mlp_inputs() + [StaticInput("bias", torch.float32, (H,), source="device")]
+        manager = GraphPoolManager()
+        runner = manager.runner("biased", with_bias, buckets=[4, 8], inputs=inputs)
+        runner.capture()
+
+        for rebind in (lambda: runner.inputs.__setitem__("bias", torch.ones(8, H, device=DEV)),
+                       lambda: setattr(runner, "bias", torch.ones(8, H, device=DEV)),
+                       lambda: setattr(runner.inputs, "x", torch.ones(8, H, device=DEV)),
+                       lambda: runner.outputs.__setitem__("y", torch.ones(8, H, device=DEV))):
+            try:
+                rebind()
+            except StaticBufferRebindError as exc:
+                assert any(f"'{name}'" in str(exc) for name in ("bias", "x", "y")), exc
+            else:
+                raise AssertionError("rebinding a graph buffer did not raise")
+
+        runner.inputs["bias"].fill_(5.0)
+        x, pos = host_batch(6)
+        got = runner.step(6, x=x, pos=pos)["y"].clone()
+        torch.testing.assert_close(got, reference(x.to(DEV), pos.to(DEV)) + 5.0, rtol=1e-4, atol=1e-4)
+
+        bias = torch.randn(3, H, device=DEV)
+        x, pos = host_batch(3)
+        got = runner.step(3, x=x, pos=pos, bias=bias)["y"].clone()
+        torch.testing.assert_close(got, reference(x.to(DEV), pos.to(DEV)) + bias, rtol=1e-4, atol=1e-4)
+        manager.close()
+    """, install)
+
+
+@ALLOCATORS
+def test_shadow_is_fenced_under_back_to_back_replays_with_changing_data(fresh, install):
+    _run(fresh, """
+        manager = GraphPoolManager()
+        runner = manager.runner("fenced", mlp, buckets=[1, 2, 4, 8, 16, 32, 64], inputs=mlp_inputs())
+        runner.capture()
+
+        busy = torch.randn(2048, 2048, device=DEV)
+        gen = torch.Generator().manual_seed(1)
+        sent, results = [], []
+        for _ in range(100):
+            n = int(torch.randint(1, 65, (1,), generator=gen))
+            x, pos = host_batch(n, gen)
+            # Keep the device busy so that the host runs ahead: without the fence it would
+            # overwrite the pinned shadow before this replay's captured copy has read it.
+            for _ in range(4):
+                busy @ busy
+            results.append(runner.step(n, x=x, pos=pos)["y"].clone())
+            sent.append((x, pos))
+        torch.cuda.synchronize()
+        for i, ((x, pos), got) in enumerate(zip(sent, results)):
+            try:
+                check(got, x, pos)
+            except AssertionError as exc:
+                raise AssertionError(f"replay {i} computed on other data than it was given") from exc
+        manager.close()
+    """, install)
