@@ -33,7 +33,7 @@ def run_fresh(code, timeout=300, env=None):
     full_env = dict(os.environ)
     full_env.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
         capture_output=True, text=True, timeout=timeout, env=full_env,
     )
     if proc.returncode != 0:
