@@ -350,6 +350,12 @@ def test_capture_needs_a_cuda_device():
         runner.capture()
 
 
+def test_cuda_runner_without_a_device_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="sees no CUDA device.*GraphPoolManager\\('cpu'\\)"):
+        GraphPoolManager("cuda:0").runner("decode", lambda b: None, buckets=[2])
+
+
 def test_step_on_an_uncaptured_bucket_raises():
     runner, _ = _runner(GraphPoolManager("cpu"))
     with pytest.raises(RuntimeError, match="bucket 4 is not captured"):

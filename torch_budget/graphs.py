@@ -526,6 +526,11 @@ class GraphRunner:
         self._label = f"graph runner {name!r}"
         self.name = name
         self.device = manager.device
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{self._label}: its manager is on {self.device}, but torch sees no CUDA device; "
+                "use GraphPoolManager('cpu') to run pieces eagerly without graphs"
+            )
         self._pieces = self._check_pieces(pieces)
         self._axes = dict(axes or {})
         self._output_axes = dict(output_axes or {})
