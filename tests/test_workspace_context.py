@@ -1,0 +1,464 @@
+"""workspace(metadata): the rules of SPEC section 5 that do not depend on the device, on CPU tensors.
+
+Streams are simulated through the metadata's `stream_fn` hook, the documented way to tell
+streams apart on a device torch_budget cannot query; the allocator shim through a stand-in
+module that records its routing scopes.
+"""
+
+import contextlib
+import logging
+import sys
+import threading
+import types
+import weakref
+
+import pytest
+import torch
+
+from conftest import MiB
+from torch_budget.workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
+
+LOGGER = "torch_budget.workspace"
+
+
+def warmed(floor=1 * MiB, **kwargs):
+    kwargs.setdefault("reclaimable", True)
+    meta = WorkspaceMetadata("cpu", **kwargs)
+    meta.warm_up(floor)
+    return meta
+
+
+def forward(meta, *demands):
+    """One eager forward whose layers need `demands` bytes of scratch each."""
+    with workspace(meta):
+        for nbytes in demands:
+            meta.get(nbytes).fill_(1)  # touch the scratch, as a kernel would
+
+
+def storage_bytes(tensor):
+    return tensor.untyped_storage().nbytes()
+
+
+def warnings_from(caplog):
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+class StandInAllocator(types.ModuleType):
+    """Stands in for torch_budget.allocator: records each routing scope and what it saw."""
+
+    def __init__(self, installed=True):
+        super().__init__("torch_budget.allocator")
+        self.is_installed = installed
+        self.scopes = []  # tag of every route() scope entered
+        self.on_enter = None  # called when a scope is entered
+        self.fail = None  # exception to raise when the next scope is entered
+
+    def installed(self):
+        return self.is_installed
+
+    @contextlib.contextmanager
+    def route(self, route=None, tag=None):
+        self.scopes.append(tag)
+        if self.on_enter is not None:
+            self.on_enter()
+        if self.fail is not None:
+            error, self.fail = self.fail, None
+            raise error
+        yield
+
+
+@pytest.fixture
+def shim(monkeypatch):
+    allocator = StandInAllocator()
+    monkeypatch.setitem(sys.modules, "torch_budget.allocator", allocator)
+    return allocator
+
+
+# -- warm-up --------------------------------------------------------------------------------
+
+
+def test_forward_before_warm_up_raises_value_error():
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    with pytest.raises(ValueError, match="warm-up must create it"):
+        with workspace(meta):
+            pass
+
+
+def test_get_before_warm_up_raises_value_error():
+    with pytest.raises(ValueError, match="warm-up must create it"):
+        WorkspaceMetadata("cpu").get(1 * MiB)
+
+
+def test_warm_up_capacity_becomes_the_floor():
+    meta = warmed(3 * MiB)
+    assert (meta.floor, meta.capacity, storage_bytes(meta.workspace)) == (3 * MiB, 3 * MiB, 3 * MiB)
+    assert meta.workspace.dtype == torch.uint8 and meta.workspace.dim() == 1
+
+
+def test_warm_up_adopts_the_workspace_a_backend_already_made():
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    own = torch.empty(2 * MiB, dtype=torch.uint8)
+    meta.workspace = own
+    assert warm_up(meta) is own
+    assert meta.floor == 2 * MiB
+
+
+@pytest.mark.parametrize(
+    "tensor, problem",
+    [
+        (torch.empty(16, dtype=torch.float32), "dtype torch.float32"),
+        (torch.empty(4, 4, dtype=torch.uint8), "2 dimensions"),
+        (torch.empty(16, dtype=torch.uint8)[4:], "a view"),
+    ],
+)
+def test_warm_up_rejects_a_workspace_that_is_not_flat_owned_uint8(tensor, problem):
+    meta = WorkspaceMetadata("cpu")
+    meta.workspace = tensor
+    with pytest.raises(ValueError, match=problem):
+        warm_up(meta)
+
+
+def test_second_warm_up_of_one_metadata_is_rejected():
+    meta = warmed(1 * MiB)
+    with pytest.raises(RuntimeError, match=rf"already warmed up \(floor {MiB} bytes\)"):
+        meta.warm_up(2 * MiB)
+
+
+def test_warm_up_rejects_a_negative_size():
+    with pytest.raises(ValueError, match="nbytes must be >= 0 bytes, got -1"):
+        WorkspaceMetadata("cpu").warm_up(-1)
+
+
+def test_get_rejects_negative_or_non_integer_sizes():
+    meta = warmed()
+    with pytest.raises(ValueError, match="nbytes must be >= 0 bytes, got -3"):
+        meta.get(-3)
+    with pytest.raises(TypeError, match="nbytes must be an integer byte count"):
+        meta.get(2.5)
+
+
+# -- overlapping forwards -------------------------------------------------------------------
+
+
+def test_nested_forward_on_one_workspace_raises_runtime_error():
+    meta = warmed()
+    with workspace(meta):
+        with pytest.raises(RuntimeError, match="overlapping forwards"):
+            with workspace(meta):
+                pass
+        assert meta.workspace_state.in_forward
+    assert not meta.workspace_state.in_forward
+    forward(meta, 1 * MiB)  # the workspace is free again
+
+
+def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
+    meta = warmed()
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_forward():
+        with workspace(meta):
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=first_forward)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="overlapping forwards"):
+            with workspace(meta):
+                pass
+    finally:
+        leave.set()
+        thread.join()
+    forward(meta, 1 * MiB)
+
+
+def test_separate_metadata_objects_run_forwards_side_by_side():
+    a, b = warmed(), warmed()
+    with workspace(a), workspace(b):
+        a.get(2 * MiB)
+        b.get(3 * MiB)
+
+
+def test_forward_that_raises_frees_the_workspace_and_is_not_counted():
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    forward(meta, 2 * MiB)
+    forward(meta, 2 * MiB)
+    with pytest.raises(KeyError):
+        with workspace(meta):
+            meta.get(2 * MiB)
+            raise KeyError("layer failed")
+    assert meta.capacity == 8 * MiB, "a failed forward must not complete the window"
+    assert not meta.workspace_state.in_forward
+    forward(meta, 2 * MiB)
+    assert meta.capacity == 2 * MiB
+
+
+# -- measuring demand -----------------------------------------------------------------------
+
+
+def test_get_grows_one_shared_storage_to_the_largest_request():
+    meta = warmed(1 * MiB)
+    with workspace(meta):
+        views = [meta.get(n) for n in (2 * MiB, 8 * MiB, 4 * MiB)]
+        assert [v.numel() for v in views] == [2 * MiB, 8 * MiB, 4 * MiB]
+        assert views[-1].untyped_storage().data_ptr() == meta.workspace.untyped_storage().data_ptr()
+    assert meta.capacity == storage_bytes(meta.workspace) == 8 * MiB
+
+
+def test_logical_size_is_zeroed_only_above_the_floor():
+    meta = warmed(1 * MiB)
+    with workspace(meta):
+        assert meta.workspace.numel() == 1 * MiB  # at the floor: nothing to measure
+        meta.get(8 * MiB)
+    storage = meta.workspace.untyped_storage().data_ptr()
+    with workspace(meta):
+        assert meta.workspace.numel() == 0
+        assert storage_bytes(meta.workspace) == 8 * MiB
+        assert meta.workspace.untyped_storage().data_ptr() == storage  # storage kept
+        meta.get(3 * MiB)
+        assert meta.workspace.untyped_storage().data_ptr() == storage  # and reused
+
+
+def test_backend_that_resizes_the_workspace_itself_is_measured():
+    meta = warmed(1 * MiB)
+
+    def backend_forward(*demands):
+        with workspace(meta):
+            for nbytes in demands:
+                scratch = meta.workspace
+                if scratch.numel() < nbytes:
+                    scratch.resize_(nbytes)  # grow-only, in place, without get()
+
+    backend_forward(8 * MiB)
+    assert meta.capacity == 8 * MiB
+    for demand in (2 * MiB, 3 * MiB, 2 * MiB):
+        backend_forward(demand)
+    assert meta.capacity == storage_bytes(meta.workspace) == 3 * MiB
+
+
+def test_growth_of_a_stateful_workspace_keeps_its_contents():
+    meta = warmed(1 * MiB, reclaimable=False)
+    meta.get(1 * MiB).fill_(7)
+    grown = meta.get(4 * MiB)
+    assert storage_bytes(meta.workspace) == 4 * MiB
+    assert bool((grown[: 1 * MiB] == 7).all())
+
+
+# -- reclaiming -----------------------------------------------------------------------------
+
+
+def test_three_underfilled_forwards_replace_the_workspace_with_target_bytes():
+    meta = warmed(1 * MiB)
+    forward(meta, 2 * MiB, 8 * MiB)
+    long_workspace = weakref.ref(meta.workspace)
+    forward(meta, 2 * MiB)
+    forward(meta, 3 * MiB, 1 * MiB)
+    assert meta.workspace is long_workspace(), "two underfilled forwards must not shrink"
+    forward(meta, 2 * MiB)
+    assert long_workspace() is None, "the old workspace must be dropped"
+    assert meta.workspace.numel() == storage_bytes(meta.workspace) == 3 * MiB
+    assert meta.capacity == 3 * MiB
+
+
+def test_shrink_releases_the_old_workspace_before_allocating_the_new_one(shim):
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    for demand in (2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    old = weakref.ref(meta.workspace)
+    alive_at_allocation = []
+    shim.on_enter = lambda: alive_at_allocation.append(old() is not None)
+    shim.scopes.clear()
+    forward(meta, 2 * MiB)
+    assert shim.scopes == [WORKSPACE_TAG]
+    assert alive_at_allocation == [False]
+    assert meta.capacity == 2 * MiB
+
+
+def test_shrink_target_is_never_below_the_floor():
+    meta = warmed(4 * MiB)
+    forward(meta, 16 * MiB)
+    for demand in (1 * MiB, 1 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.capacity == storage_bytes(meta.workspace) == 4 * MiB
+
+
+def test_non_reclaimable_workspace_is_never_reclaimed():
+    meta = warmed(1 * MiB, reclaimable=False)
+    forward(meta, 8 * MiB)
+    tensor = meta.workspace
+    for _ in range(6):
+        forward(meta, 1 * MiB)
+    assert meta.workspace is tensor
+    assert storage_bytes(tensor) == 8 * MiB
+
+
+def test_graph_metadata_is_left_untouched_even_without_warm_up():
+    meta = WorkspaceMetadata("cpu", reclaimable=True, is_graph_metadata=True)
+    with workspace(meta):
+        pass
+    assert meta.workspace is None
+
+
+def test_graph_metadata_workspace_is_never_resized_or_reclaimed():
+    meta = warmed(1 * MiB, is_graph_metadata=True)
+    meta.get(8 * MiB)
+    tensor = meta.workspace
+    for _ in range(4):
+        with workspace(meta):
+            assert tensor.numel() == 8 * MiB  # not zeroed
+            meta.get(1 * MiB)
+    assert meta.workspace is tensor and storage_bytes(tensor) == 8 * MiB
+
+
+def test_eager_forwards_never_touch_the_graph_workspace():
+    graph_ws = torch.full((4 * MiB,), 5, dtype=torch.uint8)
+    address = graph_ws.data_ptr()
+    meta = warmed(1 * MiB, graph_workspace=graph_ws)
+    forward(meta, 16 * MiB)
+    for demand in (2 * MiB, 2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.capacity == 2 * MiB  # the eager workspace did shrink
+    assert meta.graph_workspace is graph_ws
+    assert graph_ws.data_ptr() == address and graph_ws.numel() == 4 * MiB
+    assert bool((graph_ws == 5).all())
+
+
+def test_rebinding_the_workspace_outside_the_manager_is_reported():
+    meta = warmed(1 * MiB)
+    meta.workspace = torch.empty(2 * MiB, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="was replaced outside the manager"):
+        with workspace(meta):
+            pass
+    assert not meta.workspace_state.in_forward
+
+
+# -- streams --------------------------------------------------------------------------------
+
+
+class SimulatedStreams:
+    """A stream_fn whose answer the test sets, standing in for a device's current stream."""
+
+    def __init__(self, current="stream-0"):
+        self.current = current
+
+    def __call__(self):
+        return self.current
+
+
+def test_forwards_on_the_warm_up_stream_keep_reclaiming(caplog):
+    streams = SimulatedStreams()
+    meta = warmed(1 * MiB, stream_fn=streams)
+    forward(meta, 8 * MiB)
+    for demand in (2 * MiB, 2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.capacity == 2 * MiB
+    assert warnings_from(caplog) == []
+
+
+def test_stream_change_disables_reclamation_with_exactly_one_warning(caplog):
+    streams = SimulatedStreams()
+    meta = warmed(1 * MiB, stream_fn=streams)
+    forward(meta, 8 * MiB)
+    streams.current = "stream-1"
+    forward(meta, 2 * MiB)
+    assert meta.reclaim_disabled
+    for current in ("stream-0", "stream-1", "stream-0", "stream-0", "stream-0"):
+        streams.current = current
+        forward(meta, 2 * MiB)
+    assert meta.capacity == storage_bytes(meta.workspace) == 8 * MiB
+    warnings = warnings_from(caplog)
+    assert len(warnings) == 1
+    assert "disabled for good" in warnings[0].getMessage()
+    assert "'stream-1'" in warnings[0].getMessage()
+
+
+def test_each_metadata_warns_once_about_its_own_stream_change(caplog):
+    streams = SimulatedStreams()
+    first, second = warmed(stream_fn=streams), warmed(stream_fn=streams)
+    streams.current = "stream-1"
+    for _ in range(3):
+        forward(first, 1 * MiB)
+        forward(second, 1 * MiB)
+    assert len(warnings_from(caplog)) == 2
+
+
+def test_multi_stream_metadata_disables_reclamation_with_one_warning(caplog):
+    meta = warmed(1 * MiB, multi_stream=True)
+    forward(meta, 8 * MiB)
+    for demand in (2 * MiB, 2 * MiB, 2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.reclaim_disabled
+    assert meta.capacity == 8 * MiB
+    warnings = warnings_from(caplog)
+    assert len(warnings) == 1 and "multi_stream" in warnings[0].getMessage()
+
+
+# -- the allocator shim ---------------------------------------------------------------------
+
+
+def test_workspace_allocations_are_routed_to_the_workspace_tag_when_the_shim_is_installed(shim):
+    meta = warmed(1 * MiB)
+    assert shim.scopes == [WORKSPACE_TAG]  # warm-up
+    forward(meta, 8 * MiB)
+    assert shim.scopes == [WORKSPACE_TAG] * 2  # growth
+    forward(meta, 2 * MiB)
+    forward(meta, 4 * MiB)
+    assert shim.scopes == [WORKSPACE_TAG] * 2, "a forward that allocates nothing enters no scope"
+    forward(meta, 2 * MiB)
+    assert shim.scopes == [WORKSPACE_TAG] * 3  # the shrink's allocation
+
+
+def test_nothing_is_routed_when_the_shim_is_not_installed(shim):
+    shim.is_installed = False
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    for demand in (2 * MiB, 2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.capacity == 2 * MiB
+    assert shim.scopes == []
+
+
+def test_allocator_module_without_the_routing_interface_counts_as_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_budget.allocator", types.ModuleType("torch_budget.allocator"))
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    assert meta.capacity == 8 * MiB
+
+
+def test_failed_shrink_allocation_leaves_an_empty_usable_workspace(shim):
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    forward(meta, 2 * MiB)
+    forward(meta, 2 * MiB)
+    shim.fail = MemoryError("budget exceeded")
+    with pytest.raises(MemoryError, match="budget exceeded"):
+        forward(meta, 2 * MiB)
+    assert meta.workspace is not None and storage_bytes(meta.workspace) == 0
+    assert not meta.workspace_state.in_forward
+    forward(meta, MiB // 2)  # regrows on demand, even below the floor
+    assert meta.capacity == MiB // 2
+    forward(meta, 2 * MiB)
+    assert meta.capacity == 2 * MiB
+    for _ in range(3):
+        forward(meta, 1 * MiB)  # at or above the floor again: measured and reclaimed
+    assert meta.capacity == storage_bytes(meta.workspace) == 1 * MiB
+
+
+# -- lifetime -------------------------------------------------------------------------------
+
+
+def test_dropping_the_metadata_frees_its_workspace_without_garbage_collection():
+    import gc
+
+    meta = warmed(1 * MiB)
+    forward(meta, 4 * MiB)
+    tensor = weakref.ref(meta.workspace)
+    gc.disable()
+    try:
+        del meta
+        assert tensor() is None, "the state must not hold the metadata in a reference cycle"
+    finally:
+        gc.enable()
