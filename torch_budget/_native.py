@@ -93,7 +93,9 @@ def load(name="_C"):
     if lib is None:
         if name == "_C":
             import torch  # noqa: F401  (its libraries must be loaded first)
-        lib = _declare(ctypes.CDLL(library_path(name), mode=ctypes.RTLD_GLOBAL), host=name != "_C")
+        # RTLD_LOCAL: the library's C++ runtime symbols must not interpose on other
+        # libraries' (cuDNN resolved its iostreams into ours under RTLD_GLOBAL).
+        lib = _declare(ctypes.CDLL(library_path(name), mode=ctypes.RTLD_LOCAL), host=name != "_C")
         _libs[name] = lib
     return lib
 
