@@ -1,0 +1,156 @@
+"""The eager workspace on a CUDA device: memory really goes back, streams and capture are honoured.
+
+Every test runs in a fresh process: some install the allocator shim (which must precede the
+first CUDA allocation) or capture graphs, and the others need clean allocator statistics.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PRELUDE = """
+import logging
+import torch
+from torch_budget.workspace import WorkspaceMetadata, workspace
+MiB = 1 << 20
+LONG, SHORT, FLOOR = 512 * MiB, 16 * MiB, 8 * MiB
+
+def forward(meta, *demands):
+    with workspace(meta):
+        for nbytes in demands:
+            meta.get(nbytes).fill_(1)
+
+def long_then_two_short(meta):
+    forward(meta, 64 * MiB, LONG, 128 * MiB)
+    assert meta.capacity == LONG, meta
+    forward(meta, SHORT)
+    forward(meta, 4 * MiB, SHORT)
+    assert meta.capacity == LONG, "two short forwards must not shrink"
+    torch.cuda.synchronize()
+
+class Count(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+    def emit(self, record):
+        self.records.append(record)
+
+warnings = Count()
+logging.getLogger("torch_budget.workspace").addHandler(warnings)
+"""
+
+
+def test_third_short_forward_returns_the_excess_to_the_device_under_install(fresh):
+    out = fresh("""
+import torch_budget
+torch_budget.install()
+""" + PRELUDE + """
+meta = WorkspaceMetadata("cuda", reclaimable=True)
+meta.warm_up(FLOOR)
+long_then_two_short(meta)
+by_tag = torch_budget.allocator.stats()["by_tag"]
+assert by_tag["workspace"]["allocated"] == meta.capacity == LONG, by_tag
+torch.cuda.empty_cache()
+free_before = torch.cuda.mem_get_info()[0]
+forward(meta, SHORT)
+torch.cuda.synchronize()
+assert meta.capacity == SHORT, meta
+returned = torch.cuda.mem_get_info()[0] - free_before
+if returned < 0.95 * (LONG - SHORT):
+    torch.cuda.empty_cache()  # the shim may keep freed memory cached until asked
+    returned = torch.cuda.mem_get_info()[0] - free_before
+assert returned >= 0.95 * (LONG - SHORT), (returned / MiB, "MiB returned")
+by_tag = torch_budget.allocator.stats()["by_tag"]
+assert by_tag["workspace"]["allocated"] == meta.capacity == SHORT, by_tag
+print("returned_mib", returned / MiB)
+""")
+    assert "returned_mib" in out
+
+
+def test_third_short_forward_returns_the_excess_to_torchs_cache_natively(fresh):
+    fresh(PRELUDE + """
+meta = WorkspaceMetadata("cuda", reclaimable=True)
+meta.warm_up(FLOOR)
+long_then_two_short(meta)
+allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+forward(meta, SHORT)
+torch.cuda.synchronize()
+assert meta.capacity == SHORT, meta
+assert allocated - torch.cuda.memory_allocated() == LONG - SHORT
+# Released before the new workspace was allocated: the cache served it, no new segment.
+assert torch.cuda.memory_reserved() <= reserved, (torch.cuda.memory_reserved(), reserved)
+""")
+
+
+def test_growing_scratch_never_holds_the_old_and_new_storage_at_once(fresh):
+    fresh(PRELUDE + """
+for reclaimable, extra in ((True, 0), (False, 64 * MiB)):
+    meta = WorkspaceMetadata("cuda", reclaimable=reclaimable)
+    meta.warm_up(64 * MiB)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    forward(meta, LONG)
+    torch.cuda.synchronize()
+    # Pure scratch is released before it regrows; a stateful workspace is copied, so both exist.
+    assert torch.cuda.max_memory_allocated() - base == LONG - 64 * MiB + extra, reclaimable
+    del meta
+""")
+
+
+def test_shrink_never_touches_the_graph_workspace(fresh):
+    fresh(PRELUDE + """
+graph_ws = torch.full((4 * MiB,), 5, dtype=torch.uint8, device="cuda")
+address = graph_ws.data_ptr()
+meta = WorkspaceMetadata("cuda", reclaimable=True, graph_workspace=graph_ws)
+meta.warm_up(FLOOR)
+long_then_two_short(meta)
+forward(meta, SHORT)
+assert meta.capacity == SHORT
+assert meta.graph_workspace is graph_ws and graph_ws.data_ptr() == address
+assert bool((graph_ws == 5).all())
+""")
+
+
+def test_forward_on_another_cuda_stream_disables_reclamation_with_one_warning(fresh):
+    fresh(PRELUDE + """
+meta = WorkspaceMetadata("cuda", reclaimable=True)
+meta.warm_up(FLOOR)
+forward(meta, LONG)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    forward(meta, SHORT)
+torch.cuda.current_stream().wait_stream(side)
+assert meta.reclaim_disabled
+for _ in range(4):
+    forward(meta, SHORT)
+torch.cuda.synchronize()
+assert meta.capacity == LONG, meta
+assert len(warnings.records) == 1, [r.getMessage() for r in warnings.records]
+""")
+
+
+def test_forward_under_graph_capture_does_nothing(fresh):
+    fresh(PRELUDE + """
+meta = WorkspaceMetadata("cuda", reclaimable=True)
+meta.warm_up(FLOOR)
+forward(meta, 64 * MiB)
+forward(meta, SHORT)
+policy = meta.workspace_state.policy
+assert policy.remaining == 2
+tensor = meta.workspace
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # captures on a side stream
+    with workspace(meta):
+        assert tensor.numel() == SHORT, "capture must not zero the logical size"
+        meta.get(SHORT).fill_(3)
+graph.replay()
+torch.cuda.synchronize()
+assert meta.workspace is tensor and meta.capacity == 64 * MiB
+assert policy.remaining == 2, "a captured forward must not count"
+assert not meta.reclaim_disabled and not warnings.records
+forward(meta, SHORT)
+forward(meta, SHORT)
+assert meta.capacity == SHORT
+""")
