@@ -462,3 +462,16 @@ def test_dropping_the_metadata_frees_its_workspace_without_garbage_collection():
         assert tensor() is None, "the state must not hold the metadata in a reference cycle"
     finally:
         gc.enable()
+
+
+def test_package_level_workspace_call_works_whatever_was_imported_first(fresh):
+    out = fresh("""
+        import torch, torch_budget
+        from torch_budget.workspace import WorkspaceMetadata  # binds the submodule first
+        meta = WorkspaceMetadata("cpu", reclaimable=True)
+        meta.warm_up(1 << 20)
+        with torch_budget.workspace(meta):
+            meta.get(4 << 20)
+        print(meta.capacity)
+    """)
+    assert out.split() == [str(4 * MiB)]
