@@ -54,7 +54,8 @@ a metadata that declares `multi_stream`) disables reclamation for good.
 Under graph capture the manager does nothing: capture runs on its own stream, a resize would
 be recorded into the graph, and a replacement would move an address the graph baked in.
 Graph metadata is likewise left alone, and the graph workspace is a separate tensor that
-eager forwards never touch.
+eager forwards never touch. (An eager workspace used inside a capture must already be large
+enough: growing it there would take the new storage from the graph's private pool.)
 """
 
 import functools
