@@ -22,6 +22,12 @@ for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace}; do
   timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
 done
 
+if [ -z "${NO_DEMO:-}" ]; then
+  echo "== demo"
+  timeout 600 $PY -m torch_budget demo --quick --out "$OUT/ledger.png" 2>"$OUT/demo.err" | tee "$OUT/demo.log" | tail -30
+  tail -5 "$OUT/demo.err"
+fi
+
 echo
 echo "================ GPU suite: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), torch $($PY -c 'import torch;print(torch.__version__)')"
 echo "tests        $tests_line"
