@@ -1,0 +1,132 @@
+"""The `torch-budget` command line and the demo's CPU-testable parts (no GPU needed).
+
+The demo's serving run needs a CUDA device, but its pieces that decide correctness do not: the
+prefill that puts attention scratch in the eager workspace, and the scheduler (row holes, bucket
+padding, KV deferral). Those run here on CPU through `GraphRunner.run_eager`, which replays the
+same computation through the same static buffers and padding as a captured graph.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_budget
+from torch_budget import cli, demo
+from torch_budget.graphs import GraphPoolManager
+from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, decode, prefill
+from torch_budget.workspace import WorkspaceMetadata, workspace as workspace_scope
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=97, max_seq_len=32, dtype="float32")
+
+
+def test_doctor_runs_and_names_torchs_version(capsys):
+    assert cli.main(["doctor"]) == 0
+    assert torch.__version__ in capsys.readouterr().out
+
+
+def test_demo_without_a_gpu_prints_the_plan_and_why_it_stops(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides any device, so this runs the no-GPU path on every machine.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "torch_budget", "demo", "--quick"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "ASSUMPTION" in out and "H200" in out, out
+    assert "KV cache:" in out and "weights" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("torch-budget demo stops here: no CUDA device visible"), out
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == [], "the plan-only run must not write a ledger picture"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "x"], "not a whole number"),
+    (["--gpu-mem-gib", "80", "--heads", "6", "--kv-heads", "4"], "multiple of kv_heads"),
+])
+def test_plan_with_bad_input_exits_2_with_a_message(capsys, argv, message):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_command_exits_2_and_suggests_the_closest(capsys):
+    assert cli.main(["plna"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'plna'" in err and "did you mean 'plan'" in err
+
+
+def test_no_command_exits_2_with_the_usage(capsys):
+    assert cli.main([]) == 2
+    assert "usage: torch-budget" in capsys.readouterr().err
+
+
+def test_demo_rejects_bad_options_with_exit_2(capsys):
+    assert cli.main(["demo", "--requests", "0"]) == 2
+    assert "--requests" in capsys.readouterr().err
+
+
+def test_bench_without_the_script_says_where_benchmarks_live(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "bench_script", lambda: tmp_path / "tools" / "bench_alloc.py")
+    assert cli.main(["bench"]) == 1
+    assert "tools/bench_alloc.py" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DemoModel(TINY, seed=3)
+
+
+def _warm_meta(floor_tokens):
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    meta.warm_up(demo.workspace_bytes(TINY, 1, floor_tokens))
+    return meta
+
+
+def test_workspace_prefill_matches_model_prefill_and_holds_one_layers_need(model):
+    ids = torch.randint(0, TINY.vocab, (2, 13), generator=torch.Generator().manual_seed(0))
+    reference = prefill(model, ids, PagedKVCache(TINY, num_blocks=16, max_batch=2, block_size=4))
+    cache = PagedKVCache(TINY, num_blocks=16, max_batch=2, block_size=4)
+    meta = _warm_meta(2)
+    with workspace_scope(meta):
+        last = demo.prefill_last(model, ids, cache, [0, 1], meta)
+    torch.testing.assert_close(last, reference[:, -1], rtol=1e-5, atol=1e-5)
+    # Every layer needs the same scratch; the workspace holds one layer's need, not the sum.
+    assert meta.capacity == demo.workspace_bytes(TINY, 2, 13)
+
+
+def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
+    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=True, min_prompt=3, max_prompt=24,
+                             min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0)
+    requests = demo.make_requests(settings, TINY.vocab)
+    # 9 usable blocks of 4 tokens: too few for four long requests at once, so some must wait.
+    cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
+    manager = GraphPoolManager("cpu")
+    runner = demo._decode_runner(manager, "decode", model, cache, settings.buckets)
+
+    class EagerRunner:  # the captured graph's computation, through the same buffers and padding
+        step = staticmethod(runner.run_eager)
+        bucket_for = staticmethod(runner.bucket_for)
+
+    class NoWatch:
+        def sample(self):
+            pass
+
+    stats = demo._run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(),
+                               torch.device("cpu"), torch_budget.route)
+    assert stats["generated"] == sum(r.new_tokens for r in requests)
+    assert stats["deferred"], "the small cache should have made a request wait for KV blocks"
+    assert cache.free_blocks == cache.num_blocks - 1, "every block comes back when its request finishes"
+    for req in requests:
+        alone = PagedKVCache(TINY, num_blocks=16, max_batch=1, block_size=4)
+        out = [int(prefill(model, req.prompt[None], alone)[0, -1].argmax())]
+        pos = req.prompt_len
+        while len(out) < req.new_tokens:
+            alone.reserve(0, pos + 1)
+            out.append(int(decode(model, torch.tensor([out[-1]]), torch.tensor([pos]), alone)[0].argmax()))
+            pos += 1
+        assert req.out == out, f"request {req.index}"
