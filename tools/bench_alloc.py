@@ -2,7 +2,7 @@
 
 Each configuration runs in its own process (install() must be the first CUDA thing)
 and reports:
-  - torch.empty + del round trip, µs (median of 7 batches), at 4 KiB, 1 MiB, 64 MiB;
+  - torch.empty + del round trip, µs (median of 5 batches of 20000), at 4 KiB, 1 MiB, 64 MiB;
   - a random-size churn trace (live set up to 48 tensors, lognormal sizes up to
     512 MiB): peak reserved bytes over peak live bytes, and the same from the
     device's own used memory (mem_get_info) over peak live bytes.
@@ -19,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+ROUNDS = int(os.environ.get("BENCH_ALLOC_ROUNDS", "3"))
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
 CONFIGS = [
     ("native", {}, None),
@@ -61,7 +62,7 @@ def child(route):
             del del_me
         batches = []
         iters = 20000
-        for _ in range(7):
+        for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(iters):
                 x = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -105,15 +106,19 @@ def main():
     if not torch.cuda.is_available():
         print("bench_alloc: no CUDA device visible; this benchmark measures GPU allocation and needs one")
         return 0
-    results = {}
-    for name, env, route in CONFIGS:
-        proc = subprocess.run([sys.executable, __file__, "--child", route or "none"], capture_output=True, text=True,
-                              env={**os.environ, **env}, timeout=600)
-        line = [l for l in proc.stdout.splitlines() if l.startswith("CHILD ")]
-        if proc.returncode != 0 or not line:
-            print(f"{name}: FAILED\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-            continue
-        results[name] = json.loads(line[0][6:])
+    # Configurations run interleaved, ROUNDS times each; the table takes each one's
+    # median, so a slow moment of the machine does not land on one configuration only.
+    runs = {}
+    for _ in range(ROUNDS):
+        for name, env, route in CONFIGS:
+            proc = subprocess.run([sys.executable, __file__, "--child", route or "none"], capture_output=True,
+                                  text=True, env={**os.environ, **env}, timeout=600)
+            line = [l for l in proc.stdout.splitlines() if l.startswith("CHILD ")]
+            if proc.returncode != 0 or not line:
+                print(f"{name}: FAILED\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+                continue
+            runs.setdefault(name, []).append(json.loads(line[0][6:]))
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     if "native" not in results:
         print("RESULT bench_alloc failed=native")
         return 1
@@ -124,7 +129,7 @@ def main():
         ratios = "/".join(f"{r[k] / nat[k]:.2f}" for k in SIZES)
         print(f"{name:24} {r['4KiB']:8.2f} {r['1MiB']:8.2f} {r['64MiB']:9.2f}   {ratios:>22}"
               f" {r['churn_reserved_ratio']:14.3f} {r['churn_device_ratio']:14.3f}")
-    print(f"(peak live bytes of the churn trace: {nat['peak_live_gib']:.2f} GiB)")
+    print(f"(peak live bytes of the churn trace: {nat['peak_live_gib']:.2f} GiB; medians of {ROUNDS} interleaved runs)")
     tb = results.get("tb-vmm (default)")
     if tb:
         worst = max(tb[k] / nat[k] for k in SIZES)
