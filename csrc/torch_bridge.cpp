@@ -230,6 +230,20 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     if (d == nullptr || !d->release_pool({id.first, id.second})) raise_last_error("releasePool");
   }
 
+  // torch.cuda.MemPool and use_mem_pool reach the same private pools as capture.
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                          std::shared_ptr<cca::CUDAAllocator> /*allocator*/) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error("createOrIncrefPool");
+    d->create_or_incref_pool({id.first, id.second});
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error("getPoolUseCount");
+    return d->pool_use_count({id.first, id.second});
+  }
+
   std::string name() override { return "torch_budget"; }
 };
 

@@ -217,3 +217,21 @@ else:
 torch.cuda.synchronize()
 assert float(x.fill_(1).sum()) == 1024
 """)
+
+
+def test_torch_mempool_allocations_land_in_a_private_pool_and_return(fresh):
+    fresh(PRELUDE + """
+torch_budget.install()
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    x = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
+y = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
+owners = {tuple(s["pool"]) for s in torch_budget.segments() if s["allocated_size"]}
+assert len(owners) == 2 and (0, 0) in owners, owners
+assert torch_budget.stats()["graph_pools"] >= 24 * MiB
+assert pool.use_count() == 1
+del x
+del pool
+assert torch_budget.stats()["graph_pools"] == 0
+del y
+""")

@@ -291,3 +291,38 @@ def test_lowering_budget_releases_cache_first():
     assert h.reserved() == 100 * MiB
     h.set_budget(50 * MiB)  # only cache is above it: released, not refused
     assert h.reserved() == 0
+
+
+@isolated
+def test_threads_allocating_on_their_own_streams_leave_consistent_counts():
+    import threading
+
+    h = Host(route="vmm")
+    errors = []
+
+    def worker(stream, seed):
+        rng = random.Random(seed)
+        live = []
+        try:
+            for _ in range(400):
+                if live and rng.random() < 0.5:
+                    h.free(live.pop(rng.randrange(len(live))))
+                else:
+                    live.append(h.malloc(rng.choice([512, 3000, 300 * KiB, 3 * MiB, 17 * MiB]), stream))
+            for p in live:
+                h.free(p)
+        except Exception as e:  # collected and re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(0x1000 * (i + 1), i)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    st = h.stats()
+    assert st["allocated_bytes"]["all"]["current"] == 0
+    assert st["allocation"]["all"]["current"] == 0
+    assert st["allocation"]["all"]["allocated"] == st["allocation"]["all"]["freed"] > 0
+    h.empty_cache()
+    assert h.device_used() == 0

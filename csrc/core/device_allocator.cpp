@@ -430,10 +430,25 @@ size_t DeviceAllocator::largest_free() {
 
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mu_);
-  Backing* backing = caps_.vmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
-  graphs_.acquire(id, backing, caps_.vmm ? kRouteVmm : kRouteSync);
+  acquire_pool(id);
   graphs_.begin_capture(id, std::move(filter));
   return true;
+}
+
+void DeviceAllocator::acquire_pool(const PoolId& id) {
+  Backing* backing = caps_.vmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
+  graphs_.acquire(id, backing, caps_.vmm ? kRouteVmm : kRouteSync);
+}
+
+void DeviceAllocator::create_or_incref_pool(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  acquire_pool(id);
+}
+
+int DeviceAllocator::pool_use_count(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  return p ? p->use_count : 0;
 }
 
 bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {

@@ -91,6 +91,9 @@ class DeviceAllocator {
   bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter);
   bool end_allocate_to_pool(const PoolId& id);
   bool release_pool(const PoolId& id);
+  // torch.cuda.MemPool: a pool that exists (and holds a use) outside any capture.
+  void create_or_incref_pool(const PoolId& id);
+  int pool_use_count(const PoolId& id);
 
   std::vector<SegmentView> segments();
   void inactive_split(int64_t* count, int64_t* bytes);
@@ -121,6 +124,7 @@ class DeviceAllocator {
   bool free_locked(std::unordered_map<uintptr_t, Block*>::iterator it);
   void synchronize_and_release_cached();
   void maybe_destroy_graph_pool(BlockPool* pool);
+  void acquire_pool(const PoolId& id);
   std::string oom_message(size_t size, int route, int tag, bool budget_refused, const std::string& cause);
 
   const int device_;
