@@ -18,7 +18,7 @@ import torch_budget
 from torch_budget import cli, demo
 from torch_budget.graphs import GraphPoolManager
 from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, decode, prefill
-from torch_budget.workspace import WorkspaceMetadata, workspace as workspace_scope
+from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=97, max_seq_len=32, dtype="float32")

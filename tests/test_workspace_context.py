@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import MiB
-from torch_budget.workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
+from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
 
-LOGGER = "torch_budget.workspace"
+LOGGER = "torch_budget.eager_workspace"
 
 
 def warmed(floor=1 * MiB, **kwargs):
@@ -467,7 +467,7 @@ def test_dropping_the_metadata_frees_its_workspace_without_garbage_collection():
 def test_package_level_workspace_call_works_whatever_was_imported_first(fresh):
     out = fresh("""
         import torch, torch_budget
-        from torch_budget.workspace import WorkspaceMetadata  # binds the submodule first
+        from torch_budget.eager_workspace import WorkspaceMetadata  # the submodule is imported first
         meta = WorkspaceMetadata("cpu", reclaimable=True)
         meta.warm_up(1 << 20)
         with torch_budget.workspace(meta):

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 PRELUDE = """
 import logging
 import torch
-from torch_budget.workspace import WorkspaceMetadata, workspace
+from torch_budget.eager_workspace import WorkspaceMetadata, workspace
 MiB = 1 << 20
 LONG, SHORT, FLOOR = 512 * MiB, 16 * MiB, 8 * MiB
 
@@ -36,7 +36,7 @@ class Count(logging.Handler):
         self.records.append(record)
 
 warnings = Count()
-logging.getLogger("torch_budget.workspace").addHandler(warnings)
+logging.getLogger("torch_budget.eager_workspace").addHandler(warnings)
 """
 
 

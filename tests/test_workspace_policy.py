@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import MiB
-from torch_budget.workspace import WorkspaceShrinkPolicy
+from torch_budget.eager_workspace import WorkspaceShrinkPolicy
 
 
 def underfilled(policy, *demands, capacity):

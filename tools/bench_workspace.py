@@ -35,7 +35,7 @@ OVERHEAD_GOAL_US = 2.0
 
 
 def forward(meta, demands):
-    from torch_budget.workspace import workspace
+    from torch_budget.eager_workspace import workspace
 
     with workspace(meta):
         for nbytes in demands:
@@ -94,7 +94,7 @@ def returned_by_shrink(torch, WorkspaceMetadata):
 
 def context_overhead_us(meta, iterations=2000, batches=301):
     """Median over batches of the mean cost of one empty `with workspace(meta):`."""
-    from torch_budget.workspace import workspace
+    from torch_budget.eager_workspace import workspace
 
     for _ in range(iterations):
         with workspace(meta):
@@ -130,7 +130,7 @@ def measure(mode):
         import torch_budget
 
         torch_budget.install()  # before the first CUDA allocation of this process
-    from torch_budget.workspace import WorkspaceMetadata
+    from torch_budget.eager_workspace import WorkspaceMetadata
 
     result = {"mode": mode, "held": held_over_trace(torch, WorkspaceMetadata)}
     torch.cuda.synchronize()

@@ -17,9 +17,9 @@ _EXPORTS = {
     # graphs
     "GraphPoolManager": "graphs",
     # eager workspace
-    "WorkspaceShrinkPolicy": "workspace",
-    "workspace": "workspace",
-    "WorkspaceMetadata": "workspace",
+    "WorkspaceShrinkPolicy": "eager_workspace",
+    "workspace": "eager_workspace",
+    "WorkspaceMetadata": "eager_workspace",
     # planner
     "CacheCost": "budget",
     "profile": "budget",

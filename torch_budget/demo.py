@@ -472,9 +472,7 @@ def _serve(torch, settings: Settings, mode: str) -> None:
     from torch_budget import budget, report
     from torch_budget.graphs import GraphPoolManager
     from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, kv_cache_cost, parameter_count
-    # Imported from the submodule: once torch_budget.workspace (the module) is imported, the
-    # package attribute of that name is the module, not the context manager.
-    from torch_budget.workspace import WorkspaceMetadata, workspace as workspace_scope
+    from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
 
     route = torch_budget.route
     device = torch.device("cuda", torch.cuda.current_device())
@@ -662,7 +660,7 @@ def _run_requests(torch, settings, model, cache, runner, meta, requests, watch, 
     A request's blocks for prompt + new tokens are reserved at admission, so a decode step never
     runs out of KV mid-request.
     """
-    from torch_budget.workspace import workspace as workspace_scope
+    from torch_budget.eager_workspace import workspace as workspace_scope
 
     queue = collections.deque(requests)
     active: list = [None] * settings.max_batch
@@ -760,7 +758,7 @@ def _measured_lines(torch, device, mode, *, total, weights, kv, graph_static, po
 
         weights, kv, graph_static = tag(TAG_WEIGHTS), tag(TAG_KV), tag(TAG_GRAPHS)
         pools = int(s["graph_pools"])
-        from torch_budget.workspace import WORKSPACE_TAG
+        from torch_budget.eager_workspace import WORKSPACE_TAG
 
         ws_peak = tag(WORKSPACE_TAG, "peak_allocated")
         activations = tag(TAG_ACTIVATIONS, "peak_allocated") + tag("untagged", "peak_allocated")

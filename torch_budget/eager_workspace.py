@@ -62,7 +62,6 @@ import functools
 import logging
 import sys
 import threading
-import types
 import weakref
 from contextlib import nullcontext
 
@@ -589,15 +588,3 @@ class WorkspaceMetadata:
             f"WorkspaceMetadata(device={self.device}, capacity={self.capacity}, floor={self.floor}, "
             f"reclaimable={self.reclaimable}, is_graph_metadata={self.is_graph_metadata})"
         )
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule binds ``torch_budget.workspace`` to the module, shadowing the
-    facade's lazy export of the function; calling the module as the function keeps
-    ``with torch_budget.workspace(meta):`` working whatever was imported first."""
-
-    def __call__(self, metadata):
-        return workspace(metadata)
-
-
-sys.modules[__name__].__class__ = _CallableModule
