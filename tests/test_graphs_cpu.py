@@ -1,5 +1,5 @@
 """GraphPoolManager logic that does not need a device: buckets, static buffers, padding,
-rebinding, pool ownership. CPU tensors stand in for device buffers."""
+rebinding, the shadow ring, pool ownership. CPU tensors stand in for device buffers."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from torch_budget.graphs import (
     PoolReleasedError,
     StaticBufferRebindError,
     StaticInput,
+    _ShadowRing,
     pad_to_bucket,
     resolve_buckets,
 )
@@ -122,7 +123,8 @@ def test_static_buffers_are_capped_by_largest_captured_bucket_not_user_max():
     assert runner.inputs["x"].shape == (96, HIDDEN)
     assert runner.inputs["pos"].shape == (96,)
     assert runner.static_nbytes == 96 * HIDDEN * 4 + 96 * 4
-    assert runner.shadow_nbytes == runner.static_nbytes
+    assert runner.shadow_slots == 2
+    assert runner.shadow_nbytes == 2 * runner.static_nbytes
     assert runner.bucket_for(97) is None
 
 
@@ -378,6 +380,190 @@ def test_duplicate_runner_name_is_rejected():
     _runner(manager)
     with pytest.raises(ValueError, match="'decode' already exists"):
         _runner(manager)
+
+
+# -- shadow ring ------------------------------------------------------------------------
+
+class _FakeFence:
+    """Stands in for torch.cuda.Event: logs records and waits as (what, fence id, step)."""
+
+    def __init__(self, log, clock):
+        self.log, self.clock, self.id = log, clock, len([e for e in log if e[0] == "new"])
+        log.append(("new", self.id, clock[0]))
+
+    def record(self, stream):
+        self.recorded_at = self.clock[0]
+        self.log.append(("record", self.id, self.clock[0]))
+
+    def synchronize(self):
+        self.log.append(("wait", self.id, self.recorded_at))
+
+
+def _drive_ring(slots, steps):
+    log, clock = [], [0]
+    ring = _ShadowRing(slots, lambda: _FakeFence(log, clock))
+    used = []
+    for k in range(steps):
+        clock[0] = k
+        slot = ring.acquire()
+        used.append(slot)
+        ring.release(slot, stream=None)
+    return used, log
+
+
+def test_steps_take_shadow_slots_in_turn():
+    used, _ = _drive_ring(3, 7)
+    assert used == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_a_step_waits_only_on_the_replay_that_last_read_its_slot():
+    slots = 3
+    used, log = _drive_ring(slots, 10)
+    waits = [(fence, recorded) for what, fence, recorded in log if what == "wait"]
+    # Step k waits once, on the fence of slot k % 3, recorded at step k - 3; the first
+    # round finds every slot unused and waits on nothing.
+    assert [recorded for _, recorded in waits] == list(range(0, 10 - slots))
+    fence_of_slot = {}
+    for what, fence, step in log:
+        if what == "record":
+            fence_of_slot.setdefault(used[step], fence)
+            assert fence_of_slot[used[step]] == fence, "a slot changed its fence"
+    assert len(fence_of_slot) == slots
+    assert [fence for fence, _ in waits] == [fence_of_slot[k % slots] for k in range(slots, 10)]
+
+
+def test_one_shadow_slot_is_a_plain_fence_on_the_previous_step():
+    _, log = _drive_ring(1, 5)
+    assert [step for what, _, step in log if what == "wait"] == [0, 1, 2, 3]
+
+
+def test_a_slot_waited_on_is_not_waited_on_again_until_recorded():
+    log, clock = [], [0]
+    ring = _ShadowRing(1, lambda: _FakeFence(log, clock))
+    ring.release(ring.acquire(), stream=None)
+    ring.acquire()  # waits; the step then fails before its replay, so nothing is recorded
+    ring.acquire()
+    assert [what for what, _, _ in log] == ["new", "record", "wait"]
+
+
+def test_ring_without_fences_only_rotates():
+    ring = _ShadowRing(2, None)
+    assert not ring.fenced
+    assert [ring.acquire() for _ in range(3)] == [0, 1, 0]
+    ring.release(0, stream=None)  # nothing to record on a CPU device
+
+
+def test_each_step_writes_the_next_shadow_slot():
+    runner, _ = _runner(GraphPoolManager("cpu"), shadow_slots=3)
+    sent = [torch.full((2, HIDDEN), float(k)) for k in range(4)]
+    for k, x in enumerate(sent):
+        runner.run_eager(2, x=x, pos=torch.zeros(2))
+        assert torch.equal(runner.shadows["x"][:2], x)
+    # Slot 0 was reused by step 3; slots 1 and 2 still hold steps 1 and 2.
+    assert [runner.shadows_at(s)["x"][0, 0].item() for s in range(3)] == [3.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="shadow slot"):
+        runner.shadows_at(3)
+
+
+def test_shadow_bytes_count_every_slot():
+    manager = GraphPoolManager("cpu")
+    one, _ = _runner(manager, "one", shadow_slots=1)
+    four, _ = _runner(manager, "four", shadow_slots=4)
+    assert one.shadow_nbytes == one.static_nbytes == 8 * HIDDEN * 4 + 8 * 4
+    assert four.shadow_nbytes == 4 * one.shadow_nbytes
+    assert four.static_nbytes == one.static_nbytes  # device buffers are shared by the slots
+
+
+def test_runner_without_host_inputs_uses_one_slot():
+    runner = GraphPoolManager("cpu").runner("dev", lambda b: {"y": b["h"] * 2}, buckets=[4],
+                                            inputs=[StaticInput("h", torch.float32, (), source="device")])
+    assert runner.shadow_slots == 1 and runner.shadow_nbytes == 0
+
+
+@pytest.mark.parametrize("slots", [0, -1, 1.5, True])
+def test_shadow_slots_must_be_a_positive_int(slots):
+    with pytest.raises(ValueError, match="shadow_slots"):
+        _runner(GraphPoolManager("cpu"), shadow_slots=slots)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_shadow_padding_stays_correct_when_refills_are_skipped(slots):
+    # Padding is refilled only where an earlier step of the slot left rows; random sizes,
+    # buckets and write paths (fast, cast, list) must still leave exactly data then padding.
+    runner, _ = _runner(GraphPoolManager("cpu"), buckets=(1, 2, 4, 8, 16), shadow_slots=slots)
+    gen = torch.Generator().manual_seed(slots)
+    for k in range(300):
+        n = int(torch.randint(1, 17, (1,), generator=gen))
+        bucket = runner.bucket_for(n)
+        if k % 7 == 3:
+            bucket = 16
+        x = torch.randn(n, HIDDEN, generator=gen)
+        pos = torch.arange(n, dtype=torch.float32) + k
+        if k % 5 == 1:
+            pos = pos.to(torch.int32)  # cast: the general write path
+        elif k % 11 == 2:
+            pos = pos.tolist()
+        runner.run_eager(n, bucket=bucket, x=x, pos=pos)
+        shadow_x = runner.shadows["x"].reshape(-1)[: bucket * HIDDEN].view(bucket, HIDDEN)
+        shadow_pos = runner.shadows["pos"][:bucket]
+        assert torch.equal(shadow_x[:n], x) and torch.equal(shadow_x[n:], torch.zeros(bucket - n, HIDDEN)), k
+        assert shadow_pos[:n].tolist() == [float(p) for p in range(k, k + n)], k
+        assert (shadow_pos[n:] == -1).all(), (k, n, bucket, shadow_pos.tolist())
+        assert torch.equal(runner.view("pos", bucket), shadow_pos)
+
+
+def test_device_input_padding_is_refilled_after_in_place_writes():
+    manager = GraphPoolManager("cpu")
+    inputs = [StaticInput("x", torch.float32, ()), StaticInput("scale", torch.float32, (), source="device", pad_value=0)]
+    runner = manager.runner("scaled", lambda b: {"y": b["x"] * b["scale"]}, buckets=[4], inputs=inputs)
+    runner.run_eager(2, x=torch.ones(2), scale=torch.full((2,), 3.0))
+    runner.inputs["scale"].fill_(7.0)  # a caller's in-place write reaches the padded rows too
+    out = runner.run_eager(2, x=torch.ones(2), scale=torch.full((2,), 3.0))
+    assert out["y"].tolist() == [3.0, 3.0]
+    assert runner.view("scale", 4).tolist() == [3.0, 3.0, 0.0, 0.0]
+
+
+# -- outputs kept in the pool -------------------------------------------------------------
+
+def test_outputs_kept_in_the_pool_need_an_owned_pool():
+    manager = GraphPoolManager("cpu")
+    with pytest.raises(ValueError, match="needs pool='own', got pool='shared'"):
+        _runner(manager, last_outputs="in_pool")
+    manager.ledger.register(POOL_B, "handed in", auto_release=False)
+    with pytest.raises(ValueError, match="needs pool='own', got a handed-in pool"):
+        _runner(manager, pool=POOL_B, last_outputs="in_pool")
+    with pytest.raises(ValueError, match="'copy' or 'in_pool'"):
+        _runner(manager, last_outputs="keep")
+
+
+def test_outputs_kept_in_the_pool_need_a_captured_last_piece():
+    with pytest.raises(ValueError, match="captured last piece.*'tail'"):
+        def tail(b):
+            return None
+        GraphPoolManager("cpu").runner("bad", [lambda b: {"y": b["x"]}, EagerPiece(tail)], buckets=[2],
+                                       inputs=[StaticInput("x", torch.float32, ())], pool="own",
+                                       last_outputs="in_pool")
+
+
+def test_last_piece_outputs_kept_in_the_pool_have_no_static_buffer():
+    manager = GraphPoolManager("cpu")
+
+    def first(b):
+        return {"h": b["x"] + 1}
+
+    def second(b):
+        return {"y": b["h"] * 2}
+
+    runner = manager.runner("kept", [first, second], buckets=[2, 4], pool="own", last_outputs="in_pool",
+                            inputs=[StaticInput("x", torch.float32, ())])
+    out = runner.run_eager(3, x=torch.tensor([1.0, 2.0, 3.0]))
+    assert out["h"].tolist() == [2.0, 3.0, 4.0] and out["y"].tolist() == [4.0, 6.0, 8.0]
+    # h (not the last piece) is static; y is not, so it has no view and costs no static bytes.
+    assert list(runner.outputs) == ["h"]
+    assert runner.static_nbytes == 4 * 4 + 4 * 4
+    assert runner.view("h", 4).shape == (4,)
+    with pytest.raises(ValueError, match="'y' is kept in the graph pool.*step\\(\\)"):
+        runner.view("y", 4)
 
 
 # -- pool ownership ---------------------------------------------------------------------

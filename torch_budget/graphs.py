@@ -9,7 +9,8 @@ explicit and bounded:
 - graph-visible inputs and outputs are static buffers sized once by the largest captured
   bucket and written in place (`StaticInput`, `StaticBuffers`);
 - host-sourced inputs go through pinned host shadows whose host-to-device copy is itself
-  captured, so a step is one CPU memcpy plus one replay;
+  captured, so a step is one CPU memcpy plus one replay; a ring of shadow slots lets the
+  host stage the next steps while earlier replays still read theirs;
 - graphs of one forward (pieces, buckets, runners) share a private pool whose ownership
   is recorded (`PoolLedger`), so a pool handle is never reused after it was let go;
 - ranks agree on the graph key before replaying (`GraphPoolManager.agree`).
@@ -25,6 +26,7 @@ time (see Note [Static outputs make pool sharing safe]).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -445,26 +447,66 @@ class PoolLedger:
 # Runner
 # ---------------------------------------------------------------------------------------
 
-# Note [Shadow fencing]
-# A host-sourced input reaches the device by a copy captured in the graph: replay reads
-# the pinned shadow when the copy node runs, which can be long after replay() returned on
-# the host. Writing the next step's data into the shadow before then would feed the
-# earlier replay the new data. Two ways out: double-buffer (two shadow sets, two graphs
-# per bucket, alternating) or fence. We fence: an event is recorded right after the replay
-# of the graph that holds the copies, and the next host write waits on it. The cost is
-# that the host cannot stage step k+1 before step k's first graph has run; in decoding it
-# has to wait for step k's sampled tokens anyway, and doubling every graph would double
-# capture time and graph count for no gain there.
+# Note [Shadow ring]
+# A host-sourced input reaches the device through a copy captured in the graph: the copy
+# node reads the pinned shadow when it runs on the device, which can be long after replay()
+# returned on the host. Writing the next step's data into that shadow before then would
+# feed the earlier replay the new data.
+#
+# So a runner keeps a ring of N shadow slots (shadow_slots=, default 2). Slot s has its own
+# pinned shadow per host input and, per bucket, its own exec of the first graph, whose
+# captured copy reads slot s; later pieces read only device buffers and are captured once.
+# Step k writes slot k % N. Before writing, the host waits on slot s's event, recorded right
+# after the replay that last read slot s (N steps ago); the steps in between read other
+# slots. Every earlier read of slot s had finished before that replay was staged (the same
+# wait, one round earlier), so once the wait returns nothing queued reads slot s. The host
+# can therefore stage up to N - 1 steps ahead of the device, and the wait is normally
+# already satisfied; N = 1 is a plain fence (step k+1 waits for step k's first graph).
+# run_eager() and warm-up read a shadow with eager non-blocking copies and take a slot the
+# same way.
+#
+# The device-side static inputs are shared by all slots: step k's captured copies overwrite
+# what step k-1's graphs read, which is safe because replays go to one stream, in order.
+# The event is recorded by the host after replay(), on the stream the graph was launched on
+# (the current stream of the runner's device). It is not captured into the graph: a host
+# wait on a stream record is plainly documented, one on an event-record node less so, and
+# the host call comes after replay() has returned.
+#
+# Cost: N execs of the first graph per bucket (N times its capture time and exec memory;
+# they are captured one after another into the same pool and reuse each other's blocks, so
+# the pool does not grow, unless outputs are kept in it, see Note [Outputs kept in the
+# pool]), N pinned shadows (shadow_nbytes counts them all) and one event per slot. A runner
+# without host-sourced inputs has nothing to guard and uses one slot.
 
 # Note [Static outputs make pool sharing safe]
 # A piece's outputs are copied, inside its graph, into static output buffers allocated
 # outside any pool, and the piece's own result tensors are dropped after capture. So no
-# pool block is live between replays, and graphs of all buckets, all pieces and all runners
-# that share one pool may reuse each other's blocks (capturing the largest bucket first
-# lets the smaller ones fit in its blocks). What that needs: replays that share a pool run
-# one after another on one stream. A runner that replays concurrently with another on a
-# second stream must own its pool (pool="own"). The extra copy is one small kernel per
-# output inside the graph, no extra launch.
+# pool block is live between replays, and graphs of all buckets, all pieces, all slots and
+# all runners that share one pool may reuse each other's blocks (capturing the largest
+# bucket first lets the smaller ones fit in its blocks). What that needs: replays that share
+# a pool run one after another on one stream. A runner that replays concurrently with
+# another on a second stream must own its pool (pool="own"). The extra copy is one small
+# kernel per output inside the graph, no extra launch; last_outputs="in_pool" drops it for
+# the last piece (see Note [Outputs kept in the pool]).
+
+# Note [Outputs kept in the pool]
+# With last_outputs="in_pool" the outputs of the last piece are not copied into static
+# buffers: step() returns the tensors the capture produced, which each replay rewrites in
+# place. That saves one copy kernel per output per step. Why it is safe:
+# - A captured tensor that the runner keeps alive holds its pool block, so no later capture
+#   is given that block. Graphs captured earlier into the same pool may have used it for
+#   temporaries, though, and replaying one of them overwrites the output.
+# - So the pool must hold only this runner's graphs: pool="own" is required, and no other
+#   runner of the manager may capture into that handle. This runner replays nothing between
+#   one step and the next, and within a step the last piece's graph replays last (the last
+#   piece must be captured, not eager).
+# - The next step may overwrite them: the contract step() has for static outputs (valid
+#   until the next step; work queued on the same stream before it reads them in time).
+# Cost: the outputs live in the pool once per bucket, and once per slot as well when the
+# last piece is also the first (see Note [Shadow ring]), instead of one static buffer of
+# the largest bucket. Cheap for token ids or a hidden state; weigh it for logits. They have
+# no single address, so runner.view() and runner.outputs do not show them; use step()'s
+# result. Do not hand the runner's pool to a raw torch capture either.
 
 
 class EagerPiece:
@@ -491,21 +533,94 @@ def _piece_name(piece: object) -> str:
     return getattr(piece, "__name__", repr(piece))
 
 
-class _GraphStep:
-    __slots__ = ("graph", "holder", "copies_inputs")
+class _ShadowRing:
+    """Which shadow slot the next step writes, and the event guarding each slot.
 
-    def __init__(self, graph: Any, holder: tuple, copies_inputs: bool):
-        self.graph = graph
-        self.holder = holder
-        self.copies_inputs = copies_inputs
+    See Note [Shadow ring]. `make_fence()` builds an event with record(stream) and
+    synchronize() (torch.cuda.Event); None where nothing reads a shadow asynchronously.
+    """
+
+    __slots__ = ("size", "fenced", "last", "_next", "_fences", "_armed", "_make_fence")
+
+    def __init__(self, size: int, make_fence: Callable[[], Any] | None):
+        self.size = size
+        self.fenced = make_fence is not None
+        self.last = 0  # the slot the latest step wrote
+        self._next = 0
+        # Invariant: _armed[s] iff _fences[s] was recorded after the latest read of slot s
+        # was queued and no wait on it has returned since.
+        self._fences: list = [None] * size
+        self._armed = [False] * size
+        self._make_fence = make_fence
+
+    def acquire(self) -> int:
+        """The slot to write next, once the work that last read it has finished."""
+        slot = self._next
+        if self._armed[slot]:
+            self._fences[slot].synchronize()
+            self._armed[slot] = False
+        self._next = 0 if slot + 1 == self.size else slot + 1
+        self.last = slot
+        return slot
+
+    def release(self, slot: int, stream: Any) -> None:
+        """Slot `slot` is read by the work queued on `stream` so far."""
+        if not self.fenced:
+            return
+        fence = self._fences[slot]
+        if fence is None:
+            fence = self._fences[slot] = self._make_fence()
+        fence.record(stream)
+        self._armed[slot] = True
 
 
-class _EagerStep:
-    __slots__ = ("piece", "buffers")
+class _InputCopy:
+    """How a step of n rows at one bucket writes one input: built once per (bucket, n).
 
-    def __init__(self, piece: EagerPiece, buffers: StaticBuffers):
-        self.piece = piece
-        self.buffers = buffers
+    `data[s]` / `pad[s]`: the views of slot s's shadow (host inputs; one entry, the device
+    buffer, for device inputs) that receive the rows and the padding (pad is None when the
+    bucket has no padding). `track`: the rows are the flat prefix [0, data_end) of the
+    shadow (batch axis first) and the padding the rest of the bucket, up to view_end, so a
+    step may skip refilling padding no earlier step wrote (GraphRunner._dirty).
+    """
+
+    __slots__ = ("index", "name", "spec", "shape", "data", "pad", "track", "data_end", "view_end")
+
+    def __init__(self, index: int, name: str, spec: StaticInput, shape: tuple, data: tuple,
+                 pad: tuple | None, track: bool, data_end: int, view_end: int):
+        self.index = index
+        self.name = name
+        self.spec = spec
+        self.shape = torch.Size(shape)
+        self.data = data
+        self.pad = pad
+        self.track = track
+        self.data_end = data_end
+        self.view_end = view_end
+
+
+class _Plan:
+    """What a step of one (bucket, slot) replays: the slot's first graph (it holds the
+    shadow -> device copies), then the shared later pieces; `kept` are the outputs kept in
+    the pool (Note [Outputs kept in the pool])."""
+
+    __slots__ = ("first", "rest", "kept")
+
+    def __init__(self, first: Any, rest: tuple, kept: dict[str, torch.Tensor]):
+        self.first = first
+        self.rest = rest
+        self.kept = kept
+
+
+class _Captured:
+    """One bucket's graphs: a plan per slot, every graph (for reset) and the ledger holders."""
+
+    __slots__ = ("plans", "graphs", "holders")
+
+    def __init__(self, plans: tuple, graphs: list, holders: list):
+        self.plans = plans
+        self.graphs = graphs
+        self.holders = holders
 
 
 class GraphRunner:
@@ -513,20 +628,21 @@ class GraphRunner:
 
     Public state: `name`, `buckets` (sizes a step may be padded to), `captured`,
     `pool`, `inputs` / `outputs` / `shadows` (StaticBuffers of the full, largest views),
-    `static_nbytes` / `shadow_nbytes`. A step: `step(n, **host_data)`; the same computation
-    without graphs: `run_eager(n, **host_data)`.
+    `shadow_slots`, `static_nbytes` / `shadow_nbytes`. A step: `step(n, **host_data)`; the
+    same computation without graphs: `run_eager(n, **host_data)`.
     """
 
     def __init__(self, manager: GraphPoolManager, name: str, pieces: Sequence[Callable | EagerPiece], *,
                  buckets: BucketRule | int | Sequence[int], inputs: Sequence[StaticInput],
                  axes: Mapping[str, AxisSize] | None, output_axes: Mapping[str, int | None] | None,
-                 pool: str | PoolHandle, warmup: int):
+                 pool: str | PoolHandle, warmup: int, shadow_slots: int = 2, last_outputs: str = "copy"):
         self._buffer_names: set[str] = set()
         self._manager = manager
         self._label = f"graph runner {name!r}"
         self.name = name
         self.device = manager.device
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and not torch.cuda.is_available():
             raise RuntimeError(
                 f"{self._label}: its manager is on {self.device}, but torch sees no CUDA device; "
                 "use GraphPoolManager('cpu') to run pieces eagerly without graphs"
@@ -535,6 +651,7 @@ class GraphRunner:
         self._axes = dict(axes or {})
         self._output_axes = dict(output_axes or {})
         self._warmup_iters = _positive_int(warmup, f"{self._label}: warmup iterations")
+        _positive_int(shadow_slots, f"{self._label}: shadow_slots")
 
         self._specs: dict[str, StaticInput] = {}
         for spec in inputs:
@@ -550,6 +667,10 @@ class GraphRunner:
                         f"{self._label}: static input {spec.name!r} uses symbolic axis {dim!r}, "
                         f"which axes= does not size (declared: {sorted(self._axes)})"
                     )
+        self._spec_names = frozenset(self._specs)
+        self._host_names = frozenset(n for n, s in self._specs.items() if s.source == "host")
+        self._pool_mode, self._pool = self._check_pool(pool)
+        self._keep_last = self._check_last_outputs(last_outputs)
 
         self._all_buckets = resolve_buckets(buckets, cost=self._input_nbytes)
         self._available = list(self._all_buckets)
@@ -558,30 +679,46 @@ class GraphRunner:
             for name, spec in self._specs.items()
         }
 
-        # Static memory: allocated now, kept until close(). See Note [Static buffer layout].
-        pin = self.device.type == "cuda"
+        # Static memory: allocated now, kept until close(). See Note [Static buffer layout]
+        # and Note [Shadow ring]: one pinned allocation per host input holds every slot.
+        self._slots = shadow_slots if self._host_names else 1
         self._in_flat: dict[str, torch.Tensor] = {}
         self._shadow_flat: dict[str, torch.Tensor] = {}
+        slot_flats: list[dict[str, torch.Tensor]] = [{} for _ in range(self._slots)]
         for name, spec in self._specs.items():
             numel = self._in_layouts[name].numel
             self._in_flat[name] = torch.full((numel,), spec.pad_value, dtype=spec.dtype, device=self.device)
             if spec.source == "host":
-                shadow = torch.empty((numel,), dtype=spec.dtype, pin_memory=pin)
+                shadow = torch.empty((self._slots * numel,), dtype=spec.dtype, pin_memory=self._cuda)
                 self._shadow_flat[name] = shadow.fill_(spec.pad_value)
+                for slot in range(self._slots):
+                    slot_flats[slot][name] = shadow[slot * numel:(slot + 1) * numel]
+        self._slot_flat = slot_flats
         self._in_views = {b: {n: self._in_layouts[n].view(f, b) for n, f in self._in_flat.items()}
                           for b in self._all_buckets}
-        self._shadow_views = {b: {n: self._in_layouts[n].view(f, b) for n, f in self._shadow_flat.items()}
-                              for b in self._all_buckets}
+        # _shadow_views[slot][bucket][name]; _copy_pairs[slot][bucket]: (device view, shadow view).
+        self._shadow_views = [{b: {n: self._in_layouts[n].view(f, b) for n, f in flats.items()}
+                               for b in self._all_buckets} for flats in slot_flats]
+        self._copy_pairs = [{b: tuple((self._in_views[b][n], v) for n, v in views[b].items())
+                             for b in self._all_buckets} for views in self._shadow_views]
+        # _dirty[slot][input index]: shadow elements from here on hold the pad value (tracked
+        # inputs only; see _InputCopy). Shadows start filled with it.
+        self._dirty = [[0] * len(self._specs) for _ in range(self._slots)]
+        self._ring = self._new_ring()
         self._out_layouts: dict[str, _Layout] = {}
         self._out_flat: dict[str, torch.Tensor] = {}
+        self._out_meta: dict[str, tuple[torch.dtype, torch.device]] = {}
         self._out_axis: dict[str, int | None] = {}
         self._out_producer: dict[str, int] = {}
+        self._out_names: list[str] = []
+        self._out_kept: set[str] = set()  # see Note [Outputs kept in the pool]
         self._buffer_names.update(self._specs)
 
-        self._pool_mode, self._pool = self._check_pool(pool)
-        self._plans: dict[int, list] = {}
-        self._fence = None  # torch.cuda.Event, see Note [Shadow fencing]
-        self._fence_armed = False
+        self._captured_buckets: dict[int, _Captured] = {}
+        # Hot-path caches, built on first use: (bucket, n) -> (host copies, device copies);
+        # (bucket, n, slot) -> the step's result views.
+        self._staging_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
+        self._result_cache: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self._closed = False
 
     # -- validation ---------------------------------------------------------------------
@@ -611,7 +748,32 @@ class GraphRunner:
                 f"torch.cuda.graph_pool_handle() / CUDAGraph.pool(), got {pool!r}"
             )
         self._manager.ledger.check_usable(key)
+        for other in self._manager._runners.values():
+            if other._keep_last and other._pool is not None and tuple(other._pool) == tuple(key):
+                raise ValueError(
+                    f"{self._label}: graph pool {tuple(key)} belongs to {other._label}, which keeps its "
+                    "outputs in it (last_outputs='in_pool'); graphs captured into it could overwrite them. "
+                    "See Note [Outputs kept in the pool]"
+                )
         return "external", pool
+
+    def _check_last_outputs(self, last_outputs: object) -> bool:
+        if last_outputs not in ("copy", "in_pool"):
+            raise ValueError(f"{self._label}: last_outputs must be 'copy' or 'in_pool', got {last_outputs!r}")
+        if last_outputs == "copy":
+            return False
+        if self._pool_mode != "own":
+            given = "a handed-in pool" if self._pool_mode == "external" else "pool='shared'"
+            raise ValueError(
+                f"{self._label}: last_outputs='in_pool' needs pool='own', got {given}: another "
+                "runner's replays in a shared pool could overwrite outputs kept there"
+            )
+        if isinstance(self._pieces[-1], EagerPiece):
+            raise ValueError(
+                f"{self._label}: last_outputs='in_pool' needs a captured last piece, got eager piece "
+                f"{self._pieces[-1].name!r}"
+            )
+        return True
 
     def _axis_size(self, axis: str, bucket: int) -> int:
         size = self._axes[axis]
@@ -632,6 +794,10 @@ class GraphRunner:
         if self._closed:
             raise RuntimeError(f"{self._label} is closed")
 
+    def _new_ring(self) -> _ShadowRing:
+        fenced = self._cuda and bool(self._host_names)
+        return _ShadowRing(self._slots, torch.cuda.Event if fenced else None)
+
     # -- public state -------------------------------------------------------------------
 
     @property
@@ -641,12 +807,17 @@ class GraphRunner:
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._plans))
+        return tuple(sorted(self._captured_buckets))
 
     @property
     def pool(self) -> PoolHandle | None:
         """The pool handle this runner's graphs were captured into (None before capture)."""
         return self._pool
+
+    @property
+    def shadow_slots(self) -> int:
+        """Pinned shadow slots (Note [Shadow ring]); 1 when no input is host-sourced."""
+        return self._slots
 
     @property
     def inputs(self) -> StaticBuffers:
@@ -655,11 +826,21 @@ class GraphRunner:
 
     @property
     def shadows(self) -> StaticBuffers:
+        """The shadow slot the latest step wrote. For reading: writes would go behind the
+        runner's padding bookkeeping."""
+        return self.shadows_at(self._ring.last)
+
+    def shadows_at(self, slot: int) -> StaticBuffers:
+        """The pinned shadows of one slot (full, largest views); for reading."""
         self._require_open()
-        return StaticBuffers(self._label, {n: self._in_layouts[n].full(f) for n, f in self._shadow_flat.items()})
+        if not _is_int(slot) or not 0 <= slot < self._slots:
+            raise ValueError(f"{self._label}: shadow slot must be in [0, {self._slots}), got {slot!r}")
+        flats = self._slot_flat[slot]
+        return StaticBuffers(self._label, {n: self._in_layouts[n].full(f) for n, f in flats.items()})
 
     @property
     def outputs(self) -> StaticBuffers:
+        """Static outputs (full views); outputs kept in the pool are not among them."""
         self._require_open()
         return StaticBuffers(self._label, {n: self._out_layouts[n].full(f) for n, f in self._out_flat.items()})
 
@@ -671,7 +852,7 @@ class GraphRunner:
 
     @property
     def shadow_nbytes(self) -> int:
-        """Pinned host bytes of the shadows."""
+        """Pinned host bytes of the shadows, all slots."""
         return sum(t.numel() * t.element_size() for t in self._shadow_flat.values())
 
     @property
@@ -687,6 +868,11 @@ class GraphRunner:
             return self._in_views[bucket][name]
         if name in self._out_flat:
             return self._out_layouts[name].view(self._out_flat[name], bucket)
+        if name in self._out_kept:
+            raise ValueError(
+                f"{self._label}: output {name!r} is kept in the graph pool (last_outputs='in_pool'), "
+                "at an address per bucket and slot; take it from step()'s result"
+            )
         raise KeyError(f"{self._label} has no static buffer {name!r}; it has {sorted(self._buffer_names)}")
 
     def bucket_for(self, n: int) -> int | None:
@@ -712,16 +898,18 @@ class GraphRunner:
     # -- staging ------------------------------------------------------------------------
 
     def _choose_bucket(self, n: int, bucket: int | None) -> int:
-        _positive_int(n, f"{self._label}: row count n")
+        if type(n) is not int or n < 1:  # the common case without building a message
+            _positive_int(n, f"{self._label}: row count n")
         if bucket is None:
-            chosen = self.bucket_for(n)
-            if chosen is None:
-                top = self._available[-1] if self._available else None
+            available = self._available
+            i = bisect.bisect_left(available, n)
+            if i == len(available):
+                top = available[-1] if available else None
                 raise ValueError(
                     f"{self._label}: {n} rows exceed its largest bucket {top}; run this step "
                     "eagerly (bucket_for(n) returns None for such steps)"
                 )
-            return chosen
+            return available[i]
         if bucket not in self._available or bucket < n:
             raise ValueError(
                 f"{self._label}: bucket {bucket!r} cannot hold {n} rows "
@@ -729,28 +917,84 @@ class GraphRunner:
             )
         return bucket
 
-    def _stage(self, bucket: int, n: int, data: Mapping[str, object]) -> None:
-        unknown = set(data) - set(self._specs)
+    def _staging(self, bucket: int, n: int) -> tuple[tuple, tuple]:
+        """(host copies, device copies) for a step of n rows at `bucket`; cached."""
+        key = (bucket, n)
+        staging = self._staging_cache.get(key)
+        if staging is None:
+            host, device = [], []
+            for index, (name, spec) in enumerate(self._specs.items()):
+                cap = self._in_layouts[name].shapes[bucket]
+                axis = spec.batch_axis
+                shape = cap if axis is None else cap[:axis] + (n,) + cap[axis + 1:]
+                if spec.source == "host":
+                    targets = [self._shadow_views[s][bucket][name] for s in range(self._slots)]
+                else:
+                    targets = [self._in_views[bucket][name]]
+                data = tuple(t if axis is None else t.narrow(axis, 0, n) for t in targets)
+                pad = None
+                if axis is not None and n < cap[axis]:
+                    pad = tuple(t.narrow(axis, n, cap[axis] - n) for t in targets)
+                copy = _InputCopy(index, name, spec, shape, data, pad, track=spec.source == "host" and axis == 0,
+                                  data_end=math.prod(shape), view_end=math.prod(cap))
+                (host if spec.source == "host" else device).append(copy)
+            staging = self._staging_cache[key] = (tuple(host), tuple(device))
+        return staging
+
+    def _stage(self, bucket: int, n: int, data: Mapping[str, object]) -> int:
+        """Write a step's data: host inputs into the next shadow slot, device inputs into
+        their static buffers; returns the slot. See Note [Shadow ring]."""
+        keys = data.keys()
+        if not (keys <= self._spec_names and self._host_names <= keys):
+            self._reject_names(data)
+        host, device = self._staging(bucket, n)
+        slot = self._ring.acquire()
+        dirty = self._dirty[slot]
+        for copy in host:
+            value = data[copy.name]
+            if (type(value) is torch.Tensor and value.shape == copy.shape
+                    and value.dtype == copy.spec.dtype and value.is_cpu):
+                if copy.track:
+                    # Refill padding only where an earlier step of this slot left rows, and
+                    # then all of them, so that smaller steps after it find clean padding.
+                    end = dirty[copy.index]
+                    if end > copy.data_end:
+                        if end <= copy.view_end:
+                            copy.pad[slot].fill_(copy.spec.pad_value)
+                        else:
+                            self._slot_flat[slot][copy.name][copy.data_end:end].fill_(copy.spec.pad_value)
+                    dirty[copy.index] = copy.data_end
+                elif copy.pad is not None:
+                    copy.pad[slot].fill_(copy.spec.pad_value)
+                copy.data[slot].copy_(value)
+            else:
+                self._write(copy.spec, self._shadow_views[slot][bucket][copy.name], value, n, bucket)
+                dirty[copy.index] = max(dirty[copy.index], copy.view_end)
+        for copy in device:
+            if copy.name not in data:
+                continue
+            value = data[copy.name]
+            if type(value) is torch.Tensor and value.shape == copy.shape and value.dtype == copy.spec.dtype:
+                # Callers may write device buffers in place, so their padding is always refilled.
+                if copy.pad is not None:
+                    copy.pad[0].fill_(copy.spec.pad_value)
+                copy.data[0].copy_(value)
+            else:
+                self._write(copy.spec, self._in_views[bucket][copy.name], value, n, bucket)
+        return slot
+
+    def _reject_names(self, data: Mapping[str, object]) -> None:
+        unknown = set(data) - self._spec_names
         if unknown:
             raise ValueError(f"{self._label}: unknown static input(s) {sorted(unknown)}; declared: {sorted(self._specs)}")
-        missing = [name for name in self._shadow_flat if name not in data]
-        if missing:
-            raise ValueError(
-                f"{self._label}: host input(s) {missing} missing; every host-sourced input is "
-                "copied by the graph each step, so each step must provide it"
-            )
-        if self._shadow_flat:
-            self._wait_fence()
-        for name, value in data.items():
-            spec = self._specs[name]
-            if spec.source == "host":
-                target = self._shadow_views[bucket][name]
-            else:
-                target = self._in_views[bucket][name]
-            self._write(spec, target, value, n, bucket)
+        missing = [name for name in self._specs if name in self._host_names and name not in data]
+        raise ValueError(
+            f"{self._label}: host input(s) {missing} missing; every host-sourced input is "
+            "copied by the graph each step, so each step must provide it"
+        )
 
     def _write(self, spec: StaticInput, target: torch.Tensor, value: object, n: int, bucket: int) -> None:
-        """Copy `value` into the leading corner of `target` and pad the rest."""
+        """Copy `value` into the leading corner of `target` and pad the rest (any shape or dtype)."""
         if not isinstance(value, torch.Tensor):
             value = torch.as_tensor(value)
         where = f"{self._label}: input {spec.name!r}"
@@ -780,40 +1024,31 @@ class GraphRunner:
             target.fill_(spec.pad_value)
             target[tuple(slice(0, s) for s in shape)].copy_(value)
 
-    def _copy_inputs(self, bucket: int) -> None:
-        """Shadow -> device static copies; captured into the first graph of each bucket."""
-        shadows = self._shadow_views[bucket]
-        statics = self._in_views[bucket]
-        for name, shadow in shadows.items():
-            statics[name].copy_(shadow, non_blocking=True)
+    def _copy_inputs(self, bucket: int, slot: int) -> None:
+        """Shadow slot -> device static copies; captured into the slot's first graph of each bucket."""
+        for static, shadow in self._copy_pairs[slot][bucket]:
+            static.copy_(shadow, non_blocking=True)
 
-    # See Note [Shadow fencing].
-    def _arm_fence(self) -> None:
-        if self.device.type != "cuda" or not self._shadow_flat:
-            return
-        if self._fence is None:
-            self._fence = torch.cuda.Event()
-        self._fence.record(torch.cuda.current_stream(self.device))
-        self._fence_armed = True
-
-    def _wait_fence(self) -> None:
-        if self._fence_armed:
-            self._fence.synchronize()
-            self._fence_armed = False
+    def _release_slot(self, slot: int) -> None:
+        # See Note [Shadow ring]: after the work reading the slot has been queued.
+        if self._ring.fenced:
+            self._ring.release(slot, torch.cuda.current_stream(self.device))
 
     # -- outputs ------------------------------------------------------------------------
 
-    def _store_outputs(self, index: int, bucket: int, result: object, capturing: bool) -> dict[str, torch.Tensor]:
-        """Copy a piece's results into static outputs. See Note [Static outputs make pool sharing safe]."""
+    def _store_outputs(self, index: int, bucket: int, result: object,
+                       capturing: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copy a piece's results into static outputs; returns (static views, outputs kept
+        as they are). See Note [Static outputs make pool sharing safe]."""
         pname = _piece_name(self._pieces[index])
         if result is None:
-            return {}
+            return {}, {}
         if not isinstance(result, Mapping):
             raise TypeError(
                 f"{self._label}: piece {pname!r} returned {type(result).__name__}; a piece returns "
                 "a dict of named output tensors, or None"
             )
-        views = {}
+        views, kept = {}, {}
         for name, tensor in result.items():
             where = f"{self._label}: output {name!r} of piece {pname!r}"
             if not isinstance(tensor, torch.Tensor):
@@ -825,18 +1060,21 @@ class GraphRunner:
             elif self._out_producer[name] != index:
                 other = _piece_name(self._pieces[self._out_producer[name]])
                 raise ValueError(f"{where}: piece {other!r} already produces an output of that name")
-            layout, flat = self._out_layouts[name], self._out_flat[name]
-            expected = layout.shapes[bucket]
-            if tuple(tensor.shape) != expected or tensor.dtype != flat.dtype or tensor.device != flat.device:
+            expected = self._out_layouts[name].shapes[bucket]
+            dtype, device = self._out_meta[name]
+            if tuple(tensor.shape) != expected or tensor.dtype != dtype or tensor.device != device:
                 raise ValueError(
                     f"{where} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} at bucket {bucket}; "
-                    f"expected {expected} {flat.dtype} on {flat.device} (only its batch axis "
+                    f"expected {expected} {dtype} on {device} (only its batch axis "
                     f"{self._out_axis[name]} may follow the bucket)"
                 )
-            view = layout.view(flat, bucket)
+            if name in self._out_kept:
+                kept[name] = tensor
+                continue
+            view = self._out_layouts[name].view(self._out_flat[name], bucket)
             view.copy_(tensor)
             views[name] = view
-        return views
+        return views, kept
 
     def _add_output(self, index: int, name: str, tensor: torch.Tensor, bucket: int, where: str) -> None:
         if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
@@ -859,31 +1097,43 @@ class GraphRunner:
             shapes[b] = tuple(shape)
         layout = _Layout(shapes)
         self._out_layouts[name] = layout
-        self._out_flat[name] = torch.zeros((layout.numel,), dtype=tensor.dtype, device=tensor.device)
+        self._out_meta[name] = (tensor.dtype, tensor.device)
         self._out_axis[name] = axis
         self._out_producer[name] = index
+        self._out_names.append(name)
+        if self._keep_last and index == len(self._pieces) - 1:
+            self._out_kept.add(name)  # no static buffer; see Note [Outputs kept in the pool]
+            return
+        self._out_flat[name] = torch.zeros((layout.numel,), dtype=tensor.dtype, device=tensor.device)
         self._buffer_names.add(name)
 
-    def _result(self, bucket: int, n: int) -> dict[str, torch.Tensor]:
+    def _result(self, bucket: int, n: int, kept: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
-        for name, flat in self._out_flat.items():
-            view = self._out_layouts[name].view(flat, bucket)
+        for name in self._out_names:
+            if name in self._out_kept:
+                tensor = kept[name]
+            else:
+                tensor = self._out_layouts[name].view(self._out_flat[name], bucket)
             axis = self._out_axis[name]
-            out[name] = view if axis is None else view.narrow(axis, 0, n)
+            out[name] = tensor if axis is None else tensor.narrow(axis, 0, n)
         return out
 
     # -- eager, warm-up, capture, replay ------------------------------------------------
 
-    def _run_pieces_eagerly(self, bucket: int) -> None:
-        self._copy_inputs(bucket)
-        self._arm_fence()
+    def _run_pieces_eagerly(self, bucket: int, slot: int) -> dict[str, torch.Tensor]:
+        self._copy_inputs(bucket, slot)
+        self._release_slot(slot)
         visible = dict(self._in_views[bucket])
+        kept: dict[str, torch.Tensor] = {}
         for index, piece in enumerate(self._pieces):
             buffers = StaticBuffers(self._label, dict(visible), bucket)
             if isinstance(piece, EagerPiece):
                 self._call_eager(piece, buffers)
             else:
-                visible.update(self._store_outputs(index, bucket, piece(buffers), capturing=False))
+                views, piece_kept = self._store_outputs(index, bucket, piece(buffers), capturing=False)
+                visible.update(views)
+                kept.update(piece_kept)
+        return kept
 
     def _call_eager(self, piece: EagerPiece, buffers: StaticBuffers) -> None:
         if piece.fn(buffers) is not None:
@@ -899,28 +1149,32 @@ class GraphRunner:
         """
         self._require_open()
         chosen = self._choose_bucket(n, bucket)
-        self._stage(chosen, n, data)
-        self._run_pieces_eagerly(chosen)
-        return self._result(chosen, n)
+        slot = self._stage(chosen, n, data)
+        kept = self._run_pieces_eagerly(chosen, slot)
+        return self._result(chosen, n, kept)
 
     def capture(self) -> None:
         """Warm up and capture every bucket not yet captured, largest first.
 
         Largest first: a smaller bucket's graph can then reuse blocks the larger one freed
-        in the shared pool (see Note [Static outputs make pool sharing safe]).
+        in the shared pool (see Note [Static outputs make pool sharing safe]). The first
+        piece is captured once per shadow slot (see Note [Shadow ring]).
         """
         self._require_open()
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"{self._label} lives on {self.device}; CUDA graph capture needs a CUDA device")
-        pending = [b for b in reversed(self._all_buckets) if b not in self._plans]
+        pending = [b for b in reversed(self._all_buckets) if b not in self._captured_buckets]
         if not pending:
             return
         pool = self._manager._pool_for(self)
         stream = self._manager._capture_stream()
-        for bucket in pending:
-            self._warm_up(bucket, stream)
-            self._capture_bucket(bucket, pool, stream)
-        self._available = sorted(set(self._available) | set(pending))
+        try:
+            for bucket in pending:
+                self._warm_up(bucket, stream)
+                self._capture_bucket(bucket, pool, stream)
+        finally:
+            self._available = sorted(set(self._available) | set(self._captured_buckets))
+            self._result_cache.clear()
 
     def _warm_up(self, bucket: int, stream: Any) -> None:
         """Eager runs on the capture stream first, as torch recommends: lazy inits (cuBLAS
@@ -929,75 +1183,101 @@ class GraphRunner:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for _ in range(self._warmup_iters):
-                self._run_pieces_eagerly(bucket)
+                self._run_pieces_eagerly(bucket, self._ring.acquire())
         current.wait_stream(stream)
+
+    def _capture_graph(self, index: int, bucket: int, buffers: StaticBuffers, pool: PoolHandle,
+                       stream: Any, graphs: list, slot: int | None = None) -> tuple[dict, dict]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            if slot is not None:
+                self._copy_inputs(bucket, slot)
+            stored = self._store_outputs(index, bucket, self._pieces[index](buffers), capturing=True)
+        # The piece's own result tensors are gone now (unless kept); their pool blocks are
+        # free for the next capture.
+        graphs.append(graph)
+        return stored
 
     def _capture_bucket(self, bucket: int, pool: PoolHandle, stream: Any) -> None:
         ledger = self._manager.ledger
-        plan: list = []
-        visible = dict(self._in_views[bucket])
+        graphs: list = []
+        holders: list = []
         try:
-            first = True
-            for index, piece in enumerate(self._pieces):
+            visible = dict(self._in_views[bucket])
+            buffers = StaticBuffers(self._label, dict(visible), bucket)
+            firsts = []
+            for slot in range(self._slots):
+                views, kept = self._capture_graph(0, bucket, buffers, pool, stream, graphs, slot)
+                firsts.append((graphs[-1], kept))
+            # One holder stands for the graphs of (runner, bucket, piece), all slots.
+            ledger.acquire(pool, (self.name, bucket, 0))
+            holders.append((self.name, bucket, 0))
+            visible.update(views)
+            rest: list = []
+            kept_rest: dict[str, torch.Tensor] = {}
+            for index in range(1, len(self._pieces)):
+                piece = self._pieces[index]
                 buffers = StaticBuffers(self._label, dict(visible), bucket)
                 if isinstance(piece, EagerPiece):
-                    plan.append(_EagerStep(piece, buffers))
+                    rest.append(functools.partial(self._call_eager, piece, buffers))
                     continue
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    if first:
-                        self._copy_inputs(bucket)
-                    views = self._store_outputs(index, bucket, piece(buffers), capturing=True)
-                # The piece's own result tensors are gone now; their pool blocks are free
-                # for the next capture.
-                holder = (self.name, bucket, index)
-                ledger.acquire(pool, holder)
-                plan.append(_GraphStep(graph, holder, copies_inputs=first))
-                first = False
+                views, kept = self._capture_graph(index, bucket, buffers, pool, stream, graphs)
+                ledger.acquire(pool, (self.name, bucket, index))
+                holders.append((self.name, bucket, index))
+                rest.append(graphs[-1].replay)
                 visible.update(views)
+                kept_rest.update(kept)
         except BaseException:
             # Undo this bucket's partial capture, then let the error through.
-            for step in plan:
-                if isinstance(step, _GraphStep):
-                    step.graph.reset()
-                    ledger.drop(pool, step.holder)
+            for graph in graphs:
+                graph.reset()
+            for holder in holders:
+                ledger.drop(pool, holder)
             raise
-        self._plans[bucket] = plan
+        plans = tuple(_Plan(first, tuple(rest), {**kept, **kept_rest}) for first, kept in firsts)
+        self._captured_buckets[bucket] = _Captured(plans, graphs, holders)
 
     def step(self, n: int, *, bucket: int | None = None, **data: object) -> dict[str, torch.Tensor]:
-        """Stage `data` (host inputs into their shadows, device inputs into their buffers),
-        then replay the bucket's graphs in order with eager pieces in between.
+        """Stage `data` (host inputs into the next shadow slot, device inputs into their
+        buffers), then replay the bucket's graphs in order with eager pieces in between.
 
         `bucket` overrides the padded size (e.g. the one agree() returned). Returns the
-        outputs as views of static buffers narrowed to n rows, valid until the next step.
+        outputs as views narrowed to n rows, valid until the next step; the same view
+        objects come back for the same (bucket, n), so do not change their shape in place.
         """
-        self._require_open()
+        if self._closed:
+            raise RuntimeError(f"{self._label} is closed")
         chosen = self._choose_bucket(n, bucket)
-        plan = self._plans.get(chosen)
-        if plan is None:
+        captured = self._captured_buckets.get(chosen)
+        if captured is None:
             raise RuntimeError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
-        self._stage(chosen, n, data)
-        for entry in plan:
-            if isinstance(entry, _GraphStep):
-                entry.graph.replay()
-                if entry.copies_inputs:
-                    self._arm_fence()
-            else:
-                self._call_eager(entry.piece, entry.buffers)
-        return self._result(chosen, n)
+        slot = self._stage(chosen, n, data)
+        plan = captured.plans[slot]
+        plan.first.replay()
+        if self._ring.fenced:
+            self._ring.release(slot, torch.cuda.current_stream(self.device))
+        for run in plan.rest:
+            run()
+        key = (chosen, n, slot)
+        result = self._result_cache.get(key)
+        if result is None:
+            result = self._result_cache[key] = self._result(chosen, n, plan.kept)
+        return dict(result)
 
     # -- teardown -----------------------------------------------------------------------
 
     def _synchronize(self) -> None:
         # A graph or buffer must not be freed while queued work may still use it.
-        if self.device.type == "cuda" and torch.cuda.is_available():
+        if self._cuda and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
 
     def _drop_plan(self, bucket: int) -> None:
-        for entry in self._plans.pop(bucket):
-            if isinstance(entry, _GraphStep):
-                entry.graph.reset()
-                self._manager.ledger.drop(self._pool, entry.holder)
+        captured = self._captured_buckets.pop(bucket)
+        for graph in captured.graphs:
+            graph.reset()
+        for holder in captured.holders:
+            self._manager.ledger.drop(self._pool, holder)
+        self._result_cache = {k: v for k, v in self._result_cache.items() if k[0] != bucket}
 
     def release(self, bucket: int) -> None:
         """Destroy the graphs of one bucket; steps of that size then pad to the next bucket.
@@ -1006,7 +1286,7 @@ class GraphRunner:
         no graph holds the pool and empty_cache runs.
         """
         self._require_open()
-        if bucket not in self._plans:
+        if bucket not in self._captured_buckets:
             raise ValueError(f"{self._label}: bucket {bucket!r} is not captured (captured: {self.captured})")
         self._synchronize()
         self._drop_plan(bucket)
@@ -1021,15 +1301,16 @@ class GraphRunner:
         if self._closed:
             return
         self._synchronize()
-        for bucket in list(self._plans):
+        for bucket in list(self._captured_buckets):
             self._drop_plan(bucket)
         if self._pool_mode == "own" and self._pool is not None and not self._manager.ledger.is_released(self._pool):
             self._manager.ledger.release(self._pool)
-        for store in (self._in_flat, self._shadow_flat, self._out_flat, self._in_views, self._shadow_views):
+        for store in (self._in_flat, self._shadow_flat, self._out_flat, self._in_views,
+                      self._staging_cache, self._result_cache):
             store.clear()
+        self._slot_flat, self._shadow_views, self._copy_pairs = [], [], []
         self._available = []
-        self._fence = None
-        self._fence_armed = False
+        self._ring = _ShadowRing(self._slots, None)
         self._closed = True
         self._manager._forget(self)
 
@@ -1074,21 +1355,27 @@ class GraphPoolManager:
                buckets: BucketRule | int | Sequence[int], inputs: Sequence[StaticInput] = (),
                axes: Mapping[str, AxisSize] | None = None,
                output_axes: Mapping[str, int | None] | None = None,
-               pool: str | PoolHandle = "shared", warmup: int = 2) -> GraphRunner:
+               pool: str | PoolHandle = "shared", warmup: int = 2, shadow_slots: int = 2,
+               last_outputs: str = "copy") -> GraphRunner:
         """Declare a forward to capture. Static buffers are allocated now; call capture().
 
         `pieces`: callables `piece(buffers) -> dict | None` (captured) and EagerPiece
         entries, in forward order. `axes` sizes symbolic axes of inputs (int, or a function
         of the bucket). `output_axes` gives each output's batch axis (default 0; None: not
         bucketed). `pool`: "shared" (the manager's pool), "own" (a pool for this runner
-        alone) or a handle such as other_graph.pool().
+        alone) or a handle such as other_graph.pool(). `shadow_slots`: pinned shadow slots,
+        how many steps the host may stage ahead of the device plus one (Note [Shadow ring]).
+        `last_outputs`: "copy" (static output buffers) or "in_pool" (the last piece's outputs
+        stay where its graph writes them, one copy kernel fewer per output; needs
+        pool="own", see Note [Outputs kept in the pool]).
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"runner name must be a non-empty str, got {name!r}")
         if name in self._runners:
             raise ValueError(f"a runner named {name!r} already exists; close it or pick another name")
         runner = GraphRunner(self, name, pieces, buckets=buckets, inputs=inputs, axes=axes,
-                             output_axes=output_axes, pool=pool, warmup=warmup)
+                             output_axes=output_axes, pool=pool, warmup=warmup,
+                             shadow_slots=shadow_slots, last_outputs=last_outputs)
         self._runners[name] = runner
         return runner
 
