@@ -323,29 +323,121 @@ def test_rebinding_a_captured_buffer_raises_and_in_place_writes_are_replayed(fre
 
 
 @ALLOCATORS
-def test_shadow_is_fenced_under_back_to_back_replays_with_changing_data(fresh, install):
+def test_shadow_ring_is_never_overwritten_under_back_to_back_replays_with_changing_data(fresh, install):
     _run(fresh, """
         manager = GraphPoolManager()
-        runner = manager.runner("fenced", mlp, buckets=[1, 2, 4, 8, 16, 32, 64], inputs=mlp_inputs())
-        runner.capture()
-
         busy = torch.randn(2048, 2048, device=DEV)
-        gen = torch.Generator().manual_seed(1)
+        for slots in (1, 2, 3):
+            runner = manager.runner(f"ring{slots}", mlp, buckets=[1, 2, 4, 8, 16, 32, 64], inputs=mlp_inputs(),
+                                    shadow_slots=slots)
+            runner.capture()
+            assert runner.shadow_slots == slots
+            gen = torch.Generator().manual_seed(slots)
+            sent, results, ahead, previous = [], [], 0, None
+            for k in range(120):
+                n = int(torch.randint(1, 65, (1,), generator=gen))
+                x, pos = host_batch(n, gen)
+                # Keep the device busy so that the host runs ahead: without the ring's fences it
+                # would overwrite a pinned shadow before an earlier replay's captured copy read it.
+                for _ in range(4):
+                    busy @ busy
+                # Every tenth step runs eagerly: its non-blocking copies read a slot too.
+                out = runner.run_eager(n, x=x, pos=pos) if k % 10 == 9 else runner.step(n, x=x, pos=pos)
+                results.append(out["y"].clone())
+                sent.append((x, pos))
+                # Was the previous step still queued when this one had written its slot?
+                if previous is not None and not previous.query():
+                    ahead += 1
+                previous = torch.cuda.Event()
+                previous.record()
+            torch.cuda.synchronize()
+            for i, ((x, pos), got) in enumerate(zip(sent, results)):
+                try:
+                    check(got, x, pos)
+                except AssertionError as exc:
+                    raise AssertionError(f"shadow_slots={slots}: step {i} computed on other data than it was given") from exc
+            if slots > 1:
+                # The host staged steps while earlier ones still waited for the device, so the
+                # data above went through slots that queued replays had yet to read.
+                assert ahead >= 60, f"shadow_slots={slots}: the host was ahead on only {ahead} of 119 steps"
+            print(f"shadow_slots={slots}: host ahead of the device on {ahead} of 119 steps")
+            runner.close()
+        manager.close()
+        assert manager.pools() == {}
+    """, install)
+
+
+@ALLOCATORS
+def test_outputs_kept_in_an_owned_pool_match_eager_and_stay_apart_from_other_runners(fresh, install):
+    _run(fresh, """
+        def up(b):
+            return {"h": torch.nn.functional.gelu((b["x"] + b["pos"].unsqueeze(-1).to(b["x"].dtype)) @ W1)}
+
+        def down(b):
+            return {"y": b["h"] @ W2}
+
+        buckets = [4, 16, 64]
+        manager = GraphPoolManager()
+        single = manager.runner("single", mlp, buckets=buckets, inputs=mlp_inputs(), pool="own",
+                                last_outputs="in_pool")
+        split = manager.runner("split", [up, down], buckets=buckets, inputs=mlp_inputs(), pool="own",
+                               last_outputs="in_pool", shadow_slots=3)
+        copied = manager.runner("copied", mlp, buckets=buckets, inputs=mlp_inputs())
+        for runner in (single, split, copied):
+            runner.capture()
+        assert list(single.outputs) == [] and list(split.outputs) == ["h"] and list(copied.outputs) == ["y"]
+        assert len({tuple(single.pool), tuple(split.pool), tuple(copied.pool)}) == 3
+
+        # No other runner may capture into a pool that keeps outputs.
+        try:
+            manager.runner("intruder", mlp, buckets=[4], inputs=mlp_inputs(), pool=single.pool)
+        except ValueError as exc:
+            assert "'single'" in str(exc), exc
+        else:
+            raise AssertionError("a runner was allowed into a pool whose outputs are kept there")
+
+        statics = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for r in (single, split, copied) for t in list(r.outputs.values()) + list(r.inputs.values())]
+        gen = torch.Generator().manual_seed(5)
+        busy = torch.randn(1024, 1024, device=DEV)
+        addresses = {"single": {}, "split": {}}
         sent, results = [], []
-        for _ in range(100):
+        for k in range(120):
             n = int(torch.randint(1, 65, (1,), generator=gen))
             x, pos = host_batch(n, gen)
-            # Keep the device busy so that the host runs ahead: without the fence it would
-            # overwrite the pinned shadow before this replay's captured copy has read it.
-            for _ in range(4):
-                busy @ busy
-            results.append(runner.step(n, x=x, pos=pos)["y"].clone())
+            busy @ busy
+            # Three runners in turn; each one's outputs must survive the others' replays.
+            a = single.step(n, x=x, pos=pos)["y"]
+            b = split.step(n, x=x, pos=pos)["y"]
+            c = copied.step(n, x=x, pos=pos)["y"]
+            results.append((a.clone(), b.clone(), c.clone()))
             sent.append((x, pos))
+            bucket = single.bucket_for(n)
+            addresses["single"].setdefault(bucket, set()).add(a.data_ptr())
+            addresses["split"].setdefault(bucket, set()).add(b.data_ptr())
+            for ptr in (a.data_ptr(), b.data_ptr()):
+                assert not any(lo <= ptr < hi for lo, hi in statics), "a kept output lies in a static buffer"
         torch.cuda.synchronize()
-        for i, ((x, pos), got) in enumerate(zip(sent, results)):
-            try:
-                check(got, x, pos)
-            except AssertionError as exc:
-                raise AssertionError(f"replay {i} computed on other data than it was given") from exc
+        for i, ((x, pos), outs) in enumerate(zip(sent, results)):
+            for name, got in zip(("single", "split", "copied"), outs):
+                try:
+                    check(got, x, pos)
+                except AssertionError as exc:
+                    raise AssertionError(f"runner {name}: step {i} is wrong") from exc
+        # A single-piece runner keeps its outputs once per bucket and slot; the last piece of a
+        # split runner is captured once per bucket, whatever the slot.
+        assert all(1 <= len(p) <= 2 for p in addresses["single"].values()), addresses["single"]
+        assert all(len(p) == 1 for p in addresses["split"].values()), addresses["split"]
+
+        # Replays allocate nothing, kept outputs included.
+        allocated = torch.cuda.memory_allocated()
+        for n in [3, 64, 17, 4, 40, 1, 16, 64]:
+            x, pos = host_batch(n)
+            for runner in (single, split, copied):
+                runner.step(n, x=x, pos=pos)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated, "steps allocated device memory"
+
         manager.close()
+        assert manager.pools() == {}
     """, install)
