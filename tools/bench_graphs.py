@@ -3,8 +3,11 @@
 A decode-like step (embedding, a few layers of small matmuls and elementwise ops) runs three ways:
   eager        copy host inputs to the device, then launch every kernel;
   graph+copy   torch.cuda.graph replay, with the host-to-device copies launched eagerly before it;
-  manager      GraphPoolManager.step: a CPU memcpy into the pinned shadows, then one replay
-               whose graph contains the copies.
+  manager      GraphPoolManager.step: a CPU memcpy into the next pinned shadow slot, then one
+               replay whose graph contains the copies. --slots sets the shadow slots (how far
+               the host may stage ahead); --outputs in_pool (default) keeps the step's output
+               where the graph writes it, in a pool the runner owns, --outputs copy copies it
+               into a static buffer inside the graph (the runner default).
 For each: µs per step (CUDA events, median after warm-up, loop running freely), µs per step in a
 decode loop that synchronises every step (wall clock, median), and launches per step (kernel,
 memcpy and graph launches counted with torch.profiler).
@@ -13,11 +16,13 @@ Then the memory of N bucket graphs: captured into one shared pool vs into N sepa
 largest bucket alone (memory_reserved deltas after capture). Sharing works when the ratio
 shared / largest stays near 1 (goal <= 1.1).
 
-    python tools/bench_graphs.py [--batches 1,8,32,64] [--layers 4] [--hidden 512] [--install]
+    python tools/bench_graphs.py [--batches 1,8,32,64] [--layers 4] [--hidden 512] [--slots 2]
+                                 [--outputs in_pool|copy] [--install]
 
 --install runs the same in a subprocess under torch_budget.install(). The last line is
 `RESULT bench_graphs key=value ...`; µs figures there are means over the batches of the
-per-batch medians, launches are at the largest batch.
+per-batch medians, launches are at the largest batch; slots= and outputs= say how the
+manager's runner was configured.
 """
 
 import argparse
@@ -169,8 +174,10 @@ def bench_speed(args, device):
         plain[batch] = (graph, out)
 
     manager = GraphPoolManager(device)
+    # Outputs kept in the pool need a pool of the runner's own (Note [Outputs kept in the pool]).
     runner = manager.runner("decode", lambda b: {"out": model(b["tokens"], b["positions"])},
-                            buckets=batches, inputs=step_inputs())
+                            buckets=batches, inputs=step_inputs(), shadow_slots=args.slots,
+                            pool="own" if args.outputs == "in_pool" else "shared", last_outputs=args.outputs)
     runner.capture()
 
     rows = []
@@ -245,7 +252,8 @@ def bench_memory(args, device):
         return {"out": model(b["tokens"], b["positions"])}
 
     def captured(name, sizes):
-        runner = manager.runner(name, piece, buckets=sizes, inputs=step_inputs(), pool="own")
+        runner = manager.runner(name, piece, buckets=sizes, inputs=step_inputs(), pool="own",
+                                shadow_slots=args.slots)
         runner.capture()
         return runner
 
@@ -289,7 +297,8 @@ def bench_memory(args, device):
 def report(args, rows, launches, memory, tag=""):
     print()
     print(f"{tag}decode step: {args.layers} layers, hidden {args.hidden}, fp16, {torch.cuda.get_device_name()}, "
-          f"allocator {torch.cuda.get_allocator_backend()}")
+          f"allocator {torch.cuda.get_allocator_backend()}; manager: {args.slots} shadow slot(s), "
+          f"outputs {args.outputs}")
     print(f"{tag}{'batch':>5} | {'eager':>8} {'graph+copy':>10} {'manager':>8} | "
           f"{'eager':>8} {'graph+copy':>10} {'manager':>8}")
     print(f"{tag}{'':>5} | {'µs/step free-running':^28} | {'µs/step synced loop':^28}")
@@ -306,7 +315,7 @@ def report(args, rows, launches, memory, tag=""):
           f"{m['separate_over_largest']:.2f}, left after close {m['left_after_close_mib']:.1f} MiB")
 
 
-def result_pairs(rows, launches, memory):
+def result_pairs(args, rows, launches, memory):
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     total = lambda c: "na" if c is None else f"{c['kernel'] + c['copy'] + c['graph']:.0f}"  # noqa: E731
     return {
@@ -322,6 +331,8 @@ def result_pairs(rows, launches, memory):
         "shared_over_largest": f"{memory['shared_over_largest']:.3f}",
         "separate_over_largest": f"{memory['separate_over_largest']:.2f}",
         "left_after_close_mib": f"{memory['left_after_close_mib']:.1f}",
+        "slots": str(args.slots),
+        "outputs": args.outputs,
     }
 
 
@@ -352,6 +363,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--mem-hidden", type=int, default=2048)
     p.add_argument("--mem-buckets", type=ints, default=[8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--slots", type=int, default=2, help="the manager runner's pinned shadow slots")
+    p.add_argument("--outputs", choices=("in_pool", "copy"), default="in_pool",
+                   help="the manager runner's last_outputs: keep in its own pool, or copy to a static buffer")
     p.add_argument("--install", action="store_true", help="also run under torch_budget.install() in a subprocess")
     p.add_argument("--installed-child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -362,7 +376,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_graphs: no CUDA device visible; nothing to measure")
-        print("RESULT bench_graphs skipped=no_cuda")
+        print(f"RESULT bench_graphs skipped=no_cuda slots={args.slots} outputs={args.outputs}")
         return 0
     if args.installed_child:
         import torch_budget
@@ -372,7 +386,7 @@ def main(argv=None):
 
     rows, launches = bench_speed(args, device)
     memory = bench_memory(args, device)
-    pairs = result_pairs(rows, launches, memory)
+    pairs = result_pairs(args, rows, launches, memory)
 
     installed = None
     if args.install and not args.installed_child:
