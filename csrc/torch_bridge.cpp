@@ -244,6 +244,13 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     return d->pool_use_count({id.first, id.second});
   }
 
+  // A private pool never lends memory to other allocations here: turning that off is
+  // what we already do (torch's MemPool destructor does so), turning it on is refused.
+  void setUseOnOOM(c10::DeviceIndex /*device*/, c10::cuda::MempoolId_t /*id*/, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "torch_budget: MemPool(use_on_oom=True) is not supported: out of memory is decided "
+                             "by the budget, not by borrowing a private pool's memory");
+  }
+
   std::string name() override { return "torch_budget"; }
 };
 

@@ -226,7 +226,7 @@ pool = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
     x = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
 y = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
-owners = {tuple(s["pool"]) for s in torch_budget.segments() if s["allocated_size"]}
+owners = {tuple(s["pool"]) for s in torch_budget.allocator.segments() if s["allocated_size"]}
 assert len(owners) == 2 and (0, 0) in owners, owners
 assert torch_budget.stats()["graph_pools"] >= 24 * MiB
 assert pool.use_count() == 1

@@ -13,6 +13,7 @@ _EXPORTS = {
     "empty_cache": "allocator",
     "set_budget": "allocator",
     "capabilities": "allocator",
+    "segments": "allocator",
     "TorchBudgetError": "allocator",
     # graphs
     "GraphPoolManager": "graphs",

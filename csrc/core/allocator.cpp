@@ -69,7 +69,7 @@ DeviceAllocator* Allocator::device(int index) {
 Block* Allocator::malloc(size_t size, int device_index, CUstream stream) {
   DeviceAllocator* d = device(device_index);
   if (d == nullptr) return nullptr;
-  started_.store(true, std::memory_order_relaxed);
+  if (!started_.load(std::memory_order_relaxed)) started_.store(true, std::memory_order_relaxed);
   const Scope scope = current_scope();
   return d->malloc(size, stream, scope.route, scope.tag);
 }

@@ -26,8 +26,9 @@ bool is_small(const Block* b) { return b->segment ? b->segment->small : b->size 
 // The driver may already be gone at process exit: driver resources are left to it;
 // block objects are freed by their pools.
 DeviceAllocator::~DeviceAllocator() {
-  for (auto& [ptr, b] : live_)
+  live_.for_each([](uintptr_t, Block* b) {
     if (b->segment == nullptr) delete b;  // pool-route blocks belong to no BlockPool
+  });
 }
 
 bool probe_device(int device, Capabilities* caps) {
@@ -233,7 +234,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   b->device = device_;
   b->tag = tag;
   account_alloc(b, tag);
-  live_.emplace(b->ptr, b);
+  live_.insert(b->ptr, b);
   return b;
 }
 
@@ -284,30 +285,28 @@ void DeviceAllocator::return_block(Block* b) {
 
 bool DeviceAllocator::owns(uintptr_t ptr, Block** block) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(ptr);
-  if (it == live_.end() || !it->second->allocated) return false;
-  *block = it->second;
+  Block* b = live_.find(ptr);
+  if (b == nullptr || !b->allocated) return false;
+  *block = b;
   return true;
 }
 
 bool DeviceAllocator::free(Block* b) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(b->ptr);
-  TB_REQUIRE(it != live_.end() && it->second == b && b->allocated, kInvalidArgument,
+  TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
              "free of a block that is not allocated (double free?)", false);
-  return free_locked(it);
+  return free_locked(b);
 }
 
 bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(ptr);
-  *found = it != live_.end() && it->second->allocated;
-  return *found && free_locked(it);
+  Block* b = live_.find(ptr);
+  *found = b != nullptr && b->allocated;
+  return *found && free_locked(b);
 }
 
-bool DeviceAllocator::free_locked(std::unordered_map<uintptr_t, Block*>::iterator it) {
-  Block* b = it->second;
-  live_.erase(it);
+bool DeviceAllocator::free_locked(Block* b) {
+  live_.erase(b->ptr);
   account_release(b);
   b->allocated = false;
   const bool pool_route = b->segment == nullptr;
@@ -508,8 +507,8 @@ std::vector<SegmentView> DeviceAllocator::segments() {
   if (vmm_pool_) visit(*vmm_pool_, PoolId{0, 0});
   visit(*sync_pool_, PoolId{0, 0});
   for (auto& [id, p] : graphs_.pools()) visit(*p.blocks, id);
-  for (auto& [ptr, b] : live_) {
-    if (b->segment != nullptr) continue;
+  live_.for_each([&](uintptr_t, Block* b) {
+    if (b->segment != nullptr) return;
     SegmentView v{};
     v.base = b->ptr;
     v.size = v.allocated = v.active = v.mapped = b->size;
@@ -519,7 +518,7 @@ std::vector<SegmentView> DeviceAllocator::segments() {
     v.route = kRoutePool;
     v.blocks.push_back({b->size, b->requested, 1});
     out.push_back(std::move(v));
-  }
+  });
   return out;
 }
 

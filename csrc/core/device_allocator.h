@@ -20,6 +20,7 @@
 #include "block_cache.h"
 #include "graph_pools.h"
 #include "ledger.h"
+#include "ptr_map.h"
 #include "route_pool.h"
 #include "route_sync.h"
 #include "route_vmm.h"
@@ -121,7 +122,7 @@ class DeviceAllocator {
   void account_inactive(Block* b);  // active -> free
   void return_block(Block* b);      // to its pool, or to the driver for the pool route
   void process_events();
-  bool free_locked(std::unordered_map<uintptr_t, Block*>::iterator it);
+  bool free_locked(Block* b);
   void synchronize_and_release_cached();
   void maybe_destroy_graph_pool(BlockPool* pool);
   void acquire_pool(const PoolId& id);
@@ -140,7 +141,7 @@ class DeviceAllocator {
   std::unique_ptr<BlockPool> vmm_pool_;
   std::unique_ptr<BlockPool> sync_pool_;
   GraphPools graphs_;
-  std::unordered_map<uintptr_t, Block*> live_;     // every allocated or pending block
+  PtrMap live_;                                     // every allocated block, by address
   struct Pending {
     Block* block;
     CUevent event;

@@ -11,6 +11,10 @@ namespace {
 
 std::atomic<int> g_default_route{kRouteSync};
 thread_local std::vector<Scope> t_stack;
+// Scopes open on all threads together. While it is zero no thread has a scope, so the
+// allocation path can skip the thread-local lookup (a call into the TLS resolver for a
+// dlopen'ed library). A thread always sees its own pushes.
+std::atomic<int> g_open_scopes{0};
 
 std::mutex g_tags_mu;
 std::vector<std::string>& tags() {
@@ -24,7 +28,7 @@ void set_default_route(int route) { g_default_route.store(route, std::memory_ord
 int default_route() { return g_default_route.load(std::memory_order_relaxed); }
 
 Scope current_scope() {
-  if (t_stack.empty()) return Scope{default_route(), 0};
+  if (g_open_scopes.load(std::memory_order_relaxed) == 0 || t_stack.empty()) return Scope{default_route(), 0};
   return t_stack.back();
 }
 
@@ -36,12 +40,14 @@ bool push_scope(int route, int tag) {
   if (tag < 0) tag = cur.tag;
   TB_REQUIRE(tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   t_stack.push_back(Scope{route, tag});
+  g_open_scopes.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 bool pop_scope() {
   TB_REQUIRE(!t_stack.empty(), kState, "pop of an empty route/tag scope stack on this thread", false);
   t_stack.pop_back();
+  g_open_scopes.fetch_sub(1, std::memory_order_relaxed);
   return true;
 }
 
