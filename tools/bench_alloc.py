@@ -48,6 +48,11 @@ def churn_trace(seed=0, steps=4000, max_live=48):
 
 
 def child(route):
+    # Every configuration runs on the same CPU core: otherwise which core (and NUMA
+    # node) a process lands on moves the figures more than the allocators differ.
+    if hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[len(allowed) // 2]})
     import torch
 
     if route:
