@@ -506,7 +506,8 @@ def _size_gib(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive whole number."""
     try:
         value = int(text)
     except ValueError:
@@ -541,7 +542,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         if name == "dtype":
             m.add_argument("--dtype", help="float32, float16 or bfloat16")
         else:
-            m.add_argument("--" + name.replace("_", "-"), type=_count, dest=name)
+            m.add_argument("--" + name.replace("_", "-"), type=positive_int, dest=name)
     m.add_argument("--weights-gib", type=_size_gib, help="weight bytes of a real checkpoint (default: computed from the shape)")
     d = p.add_argument_group("device and measurements")
     d.add_argument("--gpu-mem-gib", type=_size_gib, help="card size (default: the current CUDA device's, if any)")
@@ -551,12 +552,12 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="memory outside torch: context, NCCL (default 0, i.e. unknown)")
     s = p.add_argument_group("scheduler and caps")
     s.add_argument("--fraction", type=_fraction, default=0.9)
-    s.add_argument("--max-batch", type=_count, default=256, help="sequences per step (default 256)")
-    s.add_argument("--max-num-tokens", type=_count, default=8192, help="tokens per step (default 8192)")
-    s.add_argument("--kv-shards", type=_count, default=1, help="tensor/context-parallel ways the KV is split")
-    s.add_argument("--workspace-bytes-per-token", type=_count, help="attention workspace per attended token")
-    s.add_argument("--attended-token-cap", type=_count)
-    s.add_argument("--max-kv-tokens", type=_count)
+    s.add_argument("--max-batch", type=positive_int, default=256, help="sequences per step (default 256)")
+    s.add_argument("--max-num-tokens", type=positive_int, default=8192, help="tokens per step (default 8192)")
+    s.add_argument("--kv-shards", type=positive_int, default=1, help="tensor/context-parallel ways the KV is split")
+    s.add_argument("--workspace-bytes-per-token", type=positive_int, help="attention workspace per attended token")
+    s.add_argument("--attended-token-cap", type=positive_int)
+    s.add_argument("--max-kv-tokens", type=positive_int)
     s.add_argument("--max-kv-gib", type=_size_gib)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (input for `torch-budget report`)")
     return p

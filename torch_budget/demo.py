@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torch_budget.budget import positive_int
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -66,16 +68,6 @@ class Settings:
         return self.buckets[-1]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
-
-
 def _seed(text: str) -> int:
     try:
         return int(text)
@@ -91,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                     "measured one and draw the ledger. Without a CUDA device (or without the compiled "
                     "extension) it prints the plan for an assumed card and says why it stops there.",
     )
-    p.add_argument("--requests", type=_positive, help="requests to serve (default 48, 16 with --quick)")
+    p.add_argument("--requests", type=positive_int, help="requests to serve (default 48, 16 with --quick)")
     p.add_argument("--seed", type=_seed, default=0, help="seed for weights, prompt lengths and tokens")
     p.add_argument("--out", type=Path, default=Path("torch_budget_ledger.png"),
                    help="where to write the measured ledger picture (default: ./torch_budget_ledger.png)")
@@ -256,11 +248,7 @@ def prefill_last(model, token_ids, cache, rows, meta):
     from torch_budget import model as m
 
     cfg = model.cfg
-    if token_ids.dim() != 2:
-        raise ValueError(f"prefill expects token_ids of shape [B, T], got {tuple(token_ids.shape)}")
-    batch, length = token_ids.shape
-    if length > cfg.max_seq_len:
-        raise ValueError(f"prefill length {length} exceeds max_seq_len={cfg.max_seq_len}")
+    batch, length = m.prefill_shape(cfg, token_ids)
     rows = list(rows)
     if len(rows) != batch:
         raise ValueError(f"rows must have one entry per sequence ({batch}), got {len(rows)}")

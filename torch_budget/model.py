@@ -279,6 +279,16 @@ class DemoModel(torch.nn.Module):
 
 
 @torch.no_grad()
+def prefill_shape(cfg: ModelConfig, token_ids) -> tuple:
+    """(batch, length) of a prefill's token ids [B, T], checked against the model's limits."""
+    if token_ids.dim() != 2:
+        raise ValueError(f"prefill expects token_ids of shape [B, T], got {tuple(token_ids.shape)}")
+    batch, length = token_ids.shape
+    if length > cfg.max_seq_len:
+        raise ValueError(f"prefill length {length} exceeds max_seq_len={cfg.max_seq_len}")
+    return batch, length
+
+
 def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows=None) -> torch.Tensor:
     """Run `token_ids` ([B, T], positions 0..T-1) through the model, write their K/V into `rows`
     of the cache (default 0..B-1, blocks reserved here), and return logits [B, T, vocab].
@@ -286,11 +296,7 @@ def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows
     Prefill is eager (its shape varies with T), so it may hand out cache blocks.
     """
     cfg = model.cfg
-    if token_ids.dim() != 2:
-        raise ValueError(f"prefill expects token_ids of shape [B, T], got {tuple(token_ids.shape)}")
-    batch, length = token_ids.shape
-    if length > cfg.max_seq_len:
-        raise ValueError(f"prefill length {length} exceeds max_seq_len={cfg.max_seq_len}")
+    batch, length = prefill_shape(cfg, token_ids)
     device = token_ids.device
     rows_t = torch.arange(batch, device=device) if rows is None else torch.as_tensor(rows, device=device)
     if rows_t.shape != (batch,):
