@@ -284,12 +284,6 @@ def set_budget(budget, device=None):
     _native.check(lib, lib.tb_set_budget(index, v))
 
 
-def current_route_name():
-    if not installed():
-        return None
-    return ROUTE_NAMES[_native.load().tb_current_route()]
-
-
 def doctor():
     """A report of versions, capabilities and the route install() would choose."""
     import platform
