@@ -1,9 +1,9 @@
 // The C ABI of torch_budget: every exported function, in one place, prefix tb_.
 //
-// Rules: nothing here throws or aborts. Functions return 0 (or a valid pointer) on
-// success and a tb::ErrorCode (or nullptr) on failure; tb_last_error() then gives
-// the message for this thread. Python declares every signature once, in
-// torch_budget/_native.py.
+// Rules: nothing here throws or aborts. Functions return 0 (or a valid pointer, or a
+// length) on success and a tb::ErrorCode (nullptr, or a negative code) on failure;
+// tb_last_error() then gives the message for this thread. Python declares every
+// signature once, in torch_budget/_native.py.
 #pragma once
 
 #include <stdint.h>
@@ -20,7 +20,7 @@ TB_API const char* tb_last_error(void);  // message of the last failure on this 
 TB_API int tb_last_error_code(void);
 
 // --- setup
-// Settings for devices used from now on; fails once allocations were served.
+// Settings for every device; fails once allocations were served.
 // budget_bytes < 0 and budget_fraction <= 0: no budget (the whole card).
 TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow);
 TB_API int tb_device_count(void);
@@ -34,19 +34,20 @@ TB_API void* tb_malloc(ssize_t size, int device, void* stream);
 TB_API void tb_free(void* ptr, ssize_t size, int device, void* stream);
 // Checked variant of tb_free: non-zero for a pointer that is not ours or was freed.
 TB_API int tb_free_checked(void* ptr);
-TB_API int tb_record_stream(void* ptr, void* stream);
+// The block at `ptr` is also used on `stream` of device `stream_device`
+// (torch's recordStream(DataPtr, CUDAStream)).
+TB_API int tb_record_stream(void* ptr, void* stream, int stream_device);
 
 // --- scopes and tags
 TB_API int tb_push_scope(int route, int tag);  // route -1 / tag -1 keep the enclosing one
 TB_API int tb_pop_scope(void);
-TB_API int tb_scope_depth(void);
 TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on error
-TB_API int tb_current_route(void);
 
-// --- budget and cache
+// --- budget, cache, peers
 TB_API int tb_set_budget(int device, int64_t bytes);
-TB_API int64_t tb_get_budget(int device);      // INT64_MAX: none
 TB_API int tb_empty_cache(int device);
+// Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).
+TB_API int tb_grant_peer(int device, int peer);
 
 // --- graph pools (torch's begin/end allocate-to-pool and release-pool)
 // Allocations on `stream` go to pool (id0, id1) until tb_end_pool.
@@ -54,22 +55,31 @@ TB_API int tb_begin_pool(int device, uint64_t id0, uint64_t id1, void* stream);
 TB_API int tb_end_pool(int device, uint64_t id0, uint64_t id1);
 TB_API int tb_release_pool(int device, uint64_t id0, uint64_t id1);
 
-// --- ledger, as JSON owned by the calling thread (valid until its next call)
-TB_API const char* tb_stats_json(int device);
-TB_API const char* tb_segments_json(int device);
-TB_API int tb_reset_peaks(int device);
+// --- ledger, as JSON written into the caller's buffer: returns the full length
+// (call again with a larger buffer when it exceeds `capacity`), or -code.
+TB_API int64_t tb_stats_json(int device, char* buffer, int64_t capacity);
+TB_API int64_t tb_segments_json(int device, char* buffer, int64_t capacity);
 
 // --- torch (only in the library built with torch, torch_budget/_C)
 // Installs the torch allocator; fails when torch's allocator is already initialised.
 TB_API int tb_torch_install(void);
 TB_API int tb_torch_installed(void);
 
-// --- testing (only in the library built with the host stand-in, torch_budget/_host_core)
-TB_API int tb_host_use(int64_t capacity, int vmm, int pools);
+// --- testing (only in the library built with the host stand-in, torch_budget/_host_core);
+// see csrc/testing/host_driver.cpp.
+TB_API int tb_host_use(int devices, int64_t capacity, int vmm, int pools, int64_t pool_chunk);
+TB_API void* tb_host_stream(int device);
 TB_API void tb_host_submit(void* stream);
 TB_API void tb_host_complete(void* stream);
-TB_API int64_t tb_host_used(void);
-TB_API void tb_host_counters(int64_t out[6]);
+TB_API int64_t tb_host_used(int device);
+TB_API void tb_host_counters(int64_t out[8]);
+TB_API int tb_host_fail(const char* entry_point, int64_t nth, double rate, int result, uint64_t seed);
+TB_API int tb_host_set_current(int device);
+TB_API int tb_host_current(void);
+TB_API int tb_host_can_access(int device, void* ptr);
+TB_API int tb_host_hold_syncs(int hold, int wait_for);
+TB_API int tb_host_remove_entry(const char* name);
+TB_API void tb_host_free_at_exit(void* ptr);
 
 #ifdef __cplusplus
 }

@@ -26,7 +26,7 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 using c10::CachingDeviceAllocator::DeviceStats;
 
 [[noreturn]] void raise_last_error(const char* what) {
-  const std::string msg = last_error_message().empty() ? std::string(what) : last_error_message();
+  const std::string msg = *last_error_message() ? std::string(last_error_message()) : std::string(what);
   if (last_error_code() == kOutOfMemory) TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   TORCH_CHECK(false, "torch_budget: ", what, ": ", msg);
 }
@@ -125,56 +125,66 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     if (*largest == 0) {
       // Nothing cached yet: what could still be had, within the budget.
       size_t free_b = 0, total_b = 0;
-      C10_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-      const int64_t room = d->budget() - static_cast<int64_t>(d->reserved_total());
+      if (!d->mem_info(&free_b, &total_b)) raise_last_error("cacheInfo");
+      const int64_t room = d->budget() - d->ledger().reserved_bytes.s[kAggregate].get();
       *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
     }
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
-    Block* b = tb::Allocator::get().find(ptr);
-    if (b == nullptr) raise_last_error("getBaseAllocation");
-    *size = b->size;
-    return reinterpret_cast<void*>(b->ptr);
+    int device = 0;
+    BlockInfo info{};
+    if (!tb::Allocator::get().lookup(ptr, &device, &info)) raise_last_error("getBaseAllocation");
+    *size = info.size;
+    return reinterpret_cast<void*>(info.base);
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr || ptr.get_deleter() != &block_deleter) return;
-    auto* b = static_cast<Block*>(ptr.get_context());
-    tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(b->device);
-    if (d != nullptr) d->record_stream(b, static_cast<CUstream>(stream.stream()));
+    // By address, under the owning device's lock: the block may be freed concurrently.
+    if (!tb::Allocator::get().record_stream(ptr.get(), static_cast<CUstream>(stream.stream()), stream.device_index()))
+      raise_last_error("recordStream");
+  }
+
+  // torch enables peer access before copies between devices; VMM mappings and the
+  // memory pool need their own grant (Note [Peer access to VMM memory]).
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
+    tb::DeviceAllocator* d = tb::Allocator::get().device(dev_to_access);
+    if (d == nullptr || !d->grant_peer(dev)) raise_last_error("enablePeerAccess");
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     DeviceStats stats;
     tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
     if (d == nullptr) return stats;
-    Ledger& l = d->ledger();
-    copy_array(stats.allocation, l.allocation);
-    copy_array(stats.segment, l.segment);
-    copy_array(stats.active, l.active);
-    copy_array(stats.allocated_bytes, l.allocated_bytes);
-    copy_array(stats.reserved_bytes, l.reserved_bytes);
-    copy_array(stats.active_bytes, l.active_bytes);
-    copy_array(stats.requested_bytes, l.requested_bytes);
+    d->read_locked([&](const Ledger& l) {
+      copy_array(stats.allocation, l.allocation);
+      copy_array(stats.segment, l.segment);
+      copy_array(stats.active, l.active);
+      copy_array(stats.allocated_bytes, l.allocated_bytes);
+      copy_array(stats.reserved_bytes, l.reserved_bytes);
+      copy_array(stats.active_bytes, l.active_bytes);
+      copy_array(stats.requested_bytes, l.requested_bytes);
+      stats.num_alloc_retries = l.num_alloc_retries.load();
+      stats.num_ooms = l.num_ooms.load();
+      stats.num_sync_all_streams = l.num_sync_all_streams.load();
+      stats.num_device_alloc = l.num_device_alloc.load();
+      stats.num_device_free = l.num_device_free.load();
+    });
     int64_t split_count = 0, split_bytes = 0;
     d->inactive_split(&split_count, &split_bytes);
     stats.inactive_split[0].current = split_count;
     stats.inactive_split_bytes[0].current = split_bytes;
-    stats.num_alloc_retries = l.num_alloc_retries.load();
-    stats.num_ooms = l.num_ooms.load();
-    stats.num_sync_all_streams = l.num_sync_all_streams.load();
-    stats.num_device_alloc = l.num_device_alloc.load();
-    stats.num_device_free = l.num_device_free.load();
     return stats;
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
-    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->ledger().reset_accumulated();
+    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->reset_accumulated();
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->ledger().reset_peaks();
+    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->reset_peaks();
   }
 
   cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id, bool /*include_traces*/) override {
@@ -221,8 +231,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
-    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-    if (d == nullptr || !d->end_allocate_to_pool({id.first, id.second})) raise_last_error("endAllocateToPool");
+    if (!tb::Allocator::get().end_pool(device, {id.first, id.second})) raise_last_error("endAllocateToPool");
   }
 
   void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
@@ -254,7 +263,12 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::string name() override { return "torch_budget"; }
 };
 
-std::shared_ptr<BudgetAllocator> g_installed;
+// Never destroyed: torch may free tensors during interpreter shutdown, after static
+// objects are gone.
+std::shared_ptr<BudgetAllocator>& installed() {
+  static auto* p = new std::shared_ptr<BudgetAllocator>();
+  return *p;
+}
 
 }  // namespace
 }  // namespace tb
@@ -266,7 +280,7 @@ int tb_torch_install(void) {
   clear_error();
   try {
     auto* current = c10::cuda::CUDACachingAllocator::get();
-    if (g_installed && current == g_installed.get()) return 0;
+    if (installed() && current == installed().get()) return 0;
     if (current != nullptr && current->initialized()) {
       set_error(kState,
                 "torch's CUDA allocator is already initialised: call torch_budget.install() at process start, "
@@ -276,7 +290,7 @@ int tb_torch_install(void) {
     if (!tb::Allocator::get().load_driver()) return last_error_code();
     auto a = std::make_shared<BudgetAllocator>();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
-    g_installed = a;
+    installed() = a;
     return 0;
   } catch (const std::exception& e) {
     set_error(kState, std::string("installing the allocator failed: ") + e.what());
@@ -285,7 +299,7 @@ int tb_torch_install(void) {
 }
 
 int tb_torch_installed(void) {
-  return tb::g_installed && c10::cuda::CUDACachingAllocator::get() == tb::g_installed.get() ? 1 : 0;
+  return tb::installed() && c10::cuda::CUDACachingAllocator::get() == tb::installed().get() ? 1 : 0;
 }
 
 }  // extern "C"

@@ -13,8 +13,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # csrc/core/error.h
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE = range(6)
 ROUTES = {"vmm": 0, "pool": 1, "sync": 2}
-ROUTE_NAMES = {v: k for k, v in ROUTES.items()}
-INT64_MAX = (1 << 63) - 1
 
 
 class TorchBudgetError(RuntimeError):
@@ -26,7 +24,7 @@ class NotBuiltError(ImportError):
 
 
 _c_i64_4 = ctypes.c_int64 * 4
-_c_i64_6 = ctypes.c_int64 * 6
+_c_i64_8 = ctypes.c_int64 * 8
 
 
 def _declare(lib, host):
@@ -41,29 +39,34 @@ def _declare(lib, host):
         "tb_malloc": (vp, [ssz, i, vp]),
         "tb_free": (None, [vp, ssz, i, vp]),
         "tb_free_checked": (i, [vp]),
-        "tb_record_stream": (i, [vp, vp]),
+        "tb_record_stream": (i, [vp, vp, i]),
         "tb_push_scope": (i, [i, i]),
         "tb_pop_scope": (i, []),
-        "tb_scope_depth": (i, []),
         "tb_tag_id": (i, [cp]),
-        "tb_current_route": (i, []),
         "tb_set_budget": (i, [i, i64]),
-        "tb_get_budget": (i64, [i]),
         "tb_empty_cache": (i, [i]),
+        "tb_grant_peer": (i, [i, i]),
         "tb_begin_pool": (i, [i, u64, u64, vp]),
         "tb_end_pool": (i, [i, u64, u64]),
         "tb_release_pool": (i, [i, u64, u64]),
-        "tb_stats_json": (cp, [i]),
-        "tb_segments_json": (cp, [i]),
-        "tb_reset_peaks": (i, [i]),
+        "tb_stats_json": (i64, [i, ctypes.c_char_p, i64]),
+        "tb_segments_json": (i64, [i, ctypes.c_char_p, i64]),
     }
     if host:
         sigs.update({
-            "tb_host_use": (i, [i64, i, i]),
+            "tb_host_use": (i, [i, i64, i, i, i64]),
+            "tb_host_stream": (vp, [i]),
             "tb_host_submit": (None, [vp]),
             "tb_host_complete": (None, [vp]),
-            "tb_host_used": (i64, []),
-            "tb_host_counters": (None, [_c_i64_6]),
+            "tb_host_used": (i64, [i]),
+            "tb_host_counters": (None, [_c_i64_8]),
+            "tb_host_fail": (i, [cp, i64, d, i, u64]),
+            "tb_host_set_current": (i, [i]),
+            "tb_host_current": (i, []),
+            "tb_host_can_access": (i, [i, vp]),
+            "tb_host_hold_syncs": (i, [i, i]),
+            "tb_host_remove_entry": (i, [cp]),
+            "tb_host_free_at_exit": (None, [vp]),
         })
     else:
         sigs.update({"tb_torch_install": (i, []), "tb_torch_installed": (i, [])})
@@ -122,6 +125,21 @@ def error(lib, code=None):
         except (ImportError, AttributeError):
             return MemoryError(msg)
     return TorchBudgetError(msg)
+
+
+def read_json(lib, fn, device):
+    """Calls a tb_*_json export, growing the buffer until the text fits; parsed."""
+    import json
+
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = fn(int(device), buf, size)
+        if n < 0:
+            raise error(lib, -n)
+        if n < size:
+            return json.loads(buf.value)
+        size = n + 1
 
 
 def check(lib, rc):

@@ -13,13 +13,12 @@ Keys: budget (bytes with an optional KiB/MiB/GiB/TiB suffix, or a fraction in
 (0, 1]), route (vmm | pool | sync | auto), reuse_before_grow (true | false).
 """
 import contextlib
-import json
 import os
 import re
 import threading
 
 from . import _native
-from ._native import ROUTE_NAMES, ROUTES, TorchBudgetError
+from ._native import ROUTES, TorchBudgetError
 
 ENV_VAR = "TORCH_BUDGET_CONF"
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -227,10 +226,7 @@ def stats(device=None):
     """
     _require_installed("torch_budget.stats()")
     lib = _native.load()
-    text = lib.tb_stats_json(_device_index(device))
-    if text is None:
-        raise _native.error(lib)
-    raw = json.loads(text)
+    raw = _native.read_json(lib, lib.tb_stats_json, _device_index(device))
     return {
         "device": raw["device"],
         "allocated": raw["allocated_bytes"]["all"]["current"],
@@ -254,10 +250,7 @@ def segments(device=None):
     """Every segment torch_budget holds on `device`, with its blocks."""
     _require_installed("torch_budget.segments()")
     lib = _native.load()
-    text = lib.tb_segments_json(_device_index(device))
-    if text is None:
-        raise _native.error(lib)
-    return json.loads(text)
+    return _native.read_json(lib, lib.tb_segments_json, _device_index(device))
 
 
 def empty_cache(device=None):

@@ -1,5 +1,7 @@
 #include "allocator.h"
 
+#include <pthread.h>
+
 #include <cstdio>
 #include <string>
 
@@ -10,18 +12,39 @@
 namespace tb {
 
 Allocator& Allocator::get() {
-  static Allocator* instance = new Allocator();
+  static Allocator* instance = [] {
+    auto* a = new Allocator();
+    pthread_atfork(nullptr, nullptr, &Allocator::on_fork_child);
+    return a;
+  }();
   return *instance;
 }
 
+// See Note [Fork].
+void Allocator::on_fork_child() {
+  Allocator& a = get();
+  for (auto& d : a.devices_)
+    if (d.load(std::memory_order_relaxed) != nullptr) a.forked_.store(true, std::memory_order_relaxed);
+}
+
+bool Allocator::refuse_in_fork_child() {
+  TB_REQUIRE(!forked(), kState,
+             "torch_budget cannot serve CUDA memory in a process forked from one that used CUDA: the device "
+             "state does not carry over a fork. Start CUDA workers with the 'spawn' start method.",
+             true);
+  return false;
+}
+
 bool Allocator::configure(const Settings& settings, int default_route) {
+  TB_REQUIRE(default_route >= 0 && default_route < kRouteCount, kInvalidArgument,
+             "unknown route " + std::to_string(default_route), false);
   std::lock_guard<std::mutex> lock(mu_);
   TB_REQUIRE(!started(), kState, "torch_budget is already serving allocations: configure it before the first one",
              false);
-  TB_REQUIRE(default_route >= 0 && default_route < kRouteCount, kInvalidArgument,
-             "unknown route " + std::to_string(default_route), false);
   settings_ = settings;
   set_default_route(default_route);
+  for (auto& slot : devices_)
+    if (DeviceAllocator* d = slot.load(std::memory_order_acquire)) d->apply(settings);
   return true;
 }
 
@@ -50,9 +73,10 @@ DeviceAllocator* Allocator::device_if_ready(int index) {
 DeviceAllocator* Allocator::device(int index) {
   DeviceAllocator* d = device_if_ready(index);
   if (d != nullptr) return d;
+  if (refuse_in_fork_child()) return nullptr;
   const int count = device_count();
   if (count < 0) return nullptr;
-  TB_REQUIRE(index >= 0 && index < count, kInvalidArgument,
+  TB_REQUIRE(index >= 0 && index < count && index < kMaxDevices, kInvalidArgument,
              "device " + std::to_string(index) + " does not exist (" + std::to_string(count) + " visible)", nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   d = devices_[index].load(std::memory_order_acquire);
@@ -67,6 +91,7 @@ DeviceAllocator* Allocator::device(int index) {
 }
 
 Block* Allocator::malloc(size_t size, int device_index, CUstream stream) {
+  if (refuse_in_fork_child()) return nullptr;
   DeviceAllocator* d = device(device_index);
   if (d == nullptr) return nullptr;
   if (!started_.load(std::memory_order_relaxed)) started_.store(true, std::memory_order_relaxed);
@@ -75,26 +100,24 @@ Block* Allocator::malloc(size_t size, int device_index, CUstream stream) {
 }
 
 bool Allocator::free(Block* block) {
+  if (forked()) return true;  // the parent's memory: see Note [Fork]
+  // block->device never changes for a Block object (BlockStore), so this read is
+  // safe even for a stale pointer; the device checks the rest under its lock.
   DeviceAllocator* d = device_if_ready(block->device);
   TB_REQUIRE(d != nullptr, kInvalidArgument, "free of a block from an unknown device", false);
   return d->free(block);
 }
 
-Block* Allocator::find(void* ptr) {
-  const auto p = reinterpret_cast<uintptr_t>(ptr);
-  for (int i = 0; i < kMaxDevices; ++i) {
-    DeviceAllocator* d = device_if_ready(i);
-    Block* b = nullptr;
-    if (d != nullptr && d->owns(p, &b)) return b;
-  }
+bool Allocator::not_ours(void* ptr) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%p", ptr);
   set_error(kInvalidArgument, std::string("pointer ") + buf +
                                   " was not allocated by torch_budget, or was already freed (double free)");
-  return nullptr;
+  return false;
 }
 
 bool Allocator::free_ptr(void* ptr) {
+  if (forked()) return true;
   const auto p = reinterpret_cast<uintptr_t>(ptr);
   for (int i = 0; i < kMaxDevices; ++i) {
     DeviceAllocator* d = device_if_ready(i);
@@ -103,7 +126,44 @@ bool Allocator::free_ptr(void* ptr) {
     const bool ok = d->free_ptr(p, &found);
     if (found) return ok;
   }
-  return find(ptr) != nullptr;  // records the "not ours / double free" error
+  return not_ours(ptr);
+}
+
+bool Allocator::lookup(void* ptr, int* device, BlockInfo* info) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  for (int i = 0; i < kMaxDevices; ++i) {
+    DeviceAllocator* d = device_if_ready(i);
+    if (d != nullptr && d->lookup(p, info)) {
+      *device = i;
+      return true;
+    }
+  }
+  return not_ours(ptr);
+}
+
+bool Allocator::record_stream(void* ptr, CUstream stream, int stream_device) {
+  if (forked()) return true;
+  TB_REQUIRE(stream_device >= 0 && stream_device < kMaxDevices, kInvalidArgument,
+             "record_stream: stream of unknown device " + std::to_string(stream_device), false);
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  for (int i = 0; i < kMaxDevices; ++i) {
+    DeviceAllocator* d = device_if_ready(i);
+    bool found = false;
+    if (d == nullptr) continue;
+    const bool ok = d->record_stream(p, stream, stream_device, &found);
+    if (found) return ok;
+  }
+  return not_ours(ptr);
+}
+
+bool Allocator::end_pool(int device_index, const PoolId& id) {
+  DeviceAllocator* d = device(device_index);
+  if (d == nullptr || !d->end_allocate_to_pool(id)) return false;
+  // The last capture anywhere ended: pools that died meanwhile on any device go now.
+  if (DeviceAllocator::open_captures() == 0)
+    for (int i = 0; i < kMaxDevices; ++i)
+      if (DeviceAllocator* other = device_if_ready(i)) other->settle_pools();
+  return true;
 }
 
 }  // namespace tb

@@ -1,5 +1,12 @@
 // The process-wide allocator: one DeviceAllocator per device, created on first use,
 // and the entry points the C ABI and the torch bridge call.
+//
+// Note [Fork]
+// A child created by fork() inherits this process's allocator state, but not its
+// CUDA contexts (the driver does not survive a fork). In such a child every
+// allocation fails with a clear error and every free is ignored: the memory belongs
+// to the parent, and the child's locks may have been copied while held by a thread
+// that does not exist in the child. Start CUDA workers with the 'spawn' method.
 #pragma once
 
 #include <cuda.h>
@@ -8,17 +15,17 @@
 #include <mutex>
 
 #include "device_allocator.h"
+#include "events.h"
 
 namespace tb {
-
-constexpr int kMaxDevices = 64;
 
 class Allocator {
  public:
   // Never destroyed: torch may free tensors during interpreter shutdown.
   static Allocator& get();
 
-  // Settings for devices initialised from now on. Fails after the first allocation.
+  // Settings for every device, those already created included. Fails once an
+  // allocation was served.
   bool configure(const Settings& settings, int default_route);
   // Loads the CUDA driver unless a stand-in table is already installed.
   bool load_driver();
@@ -29,18 +36,27 @@ class Allocator {
   DeviceAllocator* device_if_ready(int index);
 
   Block* malloc(size_t size, int device, CUstream stream);
+  // Frees a block by its object (torch's deleter context).
   bool free(Block* block);
-  // Finds the live block at `ptr` on any initialised device (kInvalidArgument if none).
-  Block* find(void* ptr);
+  // Frees the live block at `ptr` on whichever device holds it.
   bool free_ptr(void* ptr);
+  bool lookup(void* ptr, int* device, BlockInfo* info);
+  bool record_stream(void* ptr, CUstream stream, int stream_device);
+  bool end_pool(int device, const PoolId& id);
   bool started() const { return started_.load(std::memory_order_relaxed); }
+  bool forked() const { return forked_.load(std::memory_order_relaxed); }
 
  private:
   Allocator() = default;
+  static void on_fork_child();
+  bool refuse_in_fork_child();
+  bool not_ours(void* ptr);
+
   std::mutex mu_;  // guards creation of device allocators and settings
   Settings settings_;
   std::atomic<DeviceAllocator*> devices_[kMaxDevices] = {};
   std::atomic<bool> started_{false};
+  std::atomic<bool> forked_{false};
   int device_count_ = -1;
 };
 

@@ -13,20 +13,47 @@ size_t min_split_remainder(bool small) { return small ? kMinBlockSize : kSmallSi
 
 }  // namespace
 
+Block* BlockStore::make() {
+  if (free_.empty()) {
+    chunks_.emplace_back(new Block[kChunk]);
+    Block* chunk = chunks_.back().get();
+    for (size_t i = 0; i < kChunk; ++i) free_.push_back(&chunk[kChunk - 1 - i]);
+  }
+  Block* b = free_.back();
+  free_.pop_back();
+  b->device = device_;
+  return b;
+}
+
+void BlockStore::recycle(Block* b) {
+  b->ptr = 0;
+  b->size = 0;
+  b->requested = 0;
+  b->stream = nullptr;
+  b->segment = nullptr;
+  b->prev = b->next = nullptr;
+  b->allocated = false;
+  b->pending = 0;
+  b->tag = 0;
+  b->route = 0;
+  b->freed_at = 0;
+  b->recorded.clear();
+  free_.push_back(b);
+}
+
 BlockPool::~BlockPool() {
-  // Every block object of every segment, free or not, is deleted through the chain.
   for (auto& seg : segments_) {
     Block* b = seg->head;
     while (b) {
       Block* next = b->next;
-      delete b;
+      store_->recycle(b);
       b = next;
     }
   }
 }
 
 Block* BlockPool::add_segment(std::unique_ptr<Segment> seg) {
-  auto* block = new Block();
+  Block* block = store_->make();
   block->ptr = seg->base;
   block->size = seg->size;
   block->stream = seg->stream;
@@ -40,13 +67,29 @@ Block* BlockPool::add_segment(std::unique_ptr<Segment> seg) {
 }
 
 void BlockPool::remove_segment(Segment* seg) {
-  FreeSet& fs = free_set(seg->small);
   // A segment without live blocks is a single free block: its head.
-  fs.erase(seg->head);
-  delete seg->head;
+  free_set(seg->small).erase(seg->head);
+  store_->recycle(seg->head);
   segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
                                  [seg](const std::unique_ptr<Segment>& s) { return s.get() == seg; }),
                   segments_.end());
+}
+
+Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs) {
+  Block* rest = store_->make();
+  rest->ptr = block->ptr + rounded;
+  rest->size = block->size - rounded;
+  rest->stream = block->stream;
+  rest->segment = block->segment;
+  rest->route = route_;
+  rest->freed_at = block->freed_at;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next) block->next->prev = rest;
+  block->next = rest;
+  block->size = rounded;
+  fs.insert(rest);
+  return rest;
 }
 
 Block* BlockPool::malloc(size_t size, CUstream stream) {
@@ -68,43 +111,29 @@ Block* BlockPool::malloc(size_t size, CUstream stream) {
   }
   Block* block = *it;
   fs.erase(it);
+  if (block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs);
 
-  if (block->size - rounded >= min_split_remainder(small)) {
-    auto* rest = new Block();
-    rest->ptr = block->ptr + rounded;
-    rest->size = block->size - rounded;
-    rest->stream = stream;
-    rest->segment = block->segment;
-    rest->route = route_;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next) block->next->prev = rest;
-    block->next = rest;
-    block->size = rounded;
-    fs.insert(rest);
-  }
-
-  if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
-    // Undo the split through the ordinary free path; the error is already recorded.
-    block->allocated = true;
-    block->segment->live++;
-    live_++;
-    free(block);
-    return nullptr;
-  }
   block->allocated = true;
-  block->requested = size;
   block->segment->live++;
   live_++;
+  if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
+    // Undo the split through the ordinary free path; the error is already recorded.
+    const ErrorCode code = last_error_code();
+    const std::string msg = last_error_message();
+    free(block);
+    set_error(code, msg);
+    return nullptr;
+  }
+  block->requested = size;
   return block;
 }
 
 void BlockPool::free(Block* block) {
-  if (block == nullptr) return;
   block->allocated = false;
   block->pending = 0;
   block->requested = 0;
   block->recorded.clear();
+  block->freed_at = clock_->stamp();
   block->segment->live--;
   live_--;
   FreeSet& fs = free_set(block->segment->small);
@@ -114,8 +143,9 @@ void BlockPool::free(Block* block) {
     fs.erase(p);
     p->size += block->size;
     p->next = block->next;
+    p->freed_at = std::max(p->freed_at, block->freed_at);
     if (block->next) block->next->prev = p;
-    delete block;
+    store_->recycle(block);
     block = p;
   }
   if (block->next && block->next->is_free()) {
@@ -123,22 +153,22 @@ void BlockPool::free(Block* block) {
     fs.erase(n);
     block->size += n->size;
     block->next = n->next;
+    block->freed_at = std::max(block->freed_at, n->freed_at);
     if (n->next) n->next->prev = block;
-    delete n;
+    store_->recycle(n);
   }
   fs.insert(block);
+  // A refusal leaves the segment cached; release_cached retries it.
+  if (backing_->release_on_free() && block->segment->live == 0) backing_->destroy_segment(*block->segment);
 }
 
 size_t BlockPool::largest_free() const {
   size_t best = 0;
-  for (const Block* b : small_free_) best = std::max(best, b->size);
-  for (const Block* b : large_free_) best = std::max(best, b->size);
+  if (!small_free_.empty() || !large_free_.empty()) {
+    for (const Block* b : small_free_) best = std::max(best, b->size);
+    for (const Block* b : large_free_) best = std::max(best, b->size);
+  }
   return best;
-}
-
-void BlockPool::for_each_block(const std::function<void(const Segment&, const Block&)>& fn) const {
-  for (const auto& seg : segments_)
-    for (const Block* b = seg->head; b; b = b->next) fn(*seg, *b);
 }
 
 }  // namespace tb

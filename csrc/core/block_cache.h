@@ -7,20 +7,23 @@
 // blocks are indexed by (stream, size, address) and a lookup only ever matches its
 // own stream. A block used on other streams (record_stream) is not returned to the
 // free set at free time: the device allocator records an event on each of those
-// streams and frees the block once all of them completed (see device_allocator.cpp).
+// streams (on their own devices) and frees the block once all of them completed
+// (see device_allocator.cpp). Giving memory back to the driver follows Note [Clean
+// blocks] (stream_order.h).
 //
-// A BlockPool does not know where memory comes from: a Backing (the VMM or the
-// synchronous route) creates segments and makes address ranges usable.
+// A BlockPool does not know where memory comes from: a Backing (VMM, stream-ordered
+// pool or synchronous route) creates segments and makes address ranges usable.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <set>
 #include <vector>
+
+#include "stream_order.h"
 
 namespace tb {
 
@@ -33,9 +36,15 @@ constexpr size_t kRoundLarge = 2 << 20;
 
 class BlockPool;
 
+// A stream named by record_stream, with the device it belongs to.
+struct StreamRef {
+  CUstream stream;
+  int device;
+};
+
 struct Segment {
   uintptr_t base = 0;
-  size_t size = 0;       // bytes of address range (VMM: reserved VA, sync: allocated)
+  size_t size = 0;       // bytes of address range (VMM: reserved VA, else allocated)
   bool small = false;
   CUstream stream = nullptr;
   int route = 0;
@@ -47,6 +56,9 @@ struct Segment {
   size_t mapped = 0;     // granules mapped
 };
 
+// Block objects are owned by their device's BlockStore and recycled, never freed:
+// a stale Block* (a double free through torch's deleter context) points at a valid
+// object, so it can be checked under the device lock before anything trusts it.
 struct Block {
   uintptr_t ptr = 0;
   size_t size = 0;        // rounded bytes owned by this block
@@ -56,13 +68,27 @@ struct Block {
   Block* prev = nullptr;  // address-order neighbours inside the segment
   Block* next = nullptr;
   bool allocated = false;
-  int pending = 0;        // recorded-stream events still outstanding after free
+  int pending = 0;        // recorded-stream events outstanding after free
   int tag = 0;
   int route = 0;          // route charged in the ledger
-  int device = 0;
-  std::vector<CUstream> recorded;  // streams other than `stream` that used the block
+  int device = 0;         // immutable: set by the BlockStore that owns the object
+  uint64_t freed_at = 0;  // StreamClock stamp of the last free (Note [Clean blocks])
+  std::vector<StreamRef> recorded;  // streams still to record an event on at free
 
   bool is_free() const { return !allocated && pending == 0; }
+};
+
+class BlockStore {
+ public:
+  explicit BlockStore(int device) : device_(device) {}
+  Block* make();
+  void recycle(Block* b);
+
+ private:
+  static constexpr size_t kChunk = 256;
+  int device_;
+  std::vector<Block*> free_;
+  std::vector<std::unique_ptr<Block[]>> chunks_;
 };
 
 struct BlockOrder {
@@ -78,31 +104,41 @@ class Backing {
  public:
   virtual ~Backing() = default;
   // Adds a segment to `pool` that can hold at least `size` bytes on `stream`,
-  // with one free block covering it. false + error on failure.
+  // covered by one free block. false + error on failure.
   virtual bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) = 0;
   // Makes [ptr, ptr+size) of `seg` usable. false + error on failure (nothing changed).
   virtual bool ensure_backed(Segment& seg, uintptr_t ptr, size_t size) = 0;
-  // Gives back what `pool` holds beyond its live blocks. The caller synchronised the
-  // device. Returns the bytes released.
-  virtual size_t release_cached(BlockPool& pool) = 0;
-  // Gives back everything of a segment with no live block.
-  virtual void destroy_segment(Segment& seg) = 0;
+  // Gives back what `pool` holds beyond its live blocks, taking only clean free
+  // blocks; segments left empty are removed from the pool.
+  virtual void release_cached(BlockPool& pool) = 0;
+  // Gives back a segment without live blocks and removes it from its pool. false
+  // when the driver refused: the segment stays (still charged) to be retried.
+  virtual bool destroy_segment(Segment& seg) = 0;
+  // The driver caches for this backing (the pool route): a block's memory goes
+  // back as soon as the block is freed.
+  virtual bool release_on_free() const { return false; }
+  // Lets device `peer` read and write every mapping of this backing, present and
+  // future.
+  virtual bool grant_peer(int /*peer*/) { return true; }
 };
 
 class BlockPool {
  public:
-  BlockPool(Backing* backing, int route, bool graph_pool) : backing_(backing), route_(route), graph_pool_(graph_pool) {}
+  BlockPool(Backing* backing, int route, bool graph_pool, BlockStore* store, StreamClock* clock)
+      : backing_(backing), route_(route), graph_pool_(graph_pool), store_(store), clock_(clock) {}
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
+  // Rounds up to kMinBlockSize; callers bound `size` well below SIZE_MAX.
   static size_t round_size(size_t size) {
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
   }
 
   // Best fit on `stream`, growing through the backing when nothing fits.
   Block* malloc(size_t size, CUstream stream);
-  // Returns a block to the free set, merging with free neighbours.
+  // Returns a block to the free set, merging with free neighbours; a backing that
+  // releases on free gets the segment back at once.
   void free(Block* block);
 
   // Registers a new segment covered by one free block (used by backings).
@@ -111,20 +147,24 @@ class BlockPool {
   void remove_segment(Segment* seg);
 
   FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
+  const FreeSet& free_set(bool small) const { return small ? small_free_ : large_free_; }
   const std::vector<std::unique_ptr<Segment>>& segments() const { return segments_; }
   Backing* backing() const { return backing_; }
+  StreamClock& clock() const { return *clock_; }
   int route() const { return route_; }
   bool graph_pool() const { return graph_pool_; }
   size_t live_blocks() const { return live_; }
   // Largest free block (for torch's cacheInfo).
   size_t largest_free() const;
-  // Visits every block of every segment in address order.
-  void for_each_block(const std::function<void(const Segment&, const Block&)>& fn) const;
 
  private:
+  Block* split(Block* block, size_t rounded, FreeSet& fs);
+
   Backing* backing_;
   int route_;
   bool graph_pool_;
+  BlockStore* store_;
+  StreamClock* clock_;
   FreeSet small_free_;
   FreeSet large_free_;
   std::vector<std::unique_ptr<Segment>> segments_;

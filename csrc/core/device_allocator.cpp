@@ -1,35 +1,24 @@
 #include "device_allocator.h"
 
 #include <algorithm>
-#include <cstdio>
 
-#include "driver.h"
 #include "error.h"
+#include "events.h"
 #include "scope.h"
 
 namespace tb {
 namespace {
 
-std::string human(int64_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
-  else if (bytes >= (int64_t(1) << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
-  else std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
-  return buf;
-}
+bool is_small(const Block* b) { return b->segment->small; }
 
-bool is_small(const Block* b) { return b->segment ? b->segment->small : b->size <= kSmallSize; }
+// Syncs before an allocation gives up on remapping cached granules and grows.
+constexpr int kSyncRounds = 3;
 
 }  // namespace
 
-// The driver may already be gone at process exit: driver resources are left to it;
-// block objects are freed by their pools.
-DeviceAllocator::~DeviceAllocator() {
-  live_.for_each([](uintptr_t, Block* b) {
-    if (b->segment == nullptr) delete b;  // pool-route blocks belong to no BlockPool
-  });
-}
+std::atomic<int> DeviceAllocator::open_captures_{0};
+
+DeviceAllocator::DeviceAllocator(int device) : budget_(device, ledger_), store_(device) { ctx_.device = device; }
 
 bool probe_device(int device, Capabilities* caps) {
   const DriverApi* d = driver();
@@ -39,9 +28,9 @@ bool probe_device(int device, Capabilities* caps) {
   TB_DRIVER_CHECK(d->deviceTotalMem(&caps->total_bytes, dev), false);
   int v = 0;
   TB_DRIVER_CHECK(d->deviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev), false);
-  caps->vmm = v != 0;
+  caps->vmm = v != 0 && d->has_vmm();
   TB_DRIVER_CHECK(d->deviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, dev), false);
-  caps->pools = v != 0;
+  caps->pools = v != 0 && d->has_pools();
   caps->granularity = 0;
   if (caps->vmm) {
     CUmemAllocationProp prop{};
@@ -56,39 +45,42 @@ bool probe_device(int device, Capabilities* caps) {
 
 bool DeviceAllocator::init(const Settings& settings) {
   const DriverApi* d = driver();
-  if (!probe_device(device_, &caps_)) return false;
+  if (!probe_device(ctx_.device, &caps_)) return false;
   CUdevice dev = 0;
-  TB_DRIVER_CHECK(d->deviceGet(&dev, device_), false);
-  TB_DRIVER_CHECK(d->primaryCtxRetain(&ctx_, dev), false);
-  if (!make_current()) return false;
+  TB_DRIVER_CHECK(d->deviceGet(&dev, ctx_.device), false);
+  TB_DRIVER_CHECK(d->primaryCtxRetain(&ctx_.ctx, dev), false);
 
-  size_t granule = 2 << 20;
   if (caps_.vmm) {
-    granule = std::max(granule, caps_.granularity) / caps_.granularity * caps_.granularity;
+    size_t granule = 2 << 20;
+    granule = (std::max(granule, caps_.granularity) + caps_.granularity - 1) / caps_.granularity * caps_.granularity;
     const size_t arena = (caps_.total_bytes + granule - 1) / granule * granule;
-    vmm_ = std::make_unique<VmmRoute>(*this, granule, arena, settings.reuse_before_grow);
-    vmm_pool_ = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false);
+    vmm_ = std::make_unique<VmmRoute>(ctx_, budget_, ledger_, granule, arena, settings.reuse_before_grow);
+    vmm_pool_ = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
+    vmm_->set_reuse_source(vmm_pool_.get());
   }
-  sync_ = std::make_unique<SyncRoute>(*this);
-  sync_pool_ = std::make_unique<BlockPool>(sync_.get(), kRouteSync, false);
-  pool_ = std::make_unique<PoolRoute>(*this);
-  if (caps_.pools && !pool_->init()) {
-    caps_.pools = false;  // e.g. UVM disabled: the route is simply unavailable
-    clear_error();
+  sync_ = std::make_unique<SyncRoute>(ctx_, budget_, ledger_);
+  sync_pool_ = std::make_unique<BlockPool>(sync_.get(), kRouteSync, false, &store_, &clock_);
+  if (caps_.pools) {
+    pool_ = std::make_unique<PoolRoute>(ctx_, budget_, ledger_);
+    if (pool_->init()) {
+      pool_pool_ = std::make_unique<BlockPool>(pool_.get(), kRoutePool, false, &store_, &clock_);
+    } else {
+      caps_.pools = false;  // e.g. UVM disabled: the route is simply unavailable
+      pool_.reset();
+      clear_error();
+    }
   }
-  int64_t budget = INT64_MAX;
-  if (settings.budget_bytes >= 0) budget = settings.budget_bytes;
-  else if (settings.budget_fraction > 0) budget = static_cast<int64_t>(settings.budget_fraction * caps_.total_bytes);
-  budget_.store(budget);
+  apply(settings);
   return true;
 }
 
-bool DeviceAllocator::make_current() {
-  const DriverApi* d = driver();
-  CUcontext cur = nullptr;
-  TB_DRIVER_CHECK(d->ctxGetCurrent(&cur), false);
-  if (cur != ctx_) TB_DRIVER_CHECK(d->ctxSetCurrent(ctx_), false);
-  return true;
+void DeviceAllocator::apply(const Settings& settings) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t limit = Budget::kNone;
+  if (settings.budget_bytes >= 0) limit = settings.budget_bytes;
+  else if (settings.budget_fraction > 0) limit = static_cast<int64_t>(settings.budget_fraction * caps_.total_bytes);
+  budget_.set_limit(limit);
+  if (vmm_) vmm_->set_reuse_before_grow(settings.reuse_before_grow);
 }
 
 int DeviceAllocator::resolve_route(int route) const {
@@ -97,171 +89,166 @@ int DeviceAllocator::resolve_route(int route) const {
   return route;
 }
 
-// ---------------------------------------------------------------- budget
+BlockPool* DeviceAllocator::default_pool(int route) {
+  if (route == kRouteVmm) return vmm_pool_.get();
+  if (route == kRoutePool) return pool_pool_.get();
+  return sync_pool_.get();
+}
 
-bool DeviceAllocator::fits(size_t bytes) {
-  const int64_t reserved = ledger_.reserved_bytes.s[kAggregate].get();
-  if (reserved + static_cast<int64_t>(bytes) > budget()) {
-    budget_refused_ = true;
-    set_error(kOutOfMemory, "budget");
-    return false;
-  }
+Backing* DeviceAllocator::graph_backing() {
+  return caps_.vmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
+}
+
+bool DeviceAllocator::mem_info(size_t* free_bytes, size_t* total_bytes) {
+  *free_bytes = *total_bytes = 0;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  TB_DRIVER_CHECK(driver()->memGetInfo(free_bytes, total_bytes), false);
   return true;
 }
 
-bool DeviceAllocator::charge(size_t bytes, int route, bool graph_pool, bool small) {
-  if (!fits(bytes)) return false;
-  const auto n = static_cast<int64_t>(bytes);
-  ledger_.reserved_bytes.add(small, n);
-  ledger_.route_reserved[route].add(n);
-  if (graph_pool && route != kRouteVmm) ledger_.graph_pool_reserved.add(n);  // VMM: counted at map time
-  return true;
-}
+// ---------------------------------------------------------------- waiting for the device
 
-void DeviceAllocator::uncharge(size_t bytes, int route, bool graph_pool, bool small) {
-  const auto n = static_cast<int64_t>(bytes);
-  ledger_.reserved_bytes.sub(small, n);
-  ledger_.route_reserved[route].sub(n);
-  if (graph_pool && route != kRouteVmm) ledger_.graph_pool_reserved.sub(n);
-}
-
-void DeviceAllocator::refresh_pool_reserved() {
-  if (!pool_ || !pool_->available()) return;
-  const size_t now = pool_->reserved();
-  const auto delta = static_cast<int64_t>(now) - static_cast<int64_t>(pool_reserved_seen_);
-  if (delta > 0) {
-    ledger_.reserved_bytes.add(false, delta);
-    ledger_.route_reserved[kRoutePool].add(delta);
-  } else if (delta < 0) {
-    ledger_.reserved_bytes.sub(false, -delta);
-    ledger_.route_reserved[kRoutePool].sub(-delta);
+bool DeviceAllocator::sync_device(std::unique_lock<std::mutex>& lock) {
+  if (open_captures() > 0) return false;  // would invalidate the capture
+  const uint64_t upto = clock_.stamp();
+  lock.unlock();
+  bool ok = false;
+  if (open_captures() == 0) {  // checked again: a capture may have begun meanwhile
+    ContextGuard guard(ctx_.ctx);
+    for (int attempt = 0; guard.ok() && attempt < 3 && !ok; ++attempt)
+      ok = driver()->ctxSynchronize() == CUDA_SUCCESS;
   }
-  pool_reserved_seen_ = now;
-}
-
-size_t DeviceAllocator::reserved_total() { return static_cast<size_t>(ledger_.reserved_bytes.s[kAggregate].get()); }
-
-size_t DeviceAllocator::pool_route_reserved() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return pool_ && pool_->available() ? pool_->reserved() : 0;
-}
-
-bool DeviceAllocator::set_budget(int64_t bytes) {
-  TB_REQUIRE(bytes >= 0, kInvalidArgument, "budget must be >= 0 bytes, got " + std::to_string(bytes), false);
-  std::lock_guard<std::mutex> lock(mu_);
-  const int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
-  TB_REQUIRE(bytes >= allocated, kInvalidArgument,
-             "budget of " + human(bytes) + " is below what device " + std::to_string(device_) +
-                 " already has allocated (" + human(allocated) + "): free tensors first",
-             false);
-  if (bytes < static_cast<int64_t>(reserved_total())) {
-    TB_REQUIRE(!graphs_.capturing(), kState, "cannot lower the budget below reserved memory during graph capture",
-               false);
-    synchronize_and_release_cached();
-    const int64_t reserved = static_cast<int64_t>(reserved_total());
-    TB_REQUIRE(bytes >= reserved, kInvalidArgument,
-               "budget of " + human(bytes) + " is below the " + human(reserved) + " device " +
-                   std::to_string(device_) + " still holds after releasing its cache (graph pools: " +
-                   human(ledger_.graph_pool_reserved.get()) + ")",
-               false);
+  lock.lock();
+  if (ok) {
+    clock_.device_synced(upto);
+    bump(ledger_.num_sync_all_streams);
   }
-  budget_.store(bytes);
-  return true;
+  return ok;
 }
 
-std::string DeviceAllocator::budget_text() {
-  return budget() == INT64_MAX ? std::string("none (the whole card)") : human(budget());
+void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams) {
+  const uint64_t upto = clock_.now();
+  lock.unlock();
+  std::vector<CUstream> done;
+  if (open_captures() == 0) {
+    ContextGuard guard(ctx_.ctx);
+    for (CUstream s : streams)
+      if (guard.ok() && driver()->streamSynchronize(s) == CUDA_SUCCESS) done.push_back(s);
+  }
+  lock.lock();
+  for (CUstream s : done) clock_.stream_synced(s, upto);
 }
 
-std::string DeviceAllocator::oom_message(size_t size, int route, int tag, bool budget_refused,
-                                         const std::string& cause) {
-  size_t free_b = 0, total_b = 0;
-  if (make_current()) driver()->memGetInfo(&free_b, &total_b);
-  std::string msg = "torch_budget: CUDA out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
-                    human(static_cast<int64_t>(size)) + " (route " + route_name(route) + ", tag '" + tag_name(tag) +
-                    "'). ";
-  msg += budget_refused ? "It would exceed the budget of " + budget_text() + "."
-                        : "The driver refused it (" + cause + ").";
-  msg += " Allocated " + human(ledger_.allocated_bytes.s[kAggregate].get()) + ", reserved " +
-         human(ledger_.reserved_bytes.s[kAggregate].get()) + " (cached memory was released and the allocation "
-         "retried), budget " + budget_text() + ", device free " + human(static_cast<int64_t>(free_b)) + " of " +
-         human(static_cast<int64_t>(total_b)) + ". ";
-  msg += budget_refused
-             ? "To allow more, raise the budget: torch_budget.install(budget=...), TORCH_BUDGET_CONF=budget:..., "
-               "torch_budget.set_budget() or torch.cuda.set_per_process_memory_fraction(); or free tensors."
-             : "Other processes or memory outside torch hold the rest: lower batch size or KV cache, or free tensors.";
-  return msg;
+void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
+  std::vector<SyncRoute::Detached> list = sync_->take_detached();
+  if (list.empty()) return;
+  lock.unlock();
+  sync_->free_detached(list);
+  lock.lock();
+  sync_->settle(list);
+}
+
+void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
+  sync_device(lock);
+  process_events();
+  if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
+  sync_->release_cached(*sync_pool_);
+  if (pool_pool_) pool_->release_cached(*pool_pool_);
+  destroy_dead_pools(lock);
+  free_detached(lock);
 }
 
 // ---------------------------------------------------------------- allocation
 
-Block* DeviceAllocator::try_malloc(size_t size, CUstream stream, int route, BlockPool* graph_pool) {
-  budget_refused_ = false;
-  RelaxedCaptureMode relaxed(graphs_.capturing());
-  if (graph_pool != nullptr) return graph_pool->malloc(size, stream);
-  if (route == kRoutePool) {
-    Block* b = pool_->malloc(size, stream);
-    if (b != nullptr) refresh_pool_reserved();
-    return b;
-  }
-  return default_pool(route)->malloc(size, stream);
+Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, bool allow_sync) {
+  const bool capturing = graphs_.capturing();
+  BlockPool* gp = capturing ? graphs_.route_for(stream) : nullptr;
+  if (!capturing && (!pending_.empty() || !deferred_.empty())) process_events();
+  clock_.allow_requests(allow_sync && open_captures() == 0);
+  budget_.clear_refusal();
+  // Any capture in global mode, on any thread, forbids this thread's cuMemCreate etc.
+  RelaxedCaptureMode relaxed(open_captures() > 0);
+  if (gp != nullptr) return gp->malloc(size, stream);
+  return default_pool(resolve_route(route))->malloc(size, stream);
 }
 
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
-  std::lock_guard<std::mutex> lock(mu_);
-  BlockPool* graph_pool = nullptr;
-  if (graphs_.capturing()) {
-    graph_pool = graphs_.route_for(stream);
-  } else if (!pending_.empty() || !deferred_frees_.empty()) {
-    process_events();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (size > caps_.total_bytes) {
+    // Can never fit (and keeps every size computation far from overflow).
+    bump(ledger_.num_ooms);
+    budget_.clear_refusal();
+    set_error(kOutOfMemory, oom_text(size, resolve_route(route), tag,
+                                     "the request is larger than the device's total memory"));
+    return nullptr;
   }
-  route = graph_pool ? graph_pool->route() : resolve_route(route);
-  Block* b = try_malloc(size, stream, route, graph_pool);
-  if (b == nullptr) {
-    if (last_error_code() != kOutOfMemory) return nullptr;
-    bump(ledger_.num_alloc_retries);
-    if (!graphs_.capturing()) synchronize_and_release_cached();
-    b = try_malloc(size, stream, route, graph_pool);
-    if (b == nullptr) {
-      if (last_error_code() == kOutOfMemory) {
-        bump(ledger_.num_ooms);
-        set_error(kOutOfMemory, oom_message(size, route, tag, budget_refused_, last_error_message()));
-      }
-      return nullptr;
+  bool released = false;
+  for (int round = 0;; ++round) {
+    Block* b = attempt(size, stream, route, round < kSyncRounds);
+    if (b != nullptr) {
+      b->tag = tag;
+      account_alloc(b);
+      live_.insert(b->ptr, b);
+      return b;
     }
+    if (last_error_code() == kNeedSync) {
+      sync_streams(lock, clock_.take_requests());
+      continue;
+    }
+    if (last_error_code() == kInvalidArgument) return nullptr;
+    if (!released && !graphs_.capturing()) {
+      released = true;
+      bump(ledger_.num_alloc_retries);
+      release_cached(lock);
+      continue;
+    }
+    const std::string cause = last_error_message();
+    // A pool that grew past the budget before it could be trimmed back is trimmed
+    // now, so the failure leaves the ledger within the budget.
+    if (budget_.reserved() > budget_.limit()) release_cached(lock);
+    bump(ledger_.num_ooms);
+    const int used_route = graphs_.capturing() && graphs_.route_for(stream) ? graphs_.route_for(stream)->route()
+                                                                            : resolve_route(route);
+    set_error(kOutOfMemory, oom_text(size, used_route, tag, cause));
+    return nullptr;
   }
-  b->device = device_;
-  b->tag = tag;
-  account_alloc(b, tag);
-  live_.insert(b->ptr, b);
-  return b;
 }
 
-void DeviceAllocator::account_alloc(Block* b, int tag) {
+std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause) {
+  size_t free_b = 0, total_b = 0;
+  mem_info(&free_b, &total_b);
+  if (total_b == 0) total_b = caps_.total_bytes;
+  return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
+}
+
+void DeviceAllocator::account_alloc(Block* b) {
   const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
+  const auto requested = static_cast<int64_t>(b->requested);
   ledger_.allocation.add(small, 1);
   ledger_.allocated_bytes.add(small, size);
   ledger_.active.add(small, 1);
   ledger_.active_bytes.add(small, size);
-  ledger_.requested_bytes.add(small, static_cast<int64_t>(b->requested));
+  ledger_.requested_bytes.add(small, requested);
   ledger_.route_allocated[b->route].add(size);
   bump(ledger_.route_count[b->route]);
-  ledger_.tag_allocated[tag].add(size);
-  ledger_.tag_requested[tag].add(static_cast<int64_t>(b->requested));
-  bump(ledger_.tag_count[tag]);
+  ledger_.tag_allocated[b->tag].add(size);
+  ledger_.tag_requested[b->tag].add(requested);
+  bump(ledger_.tag_count[b->tag]);
 }
 
 void DeviceAllocator::account_release(Block* b) {
   const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
+  const auto requested = static_cast<int64_t>(b->requested);
   ledger_.allocation.sub(small, 1);
   ledger_.allocated_bytes.sub(small, size);
-  ledger_.requested_bytes.sub(small, static_cast<int64_t>(b->requested));
+  ledger_.requested_bytes.sub(small, requested);
   ledger_.route_allocated[b->route].sub(size);
   ledger_.tag_allocated[b->tag].sub(size);
-  ledger_.tag_requested[b->tag].sub(static_cast<int64_t>(b->requested));
+  ledger_.tag_requested[b->tag].sub(requested);
 }
 
 void DeviceAllocator::account_inactive(Block* b) {
@@ -270,151 +257,149 @@ void DeviceAllocator::account_inactive(Block* b) {
   ledger_.active_bytes.sub(small, static_cast<int64_t>(b->size));
 }
 
-void DeviceAllocator::return_block(Block* b) {
-  if (b->segment == nullptr) {  // pool route
-    if (!pool_->free(b)) {
-      // The memory stays with the pool; the block object goes either way.
-    }
-    delete b;
-    return;
-  }
-  BlockPool* pool = b->segment->pool;
-  pool->free(b);
-  if (pool->graph_pool()) maybe_destroy_graph_pool(pool);
-}
-
-bool DeviceAllocator::owns(uintptr_t ptr, Block** block) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Block* b = live_.find(ptr);
-  if (b == nullptr || !b->allocated) return false;
-  *block = b;
-  return true;
-}
+// ---------------------------------------------------------------- free
 
 bool DeviceAllocator::free(Block* b) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  // Safe to read under the lock even for a stale pointer: see BlockStore.
   TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
              "free of a block that is not allocated (double free?)", false);
-  return free_locked(b);
+  free_locked(b);
+  if (!dead_.empty()) destroy_dead_pools(lock);
+  return true;
 }
 
 bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   Block* b = live_.find(ptr);
-  *found = b != nullptr && b->allocated;
-  return *found && free_locked(b);
+  *found = b != nullptr;
+  if (b == nullptr) return false;
+  free_locked(b);
+  if (!dead_.empty()) destroy_dead_pools(lock);
+  return true;
 }
 
-bool DeviceAllocator::free_locked(Block* b) {
+void DeviceAllocator::free_locked(Block* b) {
   live_.erase(b->ptr);
   account_release(b);
   b->allocated = false;
-  const bool pool_route = b->segment == nullptr;
-  if (graphs_.capturing() && (pool_route || !b->recorded.empty())) {
-    // No event records and no stream-ordered frees while a capture is open: the
-    // block is held until the capture ends.
-    b->pending = 1;
-    deferred_frees_.push_back(b);
-    return true;
+  b->requested = 0;
+  // A stream-ordered free is a stream operation: none while a capture is open.
+  const bool ordered_free = b->segment->pool->backing()->release_on_free();
+  if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {
+    retire(b);
+    return;
   }
-  if (pool_route || b->recorded.empty()) {
-    // No other stream used it, or the pool route orders the free on its own stream.
-    account_inactive(b);
-    return_block(b);
-    return true;
-  }
-  b->pending = 1;  // held until every recorded stream passed this point
-  deferred_frees_.push_back(b);
+  b->pending = 1;  // held until events were recorded on every recorded stream
+  deferred_.push_back(b);
   process_events();
-  return true;
 }
 
-bool DeviceAllocator::record_stream(Block* b, CUstream stream) {
+void DeviceAllocator::retire(Block* b) {
+  account_inactive(b);
+  BlockPool* pool = b->segment->pool;
+  pool->free(b);
+  if (pool->graph_pool()) note_if_dead(pool);
+}
+
+bool DeviceAllocator::lookup(uintptr_t ptr, BlockInfo* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stream == b->stream) return true;
-  if (std::find(b->recorded.begin(), b->recorded.end(), stream) == b->recorded.end()) b->recorded.push_back(stream);
+  Block* b = live_.find(ptr);
+  if (b == nullptr) return false;
+  *out = BlockInfo{b->ptr, b->size, b->requested, b->route, b->tag};
   return true;
 }
 
-CUevent DeviceAllocator::get_event() {
-  if (!events_.empty()) {
-    CUevent e = events_.back();
-    events_.pop_back();
-    return e;
-  }
-  CUevent e = nullptr;
-  TB_DRIVER_CHECK(driver()->eventCreate(&e, CU_EVENT_DISABLE_TIMING), nullptr);
-  return e;
+bool DeviceAllocator::record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Block* b = live_.find(ptr);
+  *found = b != nullptr;
+  if (b == nullptr) return false;
+  if (stream == b->stream && stream_device == ctx_.device) return true;
+  for (const StreamRef& r : b->recorded)
+    if (r.stream == stream && r.device == stream_device) return true;
+  b->recorded.push_back(StreamRef{stream, stream_device});
+  return true;
 }
 
-void DeviceAllocator::put_event(CUevent e) { events_.push_back(e); }
-
-// Starts events for blocks whose free was deferred, then frees every block whose
-// recorded streams all passed their event. See Note [Stream-ordered reuse].
+// Records events for deferred frees, then retires every block whose recorded
+// streams all passed their event. See Note [Stream-ordered reuse].
 void DeviceAllocator::process_events() {
-  if (graphs_.capturing()) return;
-  const DriverApi* d = driver();
-  if (!deferred_frees_.empty()) {
-    make_current();
-    std::vector<Block*> deferred;
-    deferred.swap(deferred_frees_);
-    for (Block* b : deferred) {
-      if (b->segment == nullptr) {  // pool route: the free itself waits on the streams
-        b->pending = 0;
-        account_inactive(b);
-        return_block(b);
+  if (open_captures() > 0) return;  // no event record or query while a capture is open
+  EventCache& events = EventCache::get();
+  for (size_t i = 0; i < deferred_.size();) {
+    Block* b = deferred_[i];
+    auto& rec = b->recorded;
+    for (size_t k = 0; k < rec.size();) {
+      CUevent e = events.record(rec[k].device, rec[k].stream);
+      if (e == nullptr) {  // retried on the next pass
+        ++k;
         continue;
       }
-      b->pending = 0;
-      for (CUstream s : b->recorded) {
-        CUevent e = get_event();
-        if (e == nullptr || d->eventRecord(e, s) != CUDA_SUCCESS) {
-          // Cannot order against that stream: wait for it instead.
-          d->streamSynchronize(s);
-          if (e) put_event(e);
-          continue;
-        }
-        b->pending++;
-        pending_.push_back(Pending{b, e});
-      }
-      if (b->pending == 0) {
-        account_inactive(b);
-        return_block(b);
-      }
+      pending_.push_back(Pending{b, e, rec[k].device});
+      b->pending++;
+      rec.erase(rec.begin() + static_cast<long>(k));
     }
+    if (!rec.empty()) {
+      ++i;
+      continue;
+    }
+    deferred_[i] = deferred_.back();
+    deferred_.pop_back();
+    if (--b->pending == 0) retire(b);
   }
   for (auto it = pending_.begin(); it != pending_.end();) {
-    if (d->eventQuery(it->event) == CUDA_ERROR_NOT_READY) {
+    if (events.query(it->event) != CUDA_SUCCESS) {  // not ready, or the query failed: later
       ++it;
       continue;
     }
-    put_event(it->event);
+    events.put(it->device, it->event);
     Block* b = it->block;
     it = pending_.erase(it);
-    if (--b->pending == 0) {
-      account_inactive(b);
-      return_block(b);
-    }
+    if (--b->pending == 0) retire(b);
   }
 }
 
-void DeviceAllocator::synchronize_and_release_cached() {
-  if (!make_current()) return;
-  driver()->ctxSynchronize();
-  bump(ledger_.num_sync_all_streams);
-  process_events();
-  if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
-  sync_->release_cached(*sync_pool_);
-  if (pool_->available()) {
-    pool_->trim();
-    refresh_pool_reserved();
-  }
-}
+// ---------------------------------------------------------------- cache and budget
 
 bool DeviceAllocator::empty_cache() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   TB_REQUIRE(!graphs_.capturing(), kState, "empty_cache() during CUDA graph capture", false);
-  synchronize_and_release_cached();
+  release_cached(lock);
+  return true;
+}
+
+bool DeviceAllocator::set_budget(int64_t bytes) {
+  TB_REQUIRE(bytes >= 0, kInvalidArgument, "budget must be >= 0 bytes, got " + std::to_string(bytes), false);
+  std::unique_lock<std::mutex> lock(mu_);
+  const int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
+  TB_REQUIRE(bytes >= allocated, kInvalidArgument,
+             "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
+                 " already has allocated (" + format_size(allocated) + "): free tensors first",
+             false);
+  if (bytes < budget_.reserved()) {
+    TB_REQUIRE(!graphs_.capturing(), kState, "cannot lower the budget below reserved memory during graph capture",
+               false);
+    release_cached(lock);
+    const int64_t reserved = budget_.reserved();
+    TB_REQUIRE(bytes >= reserved, kInvalidArgument,
+               "budget of " + format_size(bytes) + " is below the " + format_size(reserved) + " device " +
+                   std::to_string(ctx_.device) + " still holds after releasing its cache (graph pools: " +
+                   format_size(ledger_.graph_pool_reserved.get()) + ")",
+               false);
+  }
+  budget_.set_limit(bytes);
+  return true;
+}
+
+bool DeviceAllocator::grant_peer(int peer) {
+  TB_REQUIRE(peer >= 0 && peer != ctx_.device, kInvalidArgument,
+             "device " + std::to_string(peer) + " cannot be a peer of device " + std::to_string(ctx_.device), false);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return true;
+  if (vmm_ && !vmm_->grant_peer(peer)) return false;
+  if (pool_ && !pool_->grant_peer(peer)) return false;
+  peers_.push_back(peer);
   return true;
 }
 
@@ -425,23 +410,40 @@ size_t DeviceAllocator::largest_free() {
   return best;
 }
 
+void DeviceAllocator::reset_peaks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ledger_.reset_peaks();
+}
+
+void DeviceAllocator::reset_accumulated() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ledger_.reset_accumulated();
+}
+
 // ---------------------------------------------------------------- graph pools
 
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mu_);
-  acquire_pool(id);
+  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_);
   graphs_.begin_capture(id, std::move(filter));
+  open_captures_.fetch_add(1, std::memory_order_acq_rel);
   return true;
 }
 
-void DeviceAllocator::acquire_pool(const PoolId& id) {
-  Backing* backing = caps_.vmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
-  graphs_.acquire(id, backing, caps_.vmm ? kRouteVmm : kRouteSync);
+bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!graphs_.end_capture(id)) return false;
+  open_captures_.fetch_sub(1, std::memory_order_acq_rel);
+  if (open_captures() == 0) {
+    process_events();
+    destroy_dead_pools(lock);
+  }
+  return true;
 }
 
 void DeviceAllocator::create_or_incref_pool(const PoolId& id) {
   std::lock_guard<std::mutex> lock(mu_);
-  acquire_pool(id);
+  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_);
 }
 
 int DeviceAllocator::pool_use_count(const PoolId& id) {
@@ -450,31 +452,55 @@ int DeviceAllocator::pool_use_count(const PoolId& id) {
   return p ? p->use_count : 0;
 }
 
-bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  graphs_.end_capture(id);
-  if (!graphs_.capturing()) process_events();
-  return true;
-}
-
 bool DeviceAllocator::release_pool(const PoolId& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  bool ok = false;
-  PrivatePool* p = graphs_.release(id, &ok);
-  if (!ok) return false;
-  if (p != nullptr) maybe_destroy_graph_pool(p->blocks.get());
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!graphs_.release(id)) return false;
+  PrivatePool* p = graphs_.find(id);
+  note_if_dead(p->blocks.get());
+  destroy_dead_pools(lock);
   return true;
 }
 
-void DeviceAllocator::maybe_destroy_graph_pool(BlockPool* blocks) {
+void DeviceAllocator::settle_pools() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!dead_.empty() && open_captures() == 0) {
+    process_events();
+    destroy_dead_pools(lock);
+  }
+}
+
+void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   PoolId id;
   PrivatePool* p = graphs_.find(blocks, &id);
-  if (p == nullptr || p->use_count > 0 || blocks->live_blocks() > 0 || graphs_.capturing()) return;
-  // A replay may still be running on some stream.
-  if (!make_current()) return;
-  driver()->ctxSynchronize();
-  for (const auto& seg : blocks->segments()) blocks->backing()->destroy_segment(*seg);
-  graphs_.erase(id);
+  if (p == nullptr || !p->dead()) return;
+  for (const DeadPool& d : dead_)
+    if (d.id == id) return;
+  dead_.push_back(DeadPool{id, clock_.stamp()});
+}
+
+void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock) {
+  if (dead_.empty() || open_captures() > 0) return;
+  // A replay may still be running: wait for the device once for all of them.
+  bool need_sync = false;
+  for (const DeadPool& d : dead_) need_sync |= !clock_.device_clean(d.died_at);
+  if (need_sync && !sync_device(lock)) return;
+  std::vector<DeadPool> dead;
+  dead.swap(dead_);
+  for (const DeadPool& d : dead) {
+    PrivatePool* p = graphs_.find(d.id);
+    if (p == nullptr || !p->dead()) continue;  // revived while the lock was released
+    if (!clock_.device_clean(d.died_at)) {
+      dead_.push_back(d);
+      continue;
+    }
+    std::vector<Segment*> segs;
+    for (const auto& seg : p->blocks->segments()) segs.push_back(seg.get());
+    bool all = true;
+    for (Segment* seg : segs) all &= p->blocks->backing()->destroy_segment(*seg);
+    if (all) graphs_.erase(d.id);
+    else dead_.push_back(d);  // the driver refused part of it: retried later
+  }
+  free_detached(lock);
 }
 
 // ---------------------------------------------------------------- introspection
@@ -482,8 +508,9 @@ void DeviceAllocator::maybe_destroy_graph_pool(BlockPool* blocks) {
 std::vector<SegmentView> DeviceAllocator::segments() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SegmentView> out;
-  auto visit = [&](BlockPool& pool, const PoolId& id) {
-    for (const auto& seg : pool.segments()) {
+  auto visit = [&](const BlockPool* pool, const PoolId& id) {
+    if (pool == nullptr) return;
+    for (const auto& seg : pool->segments()) {
       SegmentView v{};
       v.base = seg->base;
       v.size = seg->size;
@@ -504,38 +531,32 @@ std::vector<SegmentView> DeviceAllocator::segments() {
       out.push_back(std::move(v));
     }
   };
-  if (vmm_pool_) visit(*vmm_pool_, PoolId{0, 0});
-  visit(*sync_pool_, PoolId{0, 0});
-  for (auto& [id, p] : graphs_.pools()) visit(*p.blocks, id);
-  live_.for_each([&](uintptr_t, Block* b) {
-    if (b->segment != nullptr) return;
-    SegmentView v{};
-    v.base = b->ptr;
-    v.size = v.allocated = v.active = v.mapped = b->size;
-    v.requested = b->requested;
-    v.stream = b->stream;
-    v.small = b->size <= kSmallSize;
-    v.route = kRoutePool;
-    v.blocks.push_back({b->size, b->requested, 1});
-    out.push_back(std::move(v));
-  });
+  visit(vmm_pool_.get(), PoolId{0, 0});
+  visit(sync_pool_.get(), PoolId{0, 0});
+  visit(pool_pool_.get(), PoolId{0, 0});
+  for (auto& [id, p] : graphs_.pools()) visit(p.blocks.get(), id);
   return out;
 }
 
 void DeviceAllocator::inactive_split(int64_t* count, int64_t* bytes) {
   std::lock_guard<std::mutex> lock(mu_);
+  inactive_split_locked(count, bytes);
+}
+
+void DeviceAllocator::inactive_split_locked(int64_t* count, int64_t* bytes) {
   *count = 0;
   *bytes = 0;
-  auto visit = [&](BlockPool& pool) {
+  auto visit = [&](const BlockPool* pool) {
+    if (pool == nullptr) return;
     for (bool small : {true, false})
-      for (const Block* b : pool.free_set(small))
+      for (const Block* b : pool->free_set(small))
         if (b->segment->live > 0) {
           ++*count;
           *bytes += static_cast<int64_t>(b->size);
         }
   };
-  if (vmm_pool_) visit(*vmm_pool_);
-  visit(*sync_pool_);
+  visit(vmm_pool_.get());
+  visit(sync_pool_.get());
 }
 
 }  // namespace tb

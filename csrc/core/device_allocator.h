@@ -2,28 +2,37 @@
 // pools behind one mutex.
 //
 // Lock rule: mu_ guards every member except the ledger's counters (relaxed atomics,
-// readable without it) and the immutable fields set by init(). Backings and routes
-// are only called with mu_ held. No driver call that can block on the device is made
-// on the cache-hit path.
+// readable without it, or consistently with read_locked), the budget's limit
+// (atomic) and the fields set by init().
+// Backings and routes are only called with mu_ held. mu_ is never held across a
+// call that waits for the device (context or stream synchronisation, cuMemFree):
+// such calls run with the lock released and the state is re-checked after (see
+// Note [Clean blocks]). No driver call at all is made on the cache-hit path. Every
+// driver call runs under a ContextGuard, so no entry point moves the caller's
+// current device. Lock order: a thread holds at most one device's mu_, then
+// possibly the EventCache's or the tag registry's mutex.
 #pragma once
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "block_cache.h"
+#include "budget.h"
+#include "driver.h"
 #include "graph_pools.h"
 #include "ledger.h"
 #include "ptr_map.h"
 #include "route_pool.h"
 #include "route_sync.h"
 #include "route_vmm.h"
+#include "stream_order.h"
 
 namespace tb {
 
@@ -62,31 +71,50 @@ struct SegmentView {
   std::vector<BlockView> blocks;
 };
 
+// What a lookup by address tells about a live block.
+struct BlockInfo {
+  uintptr_t base;
+  size_t size;
+  size_t requested;
+  int route;
+  int tag;
+};
+
 class DeviceAllocator {
  public:
-  explicit DeviceAllocator(int device) : device_(device) {}
-  ~DeviceAllocator();
+  // Once published by the Allocator, never destroyed: frees can arrive during
+  // process exit, and driver resources are left to the driver then.
+  explicit DeviceAllocator(int device);
 
   bool init(const Settings& settings);
-  int device() const { return device_; }
+  // Budget and reuse setting, for a device created before install() configured it.
+  void apply(const Settings& settings);
+  int device() const { return ctx_.device; }
   const Capabilities& caps() const { return caps_; }
-  Ledger& ledger() { return ledger_; }
+  const Ledger& ledger() const { return ledger_; }
+  int64_t budget() const { return budget_.limit(); }
 
-  // nullptr + error (kOutOfMemory carries the quantified message).
+  // nullptr + error: kOutOfMemory (after one release-and-retry) carries the
+  // quantified message; kInvalidArgument for a zero size.
   Block* malloc(size_t size, CUstream stream, int route, int tag);
+  // Frees a block torch handed back; checks it under the lock first.
   bool free(Block* block);
   // Frees the live block at `ptr`; *found tells whether there was one.
   bool free_ptr(uintptr_t ptr, bool* found);
-  bool owns(uintptr_t ptr, Block** block);
-  bool record_stream(Block* block, CUstream stream);
+  // The live block at `ptr` (exactly its base); false if none.
+  bool lookup(uintptr_t ptr, BlockInfo* out);
+  // Marks the live block at `ptr` as used on `stream` of `stream_device`.
+  bool record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found);
 
-  // Returns cached memory of the default pools to the driver (synchronises the device).
+  // Returns cached memory of the default pools to the driver.
   bool empty_cache();
   bool set_budget(int64_t bytes);
-  int64_t budget() const { return budget_.load(std::memory_order_relaxed); }
-  size_t reserved_total();
+  // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
+  bool grant_peer(int peer);
+  bool mem_info(size_t* free_bytes, size_t* total_bytes);
   size_t largest_free();
-  size_t pool_route_reserved();
+  void reset_peaks();
+  void reset_accumulated();
 
   // Graph capture (see Note [Interaction with CUDA graph capture]).
   bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter);
@@ -95,62 +123,77 @@ class DeviceAllocator {
   // torch.cuda.MemPool: a pool that exists (and holds a use) outside any capture.
   void create_or_incref_pool(const PoolId& id);
   int pool_use_count(const PoolId& id);
+  // Destroys dead graph pools once that is safe (called when captures end).
+  void settle_pools();
 
   std::vector<SegmentView> segments();
+  // Free blocks carved from segments that still hold live blocks (torch's inactive_split).
   void inactive_split(int64_t* count, int64_t* bytes);
+  // Runs `fn(ledger)` under the lock: a consistent view of every counter at once
+  // (torch's memory_stats compares them), at the price of waiting for the lock.
+  template <typename Fn>
+  void read_locked(Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn(static_cast<const Ledger&>(ledger_));
+  }
 
-  // --- called by routes and backings, mu_ held ---
-  // Charges `bytes` of new driver memory against the budget; false + kOutOfMemory.
-  bool charge(size_t bytes, int route, bool graph_pool, bool small);
-  void uncharge(size_t bytes, int route, bool graph_pool, bool small);
-  // Whether `bytes` more would stay within the budget (sets kOutOfMemory if not).
-  bool fits(size_t bytes);
-  // Puts the pool route's reserved figure (a pool attribute) into the ledger.
-  void refresh_pool_reserved();
-  bool make_current();
-  BlockPool* default_pool(int route) { return route == kRouteVmm ? vmm_pool_.get() : sync_pool_.get(); }
-  bool capturing() const { return graphs_.capturing(); }
-  CUevent get_event();
-  void put_event(CUevent e);
-  std::string budget_text();
+  // Captures open anywhere in the process: no synchronisation while any is.
+  static int open_captures() { return open_captures_.load(std::memory_order_acquire); }
 
  private:
+  struct Pending {
+    Block* block;
+    CUevent event;
+    int device;  // the event's device
+  };
+  struct DeadPool {
+    PoolId id;
+    uint64_t died_at;  // StreamClock stamp
+  };
+
   int resolve_route(int route) const;
-  Block* try_malloc(size_t size, CUstream stream, int route, BlockPool* graph_pool);
-  void account_alloc(Block* b, int tag);
+  BlockPool* default_pool(int route);
+  Backing* graph_backing();
+  Block* attempt(size_t size, CUstream stream, int route, bool allow_sync);
+  std::string oom_text(size_t size, int route, int tag, const std::string& cause);
+  void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
-  void return_block(Block* b);      // to its pool, or to the driver for the pool route
+  void free_locked(Block* b);
+  void retire(Block* b);            // active -> back to its pool
   void process_events();
-  bool free_locked(Block* b);
-  void synchronize_and_release_cached();
-  void maybe_destroy_graph_pool(BlockPool* pool);
-  void acquire_pool(const PoolId& id);
-  std::string oom_message(size_t size, int route, int tag, bool budget_refused, const std::string& cause);
+  void note_if_dead(BlockPool* pool);
+  // The three below take the lock held and return with it held, releasing it while
+  // they wait for the device.
+  bool sync_device(std::unique_lock<std::mutex>& lock);
+  void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
+  void release_cached(std::unique_lock<std::mutex>& lock);
+  void destroy_dead_pools(std::unique_lock<std::mutex>& lock);
+  void free_detached(std::unique_lock<std::mutex>& lock);
+  void inactive_split_locked(int64_t* count, int64_t* bytes);
 
-  const int device_;
-  CUcontext ctx_ = nullptr;
+  DeviceContext ctx_;
   Capabilities caps_;
-  std::atomic<int64_t> budget_{INT64_MAX};
   Ledger ledger_;
+  Budget budget_;
 
   std::mutex mu_;
+  StreamClock clock_;
+  BlockStore store_;
   std::unique_ptr<VmmRoute> vmm_;
   std::unique_ptr<SyncRoute> sync_;
   std::unique_ptr<PoolRoute> pool_;
   std::unique_ptr<BlockPool> vmm_pool_;
   std::unique_ptr<BlockPool> sync_pool_;
+  std::unique_ptr<BlockPool> pool_pool_;
   GraphPools graphs_;
-  PtrMap live_;                                     // every allocated block, by address
-  struct Pending {
-    Block* block;
-    CUevent event;
-  };
-  std::deque<Pending> pending_;           // record_stream events outstanding
-  std::vector<Block*> deferred_frees_;    // frees needing events while a capture is open
-  std::vector<CUevent> events_;           // reusable events
-  size_t pool_reserved_seen_ = 0;         // last pool-route reserved figure put in the ledger
-  bool budget_refused_ = false;           // why the last charge failed: budget (true) or driver
+  std::vector<DeadPool> dead_;
+  PtrMap live_;                   // every allocated block, by address
+  std::deque<Pending> pending_;   // record_stream events outstanding
+  std::vector<Block*> deferred_;  // frees still to record events (or waiting for captures to end)
+  std::vector<int> peers_;        // devices granted access to this one
+
+  static std::atomic<int> open_captures_;
 };
 
 }  // namespace tb

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <mutex>
 
+#include "error.h"
+
 namespace tb {
 namespace {
 
@@ -14,15 +16,25 @@ DriverApi g_cuda;
 template <typename Fn>
 bool resolve(void* lib, const char* symbol, Fn* out, std::string* why) {
   void* p = dlsym(lib, symbol);
-  if (p == nullptr) {
+  *out = reinterpret_cast<Fn>(p);
+  if (p == nullptr && why != nullptr) {
     *why = std::string("libcuda.so.1 has no entry point ") + symbol;
     return false;
   }
-  *out = reinterpret_cast<Fn>(p);
   return true;
 }
 
 }  // namespace
+
+bool DriverApi::has_vmm() const {
+  return memAddressReserve && memAddressFree && memCreate && memRelease && memMap && memUnmap && memSetAccess &&
+         memGetAllocationGranularity;
+}
+
+bool DriverApi::has_pools() const {
+  return memPoolCreate && memPoolDestroy && memPoolSetAttribute && memPoolGetAttribute && memPoolTrimTo &&
+         memPoolSetAccess && memAllocFromPoolAsync && memFreeAsync;
+}
 
 const DriverApi* driver() { return g_driver.load(std::memory_order_acquire); }
 
@@ -40,38 +52,38 @@ bool load_cuda_driver(std::string* why) {
   }
   DriverApi d{};
   // Versioned names are the ones cuda.h maps the plain names to.
-  bool ok = resolve(lib, "cuInit", &d.init, why) && resolve(lib, "cuDriverGetVersion", &d.driverGetVersion, why) &&
-            resolve(lib, "cuDeviceGet", &d.deviceGet, why) && resolve(lib, "cuDeviceGetCount", &d.deviceGetCount, why) &&
-            resolve(lib, "cuDeviceGetAttribute", &d.deviceGetAttribute, why) &&
-            resolve(lib, "cuDeviceTotalMem_v2", &d.deviceTotalMem, why) &&
-            resolve(lib, "cuDevicePrimaryCtxRetain", &d.primaryCtxRetain, why) &&
-            resolve(lib, "cuCtxGetCurrent", &d.ctxGetCurrent, why) &&
-            resolve(lib, "cuCtxSetCurrent", &d.ctxSetCurrent, why) &&
-            resolve(lib, "cuCtxSynchronize", &d.ctxSynchronize, why) &&
-            resolve(lib, "cuMemGetInfo_v2", &d.memGetInfo, why) && resolve(lib, "cuMemAlloc_v2", &d.memAlloc, why) &&
-            resolve(lib, "cuMemFree_v2", &d.memFree, why) &&
-            resolve(lib, "cuMemAddressReserve", &d.memAddressReserve, why) &&
-            resolve(lib, "cuMemAddressFree", &d.memAddressFree, why) && resolve(lib, "cuMemCreate", &d.memCreate, why) &&
-            resolve(lib, "cuMemRelease", &d.memRelease, why) && resolve(lib, "cuMemMap", &d.memMap, why) &&
-            resolve(lib, "cuMemUnmap", &d.memUnmap, why) && resolve(lib, "cuMemSetAccess", &d.memSetAccess, why) &&
-            resolve(lib, "cuMemGetAllocationGranularity", &d.memGetAllocationGranularity, why) &&
-            resolve(lib, "cuMemPoolCreate", &d.memPoolCreate, why) &&
-            resolve(lib, "cuMemPoolDestroy", &d.memPoolDestroy, why) &&
-            resolve(lib, "cuMemPoolSetAttribute", &d.memPoolSetAttribute, why) &&
-            resolve(lib, "cuMemPoolGetAttribute", &d.memPoolGetAttribute, why) &&
-            resolve(lib, "cuMemPoolTrimTo", &d.memPoolTrimTo, why) &&
-            resolve(lib, "cuMemAllocFromPoolAsync", &d.memAllocFromPoolAsync, why) &&
-            resolve(lib, "cuMemFreeAsync", &d.memFreeAsync, why) && resolve(lib, "cuEventCreate", &d.eventCreate, why) &&
-            resolve(lib, "cuEventDestroy_v2", &d.eventDestroy, why) &&
-            resolve(lib, "cuEventRecord", &d.eventRecord, why) && resolve(lib, "cuEventQuery", &d.eventQuery, why) &&
-            resolve(lib, "cuEventSynchronize", &d.eventSynchronize, why) &&
-            resolve(lib, "cuStreamWaitEvent", &d.streamWaitEvent, why) &&
-            resolve(lib, "cuStreamSynchronize", &d.streamSynchronize, why) &&
-            resolve(lib, "cuThreadExchangeStreamCaptureMode", &d.threadExchangeStreamCaptureMode, why) &&
-            resolve(lib, "cuMemcpyDtoH_v2", &d.memcpyDtoH, why) && resolve(lib, "cuMemcpyHtoD_v2", &d.memcpyHtoD, why) &&
-            resolve(lib, "cuMemsetD8_v2", &d.memsetD8, why) && resolve(lib, "cuMemHostAlloc", &d.memHostAlloc, why) &&
-            resolve(lib, "cuMemFreeHost", &d.memFreeHost, why) && resolve(lib, "cuGetErrorName", &d.getErrorName, why);
-  if (!ok) return false;
+  const bool base =
+      resolve(lib, "cuInit", &d.init, why) && resolve(lib, "cuDeviceGet", &d.deviceGet, why) &&
+      resolve(lib, "cuDeviceGetCount", &d.deviceGetCount, why) &&
+      resolve(lib, "cuDeviceGetAttribute", &d.deviceGetAttribute, why) &&
+      resolve(lib, "cuDeviceTotalMem_v2", &d.deviceTotalMem, why) &&
+      resolve(lib, "cuDevicePrimaryCtxRetain", &d.primaryCtxRetain, why) &&
+      resolve(lib, "cuCtxGetCurrent", &d.ctxGetCurrent, why) && resolve(lib, "cuCtxSetCurrent", &d.ctxSetCurrent, why) &&
+      resolve(lib, "cuCtxSynchronize", &d.ctxSynchronize, why) && resolve(lib, "cuMemGetInfo_v2", &d.memGetInfo, why) &&
+      resolve(lib, "cuMemAlloc_v2", &d.memAlloc, why) && resolve(lib, "cuMemFree_v2", &d.memFree, why) &&
+      resolve(lib, "cuEventCreate", &d.eventCreate, why) && resolve(lib, "cuEventDestroy_v2", &d.eventDestroy, why) &&
+      resolve(lib, "cuEventRecord", &d.eventRecord, why) && resolve(lib, "cuEventQuery", &d.eventQuery, why) &&
+      resolve(lib, "cuStreamSynchronize", &d.streamSynchronize, why) &&
+      resolve(lib, "cuThreadExchangeStreamCaptureMode", &d.threadExchangeStreamCaptureMode, why) &&
+      resolve(lib, "cuGetErrorName", &d.getErrorName, why);
+  if (!base) return false;
+  // Optional groups: a missing entry point leaves a null and turns the route off.
+  resolve(lib, "cuMemAddressReserve", &d.memAddressReserve, nullptr);
+  resolve(lib, "cuMemAddressFree", &d.memAddressFree, nullptr);
+  resolve(lib, "cuMemCreate", &d.memCreate, nullptr);
+  resolve(lib, "cuMemRelease", &d.memRelease, nullptr);
+  resolve(lib, "cuMemMap", &d.memMap, nullptr);
+  resolve(lib, "cuMemUnmap", &d.memUnmap, nullptr);
+  resolve(lib, "cuMemSetAccess", &d.memSetAccess, nullptr);
+  resolve(lib, "cuMemGetAllocationGranularity", &d.memGetAllocationGranularity, nullptr);
+  resolve(lib, "cuMemPoolCreate", &d.memPoolCreate, nullptr);
+  resolve(lib, "cuMemPoolDestroy", &d.memPoolDestroy, nullptr);
+  resolve(lib, "cuMemPoolSetAttribute", &d.memPoolSetAttribute, nullptr);
+  resolve(lib, "cuMemPoolGetAttribute", &d.memPoolGetAttribute, nullptr);
+  resolve(lib, "cuMemPoolTrimTo", &d.memPoolTrimTo, nullptr);
+  resolve(lib, "cuMemPoolSetAccess", &d.memPoolSetAccess, nullptr);
+  resolve(lib, "cuMemAllocFromPoolAsync", &d.memAllocFromPoolAsync, nullptr);
+  resolve(lib, "cuMemFreeAsync", &d.memFreeAsync, nullptr);
   CUresult r = d.init(0);
   if (r != CUDA_SUCCESS) {
     *why = "cuInit failed: " + std::to_string(static_cast<int>(r)) +
@@ -90,9 +102,30 @@ std::string driver_error_name(CUresult r) {
   return "CUresult " + std::to_string(static_cast<int>(r));
 }
 
-}  // namespace tb
+ContextGuard::ContextGuard(CUcontext target) {
+  const DriverApi* d = driver();
+  CUresult r = d->ctxGetCurrent(&previous_);
+  if (r != CUDA_SUCCESS) {
+    fail_driver(r, "cuCtxGetCurrent", __FILE__, __LINE__);
+    return;
+  }
+  if (previous_ != target) {
+    r = d->ctxSetCurrent(target);
+    if (r != CUDA_SUCCESS) {
+      fail_driver(r, "cuCtxSetCurrent", __FILE__, __LINE__);
+      return;
+    }
+    switched_ = true;
+  }
+  ok_ = true;
+}
 
-namespace tb {
+ContextGuard::~ContextGuard() {
+  if (!switched_) return;
+  // A restore that fails would silently move the caller to our device: retry.
+  for (int attempt = 0; attempt < 8; ++attempt)
+    if (driver()->ctxSetCurrent(previous_) == CUDA_SUCCESS) return;
+}
 
 RelaxedCaptureMode::RelaxedCaptureMode(bool active) : active_(active && driver() != nullptr) {
   if (!active_) return;
@@ -101,7 +134,9 @@ RelaxedCaptureMode::RelaxedCaptureMode(bool active) : active_(active && driver()
 }
 
 RelaxedCaptureMode::~RelaxedCaptureMode() {
-  if (active_) driver()->threadExchangeStreamCaptureMode(&previous_);
+  if (!active_) return;
+  for (int attempt = 0; attempt < 8; ++attempt)
+    if (driver()->threadExchangeStreamCaptureMode(&previous_) == CUDA_SUCCESS) return;
 }
 
 }  // namespace tb

@@ -4,6 +4,10 @@
 // filled either from libcuda.so.1 (load_cuda_driver) or by a host-memory stand-in
 // used by the CPU tests (csrc/testing/host_driver.cpp). A machine without a driver
 // builds and imports fine; asking for memory there is a clean error.
+//
+// Entry points come in three groups. The base group is required. The VMM group and
+// the memory-pool group are optional: a driver lacking one of their entry points
+// still loads, and the route that needs them is reported unavailable.
 #pragma once
 
 #include <cuda.h>
@@ -13,8 +17,8 @@
 namespace tb {
 
 struct DriverApi {
+  // --- base (required)
   CUresult (*init)(unsigned int flags);
-  CUresult (*driverGetVersion)(int* version);
   CUresult (*deviceGet)(CUdevice* dev, int ordinal);
   CUresult (*deviceGetCount)(int* count);
   CUresult (*deviceGetAttribute)(int* value, CUdevice_attribute attr, CUdevice dev);
@@ -24,10 +28,16 @@ struct DriverApi {
   CUresult (*ctxSetCurrent)(CUcontext ctx);
   CUresult (*ctxSynchronize)();
   CUresult (*memGetInfo)(size_t* free_bytes, size_t* total_bytes);
-  // synchronous route
   CUresult (*memAlloc)(CUdeviceptr* ptr, size_t bytes);
   CUresult (*memFree)(CUdeviceptr ptr);
-  // VMM route
+  CUresult (*eventCreate)(CUevent* event, unsigned int flags);
+  CUresult (*eventDestroy)(CUevent event);
+  CUresult (*eventRecord)(CUevent event, CUstream stream);
+  CUresult (*eventQuery)(CUevent event);
+  CUresult (*streamSynchronize)(CUstream stream);
+  CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode* mode);
+  CUresult (*getErrorName)(CUresult error, const char** name);
+  // --- VMM route (optional as a group)
   CUresult (*memAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                 unsigned long long flags);
   CUresult (*memAddressFree)(CUdeviceptr ptr, size_t size);
@@ -40,37 +50,25 @@ struct DriverApi {
   CUresult (*memSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count);
   CUresult (*memGetAllocationGranularity)(size_t* granularity, const CUmemAllocationProp* prop,
                                           CUmemAllocationGranularity_flags option);
-  // stream-ordered pool route
+  // --- stream-ordered pool route (optional as a group)
   CUresult (*memPoolCreate)(CUmemoryPool* pool, const CUmemPoolProps* props);
   CUresult (*memPoolDestroy)(CUmemoryPool pool);
   CUresult (*memPoolSetAttribute)(CUmemoryPool pool, CUmemPool_attribute attr, void* value);
   CUresult (*memPoolGetAttribute)(CUmemoryPool pool, CUmemPool_attribute attr, void* value);
   CUresult (*memPoolTrimTo)(CUmemoryPool pool, size_t keep);
+  CUresult (*memPoolSetAccess)(CUmemoryPool pool, const CUmemAccessDesc* desc, size_t count);
   CUresult (*memAllocFromPoolAsync)(CUdeviceptr* ptr, size_t bytes, CUmemoryPool pool, CUstream stream);
   CUresult (*memFreeAsync)(CUdeviceptr ptr, CUstream stream);
-  // stream order
-  CUresult (*eventCreate)(CUevent* event, unsigned int flags);
-  CUresult (*eventDestroy)(CUevent event);
-  CUresult (*eventRecord)(CUevent event, CUstream stream);
-  CUresult (*eventQuery)(CUevent event);
-  CUresult (*eventSynchronize)(CUevent event);
-  CUresult (*streamWaitEvent)(CUstream stream, CUevent event, unsigned int flags);
-  CUresult (*streamSynchronize)(CUstream stream);
-  CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode* mode);
-  // copies for release/restore
-  CUresult (*memcpyDtoH)(void* dst, CUdeviceptr src, size_t bytes);
-  CUresult (*memcpyHtoD)(CUdeviceptr dst, const void* src, size_t bytes);
-  CUresult (*memsetD8)(CUdeviceptr dst, unsigned char value, size_t bytes);
-  CUresult (*memHostAlloc)(void** ptr, size_t bytes, unsigned int flags);
-  CUresult (*memFreeHost)(void* ptr);
-  CUresult (*getErrorName)(CUresult error, const char** name);
+
+  bool has_vmm() const;
+  bool has_pools() const;
 };
 
 // The table in use; nullptr until a driver was loaded or installed.
 const DriverApi* driver();
 
 // Fills the table from libcuda.so.1. Returns false with a reason when the library
-// or one of the entry points is missing.
+// or a base entry point is missing.
 bool load_cuda_driver(std::string* why);
 
 // Replaces the table (the host stand-in of the tests). Not thread-safe: call
@@ -80,9 +78,30 @@ void set_driver(const DriverApi* api);
 // "CUDA_ERROR_OUT_OF_MEMORY" style name of a driver result.
 std::string driver_error_name(CUresult r);
 
-}  // namespace tb
+// A device and its primary context, as the routes see them.
+struct DeviceContext {
+  int device = -1;
+  CUcontext ctx = nullptr;
+};
 
-namespace tb {
+// Makes `target` the calling thread's current context for the guard's lifetime and
+// then restores whatever was current before (possibly no context at all). Every
+// core path that calls the driver on a device's behalf holds one, so no entry point
+// moves the caller's current device. ok() is false (error recorded) when the switch
+// failed; the destructor retries a failed restore a few times.
+class ContextGuard {
+ public:
+  explicit ContextGuard(CUcontext target);
+  ~ContextGuard();
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+  bool ok_ = false;
+};
 
 // Lets this thread make driver calls that stream capture in global mode forbids
 // (cuMemCreate, cuMemAlloc, ...) while some stream is capturing, as torch's own

@@ -2,7 +2,9 @@
 //
 // Nothing in the core throws or aborts: a failing call returns false / nullptr after
 // set_error(); the C ABI returns the code and Python (or the torch bridge) turns it
-// into a real exception with last_error_message().
+// into a real exception with last_error_message(). The per-thread state is plain
+// storage (no destructor), so frees that arrive during process exit, after
+// thread-local objects were destroyed, can still record an error safely.
 #pragma once
 
 #include <cuda.h>
@@ -18,11 +20,14 @@ enum ErrorCode : int {
   kDriverError = 3,      // a driver call failed for another reason
   kNotAvailable = 4,     // no driver / capability missing / not initialised
   kState = 5,            // call not allowed in the current state (e.g. already installed)
+  // Internal, never returned by the C ABI: an attempt needs streams synchronised
+  // (outside the device lock) before it is retried. See Note [Clean blocks].
+  kNeedSync = 100,
 };
 
-void set_error(ErrorCode code, std::string message);
+void set_error(ErrorCode code, const std::string& message);
 ErrorCode last_error_code();
-const std::string& last_error_message();
+const char* last_error_message();
 void clear_error();
 
 // Records a failed driver call with the file:line and the driver's error name.

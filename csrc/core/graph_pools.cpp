@@ -1,29 +1,32 @@
 #include "graph_pools.h"
 
-#include <algorithm>
 #include <string>
 
 #include "error.h"
 
 namespace tb {
+namespace {
 
-PrivatePool& GraphPools::acquire(const PoolId& id, Backing* backing, int route) {
+std::string describe(const PoolId& id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+}  // namespace
+
+PrivatePool& GraphPools::acquire(const PoolId& id, Backing* backing, int route, BlockStore* store,
+                                 StreamClock* clock) {
   PrivatePool& p = pools_[id];
-  if (!p.blocks) p.blocks = std::make_unique<BlockPool>(backing, route, /*graph_pool=*/true);
+  if (!p.blocks) p.blocks = std::make_unique<BlockPool>(backing, route, /*graph_pool=*/true, store, clock);
   p.use_count++;
   return p;
 }
 
-PrivatePool* GraphPools::release(const PoolId& id, bool* ok) {
+bool GraphPools::release(const PoolId& id) {
   auto it = pools_.find(id);
-  if (it == pools_.end() || it->second.use_count <= 0) {
-    set_error(kInvalidArgument, "release of graph pool (" + std::to_string(id.first) + ", " +
-                                    std::to_string(id.second) + ") that no graph holds");
-    *ok = false;
-    return nullptr;
-  }
-  *ok = true;
-  return --it->second.use_count == 0 ? &it->second : nullptr;
+  TB_REQUIRE(it != pools_.end() && it->second.use_count > 0, kInvalidArgument,
+             "release of graph pool " + describe(id) + " that no graph holds", false);
+  it->second.use_count--;
+  return true;
 }
 
 void GraphPools::erase(const PoolId& id) { pools_.erase(id); }
@@ -47,10 +50,15 @@ void GraphPools::begin_capture(const PoolId& id, StreamFilter filter) {
   captures_.emplace_back(id, std::move(filter));
 }
 
-void GraphPools::end_capture(const PoolId& id) {
-  captures_.erase(std::remove_if(captures_.begin(), captures_.end(),
-                                 [&](const std::pair<PoolId, StreamFilter>& c) { return c.first == id; }),
-                  captures_.end());
+bool GraphPools::end_capture(const PoolId& id) {
+  for (auto it = captures_.begin(); it != captures_.end(); ++it) {
+    if (it->first == id) {
+      captures_.erase(it);
+      return true;
+    }
+  }
+  set_error(kInvalidArgument, "end of a capture into graph pool " + describe(id) + " that was never begun");
+  return false;
 }
 
 BlockPool* GraphPools::route_for(CUstream stream) {

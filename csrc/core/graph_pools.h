@@ -1,4 +1,4 @@
-// Private pools for CUDA-graph capture.
+// Private pools for CUDA-graph capture and torch.cuda.MemPool.
 //
 // Note [Interaction with CUDA graph capture]
 // torch brackets a capture with beginAllocateToPool(pool, filter) and
@@ -6,11 +6,17 @@
 // filter accepts is served from that pool's own BlockPool, never from the default
 // pools and never as a stream-ordered allocation (which would become a graph node).
 // Replays reuse the captured addresses, so the pool's memory must stay put until no
-// graph holds the pool: each begin takes a use, each releasePool (graph reset or
-// destruction) drops one, and the memory is returned when the count is zero and no
-// block of the pool is live (outputs still held by the user keep it). Frees during
-// capture return blocks to the pool they came from. Event queries and records are
-// illegal during capture, so event processing waits until no capture is open.
+// graph holds the pool: each begin (and each MemPool) takes a use, each releasePool
+// (graph reset or destruction, MemPool exit) drops one. A pool with no use and no
+// live block (outputs still held by the user keep it) is dead: it is destroyed after
+// a device synchronisation that started after it died (a replay may still run), and
+// never while any capture is open anywhere in the process (a synchronisation would
+// invalidate it) -- then the end of the last capture destroys it. Frees during
+// capture return blocks to the pool they came from. Event records and queries wait
+// until no capture is open.
+//
+// Several captures may be open at once, even into one pool (from several threads):
+// each end closes one of them.
 #pragma once
 
 #include <cuda.h>
@@ -31,22 +37,23 @@ using StreamFilter = std::function<bool(CUstream)>;
 
 struct PrivatePool {
   std::unique_ptr<BlockPool> blocks;
-  int use_count = 0;  // graphs (and open captures) holding the pool
+  int use_count = 0;  // graphs, MemPools and open captures holding the pool
+  bool dead() const { return use_count == 0 && blocks->live_blocks() == 0; }
 };
 
 class GraphPools {
  public:
   // Creates the pool on first use and takes one use.
-  PrivatePool& acquire(const PoolId& id, Backing* backing, int route);
-  // Drops one use; returns the pool when it is now unused (else nullptr). Unknown
-  // ids or a count already at zero return nullptr and set kInvalidArgument.
-  PrivatePool* release(const PoolId& id, bool* ok);
+  PrivatePool& acquire(const PoolId& id, Backing* backing, int route, BlockStore* store, StreamClock* clock);
+  // Drops one use. Unknown ids or a count already at zero: false + kInvalidArgument.
+  bool release(const PoolId& id);
   void erase(const PoolId& id);
   PrivatePool* find(const PoolId& id);
   PrivatePool* find(const BlockPool* blocks, PoolId* id);
 
   void begin_capture(const PoolId& id, StreamFilter filter);
-  void end_capture(const PoolId& id);
+  // Closes one open capture into `id`; false + kInvalidArgument when none is open.
+  bool end_capture(const PoolId& id);
   bool capturing() const { return !captures_.empty(); }
   // Pool that an allocation on `stream` must come from, or nullptr.
   BlockPool* route_for(CUstream stream);

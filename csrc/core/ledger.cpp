@@ -15,7 +15,7 @@ const char* route_name(int route) {
 
 void Ledger::reset_peaks() {
   for (StatArray3* a : {&allocation, &segment, &active, &allocated_bytes, &reserved_bytes, &active_bytes,
-                        &requested_bytes, &inactive_split, &inactive_split_bytes})
+                        &requested_bytes})
     a->reset_peak();
   for (int r = 0; r < kRouteCount; ++r) {
     route_allocated[r].reset_peak();
@@ -30,13 +30,13 @@ void Ledger::reset_peaks() {
 
 void Ledger::reset_accumulated() {
   for (StatArray3* a : {&allocation, &segment, &active, &allocated_bytes, &reserved_bytes, &active_bytes,
-                        &requested_bytes, &inactive_split, &inactive_split_bytes})
+                        &requested_bytes})
     a->reset_accumulated();
-  num_alloc_retries.store(0);
-  num_ooms.store(0);
-  num_device_alloc.store(0);
-  num_device_free.store(0);
-  num_sync_all_streams.store(0);
+  num_alloc_retries.store(0, std::memory_order_relaxed);
+  num_ooms.store(0, std::memory_order_relaxed);
+  num_device_alloc.store(0, std::memory_order_relaxed);
+  num_device_free.store(0, std::memory_order_relaxed);
+  num_sync_all_streams.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace tb

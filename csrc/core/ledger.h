@@ -1,9 +1,9 @@
 // The ledger: what each device holds, per route and per tag.
 //
-// Lock rule: every counter is written only under its DeviceAllocator's mutex, and
-// read without any lock (relaxed atomics), so stats never wait for the allocation
-// path and never synchronise the device. A reader may see two counters from two
-// different instants; each counter on its own is exact.
+// Lock rule: every counter is written only under its DeviceAllocator's mutex
+// (resets included), and read without any lock (relaxed atomics), so stats never
+// wait for the allocation path and never synchronise the device. A reader may see
+// two counters from two different instants; each counter on its own is exact.
 #pragma once
 
 #include <atomic>
@@ -66,14 +66,12 @@ struct StatArray3 {
 struct Ledger {
   // torch's names (see c10::CachingDeviceAllocator::DeviceStats)
   StatArray3 allocation;        // live allocations (count)
-  StatArray3 segment;           // segments / mapped granule runs (count)
+  StatArray3 segment;           // segments / VMM arenas (count)
   StatArray3 active;            // allocated or waiting on a recorded stream (count)
   StatArray3 allocated_bytes;   // bytes of live blocks (rounded sizes)
   StatArray3 reserved_bytes;    // bytes held from the driver, cached included
   StatArray3 active_bytes;
   StatArray3 requested_bytes;   // bytes asked for by callers (unrounded)
-  StatArray3 inactive_split;    // free blocks carved from a larger run (count)
-  StatArray3 inactive_split_bytes;
 
   // per route and per tag
   Stat route_allocated[kRouteCount];

@@ -1,24 +1,21 @@
 #include "route_pool.h"
 
+#include <algorithm>
+#include <numeric>
 #include <cstdint>
 
-#include "block_cache.h"
-#include "device_allocator.h"
-#include "driver.h"
 #include "error.h"
 
 namespace tb {
 
-// The driver may already be gone at process exit: the pool is left to it.
-PoolRoute::~PoolRoute() = default;
-
 bool PoolRoute::init() {
-  if (!dev_.make_current()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
   CUmemPoolProps props{};
   props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
   props.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
   props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  props.location.id = dev_.device();
+  props.location.id = ctx_.device;
   TB_DRIVER_CHECK(driver()->memPoolCreate(&pool_, &props), false);
   cuuint64_t keep_all = UINT64_MAX;  // the pool is our cache: never trim at sync points
   CUresult r = driver()->memPoolSetAttribute(pool_, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep_all);
@@ -30,61 +27,115 @@ bool PoolRoute::init() {
   return true;
 }
 
-size_t PoolRoute::reserved() const {
+bool PoolRoute::reserved(size_t* out) const {
+  // The ledger mirrors this figure: a failed read is retried rather than guessed.
   cuuint64_t v = 0;
-  if (pool_ == nullptr || driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v) != CUDA_SUCCESS)
-    return 0;
-  return static_cast<size_t>(v);
-}
-
-size_t PoolRoute::used() const {
-  cuuint64_t v = 0;
-  if (pool_ == nullptr || driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &v) != CUDA_SUCCESS)
-    return 0;
-  return static_cast<size_t>(v);
-}
-
-Block* PoolRoute::malloc(size_t size, CUstream stream) {
-  if (!dev_.make_current()) return nullptr;
-  const size_t rounded = BlockPool::round_size(size);
-  // Only memory the pool does not already cache counts against the budget.
-  const size_t held = reserved(), in_use = used();
-  const size_t grows_by = in_use + rounded > held ? in_use + rounded - held : 0;
-  if (grows_by > 0 && !dev_.fits(grows_by)) return nullptr;
-  CUdeviceptr ptr = 0;
-  TB_DRIVER_CHECK(driver()->memAllocFromPoolAsync(&ptr, rounded, pool_, stream), nullptr);
-  if (grows_by > 0) bump(dev_.ledger().num_device_alloc);
-  auto* b = new Block();
-  b->ptr = ptr;
-  b->size = rounded;
-  b->requested = size;
-  b->stream = stream;
-  b->route = kRoutePool;
-  b->allocated = true;
-  return b;
-}
-
-bool PoolRoute::free(Block* block) {
-  if (!dev_.make_current()) return false;
-  const DriverApi* d = driver();
-  // See Note [Stream-ordered frees]: the free waits for every recorded stream.
-  for (CUstream s : block->recorded) {
-    CUevent e = dev_.get_event();
-    if (e == nullptr) return false;
-    TB_DRIVER_CHECK(d->eventRecord(e, s), false);
-    TB_DRIVER_CHECK(d->streamWaitEvent(block->stream, e, 0), false);
-    dev_.put_event(e);
+  CUresult r = CUDA_SUCCESS;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    if ((r = driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v)) == CUDA_SUCCESS) {
+      *out = static_cast<size_t>(v);
+      return true;
+    }
   }
-  TB_DRIVER_CHECK(d->memFreeAsync(block->ptr, block->stream), false);
+  return fail_driver(r, "cuMemPoolGetAttribute", __FILE__, __LINE__);
+}
+
+bool PoolRoute::used(size_t* out) const {
+  cuuint64_t v = 0;
+  TB_DRIVER_CHECK(driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &v), false);
+  *out = static_cast<size_t>(v);
   return true;
 }
 
-size_t PoolRoute::trim() {
-  if (pool_ == nullptr || !dev_.make_current()) return 0;
-  const size_t before = reserved();
-  driver()->memPoolTrimTo(pool_, 0);
-  const size_t after = reserved();
-  return before > after ? before - after : 0;
+void PoolRoute::settle(size_t now, bool small) {
+  const size_t seen = seen_small_ + seen_large_;
+  if (now > seen) {
+    budget_.charge_unchecked(now - seen, Placement{kRoutePool, small, false});
+    (small ? seen_small_ : seen_large_) += now - seen;
+    return;
+  }
+  size_t drop = seen - now;
+  const size_t from_large = std::min(drop, seen_large_);
+  if (from_large > 0) budget_.uncharge(from_large, Placement{kRoutePool, false, false});
+  seen_large_ -= from_large;
+  drop -= from_large;
+  if (drop > 0) budget_.uncharge(drop, Placement{kRoutePool, true, false});
+  seen_small_ -= drop;
+}
+
+bool PoolRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  size_t held = 0, in_use = 0;
+  if (!reserved(&held) || !used(&in_use)) return false;
+  settle(held, small);
+  // See Note [Pool growth and the budget].
+  const size_t need = in_use + size > held ? in_use + size - held : 0;
+  // Predicted growth: the request rounded up to the granularity the pool has grown by so far.
+  const size_t predicted = chunk_ > 0 ? (need + chunk_ - 1) / chunk_ * chunk_ : need;
+  if (need > 0 && !budget_.fits(predicted)) return false;
+  CUdeviceptr ptr = 0;
+  TB_DRIVER_CHECK(driver()->memAllocFromPoolAsync(&ptr, size, pool_, stream), false);
+  size_t after = held;
+  const bool known = reserved(&after);
+  const size_t grew = after > held ? after - held : 0;
+  if (grew > 0) chunk_ = chunk_ > 0 ? std::gcd(chunk_, grew) : grew;
+  if (!known || (grew > 0 && !budget_.fits(grew))) {
+    const ErrorCode code = known ? kOutOfMemory : last_error_code();
+    const std::string msg = last_error_message();
+    if (driver()->memFreeAsync(ptr, stream) == CUDA_SUCCESS) driver()->memPoolTrimTo(pool_, held);
+    size_t now = 0;
+    if (reserved(&now)) settle(now, small);
+    set_error(code, msg);
+    return false;
+  }
+  if (grew > 0) bump(ledger_.num_device_alloc);
+  settle(after, small);
+  auto seg = std::make_unique<Segment>();
+  seg->base = ptr;
+  seg->size = size;
+  seg->small = small;
+  seg->stream = stream;
+  seg->route = kRoutePool;
+  pool.add_segment(std::move(seg));
+  ledger_.segment.add(small, 1);
+  return true;
+}
+
+bool PoolRoute::destroy_segment(Segment& seg) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  TB_DRIVER_CHECK(driver()->memFreeAsync(seg.base, seg.stream), false);
+  ledger_.segment.sub(seg.small, 1);
+  seg.pool->remove_segment(&seg);
+  return true;
+}
+
+void PoolRoute::release_cached(BlockPool& pool) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return;
+  // Segments whose stream-ordered free was refused earlier.
+  std::vector<Segment*> idle;
+  for (const auto& seg : pool.segments())
+    if (seg->live == 0) idle.push_back(seg.get());
+  for (Segment* seg : idle) destroy_segment(*seg);
+  size_t before = 0, now = 0;
+  if (!reserved(&before)) return;
+  settle(before, false);
+  if (driver()->memPoolTrimTo(pool_, 0) != CUDA_SUCCESS || !reserved(&now)) return;
+  if (now < before) bump(ledger_.num_device_free);
+  settle(now, false);
+}
+
+bool PoolRoute::grant_peer(int peer) {
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = peer;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  TB_DRIVER_CHECK(driver()->memPoolSetAccess(pool_, &desc, 1), false);
+  return true;
 }
 
 }  // namespace tb

@@ -1,42 +1,61 @@
 // Stream-ordered pool route: cuMemAllocFromPoolAsync / cuMemFreeAsync on a memory
-// pool owned by torch_budget.
+// pool owned by torch_budget, behind the same Backing interface as the other
+// routes: every allocation is a segment of its own, given back to the pool (a
+// stream-ordered free on its stream) as soon as its block is freed.
 //
 // Note [Stream-ordered frees]
 // A free here is a point on the block's stream: the pool may hand the memory out
-// again to work ordered after that point (the driver follows event dependencies for
-// other streams). Streams recorded with record_stream are folded in by making the
-// block's stream wait on an event recorded on each of them before the free is
-// enqueued. The pool caches freed memory itself (release threshold = max), and its
-// reserved / used figures are read from pool attributes without synchronising.
+// again to work ordered after that point. Streams recorded with record_stream are
+// handled like on every route: the free waits for an event on each of them (Note
+// [Stream-ordered reuse]). The pool caches freed memory itself (release threshold =
+// max); its reserved figure, read from a pool attribute without synchronising, is
+// what the ledger charges.
+//
+// Note [Pool growth and the budget]
+// The driver grows a pool in chunks, so one allocation can add more reserved
+// memory than it asked for. The route checks the request, rounded up to the
+// granularity the pool has grown by so far, before asking, reads the pool's reserved figure after, and when the
+// growth does not fit the budget it frees the allocation and trims the pool back
+// before failing; whatever the driver still holds is charged, never hidden.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstddef>
 
+#include "block_cache.h"
+#include "budget.h"
+#include "driver.h"
+
 namespace tb {
 
-struct Block;
-class DeviceAllocator;
-
-class PoolRoute {
+class PoolRoute final : public Backing {
  public:
-  explicit PoolRoute(DeviceAllocator& dev) : dev_(dev) {}
-  ~PoolRoute();
+  PoolRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger) : ctx_(ctx), budget_(budget), ledger_(ledger) {}
+  // Creates the pool; false + error when the driver cannot (the route is then unavailable).
   bool init();
   bool available() const { return pool_ != nullptr; }
 
-  Block* malloc(size_t size, CUstream stream);
-  bool free(Block* block);
-  // Bytes the pool holds from the driver / hands out now (pool attributes).
-  size_t reserved() const;
-  size_t used() const;
-  // Returns cached memory to the driver; the caller synchronised the device.
-  size_t trim();
+  bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
+  bool ensure_backed(Segment&, uintptr_t, size_t) override { return true; }
+  void release_cached(BlockPool& pool) override;
+  bool destroy_segment(Segment& seg) override;
+  bool release_on_free() const override { return true; }
+  bool grant_peer(int peer) override;
 
  private:
-  DeviceAllocator& dev_;
+  bool reserved(size_t* out) const;
+  bool used(size_t* out) const;
+  // Brings the ledger to the pool's reserved figure `now`.
+  void settle(size_t now, bool small);
+
+  const DeviceContext& ctx_;
+  Budget& budget_;
+  Ledger& ledger_;
   CUmemoryPool pool_ = nullptr;
+  size_t seen_small_ = 0;  // reserved bytes charged, by the kind of request that grew the pool
+  size_t seen_large_ = 0;
+  size_t chunk_ = 0;  // granularity of the pool's growth so far (gcd of the growths seen)
 };
 
 }  // namespace tb

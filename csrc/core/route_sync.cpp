@@ -1,7 +1,5 @@
 #include "route_sync.h"
 
-#include "device_allocator.h"
-#include "driver.h"
 #include "error.h"
 
 namespace tb {
@@ -13,16 +11,15 @@ size_t SyncRoute::segment_size(size_t size, bool small) {
 }
 
 bool SyncRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
-  if (!dev_.make_current()) return false;
   const size_t bytes = segment_size(size, small);
-  if (!dev_.charge(bytes, kRouteSync, pool.graph_pool(), small)) return false;
+  Charge charge(budget_, bytes, Placement{kRouteSync, small, pool.graph_pool()});
+  if (!charge.ok()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
   CUdeviceptr ptr = 0;
-  CUresult r = driver()->memAlloc(&ptr, bytes);
-  if (r != CUDA_SUCCESS) {
-    dev_.uncharge(bytes, kRouteSync, pool.graph_pool(), small);
-    return fail_driver(r, "cuMemAlloc", __FILE__, __LINE__);
-  }
-  bump(dev_.ledger().num_device_alloc);
+  TB_DRIVER_CHECK(driver()->memAlloc(&ptr, bytes), false);
+  charge.commit();
+  bump(ledger_.num_device_alloc);
   auto seg = std::make_unique<Segment>();
   seg->base = ptr;
   seg->size = bytes;
@@ -30,29 +27,47 @@ bool SyncRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   seg->stream = stream;
   seg->route = kRouteSync;
   pool.add_segment(std::move(seg));
-  dev_.ledger().segment.add(small, 1);
+  ledger_.segment.add(small, 1);
   return true;
 }
 
-void SyncRoute::destroy_segment(Segment& seg) {
-  if (!dev_.make_current()) return;
-  driver()->memFree(seg.base);
-  dev_.uncharge(seg.size, kRouteSync, seg.pool->graph_pool(), seg.small);
-  bump(dev_.ledger().num_device_free);
-  dev_.ledger().segment.sub(seg.small, 1);
+bool SyncRoute::destroy_segment(Segment& seg) {
+  detached_.push_back(Detached{seg.base, seg.size, Placement{kRouteSync, seg.small, seg.pool->graph_pool()}, false});
+  ledger_.segment.sub(seg.small, 1);
+  seg.pool->remove_segment(&seg);
+  return true;
 }
 
-size_t SyncRoute::release_cached(BlockPool& pool) {
+void SyncRoute::release_cached(BlockPool& pool) {
   std::vector<Segment*> idle;
   for (const auto& seg : pool.segments())
-    if (seg->live == 0) idle.push_back(seg.get());
-  size_t released = 0;
-  for (Segment* seg : idle) {
-    released += seg->size;
-    destroy_segment(*seg);
-    pool.remove_segment(seg);
+    if (seg->live == 0 && pool.clock().clean(seg->stream, seg->head->freed_at)) idle.push_back(seg.get());
+  for (Segment* seg : idle) destroy_segment(*seg);
+}
+
+std::vector<SyncRoute::Detached> SyncRoute::take_detached() {
+  std::vector<Detached> out;
+  out.swap(detached_);
+  return out;
+}
+
+void SyncRoute::free_detached(std::vector<Detached>& list) const {
+  if (list.empty()) return;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return;
+  for (Detached& d : list) d.freed = driver()->memFree(d.base) == CUDA_SUCCESS;
+}
+
+void SyncRoute::settle(std::vector<Detached>& list) {
+  for (Detached& d : list) {
+    if (!d.freed) {
+      detached_.push_back(d);
+      continue;
+    }
+    budget_.uncharge(d.size, d.where);
+    bump(ledger_.num_device_free);
   }
-  return released;
+  list.clear();
 }
 
 }  // namespace tb

@@ -2,26 +2,30 @@
 
 #include <algorithm>
 
-#include "device_allocator.h"
-#include "driver.h"
 #include "error.h"
 
 namespace tb {
 
-VmmRoute::VmmRoute(DeviceAllocator& dev, size_t granule, size_t arena_bytes, bool reuse_before_grow)
-    : dev_(dev), granule_(granule), arena_bytes_(arena_bytes), reuse_before_grow_(reuse_before_grow) {
+VmmRoute::VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, size_t granule, size_t arena_bytes,
+                   bool reuse_before_grow)
+    : ctx_(ctx), budget_(budget), ledger_(ledger), granule_(granule), arena_bytes_(arena_bytes),
+      reuse_(reuse_before_grow) {
   prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop_.location.id = dev.device();
-  access_.location = prop_.location;
-  access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  prop_.location.id = ctx.device;
+  CUmemAccessDesc own{};
+  own.location = prop_.location;
+  own.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access_.push_back(own);
 }
 
-// The driver may already be gone at process exit: nothing is released here.
-VmmRoute::~VmmRoute() = default;
+Placement VmmRoute::placement(const Segment& seg) const {
+  return Placement{kRouteVmm, seg.small, seg.pool->graph_pool()};
+}
 
 bool VmmRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
-  if (!dev_.make_current()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
   // Small requests get a smaller arena: they never need more than a few GiB of range.
   size_t va = small ? std::max(granule_, arena_bytes_ / 16 / granule_ * granule_) : arena_bytes_;
   va = std::max(va, (size + granule_ - 1) / granule_ * granule_);
@@ -34,8 +38,9 @@ bool VmmRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
   seg->stream = stream;
   seg->route = kRouteVmm;
   seg->granules.assign(va / granule_, 0);
+  arenas_.push_back(seg.get());
   pool.add_segment(std::move(seg));
-  dev_.ledger().segment.add(small, 1);
+  ledger_.segment.add(small, 1);
   return true;
 }
 
@@ -46,7 +51,8 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   for (size_t i = first; i <= last; ++i)
     if (seg.granules[i] == 0) need.push_back(i);
   if (need.empty()) return true;
-  if (!dev_.make_current()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
 
   std::vector<CUmemGenericAllocationHandle> handles;
   if (!take_handles(need.size(), &handles)) return false;
@@ -54,30 +60,35 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   const DriverApi* d = driver();
   size_t mapped = 0;
   CUresult r = CUDA_SUCCESS;
+  const char* call = "cuMemMap";
   for (; mapped < need.size(); ++mapped) {
     r = d->memMap(seg.base + need[mapped] * granule_, granule_, 0, handles[mapped], 0);
     if (r != CUDA_SUCCESS) break;
   }
   if (r == CUDA_SUCCESS) {
     // One access call per contiguous run of newly mapped granules.
+    call = "cuMemSetAccess";
     size_t run = 0;
     for (size_t k = 1; k <= need.size() && r == CUDA_SUCCESS; ++k) {
       if (k == need.size() || need[k] != need[k - 1] + 1) {
-        r = d->memSetAccess(seg.base + need[run] * granule_, (k - run) * granule_, &access_, 1);
+        r = d->memSetAccess(seg.base + need[run] * granule_, (k - run) * granule_, access_.data(), access_.size());
         run = k;
       }
     }
   }
-  if (r != CUDA_SUCCESS) {
-    fail_driver(r, "cuMemMap/cuMemSetAccess", __FILE__, __LINE__);
-    for (size_t k = 0; k < mapped; ++k) d->memUnmap(seg.base + need[k] * granule_, granule_);
-    free_handles_.insert(free_handles_.end(), handles.begin(), handles.end());
-    return false;
-  }
-  for (size_t k = 0; k < need.size(); ++k) seg.granules[need[k]] = handles[k];
-  seg.mapped += need.size();
-  if (seg.pool->graph_pool()) dev_.ledger().graph_pool_reserved.add(static_cast<int64_t>(need.size() * granule_));
-  return true;
+  // Whatever got mapped belongs to the segment from here on (and is counted there);
+  // on failure it is unmapped again, and what cannot be unmapped stays mapped.
+  for (size_t k = 0; k < mapped; ++k) seg.granules[need[k]] = handles[k];
+  seg.mapped += mapped;
+  budget_.move(mapped * granule_, kCached, placement(seg));
+  if (r == CUDA_SUCCESS) return true;
+  fail_driver(r, call, __FILE__, __LINE__);
+  const ErrorCode code = last_error_code();
+  const std::string msg = last_error_message();
+  for (size_t k = 0; k < mapped; ++k) unmap_granule(seg, need[k]);
+  free_handles_.insert(free_handles_.end(), handles.begin() + static_cast<long>(mapped), handles.end());
+  set_error(code, msg);
+  return false;
 }
 
 bool VmmRoute::take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out) {
@@ -87,111 +98,155 @@ bool VmmRoute::take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>*
       free_handles_.pop_back();
     }
   };
-  drain();
-  bool stolen = false;
-  if (out->size() < n && reuse_before_grow_) {
-    steal(n - out->size());
-    stolen = true;
-    drain();
-  }
-  while (out->size() < n) {
-    CUmemGenericAllocationHandle h = 0;
-    bool charged = dev_.charge(granule_, kRouteVmm, false, false);
-    CUresult r = CUDA_SUCCESS;
-    if (charged) {
-      r = driver()->memCreate(&h, granule_, &prop_, 0);
-      if (r == CUDA_SUCCESS) {
-        bump(dev_.ledger().num_device_alloc);
-        out->push_back(h);
-        continue;
-      }
-      dev_.uncharge(granule_, kRouteVmm, false, false);
-    }
-    if (!stolen) {  // budget or driver said no: move cached granules before giving up
-      stolen = true;
-      steal(n - out->size());
-      drain();
-      continue;
-    }
-    if (charged) fail_driver(r, "cuMemCreate", __FILE__, __LINE__);
+  auto give_back = [&] {
     free_handles_.insert(free_handles_.end(), out->begin(), out->end());
     out->clear();
-    return false;
+  };
+  drain();
+  if (out->size() < n && reuse_ && reuse_source_ != nullptr) {
+    unmap_clean_granules(*reuse_source_, n - out->size());
+    drain();
+    if (out->size() < n && reuse_source_->clock().requests_allowed() && request_syncs(*reuse_source_)) {
+      give_back();
+      set_error(kNeedSync, "streams to synchronise before granules can be reused");
+      return false;
+    }
   }
-  return true;
+  while (out->size() < n) {
+    Charge charge(budget_, granule_, kCached);
+    if (!charge.ok()) break;
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = driver()->memCreate(&h, granule_, &prop_, 0);
+    if (r != CUDA_SUCCESS) {
+      fail_driver(r, "cuMemCreate", __FILE__, __LINE__);
+      break;
+    }
+    charge.commit();
+    bump(ledger_.num_device_alloc);
+    out->push_back(h);
+  }
+  if (out->size() == n) return true;
+  give_back();
+  return false;
 }
 
-size_t VmmRoute::steal(size_t n) {
-  BlockPool* pool = dev_.default_pool(kRouteVmm);
-  if (pool == nullptr || dev_.capturing()) return 0;  // no stream sync while capturing
-  return unmap_free_granules(*pool, n, /*sync_streams=*/true);
-}
-
-size_t VmmRoute::unmap_free_granules(BlockPool& pool, size_t limit, bool sync_streams) {
+size_t VmmRoute::unmap_clean_granules(BlockPool& pool, size_t limit) {
   size_t got = 0;
-  std::vector<CUstream> synced;
   for (bool small : {false, true}) {
-    for (Block* b : pool.free_set(small)) {
-      if (b->size < granule_) continue;
+    const FreeSet& fs = pool.free_set(small);
+    for (auto it = fs.begin(); it != fs.end() && got < limit; ++it) {
+      const Block* b = *it;
+      if (b->size < granule_ || !pool.clock().clean(b->stream, b->freed_at)) continue;
       Segment& s = *b->segment;
       const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
       const size_t hi = (b->ptr + b->size - s.base) / granule_;
-      for (size_t i = lo; i < hi; ++i) {
-        if (s.granules[i] == 0) continue;
-        if (sync_streams && std::find(synced.begin(), synced.end(), b->stream) == synced.end()) {
-          // Work queued before the free may still touch these addresses.
-          if (driver()->streamSynchronize(b->stream) != CUDA_SUCCESS) return got;
-          synced.push_back(b->stream);
-        }
-        CUmemGenericAllocationHandle h = s.granules[i];
-        if (!unmap_granule(s, i)) return got;
-        free_handles_.push_back(h);
-        if (++got >= limit) return got;
-      }
+      for (size_t i = lo; i < hi && got < limit; ++i)
+        if (s.granules[i] != 0 && unmap_granule(s, i)) ++got;
     }
   }
   return got;
 }
 
+bool VmmRoute::request_syncs(BlockPool& pool) {
+  bool any = false;
+  for (bool small : {false, true}) {
+    for (const Block* b : pool.free_set(small)) {
+      if (b->size < granule_ || pool.clock().clean(b->stream, b->freed_at)) continue;
+      const Segment& s = *b->segment;
+      const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
+      const size_t hi = (b->ptr + b->size - s.base) / granule_;
+      for (size_t i = lo; i < hi; ++i) {
+        if (s.granules[i] != 0) {
+          pool.clock().request(b->stream);
+          any = true;
+          break;
+        }
+      }
+    }
+  }
+  return any;
+}
+
+bool VmmRoute::unmap_range(uintptr_t va, size_t bytes) {
+  CUresult r = CUDA_SUCCESS;
+  for (int attempt = 0; attempt < 4; ++attempt)
+    if ((r = driver()->memUnmap(va, bytes)) == CUDA_SUCCESS) return true;
+  return fail_driver(r, "cuMemUnmap", __FILE__, __LINE__);
+}
+
 bool VmmRoute::unmap_granule(Segment& seg, size_t index) {
-  CUresult r = driver()->memUnmap(seg.base + index * granule_, granule_);
-  if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemUnmap", __FILE__, __LINE__);
+  if (!unmap_range(seg.base + index * granule_, granule_)) return false;
+  free_handles_.push_back(seg.granules[index]);
   seg.granules[index] = 0;
   seg.mapped--;
-  if (seg.pool->graph_pool()) dev_.ledger().graph_pool_reserved.sub(static_cast<int64_t>(granule_));
+  budget_.move(granule_, placement(seg), kCached);
   return true;
 }
 
-size_t VmmRoute::release_free_handles() {
-  size_t released = 0;
+void VmmRoute::release_free_handles() {
+  std::vector<CUmemGenericAllocationHandle> kept;
   for (CUmemGenericAllocationHandle h : free_handles_) {
-    driver()->memRelease(h);
-    dev_.uncharge(granule_, kRouteVmm, false, false);
-    bump(dev_.ledger().num_device_free);
-    released += granule_;
+    if (driver()->memRelease(h) != CUDA_SUCCESS) {
+      kept.push_back(h);  // still the driver's memory, still charged: retried next time
+      continue;
+    }
+    budget_.uncharge(granule_, kCached);
+    bump(ledger_.num_device_free);
   }
-  free_handles_.clear();
-  return released;
+  free_handles_.swap(kept);
 }
 
-size_t VmmRoute::release_cached(BlockPool& pool) {
-  if (!dev_.make_current()) return 0;
-  unmap_free_granules(pool, SIZE_MAX, /*sync_streams=*/false);
-  return release_free_handles();
+void VmmRoute::release_cached(BlockPool& pool) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return;
+  unmap_clean_granules(pool, SIZE_MAX);
+  release_free_handles();
+  // Arenas left without live blocks and mappings give their address range back.
+  std::vector<Segment*> empty;
+  for (const auto& seg : pool.segments())
+    if (seg->live == 0 && seg->mapped == 0) empty.push_back(seg.get());
+  for (Segment* seg : empty) destroy_segment(*seg);
 }
 
-void VmmRoute::destroy_segment(Segment& seg) {
-  if (!dev_.make_current()) return;
-  for (size_t i = 0; i < seg.granules.size(); ++i) {
-    CUmemGenericAllocationHandle h = seg.granules[i];
-    if (h == 0) continue;
-    if (!unmap_granule(seg, i)) continue;
-    driver()->memRelease(h);
-    dev_.uncharge(granule_, kRouteVmm, false, false);
-    bump(dev_.ledger().num_device_free);
+bool VmmRoute::destroy_segment(Segment& seg) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  bool all_unmapped = true;
+  for (size_t i = 0; i < seg.granules.size(); ++i)
+    if (seg.granules[i] != 0 && !unmap_granule(seg, i)) all_unmapped = false;
+  release_free_handles();
+  if (!all_unmapped) return false;
+  TB_DRIVER_CHECK(driver()->memAddressFree(seg.base, seg.size), false);
+  ledger_.segment.sub(seg.small, 1);
+  arenas_.erase(std::remove(arenas_.begin(), arenas_.end(), &seg), arenas_.end());
+  seg.pool->remove_segment(&seg);
+  return true;
+}
+
+bool VmmRoute::grant_peer(int peer) {
+  for (const CUmemAccessDesc& a : access_)
+    if (a.location.id == peer) return true;
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = peer;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  for (Segment* seg : arenas_) {
+    size_t i = 0;
+    while (i < seg->granules.size()) {
+      if (seg->granules[i] == 0) {
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j < seg->granules.size() && seg->granules[j] != 0) ++j;
+      TB_DRIVER_CHECK(driver()->memSetAccess(seg->base + i * granule_, (j - i) * granule_, &desc, 1), false);
+      i = j;
+    }
   }
-  driver()->memAddressFree(seg.base, seg.size);
-  dev_.ledger().segment.sub(seg.small, 1);
+  access_.push_back(desc);
+  return true;
 }
 
 }  // namespace tb

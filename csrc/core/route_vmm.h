@@ -6,50 +6,72 @@
 // an arena is one large reserved range per (pool, stream, small/large); blocks are
 // carved from it by best fit and only the granules a live block touches need to be
 // mapped. When a mapping needs physical handles and none are cached, granules lying
-// wholly inside free blocks of the default pool are unmapped and their handles moved
-// (after synchronising the stream that last used them) before any new physical
-// memory is created. Reserved memory then tracks live memory closely instead of the
+// wholly inside clean free blocks of the default pool (Note [Clean blocks]) are
+// unmapped and their handles moved before any new physical memory is created; when
+// only blocks whose streams may still use them hold such granules, the route asks
+// for those streams to be synchronised (outside the lock) and the allocation is
+// retried. Reserved memory then tracks live memory closely instead of the
 // historical peak of each address range. Graph pools are never a source: their free
 // blocks may still be addressed by a captured graph.
+//
+// Note [Peer access to VMM memory]
+// A mapping is accessible only to the devices named in cuMemSetAccess. Every
+// mapping grants this device and every peer that torch enabled peer access for
+// (enablePeerAccess); granting a new peer walks every arena of every pool this
+// route backs and extends the mapped ranges, as torch's expandable segments do.
+//
+// Accounting: a cached (unmapped) handle is charged to the large pool; mapping it
+// into a small arena or a graph pool moves its bytes there (Budget::move).
 #pragma once
 
 #include <vector>
 
 #include "block_cache.h"
+#include "budget.h"
+#include "driver.h"
 
 namespace tb {
 
-class DeviceAllocator;
-
 class VmmRoute final : public Backing {
  public:
-  VmmRoute(DeviceAllocator& dev, size_t granule, size_t arena_bytes, bool reuse_before_grow);
-  ~VmmRoute() override;
+  VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, size_t granule, size_t arena_bytes,
+           bool reuse_before_grow);
+
+  // The pool whose clean free granules may be remapped (the default VMM pool).
+  void set_reuse_source(BlockPool* pool) { reuse_source_ = pool; }
+  void set_reuse_before_grow(bool on) { reuse_ = on; }
 
   bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
   bool ensure_backed(Segment& seg, uintptr_t ptr, size_t size) override;
-  size_t release_cached(BlockPool& pool) override;
-  void destroy_segment(Segment& seg) override;
+  void release_cached(BlockPool& pool) override;
+  bool destroy_segment(Segment& seg) override;
+  bool grant_peer(int peer) override;
 
   size_t granule() const { return granule_; }
-  size_t cached_handles() const { return free_handles_.size(); }
-  // Releases every cached (unmapped) handle; returns bytes released.
-  size_t release_free_handles();
 
  private:
+  static constexpr Placement kCached{kRouteVmm, false, false};
+  Placement placement(const Segment& seg) const;
   bool take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out);
-  // Unmaps up to `n` granules lying wholly inside free blocks of the default pool.
-  size_t steal(size_t n);
-  size_t unmap_free_granules(BlockPool& pool, size_t limit, bool sync_streams);
+  // Unmaps up to `limit` granules lying wholly inside clean free blocks of `pool`.
+  size_t unmap_clean_granules(BlockPool& pool, size_t limit);
+  // Asks for the streams of free blocks holding mapped granules to be synchronised.
+  bool request_syncs(BlockPool& pool);
   bool unmap_granule(Segment& seg, size_t index);
+  bool unmap_range(uintptr_t va, size_t bytes);
+  void release_free_handles();
 
-  DeviceAllocator& dev_;
-  size_t granule_;
-  size_t arena_bytes_;
-  bool reuse_before_grow_;
+  const DeviceContext& ctx_;
+  Budget& budget_;
+  Ledger& ledger_;
+  const size_t granule_;
+  const size_t arena_bytes_;
+  bool reuse_;
   CUmemAllocationProp prop_{};
-  CUmemAccessDesc access_{};
-  std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, counted as reserved
+  std::vector<CUmemAccessDesc> access_;  // this device first, then peers
+  std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, charged as kCached
+  std::vector<Segment*> arenas_;  // every arena of every pool this route backs
+  BlockPool* reuse_source_ = nullptr;
 };
 
 }  // namespace tb

@@ -1,6 +1,7 @@
 #include "scope.h"
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 
 #include "error.h"
@@ -9,18 +10,20 @@
 namespace tb {
 namespace {
 
+// Plain storage only (no destructors): allocations and frees can arrive during
+// process exit, after thread-local and static objects with destructors are gone.
 std::atomic<int> g_default_route{kRouteSync};
-thread_local std::vector<Scope> t_stack;
+thread_local Scope t_stack[kMaxScopeDepth];
+thread_local int t_depth = 0;
 // Scopes open on all threads together. While it is zero no thread has a scope, so the
 // allocation path can skip the thread-local lookup (a call into the TLS resolver for a
 // dlopen'ed library). A thread always sees its own pushes.
 std::atomic<int> g_open_scopes{0};
 
+constexpr size_t kTagBytes = 64;
 std::mutex g_tags_mu;
-std::vector<std::string>& tags() {
-  static std::vector<std::string> names{"untagged"};
-  return names;
-}
+char g_tags[kMaxTags][kTagBytes] = {"untagged"};
+int g_tag_count = 1;
 
 }  // namespace
 
@@ -28,8 +31,8 @@ void set_default_route(int route) { g_default_route.store(route, std::memory_ord
 int default_route() { return g_default_route.load(std::memory_order_relaxed); }
 
 Scope current_scope() {
-  if (g_open_scopes.load(std::memory_order_relaxed) == 0 || t_stack.empty()) return Scope{default_route(), 0};
-  return t_stack.back();
+  if (g_open_scopes.load(std::memory_order_relaxed) == 0 || t_depth == 0) return Scope{default_route(), 0};
+  return t_stack[t_depth - 1];
 }
 
 bool push_scope(int route, int tag) {
@@ -39,42 +42,42 @@ bool push_scope(int route, int tag) {
              "unknown route " + std::to_string(route) + " (expected vmm, pool or sync)", false);
   if (tag < 0) tag = cur.tag;
   TB_REQUIRE(tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
-  t_stack.push_back(Scope{route, tag});
+  TB_REQUIRE(t_depth < kMaxScopeDepth, kState,
+             "route/tag scopes nested deeper than " + std::to_string(kMaxScopeDepth) + " on this thread", false);
+  t_stack[t_depth++] = Scope{route, tag};
   g_open_scopes.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 bool pop_scope() {
-  TB_REQUIRE(!t_stack.empty(), kState, "pop of an empty route/tag scope stack on this thread", false);
-  t_stack.pop_back();
+  TB_REQUIRE(t_depth > 0, kState, "pop of an empty route/tag scope stack on this thread", false);
+  --t_depth;
   g_open_scopes.fetch_sub(1, std::memory_order_relaxed);
   return true;
 }
 
-int scope_depth() { return static_cast<int>(t_stack.size()); }
-
 int tag_id(const std::string& name) {
   TB_REQUIRE(!name.empty(), kInvalidArgument, "a tag needs a non-empty name", -1);
+  TB_REQUIRE(name.size() < kTagBytes, kInvalidArgument,
+             "tag name '" + name + "' is longer than " + std::to_string(kTagBytes - 1) + " bytes", -1);
   std::lock_guard<std::mutex> lock(g_tags_mu);
-  auto& names = tags();
-  for (size_t i = 0; i < names.size(); ++i)
-    if (names[i] == name) return static_cast<int>(i);
-  TB_REQUIRE(names.size() < static_cast<size_t>(kMaxTags), kInvalidArgument,
+  for (int i = 0; i < g_tag_count; ++i)
+    if (name == g_tags[i]) return i;
+  TB_REQUIRE(g_tag_count < kMaxTags, kInvalidArgument,
              "too many tags (at most " + std::to_string(kMaxTags - 1) + "): cannot add '" + name + "'", -1);
-  names.push_back(name);
-  return static_cast<int>(names.size() - 1);
+  std::memcpy(g_tags[g_tag_count], name.c_str(), name.size() + 1);
+  return g_tag_count++;
 }
 
 std::string tag_name(int id) {
   std::lock_guard<std::mutex> lock(g_tags_mu);
-  auto& names = tags();
-  if (id < 0 || id >= static_cast<int>(names.size())) return "";
-  return names[id];
+  if (id < 0 || id >= g_tag_count) return "";
+  return g_tags[id];
 }
 
 int tag_count() {
   std::lock_guard<std::mutex> lock(g_tags_mu);
-  return static_cast<int>(tags().size());
+  return g_tag_count;
 }
 
 }  // namespace tb

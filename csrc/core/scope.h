@@ -11,6 +11,7 @@
 namespace tb {
 
 constexpr int kRouteDefault = -1;  // "keep the route of the enclosing scope"
+constexpr int kMaxScopeDepth = 64;
 
 struct Scope {
   int route;  // kRouteVmm / kRoutePool / kRouteSync
@@ -24,11 +25,11 @@ int default_route();
 // The scope in force on this thread.
 Scope current_scope();
 // Pushes a scope; route kRouteDefault keeps the current route, tag < 0 keeps the
-// current tag. Returns false (kInvalidArgument) on an unknown route or tag.
+// current tag. Returns false (kInvalidArgument) on an unknown route or tag, and
+// (kState) beyond kMaxScopeDepth nested scopes.
 bool push_scope(int route, int tag);
 // Pops the innermost scope; false (kState) when the stack is empty.
 bool pop_scope();
-int scope_depth();
 
 // Tag registry: names to small integers, process-wide, never shrinks.
 // Returns -1 (kInvalidArgument) on an empty name or when the table is full.

@@ -1,0 +1,92 @@
+#include "budget.h"
+
+#include <cstdio>
+
+#include "error.h"
+
+namespace tb {
+
+std::string format_size(uint64_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (bytes <= 1024) std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(bytes));
+  else if (bytes <= (uint64_t(1) << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", b / 1024.0);
+  else if (bytes <= (uint64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
+  return buf;
+}
+
+bool Budget::fits(size_t bytes) {
+  const int64_t room = limit() - reserved();
+  if (room < 0 || bytes > static_cast<uint64_t>(room)) {
+    refused_ = true;
+    set_error(kOutOfMemory, "budget");
+    return false;
+  }
+  return true;
+}
+
+void Budget::place(size_t bytes, const Placement& where, bool add) {
+  const auto n = static_cast<int64_t>(bytes);
+  if (add) {
+    ledger_.reserved_bytes.add(where.small, n);
+    ledger_.route_reserved[where.route].add(n);
+    if (where.graph_pool) ledger_.graph_pool_reserved.add(n);
+  } else {
+    ledger_.reserved_bytes.sub(where.small, n);
+    ledger_.route_reserved[where.route].sub(n);
+    if (where.graph_pool) ledger_.graph_pool_reserved.sub(n);
+  }
+}
+
+bool Budget::charge(size_t bytes, const Placement& where) {
+  if (!fits(bytes)) return false;
+  place(bytes, where, true);
+  return true;
+}
+
+void Budget::charge_unchecked(size_t bytes, const Placement& where) { place(bytes, where, true); }
+
+void Budget::uncharge(size_t bytes, const Placement& where) { place(bytes, where, false); }
+
+void Budget::move(size_t bytes, const Placement& from, const Placement& to) {
+  const auto n = static_cast<int64_t>(bytes);
+  if (from.small != to.small) {
+    ledger_.reserved_bytes.s[from.small ? kSmallPool : kLargePool].sub(n);
+    ledger_.reserved_bytes.s[to.small ? kSmallPool : kLargePool].add(n);
+  }
+  if (from.route != to.route) {
+    ledger_.route_reserved[from.route].sub(n);
+    ledger_.route_reserved[to.route].add(n);
+  }
+  if (from.graph_pool != to.graph_pool) {
+    if (from.graph_pool) ledger_.graph_pool_reserved.sub(n);
+    else ledger_.graph_pool_reserved.add(n);
+  }
+}
+
+std::string Budget::describe() const {
+  return limit() == kNone ? std::string("none (the whole card)") : format_size(static_cast<uint64_t>(limit()));
+}
+
+std::string Budget::oom_message(size_t size, int route, const std::string& tag, const std::string& cause,
+                                size_t device_free, size_t device_total) const {
+  std::string msg = "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
+                    " has a total capacity of " + format_size(device_total) + " of which " +
+                    format_size(device_free) + " is free. ";
+  msg += "torch_budget: route " + std::string(route_name(route)) + ", tag '" + tag + "': ";
+  msg += refused_ ? "it would exceed the budget of " + describe() + "."
+                  : "the driver refused it (" + cause + ").";
+  msg += " Allocated " + format_size(ledger_.allocated_bytes.s[kAggregate].get()) + ", reserved " +
+         format_size(static_cast<uint64_t>(reserved())) + ", budget " + describe() + ", device free " +
+         format_size(device_free) + " of " + format_size(device_total) +
+         "; cached memory was released and the allocation retried. ";
+  msg += refused_
+             ? "To allow more, raise the budget: torch_budget.install(budget=...), TORCH_BUDGET_CONF=budget:..., "
+               "torch_budget.set_budget() or torch.cuda.set_per_process_memory_fraction(); or free tensors."
+             : "Other processes or memory outside torch hold the rest: lower the batch size or the KV cache, or "
+               "free tensors.";
+  return msg;
+}
+
+}  // namespace tb

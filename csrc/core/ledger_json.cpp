@@ -1,0 +1,160 @@
+#include "ledger_json.h"
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "device_allocator.h"
+#include "scope.h"
+
+namespace tb {
+namespace {
+
+// A minimal writer: objects and arrays of integers and strings, commas handled.
+class Json {
+ public:
+  Json& key(const char* k) {
+    comma();
+    out_ += '"';
+    escaped(k);
+    out_ += "\":";
+    after_key_ = true;
+    return *this;
+  }
+  Json& num(int64_t v) {
+    comma();
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%" PRId64, v);
+    out_ += buf;
+    return *this;
+  }
+  Json& str(const std::string& s) {
+    comma();
+    out_ += '"';
+    escaped(s.c_str());
+    out_ += '"';
+    return *this;
+  }
+  Json& open(char c) {
+    comma();
+    out_ += c;
+    first_ = true;
+    return *this;
+  }
+  Json& close(char c) {
+    out_ += c;
+    first_ = false;
+    return *this;
+  }
+  Json& field(const char* k, int64_t v) { return key(k).num(v); }
+  std::string take() { return std::move(out_); }
+
+ private:
+  void comma() {
+    if (after_key_) {
+      after_key_ = false;
+      return;
+    }
+    if (!first_) out_ += ',';
+    first_ = false;
+  }
+  void escaped(const char* s) {
+    for (; *s; ++s) {
+      if (*s == '"' || *s == '\\') out_ += '\\';
+      out_ += *s;
+    }
+  }
+  std::string out_;
+  bool first_ = true;
+  bool after_key_ = false;
+};
+
+void stat(Json& j, const char* name, const Stat& s) {
+  j.key(name).open('{');
+  j.field("current", s.get());
+  j.field("peak", s.peak.load(std::memory_order_relaxed));
+  j.field("allocated", s.allocated.load(std::memory_order_relaxed));
+  j.field("freed", s.freed.load(std::memory_order_relaxed));
+  j.close('}');
+}
+
+void stat3(Json& j, const char* name, const StatArray3& a) {
+  j.key(name).open('{');
+  stat(j, "all", a.s[kAggregate]);
+  stat(j, "small_pool", a.s[kSmallPool]);
+  stat(j, "large_pool", a.s[kLargePool]);
+  j.close('}');
+}
+
+}  // namespace
+
+std::string stats_json(DeviceAllocator& d) {
+  Json j;
+  d.read_locked([&](const Ledger& l) {
+    j.open('{');
+    j.field("device", d.device());
+    j.field("budget", d.budget() == Budget::kNone ? -1 : d.budget());
+    j.field("total", static_cast<int64_t>(d.caps().total_bytes));
+    stat3(j, "allocation", l.allocation);
+    stat3(j, "segment", l.segment);
+    stat3(j, "active", l.active);
+    stat3(j, "allocated_bytes", l.allocated_bytes);
+    stat3(j, "reserved_bytes", l.reserved_bytes);
+    stat3(j, "active_bytes", l.active_bytes);
+    stat3(j, "requested_bytes", l.requested_bytes);
+    stat(j, "graph_pool_reserved", l.graph_pool_reserved);
+    j.field("num_alloc_retries", l.num_alloc_retries.load());
+    j.field("num_ooms", l.num_ooms.load());
+    j.field("num_device_alloc", l.num_device_alloc.load());
+    j.field("num_device_free", l.num_device_free.load());
+    j.field("num_sync_all_streams", l.num_sync_all_streams.load());
+    j.key("routes").open('{');
+    for (int r = 0; r < kRouteCount; ++r) {
+      j.key(route_name(r)).open('{');
+      stat(j, "allocated", l.route_allocated[r]);
+      stat(j, "reserved", l.route_reserved[r]);
+      j.field("count", l.route_count[r].load());
+      j.close('}');
+    }
+    j.close('}');
+    j.key("tags").open('{');
+    const int ntags = tag_count();
+    for (int t = 0; t < ntags; ++t) {
+      const std::string name = tag_name(t);
+      j.key(name.c_str()).open('{');
+      stat(j, "allocated", l.tag_allocated[t]);
+      stat(j, "requested", l.tag_requested[t]);
+      j.field("count", l.tag_count[t].load());
+      j.close('}');
+    }
+    j.close('}');
+    j.close('}');
+  });
+  return j.take();
+}
+
+std::string segments_json(DeviceAllocator& d) {
+  Json j;
+  j.open('[');
+  for (const SegmentView& v : d.segments()) {
+    j.open('{');
+    j.field("address", static_cast<int64_t>(v.base));
+    j.field("total_size", static_cast<int64_t>(v.size));
+    j.field("mapped_size", static_cast<int64_t>(v.mapped));
+    j.field("allocated_size", static_cast<int64_t>(v.allocated));
+    j.field("requested_size", static_cast<int64_t>(v.requested));
+    j.field("active_size", static_cast<int64_t>(v.active));
+    j.field("stream", static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.stream)));
+    j.field("small", v.small);
+    j.key("route").str(route_name(v.route));
+    j.key("pool").open('[').num(static_cast<int64_t>(v.pool.first)).num(static_cast<int64_t>(v.pool.second)).close(']');
+    j.key("blocks").open('[');
+    for (const auto& b : v.blocks)
+      j.open('[').num(static_cast<int64_t>(b.size)).num(static_cast<int64_t>(b.requested)).num(b.state).close(']');
+    j.close(']');
+    j.close('}');
+  }
+  j.close(']');
+  return j.take();
+}
+
+}  // namespace tb

@@ -1,0 +1,85 @@
+// When freed memory may be given back to the driver or remapped.
+//
+// Note [Clean blocks]
+// A free block may still be read or written by work queued on its stream before the
+// free. Handing it to a new allocation on the same stream is safe (see Note
+// [Stream-ordered reuse]); unmapping its granules or returning it to the driver is
+// not, until that work has run. The device lock is never held across a
+// synchronisation (another thread, or a host callback on the device, may need the
+// lock for the device to make progress), so instead every free is stamped from a
+// counter. A synchronisation that starts when the counter reads T -- of one stream,
+// or of the whole device -- makes every block freed at or before T (on that stream)
+// "clean". Paths that release or remap memory take only clean blocks. When they
+// need more, they ask for synchronisations (request()); the device allocator runs
+// them with its lock released and retries.
+//
+// Lock rule: used only under the owning DeviceAllocator's mutex.
+#pragma once
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace tb {
+
+class StreamClock {
+ public:
+  uint64_t stamp() { return ++now_; }
+  uint64_t now() const { return now_; }
+
+  bool clean(CUstream stream, uint64_t freed_at) const {
+    if (freed_at <= device_clean_) return true;
+    for (const auto& [s, upto] : stream_clean_)
+      if (s == stream) return freed_at <= upto;
+    return false;
+  }
+
+  // Whether a synchronisation of the whole device started after stamp `t`.
+  bool device_clean(uint64_t t) const { return t <= device_clean_; }
+
+  void device_synced(uint64_t upto) {
+    device_clean_ = std::max(device_clean_, upto);
+    stream_clean_.erase(std::remove_if(stream_clean_.begin(), stream_clean_.end(),
+                                       [this](const std::pair<CUstream, uint64_t>& e) {
+                                         return e.second <= device_clean_;
+                                       }),
+                        stream_clean_.end());
+  }
+
+  void stream_synced(CUstream stream, uint64_t upto) {
+    for (auto& [s, u] : stream_clean_) {
+      if (s == stream) {
+        u = std::max(u, upto);
+        return;
+      }
+    }
+    if (upto > device_clean_) stream_clean_.emplace_back(stream, upto);
+  }
+
+  // Requests, valid for the current attempt only.
+  void allow_requests(bool allow) {
+    allow_ = allow;
+    requests_.clear();
+  }
+  bool requests_allowed() const { return allow_; }
+  void request(CUstream stream) {
+    if (std::find(requests_.begin(), requests_.end(), stream) == requests_.end()) requests_.push_back(stream);
+  }
+  std::vector<CUstream> take_requests() {
+    std::vector<CUstream> out;
+    out.swap(requests_);
+    return out;
+  }
+
+ private:
+  uint64_t now_ = 0;
+  uint64_t device_clean_ = 0;
+  std::vector<std::pair<CUstream, uint64_t>> stream_clean_;
+  std::vector<CUstream> requests_;
+  bool allow_ = false;
+};
+
+}  // namespace tb
