@@ -3,7 +3,8 @@
 - torch_budget/_C: the allocator core, the C ABI and the torch bridge (needs a CUDA
   build of torch and the CUDA headers; the driver itself is loaded at run time).
 - torch_budget/_host_core: the same core over a host-memory stand-in for the driver,
-  used by the CPU tests.
+  used by the CPU tests; torch_budget/_host_core_asan: the same, built with
+  AddressSanitizer and UndefinedBehaviorSanitizer for the fault-injection test.
 
 Build against the torch you will run with: pip install --no-build-isolation -e .
 """
@@ -22,6 +23,8 @@ CORE = sorted(glob.glob("csrc/core/*.cpp")) + ["csrc/tb_capi.cpp"]
 # torch's extension builder picks the C++ standard its headers need; the torch-free
 # core only needs C++17.
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+SANITIZE = ["-O1", "-g", "-fvisibility=hidden", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=undefined"]
 
 
 def cuda_include():
@@ -48,6 +51,15 @@ setup(
             sources=CORE + ["csrc/testing/host_driver.cpp"],
             include_dirs=[cuda_include()],
             extra_compile_args=CXX_FLAGS + ["-std=c++17"],
+            libraries=["dl"],
+            language="c++",
+        ),
+        Extension(
+            name="torch_budget._host_core_asan",
+            sources=CORE + ["csrc/testing/host_driver.cpp"],
+            include_dirs=[cuda_include()],
+            extra_compile_args=SANITIZE + ["-std=c++17", "-Wall"],
+            extra_link_args=SANITIZE,
             libraries=["dl"],
             language="c++",
         ),

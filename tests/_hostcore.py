@@ -4,8 +4,8 @@ The stand-in and the core are process-wide singletons, so every test runs in a
 forked child (`isolated`), which starts from a clean state.
 """
 import ctypes
+import faulthandler
 import functools
-import json
 import os
 import traceback
 
@@ -22,16 +22,18 @@ except ImportError:
 
 MiB = 1 << 20
 GiB = 1 << 30
-S1, S2, S3 = 0x1000, 0x2000, 0x3000  # stand-in stream handles
+S1, S2, S3 = 0x1000, 0x2000, 0x3000  # stand-in stream handles of device 0
 
 
-def isolated(fn):
+def isolated(fn, timeout=300):
+    """Runs the test in a forked child; a child stuck for `timeout` s dumps its stacks and dies."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
+            faulthandler.dump_traceback_later(timeout, exit=True)
             try:
                 fn(*args, **kwargs)
                 msg = b""
@@ -52,14 +54,24 @@ def isolated(fn):
     return wrapper
 
 
-class Host:
-    def __init__(self, capacity=4 * GiB, vmm=True, pools=True, budget=-1, route="sync", reuse_before_grow=True):
-        self.lib = lib = _native.load("_host_core")
-        assert lib.tb_host_use(capacity, int(vmm), int(pools)) == 0
-        _native.check(lib, lib.tb_configure(budget, -1.0, _native.ROUTES[route], int(reuse_before_grow)))
+COUNTERS = ["maps", "unmaps", "syncs", "handles", "mappings", "reservations", "injected", "allocs"]
 
-    def malloc(self, size, stream=S1):
-        p = self.lib.tb_malloc(size, 0, stream)
+
+class Host:
+    def __init__(self, capacity=4 * GiB, vmm=True, pools=True, budget=-1, route="sync", reuse_before_grow=True,
+                 devices=1, pool_chunk=0, library="_host_core", configure=True, missing=()):
+        self.lib = lib = _native.load(library)
+        assert lib.tb_host_use(devices, capacity, int(vmm), int(pools), pool_chunk) == 0
+        for name in missing:
+            assert lib.tb_host_remove_entry(name.encode()) == 0, name
+        if configure:
+            self.configure(budget, route, reuse_before_grow)
+
+    def configure(self, budget=-1, route="sync", reuse_before_grow=True):
+        _native.check(self.lib, self.lib.tb_configure(budget, -1.0, _native.ROUTES[route], int(reuse_before_grow)))
+
+    def malloc(self, size, stream=S1, device=0):
+        p = self.lib.tb_malloc(size, device, stream)
         if not p:
             raise _native.error(self.lib)
         return p
@@ -67,8 +79,11 @@ class Host:
     def free(self, ptr):
         _native.check(self.lib, self.lib.tb_free_checked(ptr))
 
-    def record_stream(self, ptr, stream):
-        _native.check(self.lib, self.lib.tb_record_stream(ptr, stream))
+    def record_stream(self, ptr, stream, device=0):
+        _native.check(self.lib, self.lib.tb_record_stream(ptr, stream, device))
+
+    def stream(self, device=0):
+        return self.lib.tb_host_stream(device)
 
     def submit(self, stream):
         self.lib.tb_host_submit(stream)
@@ -76,34 +91,53 @@ class Host:
     def complete(self, stream):
         self.lib.tb_host_complete(stream)
 
-    def stats(self):
-        text = self.lib.tb_stats_json(0)
-        if text is None:
-            raise _native.error(self.lib)
-        return json.loads(text)
+    def stats(self, device=0):
+        return _native.read_json(self.lib, self.lib.tb_stats_json, device)
 
-    def allocated(self):
-        return self.stats()["allocated_bytes"]["all"]["current"]
+    def allocated(self, device=0):
+        return self.stats(device)["allocated_bytes"]["all"]["current"]
 
-    def reserved(self):
-        return self.stats()["reserved_bytes"]["all"]["current"]
+    def reserved(self, device=0):
+        return self.stats(device)["reserved_bytes"]["all"]["current"]
 
-    def segments(self):
-        return json.loads(self.lib.tb_segments_json(0))
+    def segments(self, device=0):
+        return _native.read_json(self.lib, self.lib.tb_segments_json, device)
 
-    def device_used(self):
-        return self.lib.tb_host_used()
+    def device_used(self, device=0):
+        return self.lib.tb_host_used(device)
 
     def counters(self):
-        out = (ctypes.c_int64 * 6)()
+        out = (ctypes.c_int64 * 8)()
         self.lib.tb_host_counters(out)
-        return dict(zip(["maps", "unmaps", "syncs", "handles", "mappings", "reservations"], out))
+        return dict(zip(COUNTERS, out))
 
-    def empty_cache(self):
-        _native.check(self.lib, self.lib.tb_empty_cache(0))
+    def empty_cache(self, device=0):
+        _native.check(self.lib, self.lib.tb_empty_cache(device))
 
-    def set_budget(self, n):
-        _native.check(self.lib, self.lib.tb_set_budget(0, n))
+    def set_budget(self, n, device=0):
+        _native.check(self.lib, self.lib.tb_set_budget(device, n))
+
+    def grant_peer(self, device, peer):
+        _native.check(self.lib, self.lib.tb_grant_peer(device, peer))
+
+    def set_current(self, device):
+        assert self.lib.tb_host_set_current(device) == 0
+
+    def current(self):
+        return self.lib.tb_host_current()
+
+    def can_access(self, device, ptr):
+        return bool(self.lib.tb_host_can_access(device, ptr))
+
+    def fail(self, entry_point, nth=0, rate=0.0, result=0, seed=0):
+        """Makes the stand-in fail `entry_point` ("*" for all) on its nth call or at a rate."""
+        assert self.lib.tb_host_fail(entry_point.encode(), nth, rate, result, seed) == 0, entry_point
+
+    def hold_syncs(self, hold, wait_for=0):
+        return self.lib.tb_host_hold_syncs(int(hold), wait_for)
+
+    def heal(self):
+        assert self.lib.tb_host_fail(None, 0, 0.0, 0, 0) == 0
 
     def tag(self, name):
         t = self.lib.tb_tag_id(name.encode())
@@ -117,3 +151,12 @@ class Host:
 
     def pop(self):
         _native.check(self.lib, self.lib.tb_pop_scope())
+
+    def begin_pool(self, pool_id, stream, device=0):
+        _native.check(self.lib, self.lib.tb_begin_pool(device, pool_id[0], pool_id[1], stream))
+
+    def end_pool(self, pool_id, device=0):
+        _native.check(self.lib, self.lib.tb_end_pool(device, pool_id[0], pool_id[1]))
+
+    def release_pool(self, pool_id, device=0):
+        _native.check(self.lib, self.lib.tb_release_pool(device, pool_id[0], pool_id[1]))

@@ -326,3 +326,253 @@ def test_threads_allocating_on_their_own_streams_leave_consistent_counts():
     assert st["allocation"]["all"]["allocated"] == st["allocation"]["all"]["freed"] > 0
     h.empty_cache()
     assert h.device_used() == 0
+
+
+# ---------------------------------------------------------------- fault-proofing
+
+
+@isolated
+def test_pool_route_that_grows_in_chunks_never_exceeds_the_budget():
+    budget = 40 * MiB
+    h = Host(route="pool", budget=budget, pool_chunk=32 * MiB)
+    a = h.malloc(8 * MiB)              # the pool grows by one 32 MiB chunk
+    b = h.malloc(8 * MiB)              # fits in that chunk
+    assert h.reserved() == 32 * MiB
+    with pytest.raises(OOM, match="budget of 40.00 MiB"):
+        h.malloc(20 * MiB)             # would grow the pool by another 32 MiB
+    assert h.reserved() <= budget and h.device_used() <= budget
+    assert h.stats()["reserved_bytes"]["all"]["peak"] <= budget
+    h.free(a)
+    h.free(b)
+    c = h.malloc(20 * MiB)             # fits the chunk once a and b are gone
+    h.free(c)
+
+
+@pytest.mark.parametrize("route", ["vmm", "pool", "sync"])
+@pytest.mark.parametrize("size", [(1 << 63) - 1, 1 << 62, (1 << 64) - 512])
+def test_absurd_sizes_are_a_clean_out_of_memory_error(route, size):
+    @isolated
+    def body():
+        h = Host(route=route, budget=1 * GiB)
+        n = size if size < (1 << 63) else size - (1 << 64)  # as ssize_t
+        if n <= 0:
+            with pytest.raises(ValueError, match="must be positive"):
+                h.malloc(n)
+            return
+        with pytest.raises(OOM, match="larger than the device's total memory"):
+            h.malloc(n)
+        assert h.stats()["num_ooms"] == 1
+        p = h.malloc(1 * MiB)  # nothing was corrupted
+        h.free(p)
+        assert h.allocated() == 0
+    body()
+
+
+@isolated
+def test_a_pool_released_while_another_capture_is_open_is_destroyed_when_it_ends():
+    h = Host(route="vmm")
+    h.begin_pool((1, 0), S2)
+    h.begin_pool((2, 0), S3)
+    a = h.malloc(6 * MiB, S2)
+    b = h.malloc(6 * MiB, S3)
+    h.end_pool((1, 0))
+    h.free(a)
+    h.release_pool((1, 0))             # unused, but capture (2, 0) is still open
+    assert {tuple(s["pool"]) for s in h.segments()} >= {(1, 0)}
+    h.end_pool((2, 0))                 # the last capture ends: (1, 0) goes now
+    assert {tuple(s["pool"]) for s in h.segments()} == {(2, 0)}
+    assert h.stats()["graph_pool_reserved"]["current"] == 6 * MiB
+    with pytest.raises(ValueError, match="no graph holds"):
+        h.release_pool((1, 0))
+    h.free(b)
+    h.release_pool((2, 0))
+    assert h.stats()["graph_pool_reserved"]["current"] == 0
+
+
+@isolated
+def test_ending_one_capture_of_a_shared_pool_keeps_the_other_open():
+    h = Host(route="vmm")
+    h.begin_pool((5, 0), S2)
+    h.begin_pool((5, 0), S3)           # two threads capture into one pool
+    h.end_pool((5, 0))
+    p = h.malloc(3 * MiB, S3)          # the capture on S3 is still open
+    owner = [tuple(s["pool"]) for s in h.segments() if s["allocated_size"]]
+    assert owner == [(5, 0)]
+    h.end_pool((5, 0))
+    with pytest.raises(ValueError, match="never begun"):
+        h.end_pool((5, 0))
+    with pytest.raises(ValueError, match="never begun"):
+        h.end_pool((9, 9))
+    h.free(p)
+    h.release_pool((5, 0))
+    h.release_pool((5, 0))
+    assert h.stats()["graph_pool_reserved"]["current"] == 0
+
+
+@isolated
+def test_record_stream_and_free_racing_from_threads_stay_consistent():
+    import threading
+
+    h = Host(route="vmm")
+    shared, errors, lock = [], [], threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(3000):
+                r = rng.random()
+                if r < 0.4:
+                    p = h.malloc(rng.choice([512, 70 * KiB, 3 * MiB]), rng.choice([S1, S2]))
+                    with lock:
+                        shared.append(p)
+                elif r < 0.7:
+                    with lock:
+                        p = shared.pop(rng.randrange(len(shared))) if shared else None
+                    if p:
+                        h.free(p)
+                else:
+                    with lock:
+                        p = rng.choice(shared) if shared else None
+                    if p:
+                        try:
+                            h.record_stream(p, S3)
+                        except ValueError:
+                            pass  # freed by another thread meanwhile
+        except BaseException as e:  # collected and re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for p in shared:
+        h.free(p)
+    h.complete(S3)
+    h.empty_cache()
+    st = h.stats()
+    assert st["allocated_bytes"]["all"]["current"] == 0 and st["active_bytes"]["all"]["current"] == 0
+    assert h.device_used() == 0
+
+
+@pytest.mark.parametrize("call", ["empty_cache", "reuse"])
+def test_other_threads_keep_allocating_while_one_waits_for_the_device(call):
+    @isolated
+    def body():
+        import threading
+
+        h = Host(route="vmm")
+        a = h.malloc(64 * MiB, S1)
+        h.free(h.malloc(1 * MiB, S3))  # a mapped block cached for S3
+        h.submit(S1)
+        h.free(a)                      # cached, not clean: S1 may still use it
+        h.hold_syncs(True)
+        if call == "empty_cache":
+            waiter = threading.Thread(target=h.empty_cache)
+        else:                          # granule reuse asks S1 to be synchronised
+            waiter = threading.Thread(target=lambda: h.free(h.malloc(100 * MiB, S2)))
+        waiter.start()
+        h.hold_syncs(True, wait_for=1)  # the waiter is inside a synchronisation
+        p = h.malloc(1 * MiB, S3)       # would deadlock if the device lock were held
+        h.free(p)
+        h.stats()
+        h.hold_syncs(False)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        h.empty_cache()
+        assert h.device_used() == 0
+    body()
+
+
+@isolated
+def test_settings_apply_to_a_device_created_before_configure():
+    h = Host(route="sync", configure=False)
+    h.stats()                          # creates device 0
+    h.configure(budget=64 * MiB, route="vmm")
+    assert h.stats()["budget"] == 64 * MiB
+    with pytest.raises(OOM, match="budget of 64.00 MiB"):
+        h.malloc(100 * MiB)
+    p = h.malloc(1 * MiB)
+    assert h.stats()["routes"]["vmm"]["allocated"]["current"] == 1 * MiB
+    with pytest.raises(RuntimeError, match="configure it before the first one"):
+        h.configure(budget=128 * MiB)
+    h.free(p)
+
+
+@isolated
+def test_vmm_arenas_are_released_and_a_failed_reservation_is_retried():
+    h = Host(route="vmm")
+    ptrs = [h.malloc(3 * MiB, s) for s in (S1, S2, S3)]
+    assert h.stats()["segment"]["all"]["current"] == 3
+    for p in ptrs:
+        h.free(p)
+    h.empty_cache()
+    assert h.stats()["segment"]["all"]["current"] == 0
+    assert h.counters()["reservations"] == 0
+    h.fail("cuMemAddressReserve", nth=1)
+    p = h.malloc(3 * MiB)              # the first reservation fails, the retry succeeds
+    assert h.stats()["num_alloc_retries"] == 1
+    h.free(p)
+
+
+@isolated
+def test_reserved_bytes_are_split_into_small_and_large_pools():
+    h = Host(route="vmm")
+    s = h.malloc(1 * KiB)
+    big = h.malloc(5 * MiB)
+    st = h.stats()["reserved_bytes"]
+    assert st["small_pool"]["current"] == 2 * MiB
+    assert st["large_pool"]["current"] == 6 * MiB
+    assert st["all"]["current"] == st["small_pool"]["current"] + st["large_pool"]["current"]
+    h.free(s)
+    h.free(big)
+    h.empty_cache()
+    st = h.stats()["reserved_bytes"]
+    assert st["small_pool"]["current"] == st["large_pool"]["current"] == 0
+
+
+@isolated
+def test_a_granule_whose_unmap_fails_stays_charged_and_is_released_later():
+    h = Host(route="vmm")
+    p = h.malloc(8 * MiB)
+    h.free(p)
+    h.fail("cuMemUnmap", rate=1.0)
+    h.empty_cache()
+    assert h.reserved() == h.device_used() == 8 * MiB  # still held, still counted
+    h.heal()
+    h.empty_cache()
+    assert h.reserved() == h.device_used() == 0
+    assert h.counters()["handles"] == 0
+
+
+@isolated
+def test_a_driver_without_vmm_or_pool_entry_points_still_loads_and_serves():
+    h = Host(route="vmm", missing=("cuMemSetAccess", "cuMemPoolSetAccess"))
+    p = h.malloc(4 * MiB)
+    assert h.stats()["routes"]["sync"]["allocated"]["current"] == 4 * MiB
+    h.free(p)
+
+
+@isolated
+def test_a_forked_child_refuses_allocations_and_ignores_frees():
+    import os
+
+    h = Host(route="vmm")
+    p = h.malloc(4 * MiB)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            h.free(p)                  # the parent's memory: ignored
+            try:
+                h.malloc(1 * MiB)
+                code = 2
+            except RuntimeError as e:
+                code = 0 if "spawn" in str(e) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert h.allocated() == 4 * MiB    # the child's free did not reach the parent
+    h.free(p)

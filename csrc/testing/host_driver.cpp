@@ -1,17 +1,31 @@
 // A host-memory stand-in for the driver entry points, so the core's block cache,
-// ledger, routes and budget logic run in CPU tests.
+// ledger, routes, budget and fault handling run in CPU tests.
 //
-// One device with a configurable capacity. Addresses are numbers, never
-// dereferenced. Streams are opaque handles whose queued work completes only when a
-// test says so (tb_host_complete), which lets tests observe stream-ordered reuse:
-// an event recorded on a stream is "not ready" until that stream is completed.
+// - Several devices, each with a capacity and its own context; calls that act on
+//   "the current context" (cuMemAlloc, cuCtxSynchronize, cuMemGetInfo,
+//   cuEventCreate) use the calling thread's, and an event can only be recorded on a
+//   stream of its own device, as on a real driver. So current-device rules are
+//   tested without a GPU.
+// - Addresses are numbers, never dereferenced. Streams are opaque handles bound to a
+//   device (tb_host_stream); unknown non-null handles belong to device 0. Queued
+//   work completes only when a test says so (tb_host_complete) or a synchronisation
+//   runs: an event recorded on a stream is "not ready" until then.
+// - VMM mappings remember which devices were granted access (tb_host_can_access).
+// - Memory pools grow in chunks (pool_chunk), as a real driver's do.
+// - A fault injector fails any entry point on its Nth call from now, or at a rate,
+//   with a chosen result (tb_host_fail).
 #include <cuda.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "../core/driver.h"
 #include "../tb_capi.h"  // declares the tb_host_ exports (visibility)
@@ -19,33 +33,154 @@
 namespace {
 
 constexpr uintptr_t kGranule = 2 << 20;
+constexpr uintptr_t kCtxBase = 0xC000;
 
 struct HostDevice {
-  std::mutex mu;
   size_t capacity = 0;
   size_t used = 0;
   bool vmm = true;
   bool pools = true;
-  uintptr_t next_va = uintptr_t(1) << 40;
-  std::map<uintptr_t, size_t> allocs;       // cuMemAlloc / pool allocations
-  std::map<uintptr_t, size_t> reservations; // VA ranges
-  std::map<uint64_t, size_t> handles;       // physical handles
-  std::map<uintptr_t, uint64_t> mappings;   // va -> handle (granule-sized maps)
-  uint64_t next_handle = 1;
-  std::map<void*, uint64_t> submitted;      // per stream: work items enqueued
-  std::map<void*, uint64_t> completed;      // per stream: work items done
-  size_t pool_used = 0, pool_reserved = 0;
-  int64_t map_calls = 0, unmap_calls = 0, syncs = 0;
+  size_t pool_reserved = 0, pool_used = 0;
+  std::set<int> pool_peers;
 };
 
-HostDevice* g = nullptr;
-thread_local CUcontext t_ctx = nullptr;
-CUcontext kCtx = reinterpret_cast<CUcontext>(0xC0);
+struct Alloc {
+  int device;
+  size_t size;
+  bool from_pool;
+};
+
+struct Handle {
+  int device;
+  size_t size;
+};
+
+struct Mapping {
+  uint64_t handle;
+  std::set<int> access;
+};
 
 struct HostEvent {
+  int device = 0;
   void* stream = nullptr;
+  int stream_device = 0;
   uint64_t seq = 0;
 };
+
+struct Fault {
+  int64_t countdown = 0;  // > 0: fail when it reaches zero
+  double rate = 0;
+  CUresult result = CUDA_SUCCESS;
+};
+
+struct State {
+  std::mutex mu;
+  std::vector<HostDevice> devices;
+  size_t pool_chunk = 0;
+  uintptr_t next_va = uintptr_t(1) << 40;
+  std::map<uintptr_t, Alloc> allocs;         // cuMemAlloc / pool allocations
+  std::map<uintptr_t, size_t> reservations;  // VA ranges
+  std::map<uint64_t, Handle> handles;        // physical handles
+  std::map<uintptr_t, Mapping> mappings;     // va -> handle (granule-sized maps)
+  uint64_t next_handle = 1;
+  std::map<void*, int> streams;              // registered streams -> device
+  uintptr_t next_stream = 0x7000000;
+  std::map<std::pair<void*, int>, uint64_t> submitted, completed;  // per (stream, device)
+  int64_t map_calls = 0, unmap_calls = 0, syncs = 0, injected = 0;
+  std::map<std::string, Fault> faults;
+  Fault all;
+  uint64_t rng = 0x9E3779B97F4A7C15ull;
+  bool hold_syncs = false;  // synchronisations wait until released (tb_host_hold_syncs)
+  int waiting_syncs = 0;
+  std::condition_variable sync_cv;
+};
+
+State* g = nullptr;
+thread_local CUcontext t_ctx = nullptr;
+
+const char* const kEntryPoints[] = {
+    "cuInit", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetAttribute", "cuDeviceTotalMem",
+    "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuCtxSynchronize", "cuMemGetInfo",
+    "cuMemAlloc", "cuMemFree", "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventQuery",
+    "cuStreamSynchronize", "cuThreadExchangeStreamCaptureMode", "cuGetErrorName", "cuMemAddressReserve",
+    "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
+    "cuMemGetAllocationGranularity", "cuMemPoolCreate", "cuMemPoolDestroy", "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
+};
+
+bool known_entry(const std::string& name) {
+  for (const char* e : kEntryPoints)
+    if (name == e) return true;
+  return false;
+}
+
+bool is_allocation(const char* name) {
+  return !std::strcmp(name, "cuMemAlloc") || !std::strcmp(name, "cuMemCreate") ||
+         !std::strcmp(name, "cuMemAllocFromPoolAsync") || !std::strcmp(name, "cuMemAddressReserve");
+}
+
+double uniform() {
+  g->rng ^= g->rng << 13;
+  g->rng ^= g->rng >> 7;
+  g->rng ^= g->rng << 17;
+  return static_cast<double>(g->rng >> 11) / 9007199254740992.0;
+}
+
+bool fires(Fault& f) {
+  if (f.countdown > 0 && --f.countdown == 0) return true;
+  return f.rate > 0 && uniform() < f.rate;
+}
+
+// The result to fail `name` with now, or CUDA_SUCCESS. Caller holds g->mu.
+CUresult inject(const char* name) {
+  auto it = g->faults.find(name);
+  bool fail = false;
+  CUresult result = CUDA_SUCCESS;
+  if (it != g->faults.end() && fires(it->second)) {
+    fail = true;
+    result = it->second.result;
+  } else if (fires(g->all)) {
+    fail = true;
+    result = g->all.result;
+  }
+  if (!fail) return CUDA_SUCCESS;
+  g->injected++;
+  if (result == CUDA_SUCCESS) result = is_allocation(name) ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
+  return result;
+}
+
+#define HOST_ENTRY(name)                                   \
+  std::unique_lock<std::mutex> host_lock_(g->mu);          \
+  if (CUresult injected_ = inject(name)) return injected_
+
+// A synchronisation blocks while syncs are held, as one waiting for a busy device
+// does; the state lock is released meanwhile.
+void wait_if_held(std::unique_lock<std::mutex>& lock) {
+  g->waiting_syncs++;
+  g->sync_cv.notify_all();
+  g->sync_cv.wait(lock, [] { return !g->hold_syncs; });
+  g->waiting_syncs--;
+}
+
+CUcontext ctx_of(int device) { return reinterpret_cast<CUcontext>(kCtxBase + 0x100 * static_cast<uintptr_t>(device)); }
+
+int device_of_ctx(CUcontext c) {
+  if (c == nullptr) return -1;
+  const auto v = reinterpret_cast<uintptr_t>(c);
+  if (v < kCtxBase || (v - kCtxBase) % 0x100) return -1;
+  const auto d = static_cast<int>((v - kCtxBase) / 0x100);
+  return d < static_cast<int>(g->devices.size()) ? d : -1;
+}
+
+int current_device() { return device_of_ctx(t_ctx); }
+
+// The device a stream belongs to: registered streams know theirs, the null stream
+// is the current context's, any other handle is device 0's.
+int stream_device(void* s) {
+  if (s == nullptr) return current_device();
+  auto it = g->streams.find(s);
+  return it == g->streams.end() ? 0 : it->second;
+}
 
 uintptr_t carve(size_t size, size_t align) {
   uintptr_t p = (g->next_va + align - 1) / align * align;
@@ -53,84 +188,177 @@ uintptr_t carve(size_t size, size_t align) {
   return p;
 }
 
+void complete_device(int device) {
+  for (auto& [key, n] : g->submitted)
+    if (key.second == device) g->completed[key] = n;
+}
+
 CUresult h_init(unsigned) { return CUDA_SUCCESS; }
-CUresult h_version(int* v) { *v = 13000; return CUDA_SUCCESS; }
 CUresult h_device_get(CUdevice* d, int ordinal) {
-  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-  *d = 0;
+  HOST_ENTRY("cuDeviceGet");
+  if (ordinal < 0 || ordinal >= static_cast<int>(g->devices.size())) return CUDA_ERROR_INVALID_DEVICE;
+  *d = ordinal;
   return CUDA_SUCCESS;
 }
-CUresult h_device_count(int* n) { *n = 1; return CUDA_SUCCESS; }
-CUresult h_attr(int* v, CUdevice_attribute a, CUdevice) {
-  if (a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) *v = g->vmm;
-  else if (a == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) *v = g->pools;
+CUresult h_device_count(int* n) {
+  HOST_ENTRY("cuDeviceGetCount");
+  *n = static_cast<int>(g->devices.size());
+  return CUDA_SUCCESS;
+}
+CUresult h_attr(int* v, CUdevice_attribute a, CUdevice d) {
+  HOST_ENTRY("cuDeviceGetAttribute");
+  if (a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) *v = g->devices[d].vmm;
+  else if (a == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) *v = g->devices[d].pools;
   else *v = 0;
   return CUDA_SUCCESS;
 }
-CUresult h_total(size_t* b, CUdevice) { *b = g->capacity; return CUDA_SUCCESS; }
-CUresult h_retain(CUcontext* c, CUdevice) { *c = kCtx; return CUDA_SUCCESS; }
-CUresult h_get_current(CUcontext* c) { *c = t_ctx; return CUDA_SUCCESS; }
-CUresult h_set_current(CUcontext c) { t_ctx = c; return CUDA_SUCCESS; }
+CUresult h_total(size_t* b, CUdevice d) {
+  HOST_ENTRY("cuDeviceTotalMem");
+  *b = g->devices[d].capacity;
+  return CUDA_SUCCESS;
+}
+CUresult h_retain(CUcontext* c, CUdevice d) {
+  HOST_ENTRY("cuDevicePrimaryCtxRetain");
+  *c = ctx_of(d);
+  return CUDA_SUCCESS;
+}
+CUresult h_get_current(CUcontext* c) {
+  HOST_ENTRY("cuCtxGetCurrent");
+  *c = t_ctx;
+  return CUDA_SUCCESS;
+}
+CUresult h_set_current(CUcontext c) {
+  HOST_ENTRY("cuCtxSetCurrent");
+  if (c != nullptr && device_of_ctx(c) < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  t_ctx = c;
+  return CUDA_SUCCESS;
+}
 CUresult h_ctx_sync() {
-  std::lock_guard<std::mutex> l(g->mu);
-  for (auto& [s, n] : g->submitted) g->completed[s] = n;
+  HOST_ENTRY("cuCtxSynchronize");
+  const int d = current_device();
+  if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  wait_if_held(host_lock_);
+  complete_device(d);
   g->syncs++;
   return CUDA_SUCCESS;
 }
 CUresult h_mem_info(size_t* f, size_t* t) {
-  std::lock_guard<std::mutex> l(g->mu);
-  *f = g->capacity - g->used;
-  *t = g->capacity;
+  HOST_ENTRY("cuMemGetInfo");
+  const int d = current_device();
+  if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  *f = g->devices[d].capacity - g->devices[d].used;
+  *t = g->devices[d].capacity;
   return CUDA_SUCCESS;
 }
 CUresult h_alloc(CUdeviceptr* p, size_t bytes) {
-  std::lock_guard<std::mutex> l(g->mu);
-  if (g->used + bytes > g->capacity) return CUDA_ERROR_OUT_OF_MEMORY;
-  g->used += bytes;
+  HOST_ENTRY("cuMemAlloc");
+  const int d = current_device();
+  if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  HostDevice& dev = g->devices[d];
+  if (bytes > dev.capacity - dev.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  dev.used += bytes;
   *p = carve(bytes, 512);
-  g->allocs[*p] = bytes;
+  g->allocs[*p] = Alloc{d, bytes, false};
   return CUDA_SUCCESS;
 }
 CUresult h_free(CUdeviceptr p) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemFree");
+  wait_if_held(host_lock_);  // cuMemFree waits for the device
   auto it = g->allocs.find(p);
-  if (it == g->allocs.end()) return CUDA_ERROR_INVALID_VALUE;
-  g->used -= it->second;
+  if (it == g->allocs.end() || it->second.from_pool) return CUDA_ERROR_INVALID_VALUE;
+  g->devices[it->second.device].used -= it->second.size;
   g->allocs.erase(it);
   return CUDA_SUCCESS;
 }
+CUresult h_event_create(CUevent* e, unsigned) {
+  HOST_ENTRY("cuEventCreate");
+  const int d = current_device();
+  if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  auto* ev = new HostEvent();
+  ev->device = d;
+  *e = reinterpret_cast<CUevent>(ev);
+  return CUDA_SUCCESS;
+}
+CUresult h_event_destroy(CUevent e) {
+  HOST_ENTRY("cuEventDestroy");
+  delete reinterpret_cast<HostEvent*>(e);
+  return CUDA_SUCCESS;
+}
+CUresult h_event_record(CUevent e, CUstream s) {
+  HOST_ENTRY("cuEventRecord");
+  auto* ev = reinterpret_cast<HostEvent*>(e);
+  const int sd = stream_device(s);
+  if (sd != ev->device) return CUDA_ERROR_INVALID_HANDLE;  // a real driver refuses this too
+  ev->stream = s;
+  ev->stream_device = sd;
+  ev->seq = g->submitted[{s, sd}];  // done once everything queued so far on s is done
+  return CUDA_SUCCESS;
+}
+CUresult h_event_query(CUevent e) {
+  HOST_ENTRY("cuEventQuery");
+  auto* ev = reinterpret_cast<HostEvent*>(e);
+  return g->completed[{ev->stream, ev->stream_device}] >= ev->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+CUresult h_stream_sync(CUstream s) {
+  HOST_ENTRY("cuStreamSynchronize");
+  const int sd = stream_device(s);
+  if (sd < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  wait_if_held(host_lock_);
+  g->completed[{s, sd}] = g->submitted[{s, sd}];
+  g->syncs++;
+  return CUDA_SUCCESS;
+}
+CUresult h_capture_mode(CUstreamCaptureMode*) {
+  HOST_ENTRY("cuThreadExchangeStreamCaptureMode");
+  return CUDA_SUCCESS;
+}
+CUresult h_error_name(CUresult r, const char** name) {
+  switch (r) {
+    case CUDA_SUCCESS: *name = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
+    default: *name = "CUDA_ERROR_UNKNOWN"; break;
+  }
+  return CUDA_SUCCESS;
+}
 CUresult h_reserve(CUdeviceptr* p, size_t size, size_t align, CUdeviceptr, unsigned long long) {
-  std::lock_guard<std::mutex> l(g->mu);
-  if (size % kGranule) return CUDA_ERROR_INVALID_VALUE;
+  HOST_ENTRY("cuMemAddressReserve");
+  if (size == 0 || size % kGranule) return CUDA_ERROR_INVALID_VALUE;
   *p = carve(size, align ? align : kGranule);
   g->reservations[*p] = size;
   return CUDA_SUCCESS;
 }
 CUresult h_addr_free(CUdeviceptr p, size_t size) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemAddressFree");
   auto it = g->reservations.find(p);
   if (it == g->reservations.end() || it->second != size) return CUDA_ERROR_INVALID_VALUE;
-  for (auto& [va, h] : g->mappings)
-    if (va >= p && va < p + size) return CUDA_ERROR_INVALID_VALUE;  // still mapped
+  auto m = g->mappings.lower_bound(p);
+  if (m != g->mappings.end() && m->first < p + size) return CUDA_ERROR_INVALID_VALUE;  // still mapped
   g->reservations.erase(it);
   return CUDA_SUCCESS;
 }
-CUresult h_create(CUmemGenericAllocationHandle* h, size_t size, const CUmemAllocationProp*, unsigned long long) {
-  std::lock_guard<std::mutex> l(g->mu);
-  if (size % kGranule) return CUDA_ERROR_INVALID_VALUE;
-  if (g->used + size > g->capacity) return CUDA_ERROR_OUT_OF_MEMORY;
-  g->used += size;
+CUresult h_create(CUmemGenericAllocationHandle* h, size_t size, const CUmemAllocationProp* prop, unsigned long long) {
+  HOST_ENTRY("cuMemCreate");
+  const int d = prop->location.id;
+  if (size % kGranule || d < 0 || d >= static_cast<int>(g->devices.size())) return CUDA_ERROR_INVALID_VALUE;
+  HostDevice& dev = g->devices[d];
+  if (size > dev.capacity - dev.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  dev.used += size;
   *h = g->next_handle++;
-  g->handles[*h] = size;
+  g->handles[*h] = Handle{d, size};
   return CUDA_SUCCESS;
 }
 CUresult h_release(CUmemGenericAllocationHandle h) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemRelease");
   auto it = g->handles.find(h);
   if (it == g->handles.end()) return CUDA_ERROR_INVALID_VALUE;
-  for (auto& [va, mh] : g->mappings)
-    if (mh == h) return CUDA_ERROR_INVALID_VALUE;  // released while mapped
-  g->used -= it->second;
+  for (auto& [va, m] : g->mappings)
+    if (m.handle == h) return CUDA_ERROR_INVALID_VALUE;  // released while mapped
+  g->devices[it->second.device].used -= it->second.size;
   g->handles.erase(it);
   return CUDA_SUCCESS;
 }
@@ -141,177 +369,221 @@ bool inside_reservation(uintptr_t va, size_t size) {
   return va >= it->first && va + size <= it->first + it->second;
 }
 CUresult h_map(CUdeviceptr va, size_t size, size_t, CUmemGenericAllocationHandle h, unsigned long long) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemMap");
   if (size != kGranule || va % kGranule || !g->handles.count(h) || !inside_reservation(va, size) ||
       g->mappings.count(va))
     return CUDA_ERROR_INVALID_VALUE;
-  for (auto& [v, mh] : g->mappings)
-    if (mh == h) return CUDA_ERROR_INVALID_VALUE;  // a handle maps once
-  g->mappings[va] = h;
+  for (auto& [v, m] : g->mappings)
+    if (m.handle == h) return CUDA_ERROR_INVALID_VALUE;  // a handle maps once
+  g->mappings[va] = Mapping{h, {}};
   g->map_calls++;
   return CUDA_SUCCESS;
 }
 CUresult h_unmap(CUdeviceptr va, size_t size) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemUnmap");
+  for (uintptr_t p = va; p < va + size; p += kGranule)
+    if (!g->mappings.count(p)) return CUDA_ERROR_INVALID_VALUE;
   for (uintptr_t p = va; p < va + size; p += kGranule) {
-    if (!g->mappings.erase(p)) return CUDA_ERROR_INVALID_VALUE;
+    g->mappings.erase(p);
     g->unmap_calls++;
   }
   return CUDA_SUCCESS;
 }
-CUresult h_access(CUdeviceptr va, size_t size, const CUmemAccessDesc*, size_t) {
-  std::lock_guard<std::mutex> l(g->mu);
+CUresult h_access(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  HOST_ENTRY("cuMemSetAccess");
   for (uintptr_t p = va; p < va + size; p += kGranule)
     if (!g->mappings.count(p)) return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i)
+    if (desc[i].location.id < 0 || desc[i].location.id >= static_cast<int>(g->devices.size()))
+      return CUDA_ERROR_INVALID_DEVICE;
+  for (uintptr_t p = va; p < va + size; p += kGranule)
+    for (size_t i = 0; i < count; ++i) g->mappings[p].access.insert(desc[i].location.id);
   return CUDA_SUCCESS;
 }
 CUresult h_granularity(size_t* gr, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) {
+  HOST_ENTRY("cuMemGetAllocationGranularity");
   *gr = kGranule;
   return CUDA_SUCCESS;
 }
-CUresult h_pool_create(CUmemoryPool* p, const CUmemPoolProps*) {
-  *p = reinterpret_cast<CUmemoryPool>(0x9001);
+
+CUmemoryPool pool_of(int device) { return reinterpret_cast<CUmemoryPool>(0x9000 + static_cast<uintptr_t>(device)); }
+int device_of_pool(CUmemoryPool p) {
+  const auto d = static_cast<int>(reinterpret_cast<uintptr_t>(p) - 0x9000);
+  return d >= 0 && d < static_cast<int>(g->devices.size()) ? d : -1;
+}
+
+CUresult h_pool_create(CUmemoryPool* p, const CUmemPoolProps* props) {
+  HOST_ENTRY("cuMemPoolCreate");
+  if (props->location.id < 0 || props->location.id >= static_cast<int>(g->devices.size()))
+    return CUDA_ERROR_INVALID_DEVICE;
+  *p = pool_of(props->location.id);
   return CUDA_SUCCESS;
 }
-CUresult h_pool_destroy(CUmemoryPool) { return CUDA_SUCCESS; }
-CUresult h_pool_set(CUmemoryPool, CUmemPool_attribute, void*) { return CUDA_SUCCESS; }
-CUresult h_pool_get(CUmemoryPool, CUmemPool_attribute a, void* v) {
-  std::lock_guard<std::mutex> l(g->mu);
+CUresult h_pool_destroy(CUmemoryPool) {
+  HOST_ENTRY("cuMemPoolDestroy");
+  return CUDA_SUCCESS;
+}
+CUresult h_pool_set(CUmemoryPool, CUmemPool_attribute, void*) {
+  HOST_ENTRY("cuMemPoolSetAttribute");
+  return CUDA_SUCCESS;
+}
+CUresult h_pool_get(CUmemoryPool p, CUmemPool_attribute a, void* v) {
+  HOST_ENTRY("cuMemPoolGetAttribute");
+  const int d = device_of_pool(p);
+  if (d < 0) return CUDA_ERROR_INVALID_VALUE;
   auto* out = static_cast<cuuint64_t*>(v);
-  *out = a == CU_MEMPOOL_ATTR_USED_MEM_CURRENT ? g->pool_used : g->pool_reserved;
+  *out = a == CU_MEMPOOL_ATTR_USED_MEM_CURRENT ? g->devices[d].pool_used : g->devices[d].pool_reserved;
   return CUDA_SUCCESS;
 }
-CUresult h_pool_trim(CUmemoryPool, size_t keep) {
-  std::lock_guard<std::mutex> l(g->mu);
-  size_t target = std::max(keep, g->pool_used);
-  if (g->pool_reserved > target) {
-    g->used -= g->pool_reserved - target;
-    g->pool_reserved = target;
+CUresult h_pool_trim(CUmemoryPool p, size_t keep) {
+  HOST_ENTRY("cuMemPoolTrimTo");
+  const int d = device_of_pool(p);
+  if (d < 0) return CUDA_ERROR_INVALID_VALUE;
+  HostDevice& dev = g->devices[d];
+  const size_t target = std::max(keep, dev.pool_used);
+  if (dev.pool_reserved > target) {
+    dev.used -= dev.pool_reserved - target;
+    dev.pool_reserved = target;
   }
   return CUDA_SUCCESS;
 }
-CUresult h_pool_alloc(CUdeviceptr* p, size_t bytes, CUmemoryPool, CUstream) {
-  std::lock_guard<std::mutex> l(g->mu);
-  if (g->pool_used + bytes > g->pool_reserved) {
-    size_t grow = g->pool_used + bytes - g->pool_reserved;
-    if (g->used + grow > g->capacity) return CUDA_ERROR_OUT_OF_MEMORY;
-    g->used += grow;
-    g->pool_reserved += grow;
+CUresult h_pool_access(CUmemoryPool p, const CUmemAccessDesc* desc, size_t count) {
+  HOST_ENTRY("cuMemPoolSetAccess");
+  const int d = device_of_pool(p);
+  if (d < 0) return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i) g->devices[d].pool_peers.insert(desc[i].location.id);
+  return CUDA_SUCCESS;
+}
+CUresult h_pool_alloc(CUdeviceptr* ptr, size_t bytes, CUmemoryPool p, CUstream s) {
+  HOST_ENTRY("cuMemAllocFromPoolAsync");
+  const int d = device_of_pool(p);
+  if (d < 0 || stream_device(s) != d) return CUDA_ERROR_INVALID_VALUE;
+  HostDevice& dev = g->devices[d];
+  if (dev.pool_used + bytes > dev.pool_reserved) {
+    size_t grow = dev.pool_used + bytes - dev.pool_reserved;
+    if (g->pool_chunk > 0) grow = (grow + g->pool_chunk - 1) / g->pool_chunk * g->pool_chunk;
+    if (grow > dev.capacity - dev.used) return CUDA_ERROR_OUT_OF_MEMORY;
+    dev.used += grow;
+    dev.pool_reserved += grow;
   }
-  g->pool_used += bytes;
-  *p = carve(bytes, 512);
-  g->allocs[*p] = bytes;
+  dev.pool_used += bytes;
+  *ptr = carve(bytes, 512);
+  g->allocs[*ptr] = Alloc{d, bytes, true};
   return CUDA_SUCCESS;
 }
 CUresult h_free_async(CUdeviceptr p, CUstream) {
-  std::lock_guard<std::mutex> l(g->mu);
+  HOST_ENTRY("cuMemFreeAsync");
   auto it = g->allocs.find(p);
-  if (it == g->allocs.end()) return CUDA_ERROR_INVALID_VALUE;
-  g->pool_used -= it->second;
+  if (it == g->allocs.end() || !it->second.from_pool) return CUDA_ERROR_INVALID_VALUE;
+  g->devices[it->second.device].pool_used -= it->second.size;
   g->allocs.erase(it);
   return CUDA_SUCCESS;
 }
-CUresult h_event_create(CUevent* e, unsigned) {
-  *e = reinterpret_cast<CUevent>(new HostEvent());
-  return CUDA_SUCCESS;
-}
-CUresult h_event_destroy(CUevent e) {
-  delete reinterpret_cast<HostEvent*>(e);
-  return CUDA_SUCCESS;
-}
-CUresult h_event_record(CUevent e, CUstream s) {
-  std::lock_guard<std::mutex> l(g->mu);
-  auto* ev = reinterpret_cast<HostEvent*>(e);
-  ev->stream = s;
-  ev->seq = g->submitted[s];  // done once everything queued so far on s is done
-  return CUDA_SUCCESS;
-}
-CUresult h_event_query(CUevent e) {
-  std::lock_guard<std::mutex> l(g->mu);
-  auto* ev = reinterpret_cast<HostEvent*>(e);
-  return g->completed[ev->stream] >= ev->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
-}
-CUresult h_event_sync(CUevent e) {
-  std::lock_guard<std::mutex> l(g->mu);
-  auto* ev = reinterpret_cast<HostEvent*>(e);
-  g->completed[ev->stream] = std::max(g->completed[ev->stream], ev->seq);
-  return CUDA_SUCCESS;
-}
-CUresult h_wait(CUstream, CUevent, unsigned) { return CUDA_SUCCESS; }
-CUresult h_stream_sync(CUstream s) {
-  std::lock_guard<std::mutex> l(g->mu);
-  g->completed[s] = g->submitted[s];
-  g->syncs++;
-  return CUDA_SUCCESS;
-}
-CUresult h_capture_mode(CUstreamCaptureMode*) { return CUDA_SUCCESS; }
-CUresult h_dtoh(void*, CUdeviceptr, size_t) { return CUDA_SUCCESS; }
-CUresult h_htod(CUdeviceptr, const void*, size_t) { return CUDA_SUCCESS; }
-CUresult h_memset(CUdeviceptr, unsigned char, size_t) { return CUDA_SUCCESS; }
-CUresult h_host_alloc(void** p, size_t bytes, unsigned) {
-  *p = ::operator new(bytes);
-  return CUDA_SUCCESS;
-}
-CUresult h_host_free(void* p) {
-  ::operator delete(p);
-  return CUDA_SUCCESS;
-}
-CUresult h_error_name(CUresult r, const char** name) {
-  switch (r) {
-    case CUDA_SUCCESS: *name = "CUDA_SUCCESS"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
-    case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
-    default: *name = "CUDA_ERROR_UNKNOWN"; break;
-  }
-  return CUDA_SUCCESS;
+
+tb::DriverApi make_api() {
+  tb::DriverApi a{};
+  a.init = h_init;
+  a.deviceGet = h_device_get;
+  a.deviceGetCount = h_device_count;
+  a.deviceGetAttribute = h_attr;
+  a.deviceTotalMem = h_total;
+  a.primaryCtxRetain = h_retain;
+  a.ctxGetCurrent = h_get_current;
+  a.ctxSetCurrent = h_set_current;
+  a.ctxSynchronize = h_ctx_sync;
+  a.memGetInfo = h_mem_info;
+  a.memAlloc = h_alloc;
+  a.memFree = h_free;
+  a.eventCreate = h_event_create;
+  a.eventDestroy = h_event_destroy;
+  a.eventRecord = h_event_record;
+  a.eventQuery = h_event_query;
+  a.streamSynchronize = h_stream_sync;
+  a.threadExchangeStreamCaptureMode = h_capture_mode;
+  a.getErrorName = h_error_name;
+  a.memAddressReserve = h_reserve;
+  a.memAddressFree = h_addr_free;
+  a.memCreate = h_create;
+  a.memRelease = h_release;
+  a.memMap = h_map;
+  a.memUnmap = h_unmap;
+  a.memSetAccess = h_access;
+  a.memGetAllocationGranularity = h_granularity;
+  a.memPoolCreate = h_pool_create;
+  a.memPoolDestroy = h_pool_destroy;
+  a.memPoolSetAttribute = h_pool_set;
+  a.memPoolGetAttribute = h_pool_get;
+  a.memPoolTrimTo = h_pool_trim;
+  a.memPoolSetAccess = h_pool_access;
+  a.memAllocFromPoolAsync = h_pool_alloc;
+  a.memFreeAsync = h_free_async;
+  return a;
 }
 
-const tb::DriverApi kHostApi = {
-    h_init, h_version, h_device_get, h_device_count, h_attr, h_total, h_retain, h_get_current, h_set_current,
-    h_ctx_sync, h_mem_info, h_alloc, h_free, h_reserve, h_addr_free, h_create, h_release, h_map, h_unmap, h_access,
-    h_granularity, h_pool_create, h_pool_destroy, h_pool_set, h_pool_get, h_pool_trim, h_pool_alloc, h_free_async,
-    h_event_create, h_event_destroy, h_event_record, h_event_query, h_event_sync, h_wait, h_stream_sync,
-    h_capture_mode, h_dtoh, h_htod, h_memset, h_host_alloc, h_host_free, h_error_name,
+tb::DriverApi g_api;
+
+struct FreeAtExit {
+  void* ptr;
 };
+std::vector<FreeAtExit>* g_exit_frees = nullptr;
+
+void free_at_exit() {
+  for (const FreeAtExit& f : *g_exit_frees) tb_free(f.ptr, 0, 0, nullptr);
+}
 
 }  // namespace
 
 extern "C" {
 
-// Installs the stand-in with a device of `capacity` bytes. Call once per process,
+// Installs the stand-in with `devices` devices of `capacity` bytes each; pools grow
+// in multiples of `pool_chunk` bytes (0: exactly as asked). Call once per process,
 // before any other tb_ function.
-int tb_host_use(int64_t capacity, int vmm, int pools) {
-  if (g != nullptr) return 1;
-  g = new HostDevice();
-  g->capacity = static_cast<size_t>(capacity);
-  g->vmm = vmm != 0;
-  g->pools = pools != 0;
-  tb::set_driver(&kHostApi);
+int tb_host_use(int devices, int64_t capacity, int vmm, int pools, int64_t pool_chunk) {
+  if (g != nullptr || devices < 1) return 1;
+  g = new State();
+  g->devices.resize(static_cast<size_t>(devices));
+  for (HostDevice& d : g->devices) {
+    d.capacity = static_cast<size_t>(capacity);
+    d.vmm = vmm != 0;
+    d.pools = pools != 0;
+  }
+  g->pool_chunk = static_cast<size_t>(pool_chunk);
+  g_api = make_api();
+  tb::set_driver(&g_api);
   return 0;
+}
+
+// A new stream handle on `device`.
+void* tb_host_stream(int device) {
+  std::lock_guard<std::mutex> l(g->mu);
+  void* s = reinterpret_cast<void*>(g->next_stream);
+  g->next_stream += 0x100;
+  g->streams[s] = device;
+  return s;
 }
 
 // Queues one unit of work on `stream` (what a kernel launch would do).
 void tb_host_submit(void* stream) {
   std::lock_guard<std::mutex> l(g->mu);
-  g->submitted[stream]++;
+  g->submitted[{stream, stream_device(stream)}]++;
 }
 
 // Marks all work queued so far on `stream` as done.
 void tb_host_complete(void* stream) {
   std::lock_guard<std::mutex> l(g->mu);
-  g->completed[stream] = g->submitted[stream];
+  const int d = stream_device(stream);
+  g->completed[{stream, d}] = g->submitted[{stream, d}];
 }
 
-// Bytes of "device" memory the core holds from the stand-in.
-int64_t tb_host_used(void) {
+// Bytes of "device" memory the core holds from the stand-in on `device`.
+int64_t tb_host_used(int device) {
   std::lock_guard<std::mutex> l(g->mu);
-  return static_cast<int64_t>(g->used);
+  return static_cast<int64_t>(g->devices[device].used);
 }
 
-// Counters: out[0] maps, out[1] unmaps, out[2] synchronisations, out[3] live handles,
-// out[4] live mappings, out[5] live reservations.
-void tb_host_counters(int64_t out[6]) {
+// out: maps, unmaps, synchronisations, live handles, live mappings, live
+// reservations, injected failures, live cuMemAlloc/pool allocations.
+void tb_host_counters(int64_t out[8]) {
   std::lock_guard<std::mutex> l(g->mu);
   out[0] = g->map_calls;
   out[1] = g->unmap_calls;
@@ -319,6 +591,91 @@ void tb_host_counters(int64_t out[6]) {
   out[3] = static_cast<int64_t>(g->handles.size());
   out[4] = static_cast<int64_t>(g->mappings.size());
   out[5] = static_cast<int64_t>(g->reservations.size());
+  out[6] = g->injected;
+  out[7] = static_cast<int64_t>(g->allocs.size());
+}
+
+// Fails `entry_point` ("cuMemMap", ...; "*" for every one) on its `nth` call from
+// now (0: not by count) and/or at `rate` per call, returning `result` (0: out of
+// memory for allocating calls, CUDA_ERROR_UNKNOWN otherwise). A null or empty name
+// clears every fault. Returns 1 for an unknown name.
+int tb_host_fail(const char* entry_point, int64_t nth, double rate, int result, uint64_t seed) {
+  std::lock_guard<std::mutex> l(g->mu);
+  if (seed != 0) g->rng = seed;
+  if (entry_point == nullptr || !*entry_point) {
+    g->faults.clear();
+    g->all = Fault{};
+    return 0;
+  }
+  Fault f{nth, rate, static_cast<CUresult>(result)};
+  if (!std::strcmp(entry_point, "*")) {
+    g->all = f;
+    return 0;
+  }
+  if (!known_entry(entry_point)) return 1;
+  g->faults[entry_point] = f;
+  return 0;
+}
+
+// Makes `device`'s context current on this thread (-1: none).
+int tb_host_set_current(int device) {
+  std::lock_guard<std::mutex> l(g->mu);
+  if (device >= static_cast<int>(g->devices.size())) return 1;
+  t_ctx = device < 0 ? nullptr : ctx_of(device);
+  return 0;
+}
+
+// The device of this thread's current context, or -1.
+int tb_host_current(void) {
+  std::lock_guard<std::mutex> l(g->mu);
+  return current_device();
+}
+
+// While `hold` is set, synchronisations (and cuMemFree) block. Returns how many
+// calls are blocked now; with hold and `wait_for` > 0, first waits until that many are.
+int tb_host_hold_syncs(int hold, int wait_for) {
+  std::unique_lock<std::mutex> l(g->mu);
+  g->hold_syncs = hold != 0;
+  if (hold && wait_for > 0) g->sync_cv.wait(l, [&] { return g->waiting_syncs >= wait_for; });
+  g->sync_cv.notify_all();
+  return g->waiting_syncs;
+}
+
+// Removes one entry point from the table, as a driver that lacks it would. Call
+// right after tb_host_use, before any other tb_ function. Returns 1 for an unknown
+// or required entry point.
+int tb_host_remove_entry(const char* name) {
+  std::lock_guard<std::mutex> l(g->mu);
+  if (!std::strcmp(name, "cuMemSetAccess")) g_api.memSetAccess = nullptr;
+  else if (!std::strcmp(name, "cuMemPoolSetAccess")) g_api.memPoolSetAccess = nullptr;
+  else if (!std::strcmp(name, "cuMemCreate")) g_api.memCreate = nullptr;
+  else if (!std::strcmp(name, "cuMemAllocFromPoolAsync")) g_api.memAllocFromPoolAsync = nullptr;
+  else return 1;
+  return 0;
+}
+
+// Frees `ptr` through tb_free after this thread's thread-local objects and earlier
+// static objects are destroyed, as torch does for tensors alive at interpreter exit.
+void tb_host_free_at_exit(void* ptr) {
+  if (g_exit_frees == nullptr) {
+    g_exit_frees = new std::vector<FreeAtExit>();
+    std::atexit(free_at_exit);
+  }
+  g_exit_frees->push_back(FreeAtExit{ptr});
+}
+
+// Whether `device` may read and write the memory at `ptr`.
+int tb_host_can_access(int device, void* ptr) {
+  std::lock_guard<std::mutex> l(g->mu);
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  auto m = g->mappings.find(p / kGranule * kGranule);
+  if (m != g->mappings.end()) return m->second.access.count(device) ? 1 : 0;
+  auto a = g->allocs.upper_bound(p);
+  if (a == g->allocs.begin()) return 0;
+  --a;
+  if (p >= a->first + a->second.size) return 0;
+  if (a->second.device == device) return 1;
+  return a->second.from_pool && g->devices[a->second.device].pool_peers.count(device) ? 1 : 0;
 }
 
 }  // extern "C"

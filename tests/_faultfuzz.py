@@ -1,0 +1,103 @@
+"""Random operations on the core while the stand-in driver fails at random.
+
+Shared by the fault-injection tests (plain build in a forked child; sanitizer build
+in a subprocess). Every step checks the invariants that must survive any driver
+failure; `run` raises AssertionError on the first violation and returns counts.
+"""
+import random
+
+from _hostcore import OOM, MiB, Host
+
+ROUTES = ("vmm", "pool", "sync")
+
+
+def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, capacity=1024 * MiB,
+        pool_chunk=32 * MiB):
+    rng = random.Random(seed)
+    h = Host(route=route, budget=budget, capacity=capacity, pool_chunk=pool_chunk, library=library)
+    streams = [h.stream(0) for _ in range(3)]
+    capture_stream = h.stream(0)
+    h.free(h.malloc(1 * MiB, streams[0]))  # creates the device before any fault
+    h.set_current(0)
+    h.fail("*", rate=rate, seed=seed + 1)
+
+    live = {}            # ptr -> requested bytes
+    held_pools = []      # graph pools still to release
+    counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0}
+    next_pool = 1
+
+    def check(step, what):
+        st = h.stats()
+        reserved = st["reserved_bytes"]["all"]["current"]
+        assert reserved <= budget, f"step {step} ({what}): reserved {reserved} over the budget {budget}"
+        assert st["requested_bytes"]["all"]["current"] == sum(live.values()), \
+            f"step {step} ({what}): ledger {st['requested_bytes']['all']['current']} != live {sum(live.values())}"
+        assert st["allocation"]["all"]["current"] == len(live), f"step {step} ({what}): allocation count"
+        assert h.device_used() == reserved, \
+            f"step {step} ({what}): the driver holds {h.device_used()}, the ledger says {reserved}"
+        assert h.current() == 0, f"step {step} ({what}): current device moved to {h.current()}"
+
+    def allocate(stream):
+        size = max(1, min(int(rng.lognormvariate(13, 3)), 64 * MiB))
+        try:
+            live[h.malloc(size, stream)] = size
+            counts["alloc"] += 1
+        except OOM:
+            counts["oom"] += 1
+
+    for step in range(ops):
+        r = rng.random()
+        if r < 0.45 and len(live) < 48:
+            what = "malloc"
+            allocate(rng.choice(streams))
+        elif r < 0.85 and live:
+            what = "free"
+            p = rng.choice(list(live))
+            del live[p]
+            h.free(p)
+            counts["free"] += 1
+        elif r < 0.91 and live:
+            what = "record_stream"
+            h.record_stream(rng.choice(list(live)), rng.choice(streams))
+            counts["record"] += 1
+        elif r < 0.97:
+            what = "stream work"
+            s = rng.choice(streams)
+            (h.submit if rng.random() < 0.5 else h.complete)(s)
+        elif r < 0.985:
+            what = "empty_cache"
+            h.empty_cache()
+            counts["empty_cache"] += 1
+        else:
+            what = "capture"
+            pool = (0, next_pool)
+            next_pool += 1
+            h.begin_pool(pool, capture_stream)
+            for _ in range(rng.randrange(1, 4)):
+                allocate(capture_stream)
+            h.end_pool(pool)
+            held_pools.append(pool)
+            if len(held_pools) > 2:
+                h.release_pool(held_pools.pop(0))
+            counts["capture"] += 1
+        check(step, what)
+
+    h.heal()
+    for p in list(live):
+        h.free(p)
+    live.clear()
+    for pool in held_pools:
+        h.release_pool(pool)
+    for s in streams + [capture_stream]:
+        h.complete(s)
+    h.empty_cache()
+    st = h.stats()
+    for key in ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes", "allocation", "active",
+                "segment"):
+        assert st[key]["all"]["current"] == 0, (key, st[key])
+    assert st["graph_pool_reserved"]["current"] == 0
+    c = h.counters()
+    assert h.device_used() == 0 and c["handles"] == c["mappings"] == c["reservations"] == c["allocs"] == 0, c
+    counts["injected"] = c["injected"]
+    counts["retries"] = st["num_alloc_retries"]
+    return counts

@@ -1,0 +1,144 @@
+"""The core over two stand-in devices: current device, peer access, cross-device frees."""
+import pytest
+
+from _hostcore import OOM, GiB, MiB, Host, isolated
+from torch_budget import _native
+
+pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
+
+ROUTES = ["vmm", "pool", "sync"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("caller", [0, -1])
+def test_no_entry_point_moves_the_callers_current_device(route, caller):
+    @isolated
+    def body():
+        h = Host(devices=2, route=route)
+        h.set_current(caller)
+        s1, s0 = h.stream(1), h.stream(0)
+
+        def unchanged(what):
+            assert h.current() == caller, f"{what} moved the current device to {h.current()}"
+
+        p = h.malloc(3 * MiB, s1, device=1)  # first use of device 1 creates it
+        unchanged("the first allocation on device 1")
+        q = h.malloc(5 * MiB, s1, device=1)
+        h.record_stream(q, s0, device=0)
+        unchanged("record_stream")
+        h.submit(s0)
+        h.free(q)
+        unchanged("a free waiting on another device's stream")
+        h.complete(s0)
+        h.free(p)
+        unchanged("free")
+        h.empty_cache(1)
+        unchanged("empty_cache")
+        h.begin_pool((1, 1), s1, device=1)
+        g = h.malloc(2 * MiB, s1, device=1)
+        h.end_pool((1, 1), device=1)
+        h.release_pool((1, 1), device=1)
+        h.free(g)
+        unchanged("graph pool teardown")
+        h.set_budget(1 * GiB, device=1)
+        unchanged("set_budget")
+        with pytest.raises(OOM):
+            h.malloc(2 * GiB, s1, device=1)
+        unchanged("an out-of-memory failure")
+        assert h.stats(1)["allocated_bytes"]["all"]["current"] == 0
+    body()
+
+
+@pytest.mark.parametrize("route", ["vmm", "pool"])
+def test_peer_access_covers_existing_and_later_mappings(route):
+    @isolated
+    def body():
+        h = Host(devices=2, route=route)
+        s1 = h.stream(1)
+        before = h.malloc(6 * MiB, s1, device=1)
+        assert h.can_access(1, before) and not h.can_access(0, before)
+        h.grant_peer(1, 0)  # device 0 may now use device 1's memory
+        assert h.can_access(0, before)
+        after = h.malloc(40 * MiB, s1, device=1)
+        assert h.can_access(0, after) and h.can_access(0, after + 39 * MiB)
+        h.begin_pool((0, 3), s1, device=1)
+        captured = h.malloc(4 * MiB, s1, device=1)
+        h.end_pool((0, 3), device=1)
+        assert h.can_access(0, captured)
+        h.grant_peer(1, 0)  # twice is fine
+        with pytest.raises(ValueError, match="cannot be a peer"):
+            h.grant_peer(1, 1)
+        for p in (before, after, captured):
+            h.free(p)
+        h.release_pool((0, 3), device=1)
+    body()
+
+
+def test_vmm_granules_remapped_after_a_grant_keep_peer_access():
+    @isolated
+    def body():
+        h = Host(devices=2, route="vmm")
+        s1 = h.stream(1)
+        h.grant_peer(1, 0)
+        a = h.malloc(64 * MiB, s1, device=1)
+        h.free(a)
+        h.empty_cache(1)
+        b = h.malloc(64 * MiB, s1, device=1)  # new handles, new mappings
+        assert h.can_access(0, b) and h.can_access(1, b)
+        h.free(b)
+    body()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_free_after_record_stream_on_another_devices_stream_waits_then_returns_memory(route):
+    @isolated
+    def body():
+        h = Host(devices=2, route=route)
+        s1, s0 = h.stream(1), h.stream(0)
+        p = h.malloc(8 * MiB, s1, device=1)
+        h.submit(s0)                 # a kernel on device 0 still reads p
+        h.record_stream(p, s0, device=0)
+        h.free(p)
+        st = h.stats(1)
+        assert st["allocated_bytes"]["all"]["current"] == 0
+        assert st["active_bytes"]["all"]["current"] == 8 * MiB  # held for device 0's stream
+        h.complete(s0)
+        q = h.malloc(8 * MiB, s1, device=1)  # events are processed on the next call
+        h.free(q)
+        st = h.stats(1)
+        assert st["active_bytes"]["all"]["current"] == 0
+        h.empty_cache(1)
+        assert h.device_used(1) == 0
+        assert h.counters()["allocs"] == 0, "a stream-ordered free was lost"
+        assert h.stats(1)["reserved_bytes"]["all"]["current"] == 0
+    body()
+
+
+def test_a_block_of_one_device_is_freed_from_a_thread_current_on_the_other():
+    @isolated
+    def body():
+        import threading
+
+        h = Host(devices=2, route="vmm")
+        s0, s1 = h.stream(0), h.stream(1)
+        ptrs = [h.malloc(3 * MiB, s1, device=1) for _ in range(8)] + [h.malloc(1 * MiB, s0) for _ in range(8)]
+        errors = []
+
+        def worker(mine, current):
+            try:
+                h.set_current(current)
+                for p in mine:
+                    h.free(p)
+                assert h.current() == current
+            except BaseException as e:  # collected and re-raised in the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(ptrs[i::2], i % 2)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert h.stats(0)["allocated_bytes"]["all"]["current"] == 0
+        assert h.stats(1)["allocated_bytes"]["all"]["current"] == 0
+    body()
