@@ -235,3 +235,76 @@ del pool
 assert torch_budget.stats()["graph_pools"] == 0
 del y
 """)
+
+
+def test_absurd_raw_allocation_sizes_raise_and_the_process_lives_on(fresh):
+    fresh(PRELUDE + """
+torch_budget.install()
+for size in (-1, 1 << 62, (1 << 63) - 1):
+    try:
+        torch.cuda.caching_allocator_alloc(size)
+    except Exception as e:  # torch's OutOfMemoryError, or an overflow in its argument parsing
+        print(size, type(e).__name__)
+    else:
+        raise AssertionError(f"caching_allocator_alloc({size}) returned")
+try:
+    torch.empty(1 << 62, dtype=torch.uint8, device="cuda")
+except torch.cuda.OutOfMemoryError as e:
+    assert "Tried to allocate" in str(e), e
+x = torch.ones(1000, device="cuda")
+assert float(x.sum()) == 1000
+""")
+
+
+def test_eight_threads_alloc_free_with_record_stream_across_their_streams(fresh):
+    for route, iters in (("vmm", 100_000), ("pool", 20_000), ("sync", 20_000)):
+        out = fresh(PRELUDE + f"""
+import random, threading
+torch_budget.install(route="{route}")
+torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+base = torch.cuda.memory_allocated()
+streams = [torch.cuda.Stream() for _ in range(8)]
+errors, peak_violations, done = [], [], threading.Event()
+
+def worker(i):
+    rng = random.Random(i)
+    mine, other = streams[i], streams[(i + 1) % 8]
+    try:
+        with torch.cuda.stream(mine):
+            keep = []
+            for k in range({iters}):
+                x = torch.empty(rng.choice((512, 4096, 300_000, 2 << 20)), dtype=torch.uint8, device="cuda")
+                if k % 7 == 0:
+                    x.record_stream(other)       # the neighbour's stream uses it too
+                if k % 50 == 0:
+                    x.fill_(1)
+                keep.append(x)
+                if len(keep) > 16:
+                    keep.pop(rng.randrange(len(keep)))
+    except BaseException as e:
+        errors.append(repr(e))
+
+def resetter():
+    while not done.is_set():
+        torch.cuda.reset_peak_memory_stats()
+        st = torch.cuda.memory_stats()
+        if st["allocated_bytes.all.peak"] < st["allocated_bytes.all.current"]:
+            peak_violations.append((st["allocated_bytes.all.peak"], st["allocated_bytes.all.current"]))
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+r = threading.Thread(target=resetter)
+r.start()
+[t.start() for t in threads]
+[t.join() for t in threads]
+done.set(); r.join()
+torch.cuda.synchronize()
+torch.empty(1, device="cuda")                    # processes completed record_stream events
+st = torch.cuda.memory_stats()
+assert not errors, errors[:3]
+assert torch.cuda.memory_allocated() == base, (torch.cuda.memory_allocated(), base)
+assert st["active_bytes.all.current"] == st["allocated_bytes.all.current"], st["active_bytes.all.current"]
+assert not peak_violations, peak_violations[:3]
+print("ROUTE {route} ok", torch_budget.stats()["by_route"]["{route}"]["count"])
+""", timeout=600)
+        assert f"ROUTE {route} ok" in out

@@ -284,7 +284,29 @@ def test_close_returns_graph_and_static_memory_to_the_driver(fresh):
         left = torch.cuda.memory_reserved() - base
         assert left <= 2 * MiB, f"held {held / MiB:.1f} MiB while captured, {left / MiB:.1f} MiB left after close"
         print(f"held={held / MiB:.1f}MiB left={left / MiB:.1f}MiB")
-    """)
+    """, install)
+
+
+@ALLOCATORS
+def test_managers_created_captured_and_closed_five_times_leave_reserved_memory_flat(fresh, install):
+    _run(fresh, """
+        def cycle():
+            manager = GraphPoolManager()
+            runner = manager.runner("mlp", mlp, buckets=[1, 8, 32], inputs=mlp_inputs())
+            runner.capture()
+            x, pos = host_batch(5)
+            check(runner.step(5, x=x, pos=pos)["y"], x, pos)
+            manager.close()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return torch.cuda.memory_reserved()
+
+        first = cycle()
+        after = [cycle() for _ in range(5)]
+        grown = max(after) - first
+        assert grown <= 2 * MiB, f"reserved grew by {grown / MiB:.1f} MiB over five manager cycles: {after}"
+        print(f"reserved after each cycle: {[round(a / MiB, 1) for a in [first] + after]} MiB")
+    """, install)
 
 
 @ALLOCATORS

@@ -2,7 +2,9 @@
 
 Each configuration runs in its own process (install() must be the first CUDA thing)
 and reports:
-  - torch.empty + del round trip, µs (median of 5 batches of 20000), at 4 KiB, 1 MiB, 64 MiB;
+  - torch.empty + del round trip, µs (median of 5 batches of 20000), at 4 KiB, 1 MiB, 64 MiB,
+    with the process pinned to one CPU core (every configuration on the same core) and,
+    for native and the default route, also unpinned;
   - a random-size churn trace (live set up to 48 tensors, lognormal sizes up to
     512 MiB): peak reserved bytes over peak live bytes, and the same from the
     device's own used memory (mem_get_info) over peak live bytes.
@@ -47,10 +49,10 @@ def churn_trace(seed=0, steps=4000, max_live=48):
     return ops
 
 
-def child(route):
+def child(route, pinned, churn):
     # Every configuration runs on the same CPU core: otherwise which core (and NUMA
     # node) a process lands on moves the figures more than the allocators differ.
-    if hasattr(os, "sched_setaffinity"):
+    if pinned and hasattr(os, "sched_setaffinity"):
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {allowed[len(allowed) // 2]})
     import torch
@@ -74,6 +76,9 @@ def child(route):
                 del x
             batches.append((time.perf_counter() - t0) / iters * 1e6)
         out[name] = statistics.median(batches)
+    if not churn:
+        print("CHILD " + json.dumps(out))
+        return
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -101,7 +106,7 @@ def child(route):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "none" else None)
+        child(sys.argv[2] if sys.argv[2] != "none" else None, sys.argv[3] == "pinned", sys.argv[4] == "churn")
         return 0
     try:
         import torch
@@ -114,10 +119,13 @@ def main():
     # Configurations run interleaved, ROUNDS times each; the table takes each one's
     # median, so a slow moment of the machine does not land on one configuration only.
     runs = {}
+    plan = [(name, env, route, "pinned", "churn") for name, env, route in CONFIGS]
+    plan += [(name + " unpinned", env, route, "unpinned", "no-churn") for name, env, route in CONFIGS
+             if name in ("native", "tb-vmm (default)")]
     for _ in range(ROUNDS):
-        for name, env, route in CONFIGS:
-            proc = subprocess.run([sys.executable, __file__, "--child", route or "none"], capture_output=True,
-                                  text=True, env={**os.environ, **env}, timeout=600)
+        for name, env, route, pin, churn in plan:
+            proc = subprocess.run([sys.executable, __file__, "--child", route or "none", pin, churn],
+                                  capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
             line = [l for l in proc.stdout.splitlines() if l.startswith("CHILD ")]
             if proc.returncode != 0 or not line:
                 print(f"{name}: FAILED\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -128,17 +136,26 @@ def main():
         print("RESULT bench_alloc failed=native")
         return 1
     nat = results["native"]
+    unpinned = {name: results.pop(name) for name in list(results) if name.endswith(" unpinned")}
     print(f"\n{'config':24} {'4KiB us':>8} {'1MiB us':>8} {'64MiB us':>9}   {'x native (4K/1M/64M)':>22}"
           f" {'churn rsv/live':>14} {'churn dev/live':>14}")
     for name, r in results.items():
         ratios = "/".join(f"{r[k] / nat[k]:.2f}" for k in SIZES)
         print(f"{name:24} {r['4KiB']:8.2f} {r['1MiB']:8.2f} {r['64MiB']:9.2f}   {ratios:>22}"
               f" {r['churn_reserved_ratio']:14.3f} {r['churn_device_ratio']:14.3f}")
-    print(f"(peak live bytes of the churn trace: {nat['peak_live_gib']:.2f} GiB; medians of {ROUNDS} interleaved runs)")
+    print(f"(peak live bytes of the churn trace: {nat['peak_live_gib']:.2f} GiB; medians of {ROUNDS} interleaved runs;"
+          " every configuration pinned to the same CPU core)")
+    nat_u = unpinned.get("native unpinned")
+    for name, r in unpinned.items():
+        ratios = "/".join(f"{r[k] / nat_u[k]:.2f}" for k in SIZES) if nat_u else "-"
+        print(f"{name:24} {r['4KiB']:8.2f} {r['1MiB']:8.2f} {r['64MiB']:9.2f}   {ratios:>22}")
     tb = results.get("tb-vmm (default)")
+    tb_u = unpinned.get("tb-vmm (default) unpinned")
     if tb:
         worst = max(tb[k] / nat[k] for k in SIZES)
-        print(f"RESULT bench_alloc worst_x_native={worst:.2f} churn_ratio={tb['churn_reserved_ratio']:.3f} "
+        worst_u = max(tb_u[k] / nat_u[k] for k in SIZES) if tb_u and nat_u else float("nan")
+        print(f"RESULT bench_alloc worst_x_native={worst:.2f} worst_x_native_unpinned={worst_u:.2f} "
+              f"churn_ratio={tb['churn_reserved_ratio']:.3f} "
               f"churn_device_ratio={tb['churn_device_ratio']:.3f} native_churn={nat['churn_reserved_ratio']:.3f}")
     else:
         print("RESULT bench_alloc failed=tb-vmm")

@@ -1,34 +1,60 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build, run every test (GPU ones included) and the
-# benchmarks, then print a short table last. Logs go to $OUT when it is set.
+# One call on a GPU machine: build, run every test (GPU ones included; the two-GPU
+# ones when two devices are visible), the benchmarks, compute-sanitizer over the
+# allocator's GPU tests and the demo, then print a short table last. Logs go to
+# $OUT when it is set.
+#
+# Steps can be chosen with STEPS (default: "build tests bench sanitize demo"); TESTS,
+# PYTEST_ARGS and BENCHES narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-build tests bench sanitize demo}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+summary=()
 
-echo "== build"
-start=$(date +%s)
-MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+if has build || [ ! -e torch_budget/_C*.so ]; then
+  echo "== build"
+  start=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  summary+=("build        $(( $(date +%s) - start )) s")
+fi
 
-echo "== tests"
-$PY -m pytest -q -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
-tests_line=$(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1)
+if has tests; then
+  echo "== tests"
+  start=$(date +%s)
+  $PY -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -60
+  summary+=("tests        $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
+fi
 
-for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace}; do
-  [ -f "tools/$bench.py" ] || continue
-  echo "== $bench"
-  timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
-done
+if has bench; then
+  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace}; do
+    [ -f "tools/$bench.py" ] || continue
+    echo "== $bench"
+    timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
+  done
+fi
 
-if [ -z "${NO_DEMO:-}" ]; then
+if has sanitize; then
+  echo "== compute-sanitizer memcheck over the allocator's GPU tests"
+  start=$(date +%s)
+  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_allocator_gpu.py -k "not eight_threads" >"$OUT/sanitize.log" 2>&1
+  rc=$?
+  tail -15 "$OUT/sanitize.log"
+  errors=$(grep -E "ERROR SUMMARY: [1-9]" -c "$OUT/sanitize.log")
+  summary+=("sanitizer    rc=$rc, processes with errors: $errors, $(grep -c "ERROR SUMMARY: 0 errors" "$OUT/sanitize.log") clean; $(grep -E "(passed|failed)" "$OUT/sanitize.log" | tail -1) [$(( $(date +%s) - start )) s]")
+fi
+
+if has demo; then
   echo "== demo"
   timeout 600 $PY -m torch_budget demo --quick --out "$OUT/ledger.png" 2>"$OUT/demo.err" | tee "$OUT/demo.log" | tail -30
   tail -5 "$OUT/demo.err"
 fi
 
 echo
-echo "================ GPU suite: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), torch $($PY -c 'import torch;print(torch.__version__)')"
-echo "tests        $tests_line"
+echo "================ GPU suite: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | sed 's/^ *//'), torch $($PY -c 'import torch;print(torch.__version__)')"
+for line in "${summary[@]}"; do echo "$line"; done
 grep -h "^RESULT" "$OUT"/bench_*.log 2>/dev/null | sed 's/^RESULT //'

@@ -1329,6 +1329,26 @@ class GraphRunner:
 _EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
 
 
+_CAPTURE_STREAMS: dict[int, Any] = {}
+
+
+def _capture_stream(device: Any) -> Any:
+    """The one stream every capture on `device` uses, for the whole process.
+
+    torch asks that captures sharing a pool use the same stream, and warm-up runs on it
+    so its lazy state exists before capture. It is shared by every manager because torch
+    keeps a cuBLAS workspace per stream for good (about 32 MiB on Hopper): a stream per
+    manager would grow reserved memory with every manager created.
+    """
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 class GraphPoolManager:
     """Owns the graph pools of one device and the runners captured into them.
 
@@ -1348,7 +1368,6 @@ class GraphPoolManager:
         self.tiers = tiers
         self.ledger = PoolLedger()
         self._shared: PoolHandle | None = None
-        self._stream = None
         self._runners: dict[str, GraphRunner] = {}
 
     def runner(self, name: str, pieces: Sequence[Callable | EagerPiece] | Callable, *,
@@ -1413,11 +1432,7 @@ class GraphPoolManager:
         return handle
 
     def _capture_stream(self) -> Any:
-        # One stream for every capture: torch asks that captures sharing a pool use the
-        # same stream, and warm-up runs on it so its lazy state exists before capture.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
+        return _capture_stream(self.device)
 
     def _forget(self, runner: GraphRunner) -> None:
         if self._runners.get(runner.name) is runner:
