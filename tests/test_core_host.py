@@ -464,14 +464,15 @@ def test_other_threads_keep_allocating_while_one_waits_for_the_device(call):
 
         h = Host(route="vmm")
         a = h.malloc(64 * MiB, S1)
+        b = h.malloc(64 * MiB, S1)
         h.free(h.malloc(1 * MiB, S3))  # a mapped block cached for S3
         h.submit(S1)
         h.free(a)                      # cached, not clean: S1 may still use it
         h.hold_syncs(True)
         if call == "empty_cache":
             waiter = threading.Thread(target=h.empty_cache)
-        else:                          # granule reuse asks S1 to be synchronised
-            waiter = threading.Thread(target=lambda: h.free(h.malloc(100 * MiB, S2)))
+        else:                          # moving a's granules past b asks S1 to be synchronised
+            waiter = threading.Thread(target=lambda: h.free(h.malloc(100 * MiB, S1)))
         waiter.start()
         h.hold_syncs(True, wait_for=1)  # the waiter is inside a synchronisation
         p = h.malloc(1 * MiB, S3)       # would deadlock if the device lock were held
@@ -480,6 +481,7 @@ def test_other_threads_keep_allocating_while_one_waits_for_the_device(call):
         h.hold_syncs(False)
         waiter.join(timeout=30)
         assert not waiter.is_alive()
+        h.free(b)
         h.empty_cache()
         assert h.device_used() == 0
     body()

@@ -236,7 +236,8 @@ def test_runner_captures_into_the_pool_of_an_existing_graph(fresh, install):
     """, install)
 
 
-def test_close_returns_graph_and_static_memory_to_the_driver(fresh):
+@ALLOCATORS
+def test_close_returns_graph_and_static_memory_to_the_driver(fresh, install):
     _run(fresh, """
         HB, FF = 1024, 8192
         W1b = torch.randn(HB, FF, device=DEV) / HB ** 0.5

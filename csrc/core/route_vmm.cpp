@@ -55,7 +55,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   if (!guard.ok()) return false;
 
   std::vector<CUmemGenericAllocationHandle> handles;
-  if (!take_handles(need.size(), &handles)) return false;
+  if (!take_handles(need.size(), seg.stream, &handles)) return false;
 
   const DriverApi* d = driver();
   size_t mapped = 0;
@@ -91,7 +91,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   return false;
 }
 
-bool VmmRoute::take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out) {
+bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out) {
   auto drain = [&] {
     while (out->size() < n && !free_handles_.empty()) {
       out->push_back(free_handles_.back());
@@ -106,7 +106,7 @@ bool VmmRoute::take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>*
   if (out->size() < n && reuse_ && reuse_source_ != nullptr) {
     unmap_clean_granules(*reuse_source_, n - out->size());
     drain();
-    if (out->size() < n && reuse_source_->clock().requests_allowed() && request_syncs(*reuse_source_)) {
+    if (out->size() < n && reuse_source_->clock().requests_allowed() && request_sync(*reuse_source_, stream)) {
       give_back();
       set_error(kNeedSync, "streams to synchronise before granules can be reused");
       return false;
@@ -147,24 +147,22 @@ size_t VmmRoute::unmap_clean_granules(BlockPool& pool, size_t limit) {
   return got;
 }
 
-bool VmmRoute::request_syncs(BlockPool& pool) {
-  bool any = false;
+bool VmmRoute::request_sync(BlockPool& pool, CUstream stream) {
   for (bool small : {false, true}) {
     for (const Block* b : pool.free_set(small)) {
-      if (b->size < granule_ || pool.clock().clean(b->stream, b->freed_at)) continue;
+      if (b->stream != stream || b->size < granule_ || pool.clock().clean(b->stream, b->freed_at)) continue;
       const Segment& s = *b->segment;
       const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
       const size_t hi = (b->ptr + b->size - s.base) / granule_;
       for (size_t i = lo; i < hi; ++i) {
         if (s.granules[i] != 0) {
-          pool.clock().request(b->stream);
-          any = true;
-          break;
+          pool.clock().request(stream);
+          return true;
         }
       }
     }
   }
-  return any;
+  return false;
 }
 
 bool VmmRoute::unmap_range(uintptr_t va, size_t bytes) {

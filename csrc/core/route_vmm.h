@@ -7,12 +7,15 @@
 // carved from it by best fit and only the granules a live block touches need to be
 // mapped. When a mapping needs physical handles and none are cached, granules lying
 // wholly inside clean free blocks of the default pool (Note [Clean blocks]) are
-// unmapped and their handles moved before any new physical memory is created; when
-// only blocks whose streams may still use them hold such granules, the route asks
-// for those streams to be synchronised (outside the lock) and the allocation is
-// retried. Reserved memory then tracks live memory closely instead of the
-// historical peak of each address range. Graph pools are never a source: their free
-// blocks may still be addressed by a captured graph.
+// unmapped and their handles moved before any new physical memory is created. When
+// free blocks of the allocating stream itself hold such granules but its queued work
+// may still use them, the route asks for that stream to be synchronised (outside the
+// lock; a cudaMalloc would wait for the device too) and the allocation is retried.
+// It never waits for other streams: their cached granules come back under budget
+// pressure, when the out-of-memory retry synchronises the device. Reserved memory
+// then tracks live memory closely instead of the historical peak of each range.
+// Graph pools are never a source: their free blocks may still be addressed by a
+// captured graph.
 //
 // Note [Peer access to VMM memory]
 // A mapping is accessible only to the devices named in cuMemSetAccess. Every
@@ -52,11 +55,14 @@ class VmmRoute final : public Backing {
  private:
   static constexpr Placement kCached{kRouteVmm, false, false};
   Placement placement(const Segment& seg) const;
-  bool take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out);
+  // Handles for a mapping on `stream`: cached ones, then clean granules of free
+  // blocks, then (once the allocating stream is synchronised) its own dirty ones,
+  // then new memory within the budget.
+  bool take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out);
   // Unmaps up to `limit` granules lying wholly inside clean free blocks of `pool`.
   size_t unmap_clean_granules(BlockPool& pool, size_t limit);
-  // Asks for the streams of free blocks holding mapped granules to be synchronised.
-  bool request_syncs(BlockPool& pool);
+  // Asks for `stream` to be synchronised when its free blocks hold mapped granules.
+  bool request_sync(BlockPool& pool, CUstream stream);
   bool unmap_granule(Segment& seg, size_t index);
   bool unmap_range(uintptr_t va, size_t bytes);
   void release_free_handles();
