@@ -75,7 +75,7 @@ void BlockPool::remove_segment(Segment* seg) {
                   segments_.end());
 }
 
-Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs) {
+Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node) {
   Block* rest = store_->make();
   rest->ptr = block->ptr + rounded;
   rest->size = block->size - rounded;
@@ -88,7 +88,9 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs) {
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = rounded;
-  fs.insert(rest);
+  // The tree node that held `block` now holds `rest`: no allocation on the hot path.
+  node.value() = rest;
+  fs.insert(std::move(node));
   return rest;
 }
 
@@ -110,8 +112,8 @@ Block* BlockPool::malloc(size_t size, CUstream stream) {
     }
   }
   Block* block = *it;
-  fs.erase(it);
-  if (block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs);
+  FreeSet::node_type node = fs.extract(it);
+  if (block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
 
   block->allocated = true;
   block->segment->live++;
@@ -137,10 +139,12 @@ void BlockPool::free(Block* block) {
   block->segment->live--;
   live_--;
   FreeSet& fs = free_set(block->segment->small);
-  // Merge with free neighbours (same segment, so same stream).
+  // Merge with free neighbours (same segment, so same stream), reusing a neighbour's
+  // tree node for the merged block.
+  FreeSet::node_type node;
   if (block->prev && block->prev->is_free()) {
     Block* p = block->prev;
-    fs.erase(p);
+    node = fs.extract(p);
     p->size += block->size;
     p->next = block->next;
     p->freed_at = std::max(p->freed_at, block->freed_at);
@@ -150,16 +154,22 @@ void BlockPool::free(Block* block) {
   }
   if (block->next && block->next->is_free()) {
     Block* n = block->next;
-    fs.erase(n);
+    if (node.empty()) node = fs.extract(n);
+    else fs.erase(n);
     block->size += n->size;
     block->next = n->next;
     block->freed_at = std::max(block->freed_at, n->freed_at);
     if (n->next) n->next->prev = block;
     store_->recycle(n);
   }
-  fs.insert(block);
+  if (node.empty()) {
+    fs.insert(block);
+  } else {
+    node.value() = block;
+    fs.insert(std::move(node));
+  }
   // A refusal leaves the segment cached; release_cached retries it.
-  if (backing_->release_on_free() && block->segment->live == 0) backing_->destroy_segment(*block->segment);
+  if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
 }
 
 size_t BlockPool::largest_free() const {

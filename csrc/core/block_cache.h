@@ -125,7 +125,8 @@ class Backing {
 class BlockPool {
  public:
   BlockPool(Backing* backing, int route, bool graph_pool, BlockStore* store, StreamClock* clock)
-      : backing_(backing), route_(route), graph_pool_(graph_pool), store_(store), clock_(clock) {}
+      : backing_(backing), route_(route), graph_pool_(graph_pool), release_on_free_(backing->release_on_free()),
+        store_(store), clock_(clock) {}
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -153,16 +154,18 @@ class BlockPool {
   StreamClock& clock() const { return *clock_; }
   int route() const { return route_; }
   bool graph_pool() const { return graph_pool_; }
+  bool release_on_free() const { return release_on_free_; }
   size_t live_blocks() const { return live_; }
   // Largest free block (for torch's cacheInfo).
   size_t largest_free() const;
 
  private:
-  Block* split(Block* block, size_t rounded, FreeSet& fs);
+  Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
 
   Backing* backing_;
   int route_;
   bool graph_pool_;
+  bool release_on_free_;
   BlockStore* store_;
   StreamClock* clock_;
   FreeSet small_free_;

@@ -285,7 +285,7 @@ void DeviceAllocator::free_locked(Block* b) {
   b->allocated = false;
   b->requested = 0;
   // A stream-ordered free is a stream operation: none while a capture is open.
-  const bool ordered_free = b->segment->pool->backing()->release_on_free();
+  const bool ordered_free = b->segment->pool->release_on_free();
   if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {
     retire(b);
     return;
