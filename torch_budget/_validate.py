@@ -1,0 +1,53 @@
+"""Checks of user input, with one policy for the whole package.
+
+The wrong type raises TypeError, a value out of range raises ValueError; the message
+names the argument and shows what was given. bool is never accepted as an int.
+Never `assert` (stripped under -O).
+"""
+from __future__ import annotations
+
+
+def is_int(value: object) -> bool:
+    """An integer (anything with __index__, numpy integers included), never a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        value.__index__()  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def integer(value: object, what: str, *, minimum: int | None = None) -> int:
+    """`value` as an int, at least `minimum` when given."""
+    if not is_int(value):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} ({value!r})")
+    value = value.__index__()  # type: ignore[union-attr]
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def positive_int(value: object, what: str) -> int:
+    return integer(value, what, minimum=1)
+
+
+def non_negative_int(value: object, what: str) -> int:
+    return integer(value, what, minimum=0)
+
+
+def number(value: object, what: str, *, minimum: float | None = None) -> float | int:
+    """An int or float (not a bool), at least `minimum` when given."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} ({value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def fraction(value: object, what: str) -> float:
+    """A number in (0, 1]."""
+    value = number(value, what)
+    if not 0 < value <= 1:
+        raise ValueError(f"{what} must be in (0, 1], got {value}")
+    return float(value)
