@@ -1,27 +1,4 @@
-"""CUDA graphs as a second budget: buckets, static buffers, pinned shadows, shared pools.
-
-A captured graph replays fixed addresses and allocates nothing, so everything it touches
-is resident from capture until the graph is destroyed. This module makes that memory
-explicit and bounded:
-
-- a bucket rule turns the user's max batch / max tokens into the discrete set of sizes
-  that are captured (`BucketRule`); a step is padded up to the nearest one;
-- graph-visible inputs and outputs are static buffers sized once by the largest captured
-  bucket and written in place (`StaticInput`, `StaticBuffers`);
-- host-sourced inputs go through pinned host shadows whose host-to-device copy is itself
-  captured, so a step is one CPU memcpy plus one replay; a ring of shadow slots lets the
-  host stage the next steps while earlier replays still read theirs;
-- graphs of one forward (pieces, buckets, runners) share a private pool whose ownership
-  is recorded (`PoolLedger`), so a pool handle is never reused after it was let go;
-- ranks agree on the graph key before replaying (`GraphPoolManager.agree`).
-
-Only public torch APIs are used, so the same code runs on torch's native allocator and
-behind `torch_budget.install()`. The module imports on a CPU-only torch build; capture
-and replay need a CUDA device, the rest (buckets, buffers, eager runs) also works on CPU.
-
-A manager and its runners are driven from one thread, and replays go to one stream at a
-time (see Note [Static outputs make pool sharing safe]).
-"""
+"""GraphRunner and GraphPoolManager; the package docstring (torch_budget/graphs/__init__.py) says what they do."""
 
 from __future__ import annotations
 
