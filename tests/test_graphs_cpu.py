@@ -82,12 +82,21 @@ def test_bucket_rule_that_leaves_nothing_raises_naming_the_rule():
         BucketRule(8, divisible_by=16).buckets()
 
 
-@pytest.mark.parametrize("field,value", [("max_size", 0), ("step", -8), ("divisible_by", 2.0),
-                                         ("max_count", 0), ("memory_limit", -1)])
-def test_bucket_rule_rejects_bad_knobs_naming_them(field, value):
+# A value out of range is a ValueError, the wrong type a TypeError (torch_budget._validate).
+@pytest.mark.parametrize("field,value,error", [("max_size", 0, ValueError), ("step", -8, ValueError),
+                                               ("divisible_by", 2.0, TypeError), ("max_count", 0, ValueError),
+                                               ("memory_limit", -1, ValueError), ("small", (1, True), TypeError)])
+def test_bucket_rule_rejects_bad_knobs_naming_them(field, value, error):
     kwargs = {"max_size": 64, field: value}
-    with pytest.raises(ValueError, match=f"{field}.*{value}"):
+    shown = value[-1] if isinstance(value, tuple) else value
+    with pytest.raises(error, match=f"{field}.*{shown}"):
         BucketRule(**kwargs)
+
+
+def test_bucket_rule_stores_plain_ints():
+    rule = BucketRule(torch.tensor(12), step=torch.tensor(4))
+    assert type(rule.max_size) is int and type(rule.step) is int
+    assert rule.buckets() == (1, 2, 4, 8, 12) and all(type(b) is int for b in rule.buckets())
 
 
 def test_explicit_bucket_list_is_sorted_and_deduplicated():
@@ -97,6 +106,10 @@ def test_explicit_bucket_list_is_sorted_and_deduplicated():
         resolve_buckets([4, 0])
     with pytest.raises(ValueError, match="must not be empty"):
         resolve_buckets([])
+    with pytest.raises(TypeError, match="bucket True"):
+        resolve_buckets([4, True])
+    with pytest.raises(TypeError, match="a list of sizes"):
+        resolve_buckets("16")
 
 
 def test_rows_pad_up_to_the_nearest_bucket():
@@ -108,9 +121,9 @@ def test_rows_above_the_largest_bucket_run_eagerly():
     assert pad_to_bucket((1, 2, 4), 5) is None
 
 
-@pytest.mark.parametrize("n", [0, -3, 2.5, True])
-def test_row_count_must_be_a_positive_int(n):
-    with pytest.raises(ValueError, match="row count"):
+@pytest.mark.parametrize("n,error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_row_count_must_be_a_positive_int(n, error):
+    with pytest.raises(error, match="row count"):
         pad_to_bucket((1, 2, 4), n)
 
 
@@ -480,9 +493,9 @@ def test_runner_without_host_inputs_uses_one_slot():
     assert runner.shadow_slots == 1 and runner.shadow_nbytes == 0
 
 
-@pytest.mark.parametrize("slots", [0, -1, 1.5, True])
-def test_shadow_slots_must_be_a_positive_int(slots):
-    with pytest.raises(ValueError, match="shadow_slots"):
+@pytest.mark.parametrize("slots,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_shadow_slots_must_be_a_positive_int(slots, error):
+    with pytest.raises(error, match="shadow_slots"):
         _runner(GraphPoolManager("cpu"), shadow_slots=slots)
 
 
@@ -638,9 +651,10 @@ def test_runner_with_released_handed_in_pool_is_refused():
         _runner(manager, pool=POOL_B)
 
 
-@pytest.mark.parametrize("pool", ["mine", (1, 2, 3), ("a", "b"), 7])
-def test_runner_rejects_a_bad_pool_spec(pool):
-    with pytest.raises(ValueError, match="pool"):
+@pytest.mark.parametrize("pool,error", [("mine", ValueError), ((1, 2, 3), ValueError), (("a", "b"), TypeError),
+                                        (7, TypeError)])
+def test_runner_rejects_a_bad_pool_spec(pool, error):
+    with pytest.raises(error, match="pool"):
         _runner(GraphPoolManager("cpu"), pool=pool)
 
 

@@ -11,6 +11,8 @@ from typing import Any, Union
 
 import torch
 
+from .._validate import integer, is_int, non_negative_int, positive_int
+
 __all__ = [
     "BucketRule",
     "EagerPiece",
@@ -58,16 +60,6 @@ class PoolReleasedError(RuntimeError):
 # largest surviving bucket run eagerly, and static buffers stay at that smaller size.
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: object, what: str) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class BucketRule:
     """The rule that turns a max batch / max token count into the captured sizes.
@@ -90,17 +82,17 @@ class BucketRule:
     memory_limit: int | None = None
 
     def __post_init__(self) -> None:
-        _positive_int(self.max_size, "BucketRule.max_size")
-        for size in self.small:
-            _positive_int(size, f"BucketRule.small entry {size!r}")
-        _positive_int(self.step, "BucketRule.step")
-        _positive_int(self.coarse_from, "BucketRule.coarse_from")
-        _positive_int(self.coarse_step, "BucketRule.coarse_step")
-        _positive_int(self.divisible_by, "BucketRule.divisible_by")
+        # Checked and stored as plain ints (numpy or 0-dim tensor integers would otherwise
+        # end up among the buckets).
+        for field in ("max_size", "step", "coarse_from", "coarse_step", "divisible_by"):
+            object.__setattr__(self, field, positive_int(getattr(self, field), f"BucketRule.{field}"))
+        small = tuple(positive_int(size, f"BucketRule.small entry {size!r}") for size in self.small)
+        object.__setattr__(self, "small", small)
         if self.max_count is not None:
-            _positive_int(self.max_count, "BucketRule.max_count")
-        if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit < 0):
-            raise ValueError(f"BucketRule.memory_limit must be a byte count >= 0, got {self.memory_limit!r}")
+            object.__setattr__(self, "max_count", positive_int(self.max_count, "BucketRule.max_count"))
+        if self.memory_limit is not None:
+            limit = non_negative_int(self.memory_limit, "BucketRule.memory_limit (bytes)")
+            object.__setattr__(self, "memory_limit", limit)
 
     def candidates(self) -> list[int]:
         """Every size the rule would capture before any filter."""
@@ -148,15 +140,14 @@ def resolve_buckets(spec: BucketRule | int | Sequence[int],
     """Buckets from a rule, from a max size (default rule) or from an explicit list."""
     if isinstance(spec, BucketRule):
         return spec.buckets(cost)
-    if _is_int(spec):
+    if is_int(spec):
         return BucketRule(spec).buckets(cost)
     if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
-        raise ValueError(f"buckets must be a BucketRule, a max size or a list of sizes, got {spec!r}")
-    for size in spec:
-        _positive_int(size, f"bucket {size!r}")
-    if not spec:
+        raise TypeError(f"buckets must be a BucketRule, a max size or a list of sizes, got {spec!r}")
+    sizes = [positive_int(size, f"bucket {size!r}") for size in spec]
+    if not sizes:
         raise ValueError("buckets must not be empty")
-    return tuple(sorted(set(spec)))
+    return tuple(sorted(set(sizes)))
 
 
 def pad_to_bucket(buckets: Sequence[int], n: int) -> int | None:
@@ -164,7 +155,7 @@ def pad_to_bucket(buckets: Sequence[int], n: int) -> int | None:
 
     `buckets` must be sorted ascending.
     """
-    _positive_int(n, "row count n")
+    n = positive_int(n, "row count n")
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
 
@@ -211,17 +202,22 @@ class StaticInput:
             raise ValueError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
-        object.__setattr__(self, "shape", tuple(self.shape))
+        shape = []
         for dim in self.shape:
             if isinstance(dim, str):
                 if not dim:
                     raise ValueError(f"static input {self.name!r}: a symbolic axis needs a non-empty name")
+                shape.append(dim)
             else:
-                _positive_int(dim, f"static input {self.name!r}: dimension {dim!r}")
-        if self.batch_axis is not None and (not _is_int(self.batch_axis) or not 0 <= self.batch_axis <= len(self.shape)):
-            raise ValueError(
-                f"static input {self.name!r}: batch_axis must be None or in [0, {len(self.shape)}], got {self.batch_axis!r}"
-            )
+                shape.append(positive_int(dim, f"static input {self.name!r}: dimension {dim!r}"))
+        object.__setattr__(self, "shape", tuple(shape))
+        if self.batch_axis is not None:
+            axis = integer(self.batch_axis, f"static input {self.name!r}: batch_axis")
+            if not 0 <= axis <= len(shape):
+                raise ValueError(
+                    f"static input {self.name!r}: batch_axis must be None or in [0, {len(shape)}], got {axis!r}"
+                )
+            object.__setattr__(self, "batch_axis", axis)
         if self.source not in ("host", "device"):
             raise ValueError(f"static input {self.name!r}: source must be 'host' or 'device', got {self.source!r}")
         if not isinstance(self.pad_value, (int, float)):
@@ -332,14 +328,15 @@ class StaticBuffers(Mapping):
 #   ledger does not know, so only an explicit release() ends it;
 # - capturing into a released handle raises PoolReleasedError.
 
+_POOL_HANDLE = "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() or CUDAGraph.pool()"
+
 
 def _pool_key(pool: object) -> tuple[int, int]:
-    if not isinstance(pool, tuple) or len(pool) != 2 or not all(_is_int(x) for x in pool):
-        raise ValueError(
-            "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() "
-            f"or CUDAGraph.pool(), got {pool!r}"
-        )
-    return pool
+    if not isinstance(pool, tuple) or not all(is_int(x) for x in pool):
+        raise TypeError(_POOL_HANDLE + f", got {pool!r}")
+    if len(pool) != 2:
+        raise ValueError(_POOL_HANDLE + f", got {pool!r}")
+    return (pool[0].__index__(), pool[1].__index__())
 
 
 class PoolLedger:
@@ -627,8 +624,8 @@ class GraphRunner:
         self._pieces = self._check_pieces(pieces)
         self._axes = dict(axes or {})
         self._output_axes = dict(output_axes or {})
-        self._warmup_iters = _positive_int(warmup, f"{self._label}: warmup iterations")
-        _positive_int(shadow_slots, f"{self._label}: shadow_slots")
+        self._warmup_iters = positive_int(warmup, f"{self._label}: warmup iterations")
+        shadow_slots = positive_int(shadow_slots, f"{self._label}: shadow_slots")
 
         self._specs: dict[str, StaticInput] = {}
         for spec in inputs:
@@ -718,12 +715,13 @@ class GraphRunner:
     def _check_pool(self, pool: object) -> tuple[str, PoolHandle | None]:
         if pool in ("shared", "own"):
             return pool, None
-        key = _pool_key(pool) if isinstance(pool, tuple) else None
-        if key is None:
-            raise ValueError(
+        if not isinstance(pool, tuple):
+            problem = ValueError if isinstance(pool, str) else TypeError
+            raise problem(
                 f"{self._label}: pool must be 'shared', 'own' or a handle from "
                 f"torch.cuda.graph_pool_handle() / CUDAGraph.pool(), got {pool!r}"
             )
+        key = _pool_key(pool)
         self._manager.ledger.check_usable(key)
         for other in self._manager._runners.values():
             if other._keep_last and other._pool is not None and tuple(other._pool) == tuple(key):
@@ -755,7 +753,7 @@ class GraphRunner:
     def _axis_size(self, axis: str, bucket: int) -> int:
         size = self._axes[axis]
         value = size(bucket) if callable(size) else size
-        return _positive_int(value, f"{self._label}: size of symbolic axis {axis!r} at bucket {bucket}")
+        return positive_int(value, f"{self._label}: size of symbolic axis {axis!r} at bucket {bucket}")
 
     def _input_shape(self, spec: StaticInput, bucket: int) -> tuple[int, ...]:
         dims = [self._axis_size(d, bucket) if isinstance(d, str) else d for d in spec.shape]
@@ -810,7 +808,8 @@ class GraphRunner:
     def shadows_at(self, slot: int) -> StaticBuffers:
         """The pinned shadows of one slot (full, largest views); for reading."""
         self._require_open()
-        if not _is_int(slot) or not 0 <= slot < self._slots:
+        slot = integer(slot, f"{self._label}: shadow slot")
+        if not 0 <= slot < self._slots:
             raise ValueError(f"{self._label}: shadow slot must be in [0, {self._slots}), got {slot!r}")
         flats = self._slot_flat[slot]
         return StaticBuffers(self._label, {n: self._in_layouts[n].full(f) for n, f in flats.items()})
@@ -874,9 +873,14 @@ class GraphRunner:
 
     # -- staging ------------------------------------------------------------------------
 
+    def _rows(self, n: object) -> int:
+        """A step's row count n as an int >= 1."""
+        if type(n) is int and n >= 1:  # the common case, without building a message
+            return n
+        return positive_int(n, f"{self._label}: row count n")
+
     def _choose_bucket(self, n: int, bucket: int | None) -> int:
-        if type(n) is not int or n < 1:  # the common case without building a message
-            _positive_int(n, f"{self._label}: row count n")
+        """The bucket a step of n rows (an int >= 1, see _rows) is padded to."""
         if bucket is None:
             available = self._available
             i = bisect.bisect_left(available, n)
@@ -1061,7 +1065,8 @@ class GraphRunner:
         axis = self._output_axes.get(name, 0)
         shape = list(tensor.shape)
         if axis is not None:
-            if not _is_int(axis) or not 0 <= axis < len(shape) or shape[axis] != bucket:
+            axis = integer(axis, f"{where}: output_axes[{name!r}]")
+            if not 0 <= axis < len(shape) or shape[axis] != bucket:
                 raise ValueError(
                     f"{where} has shape {tuple(shape)} at bucket {bucket}; its batch axis {axis!r} should "
                     f"have size {bucket}. Set output_axes={{{name!r}: <axis>}}, or None for an output "
@@ -1125,6 +1130,7 @@ class GraphRunner:
         The reference for a replay, and the way to run a runner on a CPU device.
         """
         self._require_open()
+        n = self._rows(n)
         chosen = self._choose_bucket(n, bucket)
         slot = self._stage(chosen, n, data)
         kept = self._run_pieces_eagerly(chosen, slot)
@@ -1224,6 +1230,7 @@ class GraphRunner:
         """
         if self._closed:
             raise RuntimeError(f"{self._label} is closed")
+        n = self._rows(n)
         chosen = self._choose_bucket(n, bucket)
         captured = self._captured_buckets.get(chosen)
         if captured is None:
@@ -1420,9 +1427,7 @@ class GraphPoolManager:
             if tier not in self.tiers:
                 raise ValueError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
             return self.tiers.index(tier)
-        if not _is_int(tier) or tier < 0:
-            raise ValueError(f"a graph tier is one of {self.tiers} or an int >= 0, got {tier!r}")
-        return tier
+        return integer(tier, f"a graph tier (one of {self.tiers}, or an int code)", minimum=0)
 
     def agree(self, bucket: int | None, tier: int | str, group: Any = None) -> tuple[int | None, int | str]:
         """The (bucket, tier) every rank of `group` uses. See Note [Rank agreement].
@@ -1431,7 +1436,7 @@ class GraphPoolManager:
         agree, with world size 1, or when torch.distributed is not initialized.
         """
         if bucket is not None:
-            _positive_int(bucket, "bucket")
+            bucket = positive_int(bucket, "bucket")
         tier_code = self._encode_tier(tier)
         import torch.distributed as dist
 
