@@ -23,21 +23,13 @@ A manager and its runners are driven from one thread, and replays go to one stre
 time (see Note [Static outputs make pool sharing safe]).
 """
 
-from .runner import (
-    BucketRule,
-    EagerPiece,
-    GraphPoolManager,
-    GraphRunner,
-    PoolInUseError,
-    PoolLedger,
-    PoolReleasedError,
-    StaticBufferRebindError,
-    StaticBuffers,
-    StaticInput,
-    _ShadowRing,  # for tests/test_graphs_cpu.py
-    pad_to_bucket,
-    resolve_buckets,
-)
+from .buckets import BucketRule, pad_to_bucket, resolve_buckets
+from .pools import PoolInUseError, PoolLedger, PoolReleasedError
+from .runner import EagerPiece, GraphPoolManager, GraphRunner
+from .shadows import ShadowRing
+from .static import StaticBufferRebindError, StaticBuffers, StaticInput
+
+_ShadowRing = ShadowRing  # the name tests/test_graphs_cpu.py imports
 
 __all__ = [
     "BucketRule",

@@ -5,452 +5,22 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from .._validate import integer, is_int, non_negative_int, positive_int
-
-__all__ = [
-    "BucketRule",
-    "EagerPiece",
-    "GraphPoolManager",
-    "GraphRunner",
-    "PoolInUseError",
-    "PoolLedger",
-    "PoolReleasedError",
-    "StaticBufferRebindError",
-    "StaticBuffers",
-    "StaticInput",
-    "pad_to_bucket",
-    "resolve_buckets",
-]
-
-PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() return
-AxisSize = Union[int, Callable[[int], int]]
-
-
-class StaticBufferRebindError(TypeError):
-    """A graph-visible buffer was assigned a new tensor instead of being written in place."""
-
-
-class PoolInUseError(RuntimeError):
-    """A graph pool was released while graphs still hold it."""
-
-
-class PoolReleasedError(RuntimeError):
-    """A graph pool handle was used after it had been released."""
-
-
-# ---------------------------------------------------------------------------------------
-# Buckets
-# ---------------------------------------------------------------------------------------
-
-# Note [Buckets are part of the budget]
-# A captured graph has fixed shapes, so every step is padded up to a captured size; the
-# padding is forced, not an optimization. The set of sizes is a trade: denser buckets waste
-# less compute on padding but mean more graphs, longer start-up and more resident memory
-# (static buffers are sized by the largest bucket; each graph keeps its exec and pool
-# blocks). So the set is computed by a rule with explicit stages, and the stages that cut it
-# down (divisibility, memory, count) are knobs of the budget:
-#   candidates -> filter (divisible_by, memory_limit, max_count) -> resolve (sort, dedup).
-# The user's max is always a candidate, but a filter may drop it; then steps above the
-# largest surviving bucket run eagerly, and static buffers stay at that smaller size.
-
-
-@dataclass(frozen=True)
-class BucketRule:
-    """The rule that turns a max batch / max token count into the captured sizes.
-
-    Candidates are `small` (those <= max_size), then multiples of `step` below
-    `coarse_from`, then multiples of `coarse_step` from `coarse_from`, then `max_size`.
-    Filters then drop sizes not divisible by `divisible_by` (e.g. the tensor-parallel
-    size when tokens are split across ranks), sizes whose `cost(size)` exceeds
-    `memory_limit` bytes, and thin the set to `max_count` sizes (keeping the smallest and
-    the largest, spread evenly in between). See Note [Buckets are part of the budget].
-    """
-
-    max_size: int
-    small: tuple = (1, 2, 4)
-    step: int = 8
-    coarse_from: int = 256
-    coarse_step: int = 16
-    divisible_by: int = 1
-    max_count: int | None = None
-    memory_limit: int | None = None
-
-    def __post_init__(self) -> None:
-        # Checked and stored as plain ints (numpy or 0-dim tensor integers would otherwise
-        # end up among the buckets).
-        for field in ("max_size", "step", "coarse_from", "coarse_step", "divisible_by"):
-            object.__setattr__(self, field, positive_int(getattr(self, field), f"BucketRule.{field}"))
-        small = tuple(positive_int(size, f"BucketRule.small entry {size!r}") for size in self.small)
-        object.__setattr__(self, "small", small)
-        if self.max_count is not None:
-            object.__setattr__(self, "max_count", positive_int(self.max_count, "BucketRule.max_count"))
-        if self.memory_limit is not None:
-            limit = non_negative_int(self.memory_limit, "BucketRule.memory_limit (bytes)")
-            object.__setattr__(self, "memory_limit", limit)
-
-    def candidates(self) -> list[int]:
-        """Every size the rule would capture before any filter."""
-        top = self.max_size
-        sizes = [s for s in self.small if s <= top]
-        sizes += range(self.step, min(self.coarse_from, top + 1), self.step)
-        if self.coarse_from <= top:
-            sizes += range(self.coarse_from, top + 1, self.coarse_step)
-        sizes.append(top)
-        return sizes
-
-    def filter(self, sizes: Sequence[int], cost: Callable[[int], int] | None = None) -> list[int]:
-        """Drop the sizes the budget cannot afford; `cost(size)` is bytes for `memory_limit`."""
-        kept = sorted({s for s in sizes if s % self.divisible_by == 0})
-        if self.memory_limit is not None:
-            if cost is None:
-                raise ValueError(
-                    f"BucketRule.memory_limit={self.memory_limit} needs a cost function "
-                    "(bytes per bucket) to compare against"
-                )
-            kept = [s for s in kept if cost(s) <= self.memory_limit]
-        if self.max_count is not None and len(kept) > self.max_count:
-            last = len(kept) - 1
-            if self.max_count == 1:
-                kept = [kept[last]]
-            else:
-                picks = {round(i * last / (self.max_count - 1)) for i in range(self.max_count)}
-                kept = [kept[i] for i in sorted(picks)]
-        return kept
-
-    def resolve(self, sizes: Sequence[int]) -> tuple[int, ...]:
-        """Sorted, deduplicated sizes; an empty set is an error, not a silent eager fallback."""
-        resolved = tuple(sorted(set(sizes)))
-        if not resolved:
-            raise ValueError(f"{self!r} leaves no bucket to capture; relax divisible_by, memory_limit or max_count")
-        return resolved
-
-    def buckets(self, cost: Callable[[int], int] | None = None) -> tuple[int, ...]:
-        """candidates -> filter -> resolve."""
-        return self.resolve(self.filter(self.candidates(), cost))
-
-
-def resolve_buckets(spec: BucketRule | int | Sequence[int],
-                    cost: Callable[[int], int] | None = None) -> tuple[int, ...]:
-    """Buckets from a rule, from a max size (default rule) or from an explicit list."""
-    if isinstance(spec, BucketRule):
-        return spec.buckets(cost)
-    if is_int(spec):
-        return BucketRule(spec).buckets(cost)
-    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
-        raise TypeError(f"buckets must be a BucketRule, a max size or a list of sizes, got {spec!r}")
-    sizes = [positive_int(size, f"bucket {size!r}") for size in spec]
-    if not sizes:
-        raise ValueError("buckets must not be empty")
-    return tuple(sorted(set(sizes)))
-
-
-def pad_to_bucket(buckets: Sequence[int], n: int) -> int | None:
-    """The smallest bucket >= n, or None when n is above the largest (run that step eagerly).
-
-    `buckets` must be sorted ascending.
-    """
-    n = positive_int(n, "row count n")
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else None
-
-
-# ---------------------------------------------------------------------------------------
-# Static buffers
-# ---------------------------------------------------------------------------------------
-
-# Note [Static buffer layout]
-# Each static buffer (device input, host shadow, output) is one flat allocation of the
-# largest element count any captured bucket needs. The view for bucket b is the contiguous
-# prefix flat[:numel(b)].view(shape(b)). With the batch axis first this is exactly buf[:b];
-# for any other layout (batch axis elsewhere, or a symbolic axis whose size depends on the
-# bucket) a prefix still is contiguous, so the captured host-to-device copy moves
-# numel(b) elements in one memcpy instead of a strided copy of the maximum shape. Each
-# graph always sees the same view of its bucket, so the reinterpretation is invisible
-# to it; code that fills a buffer for bucket b uses runner.view(name, b) or step().
-
-
-@dataclass(frozen=True)
-class StaticInput:
-    """A graph-visible input.
-
-    `shape` is the shape without the batch axis; `batch_axis` says where the bucketed
-    (batch / token) axis is inserted, or None for an input whose shape does not follow
-    the bucket. A str entry in `shape` names a symbolic axis whose size the runner's
-    `axes` gives (a constant, or a function of the bucket); the buffer is sized at that
-    axis's maximum over the captured buckets. `source="host"` inputs get a pinned host
-    shadow whose copy to the device is captured in the graph; `source="device"` inputs are
-    written on the device (by step(), an eager piece, or in place by the caller).
-    `pad_value` fills the rows a step does not provide (e.g. -1 for a KV slot mapping, so
-    padded rows write nowhere).
-    """
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple = ()
-    batch_axis: int | None = 0
-    source: str = "host"
-    pad_value: int | float | bool = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name.startswith("_"):
-            raise ValueError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
-        shape = []
-        for dim in self.shape:
-            if isinstance(dim, str):
-                if not dim:
-                    raise ValueError(f"static input {self.name!r}: a symbolic axis needs a non-empty name")
-                shape.append(dim)
-            else:
-                shape.append(positive_int(dim, f"static input {self.name!r}: dimension {dim!r}"))
-        object.__setattr__(self, "shape", tuple(shape))
-        if self.batch_axis is not None:
-            axis = integer(self.batch_axis, f"static input {self.name!r}: batch_axis")
-            if not 0 <= axis <= len(shape):
-                raise ValueError(
-                    f"static input {self.name!r}: batch_axis must be None or in [0, {len(shape)}], got {axis!r}"
-                )
-            object.__setattr__(self, "batch_axis", axis)
-        if self.source not in ("host", "device"):
-            raise ValueError(f"static input {self.name!r}: source must be 'host' or 'device', got {self.source!r}")
-        if not isinstance(self.pad_value, (int, float)):
-            raise ValueError(f"static input {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
-        floating = self.dtype.is_floating_point or self.dtype.is_complex
-        if not floating and self.dtype != torch.bool and float(self.pad_value) != int(self.pad_value):
-            raise ValueError(f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
-
-
-class _Layout:
-    """Per-bucket shapes of one static buffer and its flat size. See Note [Static buffer layout]."""
-
-    __slots__ = ("shapes", "max_shape", "numel")
-
-    def __init__(self, shapes: dict[int, tuple[int, ...]]):
-        self.shapes = shapes
-        ndim = len(next(iter(shapes.values())))
-        self.max_shape = tuple(max(s[d] for s in shapes.values()) for d in range(ndim))
-        self.numel = math.prod(self.max_shape)
-
-    def view(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
-        shape = self.shapes[bucket]
-        return flat[: math.prod(shape)].view(shape)
-
-    def full(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.view(self.max_shape)
-
-
-def _rebind_message(owner: str, name: str) -> str:
-    return (
-        f"{owner}: static buffer {name!r} is read by captured CUDA graphs at a fixed address; "
-        f"rebinding it to a new tensor would leave the graphs reading the old one. Write in "
-        f"place instead: buffers[{name!r}].copy_(new) or runner.step(n, {name}=new)"
-    )
-
-
-class StaticBuffers(Mapping):
-    """A read-only name -> tensor view of graph-visible buffers.
-
-    Assigning (item or attribute) raises StaticBufferRebindError naming the buffer,
-    because the graphs keep reading the old address; write with `.copy_()` instead.
-    `bucket` is the bucket the views belong to (None for the full, largest views).
-    """
-
-    __slots__ = ("_owner", "_tensors", "_bucket")
-
-    def __init__(self, owner: str, tensors: dict[str, torch.Tensor], bucket: int | None = None):
-        object.__setattr__(self, "_owner", owner)
-        object.__setattr__(self, "_tensors", tensors)
-        object.__setattr__(self, "_bucket", bucket)
-
-    @property
-    def bucket(self) -> int | None:
-        return self._bucket
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise KeyError(f"{self._owner} has no static buffer {name!r}; it has {sorted(self._tensors)}") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise AttributeError(f"{self._owner} has no static buffer {name!r}") from None
-
-    def __setitem__(self, name: str, value: object) -> None:
-        raise StaticBufferRebindError(_rebind_message(self._owner, name))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise StaticBufferRebindError(_rebind_message(self._owner, name))
-
-    def __delitem__(self, name: str) -> None:
-        raise StaticBufferRebindError(_rebind_message(self._owner, name))
-
-    def __delattr__(self, name: str) -> None:
-        raise StaticBufferRebindError(_rebind_message(self._owner, name))
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
-        return f"StaticBuffers({self._owner}, bucket={self._bucket}, {{{shapes}}})"
-
-
-# ---------------------------------------------------------------------------------------
-# Pool ownership
-# ---------------------------------------------------------------------------------------
-
-# Note [Pool ownership]
-# torch frees a private graph pool once every graph captured into it has been destroyed
-# (and empty_cache runs). Capturing into a pool id after that point is the crash other
-# engines hit when one component releases a pool another still hands out. So the ledger
-# records, per pool handle, which graphs hold it (holder = (runner, bucket, piece)):
-# - a graph is added after its capture succeeded and removed after g.reset();
-# - release(pool) with holders left raises PoolInUseError naming them;
-# - a pool the manager created ("shared" or a runner's "own") is released automatically
-#   when its last holder goes: nobody else can hold it, so it is dead, and the manager
-#   hands out a fresh handle for the next capture;
-# - a pool handed in from outside (pool=other.pool()) may still be held by graphs the
-#   ledger does not know, so only an explicit release() ends it;
-# - capturing into a released handle raises PoolReleasedError.
-
-_POOL_HANDLE = "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() or CUDAGraph.pool()"
-
-
-def _pool_key(pool: object) -> tuple[int, int]:
-    if not isinstance(pool, tuple) or not all(is_int(x) for x in pool):
-        raise TypeError(_POOL_HANDLE + f", got {pool!r}")
-    if len(pool) != 2:
-        raise ValueError(_POOL_HANDLE + f", got {pool!r}")
-    return (pool[0].__index__(), pool[1].__index__())
-
-
-class PoolLedger:
-    """Which graphs hold which private pool. See Note [Pool ownership]."""
-
-    def __init__(self) -> None:
-        # Invariant: a key of _holders is registered and not released; _released never
-        # has an entry with holders.
-        self._holders: dict[tuple[int, int], set[tuple]] = {}
-        self._owner: dict[tuple[int, int], str] = {}
-        self._auto: dict[tuple[int, int], bool] = {}
-        self._released: set[tuple[int, int]] = set()
-
-    def register(self, pool: PoolHandle, owner: str, auto_release: bool) -> None:
-        """Start tracking `pool`; `auto_release` when nothing outside the ledger can hold it."""
-        key = _pool_key(pool)
-        self.check_usable(key)
-        if key not in self._holders:
-            self._holders[key] = set()
-            self._owner[key] = owner
-            self._auto[key] = auto_release
-
-    def check_usable(self, pool: PoolHandle) -> None:
-        key = _pool_key(pool)
-        if key in self._released:
-            raise PoolReleasedError(
-                f"graph pool {key} was released (owner: {self._owner.get(key, 'unknown')}); "
-                "capturing into it again could reuse memory torch already freed. Use a new "
-                "handle (torch.cuda.graph_pool_handle()) or the manager's shared pool"
-            )
-
-    def acquire(self, pool: PoolHandle, holder: tuple) -> None:
-        key = _pool_key(pool)
-        self.check_usable(key)
-        if key not in self._holders:
-            raise ValueError(f"graph pool {key} is not registered with this ledger")
-        self._holders[key].add(holder)
-
-    def drop(self, pool: PoolHandle, holder: tuple) -> None:
-        key = _pool_key(pool)
-        holders = self._holders.get(key)
-        if holders is None or holder not in holders:
-            raise ValueError(f"graph {holder} does not hold graph pool {key}")
-        holders.discard(holder)
-        if not holders and self._auto[key]:
-            self._retire(key)
-
-    def release(self, pool: PoolHandle) -> None:
-        """End `pool`; raises PoolInUseError while any graph holds it."""
-        key = _pool_key(pool)
-        if key in self._released:
-            return
-        holders = self._holders.get(key, set())
-        if holders:
-            listed = ", ".join(f"runner {r!r} bucket {b} piece {p}" for r, b, p in sorted(holders))
-            raise PoolInUseError(
-                f"graph pool {key} (owner: {self._owner.get(key, 'unknown')}) is still held by "
-                f"{len(holders)} graph(s): {listed}; close or release those runners first"
-            )
-        self._retire(key)
-
-    def _retire(self, key: tuple[int, int]) -> None:
-        self._holders.pop(key, None)
-        self._auto.pop(key, None)
-        self._released.add(key)
-
-    def holders(self, pool: PoolHandle) -> tuple:
-        return tuple(sorted(self._holders.get(_pool_key(pool), ())))
-
-    def owner(self, pool: PoolHandle) -> str | None:
-        return self._owner.get(_pool_key(pool))
-
-    def is_released(self, pool: PoolHandle) -> bool:
-        return _pool_key(pool) in self._released
-
-    def pools(self) -> dict[tuple[int, int], tuple]:
-        """Pools that graphs hold now -> those graphs."""
-        return {key: tuple(sorted(h)) for key, h in self._holders.items() if h}
-
+from .._validate import integer, positive_int
+from .buckets import BucketRule, pad_to_bucket, resolve_buckets
+from .pools import PoolHandle, PoolLedger, pool_key
+from .shadows import ShadowRing
+from .static import AxisSize, BufferLayout, StaticBufferRebindError, StaticBuffers, StaticInput, rebind_message
+
+__all__ = ["EagerPiece", "GraphPoolManager", "GraphRunner"]
 
 # ---------------------------------------------------------------------------------------
 # Runner
 # ---------------------------------------------------------------------------------------
-
-# Note [Shadow ring]
-# A host-sourced input reaches the device through a copy captured in the graph: the copy
-# node reads the pinned shadow when it runs on the device, which can be long after replay()
-# returned on the host. Writing the next step's data into that shadow before then would
-# feed the earlier replay the new data.
-#
-# So a runner keeps a ring of N shadow slots (shadow_slots=, default 2). Slot s has its own
-# pinned shadow per host input and, per bucket, its own exec of the first graph, whose
-# captured copy reads slot s; later pieces read only device buffers and are captured once.
-# Step k writes slot k % N. Before writing, the host waits on slot s's event, recorded right
-# after the replay that last read slot s (N steps ago); the steps in between read other
-# slots. Every earlier read of slot s had finished before that replay was staged (the same
-# wait, one round earlier), so once the wait returns nothing queued reads slot s. The host
-# can therefore stage up to N - 1 steps ahead of the device, and the wait is normally
-# already satisfied; N = 1 is a plain fence (step k+1 waits for step k's first graph).
-# run_eager() and warm-up read a shadow with eager non-blocking copies and take a slot the
-# same way.
-#
-# The device-side static inputs are shared by all slots: step k's captured copies overwrite
-# what step k-1's graphs read, which is safe because replays go to one stream, in order.
-# The event is recorded by the host after replay(), on the stream the graph was launched on
-# (the current stream of the runner's device). It is not captured into the graph: a host
-# wait on a stream record is plainly documented, one on an event-record node less so, and
-# the host call comes after replay() has returned.
-#
-# Cost: N execs of the first graph per bucket (N times its capture time and exec memory;
-# they are captured one after another into the same pool and reuse each other's blocks, so
-# the pool does not grow, unless outputs are kept in it, see Note [Outputs kept in the
-# pool]), N pinned shadows (shadow_nbytes counts them all) and one event per slot. A runner
-# without host-sourced inputs has nothing to guard and uses one slot.
 
 # Note [Static outputs make pool sharing safe]
 # A piece's outputs are copied, inside its graph, into static output buffers allocated
@@ -505,47 +75,6 @@ def _piece_name(piece: object) -> str:
     if isinstance(piece, EagerPiece):
         return piece.name
     return getattr(piece, "__name__", repr(piece))
-
-
-class _ShadowRing:
-    """Which shadow slot the next step writes, and the event guarding each slot.
-
-    See Note [Shadow ring]. `make_fence()` builds an event with record(stream) and
-    synchronize() (torch.cuda.Event); None where nothing reads a shadow asynchronously.
-    """
-
-    __slots__ = ("size", "fenced", "last", "_next", "_fences", "_armed", "_make_fence")
-
-    def __init__(self, size: int, make_fence: Callable[[], Any] | None):
-        self.size = size
-        self.fenced = make_fence is not None
-        self.last = 0  # the slot the latest step wrote
-        self._next = 0
-        # Invariant: _armed[s] iff _fences[s] was recorded after the latest read of slot s
-        # was queued and no wait on it has returned since.
-        self._fences: list = [None] * size
-        self._armed = [False] * size
-        self._make_fence = make_fence
-
-    def acquire(self) -> int:
-        """The slot to write next, once the work that last read it has finished."""
-        slot = self._next
-        if self._armed[slot]:
-            self._fences[slot].synchronize()
-            self._armed[slot] = False
-        self._next = 0 if slot + 1 == self.size else slot + 1
-        self.last = slot
-        return slot
-
-    def release(self, slot: int, stream: Any) -> None:
-        """Slot `slot` is read by the work queued on `stream` so far."""
-        if not self.fenced:
-            return
-        fence = self._fences[slot]
-        if fence is None:
-            fence = self._fences[slot] = self._make_fence()
-        fence.record(stream)
-        self._armed[slot] = True
 
 
 class _InputCopy:
@@ -649,7 +178,7 @@ class GraphRunner:
         self._all_buckets = resolve_buckets(buckets, cost=self._input_nbytes)
         self._available = list(self._all_buckets)
         self._in_layouts = {
-            name: _Layout({b: self._input_shape(spec, b) for b in self._all_buckets})
+            name: BufferLayout({b: self._input_shape(spec, b) for b in self._all_buckets})
             for name, spec in self._specs.items()
         }
 
@@ -679,7 +208,7 @@ class GraphRunner:
         # inputs only; see _InputCopy). Shadows start filled with it.
         self._dirty = [[0] * len(self._specs) for _ in range(self._slots)]
         self._ring = self._new_ring()
-        self._out_layouts: dict[str, _Layout] = {}
+        self._out_layouts: dict[str, BufferLayout] = {}
         self._out_flat: dict[str, torch.Tensor] = {}
         self._out_meta: dict[str, tuple[torch.dtype, torch.device]] = {}
         self._out_axis: dict[str, int | None] = {}
@@ -721,7 +250,7 @@ class GraphRunner:
                 f"{self._label}: pool must be 'shared', 'own' or a handle from "
                 f"torch.cuda.graph_pool_handle() / CUDAGraph.pool(), got {pool!r}"
             )
-        key = _pool_key(pool)
+        key = pool_key(pool)
         self._manager.ledger.check_usable(key)
         for other in self._manager._runners.values():
             if other._keep_last and other._pool is not None and tuple(other._pool) == tuple(key):
@@ -769,9 +298,9 @@ class GraphRunner:
         if self._closed:
             raise RuntimeError(f"{self._label} is closed")
 
-    def _new_ring(self) -> _ShadowRing:
+    def _new_ring(self) -> ShadowRing:
         fenced = self._cuda and bool(self._host_names)
-        return _ShadowRing(self._slots, torch.cuda.Event if fenced else None)
+        return ShadowRing(self._slots, torch.cuda.Event if fenced else None)
 
     # -- public state -------------------------------------------------------------------
 
@@ -864,7 +393,7 @@ class GraphRunner:
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self.__dict__.get("_buffer_names", ()):
-            raise StaticBufferRebindError(_rebind_message(self._label, name))
+            raise StaticBufferRebindError(rebind_message(self._label, name))
         object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
@@ -1077,7 +606,7 @@ class GraphRunner:
             if axis is not None:
                 shape[axis] = b
             shapes[b] = tuple(shape)
-        layout = _Layout(shapes)
+        layout = BufferLayout(shapes)
         self._out_layouts[name] = layout
         self._out_meta[name] = (tensor.dtype, tensor.device)
         self._out_axis[name] = axis
@@ -1294,7 +823,7 @@ class GraphRunner:
             store.clear()
         self._slot_flat, self._shadow_views, self._copy_pairs = [], [], []
         self._available = []
-        self._ring = _ShadowRing(self._slots, None)
+        self._ring = ShadowRing(self._slots, None)
         self._closed = True
         self._manager._forget(self)
 
@@ -1393,7 +922,7 @@ class GraphPoolManager:
     def release_pool(self, pool: PoolHandle) -> None:
         """Let go of a pool handle; raises PoolInUseError while graphs hold it."""
         self.ledger.release(pool)
-        if self._shared is not None and _pool_key(pool) == self._shared:
+        if self._shared is not None and pool_key(pool) == self._shared:
             self._shared = None
 
     def _pool_for(self, runner: GraphRunner) -> PoolHandle:

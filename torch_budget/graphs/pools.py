@@ -1,0 +1,118 @@
+"""Which graphs hold which private graph pool, so that a handle is never used after it was let go."""
+
+from __future__ import annotations
+
+from .._validate import is_int
+
+PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() return
+
+
+class PoolInUseError(RuntimeError):
+    """A graph pool was released while graphs still hold it."""
+
+
+class PoolReleasedError(RuntimeError):
+    """A graph pool handle was used after it had been released."""
+
+
+# Note [Pool ownership]
+# torch frees a private graph pool once every graph captured into it has been destroyed
+# (and empty_cache runs). Capturing into a pool id after that point is the crash other
+# engines hit when one component releases a pool another still hands out. So the ledger
+# records, per pool handle, which graphs hold it (holder = (runner, bucket, piece)):
+# - a graph is added after its capture succeeded and removed after g.reset();
+# - release(pool) with holders left raises PoolInUseError naming them;
+# - a pool the manager created ("shared" or a runner's "own") is released automatically
+#   when its last holder goes: nobody else can hold it, so it is dead, and the manager
+#   hands out a fresh handle for the next capture;
+# - a pool handed in from outside (pool=other.pool()) may still be held by graphs the
+#   ledger does not know, so only an explicit release() ends it;
+# - capturing into a released handle raises PoolReleasedError.
+
+_POOL_HANDLE = "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() or CUDAGraph.pool()"
+
+
+def pool_key(pool: object) -> tuple[int, int]:
+    if not isinstance(pool, tuple) or not all(is_int(x) for x in pool):
+        raise TypeError(_POOL_HANDLE + f", got {pool!r}")
+    if len(pool) != 2:
+        raise ValueError(_POOL_HANDLE + f", got {pool!r}")
+    return (pool[0].__index__(), pool[1].__index__())
+
+
+class PoolLedger:
+    """Which graphs hold which private pool. See Note [Pool ownership]."""
+
+    def __init__(self) -> None:
+        # Invariant: a key of _holders is registered and not released; _released never
+        # has an entry with holders.
+        self._holders: dict[tuple[int, int], set[tuple]] = {}
+        self._owner: dict[tuple[int, int], str] = {}
+        self._auto: dict[tuple[int, int], bool] = {}
+        self._released: set[tuple[int, int]] = set()
+
+    def register(self, pool: PoolHandle, owner: str, auto_release: bool) -> None:
+        """Start tracking `pool`; `auto_release` when nothing outside the ledger can hold it."""
+        key = pool_key(pool)
+        self.check_usable(key)
+        if key not in self._holders:
+            self._holders[key] = set()
+            self._owner[key] = owner
+            self._auto[key] = auto_release
+
+    def check_usable(self, pool: PoolHandle) -> None:
+        key = pool_key(pool)
+        if key in self._released:
+            raise PoolReleasedError(
+                f"graph pool {key} was released (owner: {self._owner.get(key, 'unknown')}); "
+                "capturing into it again could reuse memory torch already freed. Use a new "
+                "handle (torch.cuda.graph_pool_handle()) or the manager's shared pool"
+            )
+
+    def acquire(self, pool: PoolHandle, holder: tuple) -> None:
+        key = pool_key(pool)
+        self.check_usable(key)
+        if key not in self._holders:
+            raise ValueError(f"graph pool {key} is not registered with this ledger")
+        self._holders[key].add(holder)
+
+    def drop(self, pool: PoolHandle, holder: tuple) -> None:
+        key = pool_key(pool)
+        holders = self._holders.get(key)
+        if holders is None or holder not in holders:
+            raise ValueError(f"graph {holder} does not hold graph pool {key}")
+        holders.discard(holder)
+        if not holders and self._auto[key]:
+            self._retire(key)
+
+    def release(self, pool: PoolHandle) -> None:
+        """End `pool`; raises PoolInUseError while any graph holds it."""
+        key = pool_key(pool)
+        if key in self._released:
+            return
+        holders = self._holders.get(key, set())
+        if holders:
+            listed = ", ".join(f"runner {r!r} bucket {b} piece {p}" for r, b, p in sorted(holders))
+            raise PoolInUseError(
+                f"graph pool {key} (owner: {self._owner.get(key, 'unknown')}) is still held by "
+                f"{len(holders)} graph(s): {listed}; close or release those runners first"
+            )
+        self._retire(key)
+
+    def _retire(self, key: tuple[int, int]) -> None:
+        self._holders.pop(key, None)
+        self._auto.pop(key, None)
+        self._released.add(key)
+
+    def holders(self, pool: PoolHandle) -> tuple:
+        return tuple(sorted(self._holders.get(pool_key(pool), ())))
+
+    def owner(self, pool: PoolHandle) -> str | None:
+        return self._owner.get(pool_key(pool))
+
+    def is_released(self, pool: PoolHandle) -> bool:
+        return pool_key(pool) in self._released
+
+    def pools(self) -> dict[tuple[int, int], tuple]:
+        """Pools that graphs hold now -> those graphs."""
+        return {key: tuple(sorted(h)) for key, h in self._holders.items() if h}
