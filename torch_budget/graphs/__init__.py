@@ -25,7 +25,8 @@ time (see Note [Static outputs make pool sharing safe]).
 
 from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .pools import PoolInUseError, PoolLedger, PoolReleasedError
-from .runner import EagerPiece, GraphPoolManager, GraphRunner
+from .manager import GraphPoolManager
+from .runner import EagerPiece, GraphRunner
 from .shadows import ShadowRing
 from .static import StaticBufferRebindError, StaticBuffers, StaticInput
 

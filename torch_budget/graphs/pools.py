@@ -107,9 +107,6 @@ class PoolLedger:
     def holders(self, pool: PoolHandle) -> tuple:
         return tuple(sorted(self._holders.get(pool_key(pool), ())))
 
-    def owner(self, pool: PoolHandle) -> str | None:
-        return self._owner.get(pool_key(pool))
-
     def is_released(self, pool: PoolHandle) -> bool:
         return pool_key(pool) in self._released
 

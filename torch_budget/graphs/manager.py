@@ -1,0 +1,214 @@
+"""GraphPoolManager: the runners and graph pools of one device, the capture stream, and
+the agreement of ranks on the graph to replay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._validate import integer, positive_int
+from .buckets import BucketRule
+from .pools import PoolHandle, PoolLedger, pool_key
+from .runner import EagerPiece, GraphRunner
+from .static import AxisSize, StaticInput
+
+__all__ = ["GraphPoolManager"]
+
+
+# Note [Rank agreement]
+# With data-parallel attention each rank sees its own batch and would pick its own bucket
+# (and tier, e.g. full graph vs piecewise vs eager). Graphs contain collectives, so ranks
+# replaying different graphs deadlock or exchange mismatched sizes. agree() all-gathers the
+# key; if all ranks picked the same it is kept, otherwise every rank takes the most
+# conservative one: the largest bucket (each rank's rows fit, the extra is padding) and the
+# most conservative tier. A rank that must run eagerly (bucket None) makes all run eagerly.
+_EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
+
+
+_CAPTURE_STREAMS: dict[int, Any] = {}
+
+
+def _capture_stream(device: Any) -> Any:
+    """The one stream every capture on `device` uses, for the whole process.
+
+    torch asks that captures sharing a pool use the same stream, and warm-up runs on it
+    so its lazy state exists before capture. It is shared by every manager because torch
+    keeps a cuBLAS workspace per stream for good (about 32 MiB on Hopper): a stream per
+    manager would grow reserved memory with every manager created.
+    """
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+class GraphPoolManager:
+    """Owns the graph pools of one device and the runners captured into them.
+
+    `tiers` orders the graph tiers agree() understands from most optimized to most
+    conservative. Use as a context manager, or call close().
+    """
+
+    def __init__(self, device: str | torch.device | None = "cuda", *,
+                 tiers: Sequence[str] = ("full", "piecewise", "eager")):
+        device = torch.device(device if device is not None else "cuda")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        tiers = tuple(tiers)
+        if not tiers or len(set(tiers)) != len(tiers) or not all(isinstance(t, str) for t in tiers):
+            raise ValueError(f"tiers must be distinct strings, least to most conservative; got {tiers!r}")
+        self.tiers = tiers
+        self.ledger = PoolLedger()
+        self._shared: PoolHandle | None = None
+        self._runners: dict[str, GraphRunner] = {}
+
+    def runner(self, name: str, pieces: Sequence[Callable | EagerPiece] | Callable, *,
+               buckets: BucketRule | int | Sequence[int], inputs: Sequence[StaticInput] = (),
+               axes: Mapping[str, AxisSize] | None = None,
+               output_axes: Mapping[str, int | None] | None = None,
+               pool: str | PoolHandle = "shared", warmup: int = 2, shadow_slots: int = 2,
+               last_outputs: str = "copy") -> GraphRunner:
+        """Declare a forward to capture. Static buffers are allocated now; call capture().
+
+        `pieces`: callables `piece(buffers) -> dict | None` (captured) and EagerPiece
+        entries, in forward order. `axes` sizes symbolic axes of inputs (int, or a function
+        of the bucket). `output_axes` gives each output's batch axis (default 0; None: not
+        bucketed). `pool`: "shared" (the manager's pool), "own" (a pool for this runner
+        alone) or a handle such as other_graph.pool(). `shadow_slots`: pinned shadow slots,
+        how many steps the host may stage ahead of the device plus one (Note [Shadow ring]).
+        `last_outputs`: "copy" (static output buffers) or "in_pool" (the last piece's outputs
+        stay where its graph writes them, one copy kernel fewer per output; needs
+        pool="own", see Note [Outputs kept in the pool]).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"runner name must be a non-empty str, got {name!r}")
+        if name in self._runners:
+            raise ValueError(f"a runner named {name!r} already exists; close it or pick another name")
+        runner = GraphRunner(self, name, pieces, buckets=buckets, inputs=inputs, axes=axes,
+                             output_axes=output_axes, pool=pool, warmup=warmup,
+                             shadow_slots=shadow_slots, last_outputs=last_outputs)
+        self._runners[name] = runner
+        return runner
+
+    @property
+    def runners(self) -> dict[str, GraphRunner]:
+        return dict(self._runners)
+
+    def pools(self) -> dict[tuple[int, int], tuple]:
+        """Pools that graphs hold now -> the (runner, bucket, piece) graphs holding them."""
+        return self.ledger.pools()
+
+    def release_pool(self, pool: PoolHandle) -> None:
+        """Let go of a pool handle; raises PoolInUseError while graphs hold it."""
+        self.ledger.release(pool)
+        if self._shared is not None and pool_key(pool) == self._shared:
+            self._shared = None
+
+    # -- what runners ask of their manager (GraphRunner's RunnerOwner) --------------------
+
+    def capture_pool(self, runner: GraphRunner) -> PoolHandle:
+        """The pool `runner` captures into now, registered with the ledger; called by
+        runner.capture(), which keeps the handle. See Note [Pool ownership].
+
+        A handed-in handle is used as it is (PoolReleasedError once it was let go); a live
+        pool the runner already captured into is kept; otherwise the runner gets the
+        manager's shared pool ("shared", a fresh one once the last was released) or a
+        fresh pool of its own ("own").
+        """
+        mode, current = runner.pool_mode, runner.pool
+        if mode == "external":
+            self.ledger.register(current, "handed in", auto_release=False)
+            return current
+        if current is not None and not self.ledger.is_released(current):
+            return current
+        if mode == "shared":
+            if self._shared is None or self.ledger.is_released(self._shared):
+                self._shared = torch.cuda.graph_pool_handle()
+                self.ledger.register(self._shared, "manager (shared)", auto_release=True)
+            return self._shared
+        handle = torch.cuda.graph_pool_handle()
+        self.ledger.register(handle, f"runner {runner.name!r} (own)", auto_release=True)
+        return handle
+
+    def capture_stream(self) -> Any:
+        """The stream every capture on this manager's device uses (see _capture_stream)."""
+        return _capture_stream(self.device)
+
+    def runner_keeping_outputs_in(self, pool: PoolHandle) -> GraphRunner | None:
+        """The open runner whose last outputs live in `pool` (last_outputs="in_pool"), if
+        any: no other runner may capture into that pool. See Note [Outputs kept in the pool]."""
+        key = pool_key(pool)
+        for runner in self._runners.values():
+            if runner.last_outputs == "in_pool" and runner.pool is not None and pool_key(runner.pool) == key:
+                return runner
+        return None
+
+    def runner_closed(self, runner: GraphRunner) -> None:
+        """Called by runner.close(): the manager no longer lists it (its name is free again)."""
+        if self._runners.get(runner.name) is runner:
+            del self._runners[runner.name]
+
+    def _encode_tier(self, tier: int | str) -> int:
+        if isinstance(tier, str):
+            if tier not in self.tiers:
+                raise ValueError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
+            return self.tiers.index(tier)
+        return integer(tier, f"a graph tier (one of {self.tiers}, or an int code)", minimum=0)
+
+    def agree(self, bucket: int | None, tier: int | str, group: Any = None) -> tuple[int | None, int | str]:
+        """The (bucket, tier) every rank of `group` uses. See Note [Rank agreement].
+
+        `bucket` None means this rank runs eagerly. Returns the local choice when all ranks
+        agree, with world size 1, or when torch.distributed is not initialized.
+        """
+        if bucket is not None:
+            bucket = positive_int(bucket, "bucket")
+        tier_code = self._encode_tier(tier)
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return bucket, tier
+        world = dist.get_world_size(group)
+        if world == 1:
+            return bucket, tier
+        device = "cpu"
+        if str(dist.get_backend(group)) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([_EAGER_BUCKET if bucket is None else bucket, tier_code],
+                            dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        rows = torch.stack(gathered).cpu().tolist()
+        if all(row == rows[0] for row in rows):
+            return bucket, tier
+        top_bucket = max(row[0] for row in rows)
+        top_tier = max(row[1] for row in rows)
+        agreed_bucket = None if top_bucket == _EAGER_BUCKET else top_bucket
+        if isinstance(tier, str):
+            if top_tier >= len(self.tiers):
+                raise ValueError(f"a rank chose tier code {top_tier}, unknown to tiers {self.tiers}")
+            return agreed_bucket, self.tiers[top_tier]
+        return agreed_bucket, top_tier
+
+    def close(self) -> None:
+        """Close every runner and let go of the shared pool; idempotent."""
+        for runner in list(self._runners.values()):
+            runner.close()
+        if self._shared is not None and not self.ledger.is_released(self._shared):
+            self.ledger.release(self._shared)
+        self._shared = None
+
+    def __enter__(self) -> GraphPoolManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GraphPoolManager({self.device}, runners={sorted(self._runners)}, pools={len(self.pools())})"
