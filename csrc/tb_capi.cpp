@@ -21,6 +21,14 @@ int64_t hand_over(const std::string& text, char* buffer, int64_t capacity) {
   return n;
 }
 
+bool probe(int device, Capabilities* caps) {
+  const int n = Allocator::get().device_count();
+  if (n < 0) return false;
+  TB_REQUIRE(device >= 0 && device < n, kInvalidArgument,
+             "device " + std::to_string(device) + " does not exist (" + std::to_string(n) + " visible)", false);
+  return probe_device(device, caps);
+}
+
 }  // namespace
 
 extern "C" {
@@ -44,20 +52,24 @@ int tb_device_count(void) {
 
 int tb_capabilities(int device, int64_t out[4]) {
   clear_error();
-  const int n = Allocator::get().device_count();
-  if (n < 0) return code();
-  if (device < 0 || device >= n) {
-    set_error(kInvalidArgument, "device " + std::to_string(device) + " does not exist (" + std::to_string(n) +
-                                    " visible)");
-    return kInvalidArgument;
-  }
   Capabilities caps;
-  if (!probe_device(device, &caps)) return code();
+  if (!probe(device, &caps)) return code();
   out[0] = caps.vmm;
   out[1] = caps.pools;
   out[2] = static_cast<int64_t>(caps.granularity);
   out[3] = static_cast<int64_t>(caps.total_bytes);
   return 0;
+}
+
+int tb_route_for(int device, int route) {
+  clear_error();
+  if (route < 0 || route >= kRouteCount) {
+    set_error(kInvalidArgument, "unknown route " + std::to_string(route));
+    return -kInvalidArgument;
+  }
+  Capabilities caps;
+  if (!probe(device, &caps)) return -code();
+  return resolve_route(caps, route);
 }
 
 void* tb_malloc(ssize_t size, int device, void* stream) {
@@ -109,11 +121,11 @@ int tb_tag_id(const char* name) {
   return id < 0 ? -code() : id;
 }
 
-int tb_set_budget(int device, int64_t bytes) {
+int tb_set_budget(int device, int64_t bytes, double fraction) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
-  return d->set_budget(bytes) ? 0 : code();
+  return d->set_budget(bytes, fraction) ? 0 : code();
 }
 
 int tb_empty_cache(int device) {

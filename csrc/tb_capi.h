@@ -26,6 +26,8 @@ TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int defaul
 TB_API int tb_device_count(void);
 // Capabilities of a device: out[0] vmm, out[1] pools, out[2] granularity, out[3] total bytes.
 TB_API int tb_capabilities(int device, int64_t out[4]);
+// The route an allocation asking for `route` gets on `device` (the fallback rule); < 0 on error.
+TB_API int tb_route_for(int device, int route);
 
 // --- the allocation functions; signatures match CUDAPluggableAllocator's
 // alloc_fn `void*(ssize_t size, int device, cudaStream_t stream)` and
@@ -44,7 +46,8 @@ TB_API int tb_pop_scope(void);
 TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on error
 
 // --- budget, cache, peers
-TB_API int tb_set_budget(int device, int64_t bytes);
+// bytes >= 0, or (bytes < 0) a fraction in (0, 1] of the card.
+TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
 TB_API int tb_empty_cache(int device);
 // Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).
 TB_API int tb_grant_peer(int device, int peer);

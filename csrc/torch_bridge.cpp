@@ -105,8 +105,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
                 fraction);
     tb::DeviceAllocator* d = tb::Allocator::get().device(device);
     if (d == nullptr) raise_last_error("setMemoryFraction");
-    const auto bytes = static_cast<int64_t>(fraction * static_cast<double>(d->caps().total_bytes));
-    if (!d->set_budget(bytes)) raise_last_error("setMemoryFraction");
+    if (!(fraction > 0 ? d->set_budget(-1, fraction) : d->set_budget(0))) raise_last_error("setMemoryFraction");
   }
 
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }

@@ -12,6 +12,7 @@ import traceback
 import pytest
 
 from torch_budget import _native
+from torch_budget.config import ROUTES
 
 try:
     import torch
@@ -68,7 +69,7 @@ class Host:
             self.configure(budget, route, reuse_before_grow)
 
     def configure(self, budget=-1, route="sync", reuse_before_grow=True):
-        _native.check(self.lib, self.lib.tb_configure(budget, -1.0, _native.ROUTES[route], int(reuse_before_grow)))
+        _native.check(self.lib, self.lib.tb_configure(budget, -1.0, ROUTES[route], int(reuse_before_grow)))
 
     def malloc(self, size, stream=S1, device=0):
         p = self.lib.tb_malloc(size, device, stream)
@@ -115,7 +116,7 @@ class Host:
         _native.check(self.lib, self.lib.tb_empty_cache(device))
 
     def set_budget(self, n, device=0):
-        _native.check(self.lib, self.lib.tb_set_budget(device, n))
+        _native.check(self.lib, self.lib.tb_set_budget(device, n, -1.0))
 
     def grant_peer(self, device, peer):
         _native.check(self.lib, self.lib.tb_grant_peer(device, peer))
@@ -146,7 +147,7 @@ class Host:
         return t
 
     def push(self, route=None, tag=None):
-        r = -1 if route is None else _native.ROUTES[route]
+        r = -1 if route is None else ROUTES[route]
         _native.check(self.lib, self.lib.tb_push_scope(r, -1 if tag is None else self.tag(tag)))
 
     def pop(self):

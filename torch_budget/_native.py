@@ -12,7 +12,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # csrc/core/error.h
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE = range(6)
-ROUTES = {"vmm": 0, "pool": 1, "sync": 2}
 
 
 class TorchBudgetError(RuntimeError):
@@ -36,6 +35,7 @@ def _declare(lib, host):
         "tb_configure": (i, [i64, d, i, i]),
         "tb_device_count": (i, []),
         "tb_capabilities": (i, [i, _c_i64_4]),
+        "tb_route_for": (i, [i, i]),
         "tb_malloc": (vp, [ssz, i, vp]),
         "tb_free": (None, [vp, ssz, i, vp]),
         "tb_free_checked": (i, [vp]),
@@ -43,7 +43,7 @@ def _declare(lib, host):
         "tb_push_scope": (i, [i, i]),
         "tb_pop_scope": (i, []),
         "tb_tag_id": (i, [cp]),
-        "tb_set_budget": (i, [i, i64]),
+        "tb_set_budget": (i, [i, i64, d]),
         "tb_empty_cache": (i, [i]),
         "tb_grant_peer": (i, [i, i]),
         "tb_begin_pool": (i, [i, u64, u64, vp]),

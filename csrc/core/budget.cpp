@@ -16,6 +16,12 @@ std::string format_size(uint64_t bytes) {
   return buf;
 }
 
+int64_t Budget::resolve(int64_t bytes, double fraction, size_t total) {
+  if (bytes >= 0) return bytes;
+  if (fraction > 0) return static_cast<int64_t>(fraction * static_cast<double>(total));
+  return kNone;
+}
+
 bool Budget::fits(size_t bytes) {
   const int64_t room = limit() - reserved();
   if (room < 0 || bytes > static_cast<uint64_t>(room)) {

@@ -35,6 +35,9 @@ class Budget {
   Budget(int device, Ledger& ledger) : device_(device), ledger_(ledger) {}
 
   static constexpr int64_t kNone = INT64_MAX;
+  // The one rule for a budget given as bytes or as a fraction of the card: bytes when
+  // >= 0, else the fraction (0, 1] of `total`, else none.
+  static int64_t resolve(int64_t bytes, double fraction, size_t total);
   int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
   void set_limit(int64_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
   int64_t reserved() const { return ledger_.reserved_bytes.s[kAggregate].get(); }

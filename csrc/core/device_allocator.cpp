@@ -76,16 +76,13 @@ bool DeviceAllocator::init(const Settings& settings) {
 
 void DeviceAllocator::apply(const Settings& settings) {
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t limit = Budget::kNone;
-  if (settings.budget_bytes >= 0) limit = settings.budget_bytes;
-  else if (settings.budget_fraction > 0) limit = static_cast<int64_t>(settings.budget_fraction * caps_.total_bytes);
-  budget_.set_limit(limit);
+  budget_.set_limit(Budget::resolve(settings.budget_bytes, settings.budget_fraction, caps_.total_bytes));
   if (vmm_) vmm_->set_reuse_before_grow(settings.reuse_before_grow);
 }
 
-int DeviceAllocator::resolve_route(int route) const {
-  if (route == kRouteVmm && !caps_.vmm) route = caps_.pools ? kRoutePool : kRouteSync;
-  if (route == kRoutePool && !caps_.pools) route = kRouteSync;
+int resolve_route(const Capabilities& caps, int route) {
+  if (route == kRouteVmm && !caps.vmm) route = caps.pools ? kRoutePool : kRouteSync;
+  if (route == kRoutePool && !caps.pools) route = kRouteSync;
   return route;
 }
 
@@ -170,7 +167,7 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, bool al
   // Any capture in global mode, on any thread, forbids this thread's cuMemCreate etc.
   RelaxedCaptureMode relaxed(open_captures() > 0);
   if (gp != nullptr) return gp->malloc(size, stream);
-  return default_pool(resolve_route(route))->malloc(size, stream);
+  return default_pool(resolve_route(caps_, route))->malloc(size, stream);
 }
 
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
@@ -180,7 +177,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     // Can never fit (and keeps every size computation far from overflow).
     bump(ledger_.num_ooms);
     budget_.clear_refusal();
-    set_error(kOutOfMemory, oom_text(size, resolve_route(route), tag,
+    set_error(kOutOfMemory, oom_text(size, resolve_route(caps_, route), tag,
                                      "the request is larger than the device's total memory"));
     return nullptr;
   }
@@ -210,7 +207,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     if (budget_.reserved() > budget_.limit()) release_cached(lock);
     bump(ledger_.num_ooms);
     const int used_route = graphs_.capturing() && graphs_.route_for(stream) ? graphs_.route_for(stream)->route()
-                                                                            : resolve_route(route);
+                                                                            : resolve_route(caps_, route);
     set_error(kOutOfMemory, oom_text(size, used_route, tag, cause));
     return nullptr;
   }
@@ -369,8 +366,10 @@ bool DeviceAllocator::empty_cache() {
   return true;
 }
 
-bool DeviceAllocator::set_budget(int64_t bytes) {
-  TB_REQUIRE(bytes >= 0, kInvalidArgument, "budget must be >= 0 bytes, got " + std::to_string(bytes), false);
+bool DeviceAllocator::set_budget(int64_t bytes, double fraction) {
+  TB_REQUIRE(bytes >= 0 || (fraction > 0 && fraction <= 1), kInvalidArgument,
+             "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
+  bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
   std::unique_lock<std::mutex> lock(mu_);
   const int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
   TB_REQUIRE(bytes >= allocated, kInvalidArgument,

@@ -46,6 +46,10 @@ struct Capabilities {
 // Reads a device's capabilities without creating a context.
 bool probe_device(int device, Capabilities* caps);
 
+// The one rule for falling back between routes: VMM, else the stream-ordered pool,
+// else synchronous, by what the device supports.
+int resolve_route(const Capabilities& caps, int route);
+
 struct Settings {
   int64_t budget_bytes = -1;     // < 0: none (the whole card)
   double budget_fraction = -1;   // used when budget_bytes < 0 and fraction > 0
@@ -108,7 +112,8 @@ class DeviceAllocator {
 
   // Returns cached memory of the default pools to the driver.
   bool empty_cache();
-  bool set_budget(int64_t bytes);
+  // bytes >= 0, or a fraction (0, 1] of the card (see Budget::resolve).
+  bool set_budget(int64_t bytes, double fraction = -1);
   // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
   bool grant_peer(int peer);
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
@@ -151,7 +156,6 @@ class DeviceAllocator {
     uint64_t died_at;  // StreamClock stamp
   };
 
-  int resolve_route(int route) const;
   BlockPool* default_pool(int route);
   Backing* graph_backing();
   Block* attempt(size_t size, CUstream stream, int route, bool allow_sync);
