@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from _harness import repo_env
 import torch_budget
 from torch_budget import cli, demo
+from torch_budget.demo.requests import make_requests, run_requests
+from torch_budget.demo.serve import decode_runner
 from torch_budget.graphs import GraphPoolManager
-from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, decode, prefill
+from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, decode, prefill, prefill_workspace_bytes
 from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=97, max_seq_len=32, dtype="float32")
 
 
@@ -31,8 +33,7 @@ def test_doctor_runs_and_names_torchs_version(capsys):
 
 def test_demo_without_a_gpu_prints_the_plan_and_why_it_stops(tmp_path):
     # CUDA_VISIBLE_DEVICES="" hides any device, so this runs the no-GPU path on every machine.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = repo_env({"CUDA_VISIBLE_DEVICES": ""})
     proc = subprocess.run([sys.executable, "-m", "torch_budget", "demo", "--quick"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -83,7 +84,7 @@ def model():
 
 def _warm_meta(floor_tokens):
     meta = WorkspaceMetadata("cpu", reclaimable=True)
-    meta.warm_up(demo.workspace_bytes(TINY, 1, floor_tokens))
+    meta.warm_up(prefill_workspace_bytes(TINY, 1, floor_tokens))
     return meta
 
 
@@ -93,20 +94,20 @@ def test_workspace_prefill_matches_model_prefill_and_holds_one_layers_need(model
     cache = PagedKVCache(TINY, num_blocks=16, max_batch=2, block_size=4)
     meta = _warm_meta(2)
     with workspace_scope(meta):
-        last = demo.prefill_last(model, ids, cache, [0, 1], meta)
+        last = prefill(model, ids, cache, [0, 1], scratch=meta, last_only=True)
     torch.testing.assert_close(last, reference[:, -1], rtol=1e-5, atol=1e-5)
     # Every layer needs the same scratch; the workspace holds one layer's need, not the sum.
-    assert meta.capacity == demo.workspace_bytes(TINY, 2, 13)
+    assert meta.capacity == prefill_workspace_bytes(TINY, 2, 13)
 
 
 def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
     settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=True, min_prompt=3, max_prompt=24,
                              min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0)
-    requests = demo.make_requests(settings, TINY.vocab)
+    requests = make_requests(settings, TINY.vocab)
     # 9 usable blocks of 4 tokens: too few for four long requests at once, so some must wait.
     cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
     manager = GraphPoolManager("cpu")
-    runner = demo._decode_runner(manager, "decode", model, cache, settings.buckets)
+    runner = decode_runner(manager, "decode", model, cache, settings.buckets)
 
     class EagerRunner:  # the captured graph's computation, through the same buffers and padding
         step = staticmethod(runner.run_eager)
@@ -116,7 +117,7 @@ def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
         def sample(self):
             pass
 
-    stats = demo._run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(),
+    stats = run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(),
                                torch.device("cpu"), torch_budget.route)
     assert stats["generated"] == sum(r.new_tokens for r in requests)
     assert stats["deferred"], "the small cache should have made a request wait for KV blocks"

@@ -6,18 +6,22 @@ import pytest
 import torch
 
 from conftest import GiB, MiB
-from torch_budget.budget import (
+from torch_budget import cli
+from torch_budget.planner import (
     CacheCost,
     Plan,
     Profile,
     Reserve,
     WorkspaceReserve,
     attended_token_cap,
-    cli_plan,
     plan,
     profile,
     workspace_reserve,
 )
+
+
+def cli_plan(args):
+    return cli.main(["plan", *args])
 
 # --- CacheCost ---------------------------------------------------------------------------------
 
@@ -184,9 +188,10 @@ def test_plan_fraction_one_gives_everything_past_the_peak():
     assert plan(base_profile(), COST, fraction=1.0).kv_bytes == (80 - 21) * GiB
 
 
-@pytest.mark.parametrize("fraction", [0, -0.1, 1.5, True])
-def test_plan_rejects_fraction_outside_unit_interval(fraction):
-    with pytest.raises(ValueError, match="fraction"):
+@pytest.mark.parametrize("fraction,error", [(0, ValueError), (-0.1, ValueError), (1.5, ValueError),
+                                            (True, TypeError), ("0.5", TypeError)])
+def test_plan_rejects_a_fraction_outside_the_unit_interval_or_of_the_wrong_type(fraction, error):
+    with pytest.raises(error, match="fraction"):
         plan(base_profile(), COST, fraction=fraction)
 
 
@@ -359,7 +364,7 @@ def test_profile_measures_a_real_forward_on_the_device():
     assert p.peak >= p.torch_peak >= 96 * MiB
 
 
-# --- cli_plan ------------------------------------------------------------------------------------
+# --- torch-budget plan ------------------------------------------------------------------------------------
 
 
 def test_cli_plan_plans_the_built_in_model_without_a_device(capsys, tmp_path):

@@ -3,16 +3,14 @@ import json
 import pytest
 
 from conftest import GiB, MiB
-from torch_budget.budget import CacheCost, Profile, Reserve, plan
-from torch_budget.report import (
-    LedgerLine,
-    cli_report,
-    format_bytes,
-    format_table,
-    load_ledger,
-    measured_ledger,
-    write_png,
-)
+from torch_budget import cli
+from torch_budget.planner import CacheCost, Profile, Reserve, plan
+from torch_budget.report import LedgerLine, format_table, load_ledger, measured_ledger, write_png
+from torch_budget.units import format_bytes
+
+
+def cli_report(args):
+    return cli.main(["report", *args])
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

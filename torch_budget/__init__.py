@@ -13,6 +13,7 @@ _EXPORTS = {
     "empty_cache": "allocator",
     "set_budget": "allocator",
     "capabilities": "allocator",
+    "route_for": "allocator",
     "segments": "allocator",
     "TorchBudgetError": "allocator",
     # graphs
@@ -22,9 +23,9 @@ _EXPORTS = {
     "workspace": "eager_workspace",
     "WorkspaceMetadata": "eager_workspace",
     # planner
-    "CacheCost": "budget",
-    "profile": "budget",
-    "plan": "budget",
+    "CacheCost": "planner",
+    "profile": "planner",
+    "plan": "planner",
 }
 
 __all__ = sorted(_EXPORTS)

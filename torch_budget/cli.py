@@ -1,74 +1,350 @@
 """`torch-budget`: the command line (`torch-budget <command> ...` or `python -m torch_budget ...`).
 
-Each command lives in the module that owns its subject; this file only dispatches, so that
-`torch-budget --help` stays cheap (torch is imported by the command that needs it, not here).
-Exit codes: 0 success, 1 the command ran and failed, 2 bad input (a message, never a traceback).
+All command-line parsing lives here; each command then calls the module that owns its subject.
+`torch-budget --help` stays cheap: torch is imported by the command that needs it.
+Exit codes: 0 success, 1 the command ran and failed (an over-committed plan included), 2 bad
+input (a message, never a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from torch_budget.units import GiB, format_bytes
 
 PROG = "torch-budget"
 
 USAGE = f"""usage: {PROG} <command> [options]
 
 commands:
-  doctor   versions, devices, and the allocation route install() would choose
+  doctor   versions, devices, settings from TORCH_BUDGET_CONF, and the route install() would choose
   demo     serve the built-in model inside a planned budget; compare plan and measurement
   plan     plan a card's budgets for a described model (no GPU needed)
   report   render a plan or ledger JSON as a table and a PNG
-  bench    run the allocator benchmarks (tools/bench_alloc.py in a source checkout)
+  bench    run the allocator benchmark (tools/bench_alloc.py in a source checkout)
 
 `{PROG} <command> --help` describes a command's options."""
 
 
-def _parse_no_args(command: str, description: str, argv: list[str]) -> int | None:
-    """Parse a command that takes no options; returns an exit code when parsing ended the command."""
-    parser = argparse.ArgumentParser(prog=f"{PROG} {command}", description=description)
+# --- argument types -------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive whole number."""
     try:
-        parser.parse_args(argv)
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return value
+
+
+def whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def gib(text: str) -> float:
+    """argparse type: a non-negative number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number of GiB")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]):
+    """(namespace, None), or (None, exit code) when parsing ended the command (--help, bad input)."""
+    try:
+        return parser.parse_args(argv), None
     except SystemExit as e:
-        return int(e.code or 0)
-    return None
+        return None, int(e.code or 0)
+
+
+# --- doctor ---------------------------------------------------------------------------------------
+
+
+def doctor_text() -> str:
+    """Versions, the settings TORCH_BUDGET_CONF asks for, each device's capabilities and the route
+    install() would choose there."""
+    import platform
+
+    from torch_budget import _native, config
+
+    lines = [f"python        {platform.python_version()}"]
+    conf = os.environ.get(config.ENV_VAR)
+    if conf:
+        try:
+            settings = config.parse_conf(conf)
+            lines.append(f"{config.ENV_VAR} {conf!r}: {settings}")
+        except (ValueError, TypeError) as e:
+            lines.append(f"{config.ENV_VAR} {conf!r} is invalid: {e}")
+    else:
+        lines.append(f"{config.ENV_VAR} not set: install() uses the whole card and the best route")
+    try:
+        import torch
+    except ImportError:
+        return "\n".join(lines + ["torch         not installed"])
+    lines.append(f"torch         {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'})")
+    built = _native.is_built("_C")
+    lines.append(f"extension     {'built' if built else 'not built (pip install --no-build-isolation -e .)'}")
+    if not torch.cuda.is_available():
+        lines.append("devices       none visible: install() needs a CUDA device")
+        return "\n".join(lines)
+    if not built:
+        return "\n".join(lines)
+    from torch_budget import allocator
+
+    lib = _native.load()
+    n = lib.tb_device_count()
+    if n < 0:
+        lines.append(f"driver        {_native.error(lib)}")
+        return "\n".join(lines)
+    for i in range(n):
+        caps = allocator.capabilities(i)
+        lines.append(
+            f"device {i}      {torch.cuda.get_device_name(i)}: {caps['total_bytes'] / GiB:.1f} GiB, "
+            f"VMM {'yes' if caps['vmm'] else 'no'} (granularity {caps['granularity'] >> 20} MiB), "
+            f"memory pools {'yes' if caps['pools'] else 'no'}; install() route: {allocator.route_for('vmm', i)}")
+    return "\n".join(lines)
 
 
 def _doctor(argv: list[str]) -> int:
-    rc = _parse_no_args("doctor", "Print versions, visible devices, their capabilities and the route "
-                                  "torch_budget.install() would choose.", argv)
+    parser = argparse.ArgumentParser(prog=f"{PROG} doctor", description=(
+        "Print versions, the settings TORCH_BUDGET_CONF asks for, the visible devices, their capabilities "
+        "and the route torch_budget.install() would choose."))
+    _, rc = _parse(parser, argv)
     if rc is not None:
         return rc
-    from torch_budget import allocator
+    from torch_budget import _native
 
     try:
-        print(allocator.doctor())
-    except (OSError, allocator.TorchBudgetError) as e:
+        print(doctor_text())
+    except (OSError, _native.TorchBudgetError) as e:
         # OSError: the extension exists but cannot be loaded, e.g. built against another torch.
         print(f"{PROG} doctor: the compiled extension could not answer: {e}", file=sys.stderr)
         return 1
     return 0
 
 
+# --- demo -----------------------------------------------------------------------------------------
+
+
 def _demo(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} demo",
+        description="Serve the built-in model (random weights, nothing downloaded) inside a budget planned from "
+                    "measurements, then compare the plan's predicted peak with the measured one and draw the "
+                    "ledger. Without a CUDA device (or without the compiled extension) it prints the plan for an "
+                    "assumed card and says why it stops there.")
+    parser.add_argument("--requests", type=positive_int, help="requests to serve (default 48, 16 with --quick)")
+    parser.add_argument("--seed", type=whole_number, default=0, help="seed for weights, prompt lengths and tokens")
+    parser.add_argument("--out", type=Path, default=Path("torch_budget_ledger.png"),
+                        help="where to write the measured ledger picture (default: ./torch_budget_ledger.png)")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter requests, fewer graphs, a smaller KV cap")
+    parser.add_argument("--native", action="store_true",
+                        help="serve on torch's own allocator instead of torch_budget's (for comparison)")
+    args, rc = _parse(parser, argv)
+    if rc is not None:
+        return rc
     from torch_budget import demo
 
-    return demo.main(argv)
+    return demo.run(demo.make_settings(quick=args.quick, requests=args.requests, seed=args.seed, out=args.out,
+                                       native=args.native))
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+_MODEL_FLAGS = {
+    "layers": "transformer layers",
+    "hidden": "hidden size",
+    "heads": "query heads",
+    "kv_heads": "key/value heads (grouped-query attention)",
+    "head_dim": "size of one head",
+    "vocab": "vocabulary size",
+    "max_seq_len": "longest sequence a request may hold",
+    "dtype": "float32, float16 or bfloat16",
+    "intermediate": "MLP width (default 4 * hidden)",
+}
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB
+
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} plan",
+        description="Plan a card's budgets for a described model without touching a GPU. Without model flags the "
+                    "built-in demo model is planned; without --gpu-mem-gib the visible CUDA device's size is used, "
+                    f"and without a device an assumed {ASSUMED_CARD} ({ASSUMED_CARD_GIB:g} GiB), said so in the "
+                    "output. Exits 1 when the plan over-commits the card.")
+    m = p.add_argument_group("model (flags override --config)")
+    m.add_argument("--config", help="JSON file with model keys: " + ", ".join(_MODEL_FLAGS))
+    for name, text in _MODEL_FLAGS.items():
+        if name == "dtype":
+            m.add_argument("--dtype", help=text)
+        else:
+            m.add_argument("--" + name.replace("_", "-"), type=positive_int, dest=name, help=text)
+    m.add_argument("--weights-gib", type=gib, help="weight bytes of a real checkpoint (default: computed from the shape)")
+    d = p.add_argument_group("device and measurements")
+    d.add_argument("--gpu-mem-gib", type=gib, help="card size in GiB (default: the visible CUDA device's, else "
+                                                   f"an assumed {ASSUMED_CARD})")
+    d.add_argument("--activation-gib", type=gib,
+                   help="measured activation peak (default: estimated from the model's shapes)")
+    d.add_argument("--non-torch-gib", type=gib, default=0.0,
+                   help="memory outside torch: context, NCCL (default 0, i.e. unknown)")
+    s = p.add_argument_group("scheduler and caps")
+    s.add_argument("--fraction", type=fraction, default=0.9,
+                   help="share of what the peak leaves free that the KV cache may take (default 0.9)")
+    s.add_argument("--max-batch", type=positive_int, default=256, help="sequences per step (default 256)")
+    s.add_argument("--max-num-tokens", type=positive_int, default=8192, help="tokens per step (default 8192)")
+    s.add_argument("--kv-shards", type=positive_int, default=1, help="tensor/context-parallel ways the KV is split")
+    s.add_argument("--workspace-bytes-per-token", type=positive_int,
+                   help="attention workspace bytes per attended token (reserved from the KV budget)")
+    s.add_argument("--attended-token-cap", type=positive_int,
+                   help="cap on tokens attended per step (default min(max batch, max tokens) * max_seq_len)")
+    s.add_argument("--max-kv-tokens", type=positive_int, help="hard cap on KV tokens (only lowers the budget)")
+    s.add_argument("--max-kv-gib", type=gib, help="hard cap on KV bytes, GiB (only lowers the budget)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (input for `torch-budget report`)")
+    return p
+
+
+def _model_config(args):
+    from torch_budget.model import ModelConfig
+
+    values: dict = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                values = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {args.config!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {args.config!r} is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"config file {args.config!r} must hold a JSON object")
+    values.update({k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None})
+    return ModelConfig.from_dict(values)
+
+
+def _card_bytes(args) -> tuple[int, str]:
+    from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB
+
+    if args.gpu_mem_gib is not None:
+        if args.gpu_mem_gib <= 0:
+            raise ValueError(f"--gpu-mem-gib must be positive, got {args.gpu_mem_gib}")
+        total = int(args.gpu_mem_gib * GiB)
+        return total, f"card {format_bytes(total)} (--gpu-mem-gib)"
+    import torch
+
+    if torch.cuda.is_available():
+        total = int(torch.cuda.mem_get_info()[1])
+        return total, f"card {format_bytes(total)} ({torch.cuda.get_device_name()}, read from the device)"
+    total = int(ASSUMED_CARD_GIB * GiB)
+    print(f"no CUDA device here and no --gpu-mem-gib: planning for an assumed {ASSUMED_CARD} "
+          f"({ASSUMED_CARD_GIB:g} GiB usable)")
+    return total, f"assumed {ASSUMED_CARD} ({format_bytes(total)})"
 
 
 def _plan(argv: list[str]) -> int:
-    from torch_budget.budget import cli_plan
+    args, rc = _parse(_plan_parser(), argv)
+    if rc is not None:
+        return rc
+    from torch_budget import planner
+    from torch_budget.model import described_profile, kv_cache_cost
 
-    return cli_plan(argv)
+    try:
+        cfg = _model_config(args)
+        total, card = _card_bytes(args)
+        seqs = min(args.max_batch, args.max_num_tokens)
+        prof, notes = described_profile(
+            cfg, total=total, num_tokens=args.max_num_tokens, num_sequences=seqs,
+            weights=int(args.weights_gib * GiB) if args.weights_gib is not None else None,
+            activations=int(args.activation_gib * GiB) if args.activation_gib is not None else None,
+            non_torch=int(args.non_torch_gib * GiB))
+        result = planner.plan(
+            prof,
+            kv_cache_cost(cfg).shard(args.kv_shards),
+            fraction=args.fraction,
+            workspace_bytes_per_token=args.workspace_bytes_per_token or 0,
+            max_batch=args.max_batch,
+            max_num_tokens=args.max_num_tokens,
+            max_seq_len=cfg.max_seq_len,
+            attended_cap=args.attended_token_cap,
+            max_kv_bytes=int(args.max_kv_gib * GiB) if args.max_kv_gib is not None else None,
+            max_kv_tokens=args.max_kv_tokens,
+            notes=notes,
+            title=f"plan: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
+                  f"{cfg.dtype}, {card}",
+        )
+        print(result.to_text())
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(result.to_json())
+            print(f"plan written to {args.json}")
+    except (ValueError, TypeError, OSError) as e:
+        print(f"{PROG} plan: error: {e}", file=sys.stderr)
+        return 2
+    headroom = result.line("headroom").bytes
+    if headroom < 0:
+        print(f"{PROG} plan: the card is over-committed by {format_bytes(-headroom)}: the peak and the reserves "
+              "do not fit", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- report ---------------------------------------------------------------------------------------
 
 
 def _report(argv: list[str]) -> int:
-    from torch_budget.report import cli_report
+    parser = argparse.ArgumentParser(prog=f"{PROG} report",
+                                     description="Render a plan or ledger JSON as a table and a PNG.")
+    parser.add_argument("ledger", help="JSON written by `torch-budget plan --json` or Plan.to_json()")
+    parser.add_argument("--out", help="PNG path (default: the ledger path with .png)")
+    parser.add_argument("--title", help="title for the table and the picture")
+    args, rc = _parse(parser, argv)
+    if rc is not None:
+        return rc
+    from torch_budget.report import format_table, load_ledger, write_png
 
-    return cli_report(argv)
+    try:
+        title, total, lines = load_ledger(args.ledger)
+        title = args.title or title
+        out = Path(args.out) if args.out else Path(args.ledger).with_suffix(".png")
+        print(format_table(lines, total, title))
+        write_png(lines, total, out, title)
+    except ImportError as e:
+        print(f"{PROG} report: the table is above; the picture needs matplotlib: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"{PROG} report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"picture written to {out}")
+    return 0
+
+
+# --- bench ----------------------------------------------------------------------------------------
 
 
 def bench_script() -> Path:
@@ -77,6 +353,17 @@ def bench_script() -> Path:
 
 
 def _bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} bench",
+        description="Run the allocator benchmark: torch.empty + del round trips at 4 KiB, 1 MiB and 64 MiB and a "
+                    "random-size churn trace, for torch's native allocator and each torch_budget route, "
+                    "interleaved and repeated, side by side. Needs a CUDA device and a source checkout "
+                    "(the script is tools/bench_alloc.py).")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="interleaved rounds per configuration; the table shows medians (default 3)")
+    args, rc = _parse(parser, argv)
+    if rc is not None:
+        return rc
     script = bench_script()
     if not script.is_file():
         print(f"{PROG} bench: no benchmark script at {script}. The benchmarks live in tools/bench_alloc.py of "
@@ -84,7 +371,8 @@ def _bench(argv: list[str]) -> int:
               "(pip install --no-build-isolation -e .) or run that script directly.", file=sys.stderr)
         return 1
     # Its own process: benchmarks install the allocator, which must happen before CUDA starts.
-    return subprocess.call([sys.executable, str(script), *argv], cwd=script.parent.parent)
+    env = dict(os.environ, BENCH_ALLOC_ROUNDS=str(args.rounds))
+    return subprocess.call([sys.executable, str(script)], cwd=script.parent.parent, env=env)
 
 
 COMMANDS = {"doctor": _doctor, "demo": _demo, "plan": _plan, "report": _report, "bench": _bench}

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from torch_budget.budget import CacheCost
+from torch_budget._validate import positive_int
+from torch_budget.planner import CacheCost, Profile
 
 DTYPES = {
     "float32": torch.float32,
@@ -42,13 +43,9 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.intermediate is not None and (
-            isinstance(self.intermediate, bool) or not isinstance(self.intermediate, int) or self.intermediate <= 0
-        ):
-            raise ValueError(f"ModelConfig.intermediate must be a positive integer or None, got {self.intermediate!r}")
+            positive_int(getattr(self, name), f"ModelConfig.{name}")
+        if self.intermediate is not None:
+            positive_int(self.intermediate, "ModelConfig.intermediate")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"ModelConfig.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}): "
@@ -130,6 +127,30 @@ def estimate_activation_bytes(cfg: ModelConfig, num_tokens: int, num_sequences: 
     residual = 2 * n * cfg.hidden
     logits = num_sequences * cfg.vocab
     return (residual + max(attention, mlp) + logits) * cfg.itemsize
+
+
+def described_profile(cfg: ModelConfig, *, total: int, num_tokens: int, num_sequences: int = 1,
+                      weights: int | None = None, activations: int | None = None,
+                      non_torch: int = 0) -> tuple[Profile, dict]:
+    """What one worst-case prefill of this model would hold on a card of `total` bytes, for
+    planning without a device: weights computed from the shape and activations estimated from
+    shapes for `num_tokens` tokens in `num_sequences` sequences, unless given; memory outside
+    torch as given (0 when unknown). Returns the profile and, per ledger line, where its figure
+    came from (the `notes` of planner.plan)."""
+    w = weight_bytes(cfg) if weights is None else weights
+    if activations is None:
+        a = estimate_activation_bytes(cfg, num_tokens, num_sequences)
+        act_note = f"estimated from shapes for {num_tokens} tokens in {num_sequences} sequence(s)"
+    else:
+        a, act_note = activations, "given"
+    prof = Profile.from_measurements(torch_peak=w + a, torch_used=w + a, total_used=w + a + non_torch, total=total,
+                                     model_bytes=w, source="described model, no device")
+    notes = {
+        "weights": "computed from the shape" if weights is None else "given",
+        "activations": act_note,
+        "non-torch": "given" if non_torch else "not measured, taken as 0",
+    }
+    return prof, notes
 
 
 class PagedKVCache:
@@ -278,7 +299,6 @@ class DemoModel(torch.nn.Module):
         return F.linear(_rms_norm(x, self.final_norm), self.lm_head)
 
 
-@torch.no_grad()
 def prefill_shape(cfg: ModelConfig, token_ids) -> tuple:
     """(batch, length) of a prefill's token ids [B, T], checked against the model's limits."""
     if token_ids.dim() != 2:
@@ -289,9 +309,22 @@ def prefill_shape(cfg: ModelConfig, token_ids) -> tuple:
     return batch, length
 
 
-def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows=None) -> torch.Tensor:
+def prefill_workspace_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    """Bytes one layer of `prefill` asks its scratch for: the GQA-expanded K and V."""
+    return 2 * batch * length * cfg.heads * cfg.head_dim * cfg.itemsize
+
+
+@torch.no_grad()
+def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows=None, *, scratch=None,
+            last_only: bool = False) -> torch.Tensor:
     """Run `token_ids` ([B, T], positions 0..T-1) through the model, write their K/V into `rows`
-    of the cache (default 0..B-1, blocks reserved here), and return logits [B, T, vocab].
+    of the cache (default 0..B-1, blocks reserved here), and return logits [B, T, vocab], or
+    [B, vocab] for the last position only with `last_only` (all a server samples from).
+
+    `scratch`, when given, provides each layer's GQA-expanded K and V: an object whose
+    `get(nbytes)` returns a uint8 tensor of at least `nbytes` (prefill_workspace_bytes), such as
+    a `torch_budget.WorkspaceMetadata` inside `torch_budget.workspace(...)`; one scratch then
+    grows to the largest layer's need, not the sum. Without it they are allocated per layer.
 
     Prefill is eager (its shape varies with T), so it may hand out cache blocks.
     """
@@ -309,6 +342,7 @@ def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows
     slots = cache.slots(rows_t[:, None], positions[None, :]).reshape(-1)
     cos, sin = model.rope_cos[:length], model.rope_sin[:length]
     group = cfg.heads // cfg.kv_heads
+    expanded = batch * length * cfg.heads * cfg.head_dim
     x = F.embedding(token_ids, model.embed)
     for i, layer in enumerate(model.layers):
         h = _rms_norm(x, layer.attn_norm)
@@ -317,15 +351,22 @@ def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows
         v = F.linear(h, layer.wv).view(batch, length, cfg.kv_heads, cfg.head_dim)
         cache.k[i].index_copy_(0, slots, k.reshape(-1, cfg.kv_heads, cfg.head_dim))
         cache.v[i].index_copy_(0, slots, v.reshape(-1, cfg.kv_heads, cfg.head_dim))
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.repeat_interleave(group, dim=2).transpose(1, 2),
-            v.repeat_interleave(group, dim=2).transpose(1, 2),
-            is_causal=True,
-        )
+        if scratch is None:
+            k_all, v_all = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        else:
+            # Head h = kv * group + g: the order repeat_interleave(group, dim=2) gives.
+            buf = scratch.get(prefill_workspace_bytes(cfg, batch, length)).view(cfg.torch_dtype)
+            k_all = buf[:expanded].view(batch, length, cfg.kv_heads, group, cfg.head_dim)
+            v_all = buf[expanded:2 * expanded].view(batch, length, cfg.kv_heads, group, cfg.head_dim)
+            k_all.copy_(k.unsqueeze(3).expand(-1, -1, -1, group, -1))
+            v_all.copy_(v.unsqueeze(3).expand(-1, -1, -1, group, -1))
+            k_all = k_all.view(batch, length, cfg.heads, cfg.head_dim)
+            v_all = v_all.view(batch, length, cfg.heads, cfg.head_dim)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
+                                              is_causal=True)
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), layer.wo)
         x = model._mlp(layer, x)
-    return model._logits(x)
+    return model._logits(x[:, -1] if last_only else x)
 
 
 @torch.no_grad()

@@ -10,16 +10,21 @@ See Note [Planner steps] on `plan` for the order of the steps and why it matters
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from torch_budget.report import CATEGORIES, GiB, LedgerLine, format_bytes, format_table
+from torch_budget._validate import fraction as _fraction, integer, non_negative_int, number
+from torch_budget.report.ledger import CATEGORIES, LedgerLine, format_table
+from torch_budget.units import format_bytes
+
+# The card planned for when there is no device to measure and none was named: an assumption,
+# printed as one wherever it is used.
+ASSUMED_CARD = "NVIDIA H200"
+ASSUMED_CARD_GIB = 139.8  # nominally 141 GB; the usable figure is itself assumed
 
 __all__ = [
     "CacheCost",
@@ -32,16 +37,7 @@ __all__ = [
     "PlanStep",
     "Plan",
     "plan",
-    "cli_plan",
 ]
-
-
-def _check_int(name: str, value, *, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer number of bytes/tokens, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -60,14 +56,12 @@ class CacheCost:
 
     def __post_init__(self):
         for name in ("slope", "intercept"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"CacheCost.{name} must be a number, got {value!r}")
+            number(getattr(self, name), f"CacheCost.{name}")
         if self.intercept < 0:
             raise ValueError(f"CacheCost.intercept must be >= 0, got {self.intercept}")
 
     def bytes_for_tokens(self, tokens: int) -> int:
-        _check_int("tokens", tokens)
+        non_negative_int(tokens, "tokens")
         return self.slope * tokens + self.intercept
 
     def tokens_for_budget(self, budget_bytes: int) -> int:
@@ -89,7 +83,7 @@ class CacheCost:
         Only the slope changes (rounded up, so a rank never under-counts); `dataclasses.replace`
         keeps every other field, including ones added later.
         """
-        _check_int("ways", ways, minimum=1)
+        integer(ways, "ways", minimum=1)
         slope = -(-self.slope // ways) if isinstance(self.slope, int) else math.ceil(self.slope / ways)
         return dataclasses.replace(self, slope=slope)
 
@@ -116,11 +110,11 @@ def attended_token_cap(max_batch: int, max_num_tokens: int, max_seq_len: int, us
     cap could never be reached, it would only take memory from the KV cache).
     """
     for name, value in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("max_seq_len", max_seq_len)):
-        _check_int(name, value, minimum=1)
+        integer(value, name, minimum=1)
     default = min(max_batch, max_num_tokens) * max_seq_len
     if user_cap is None:
         return default
-    _check_int("user_cap", user_cap, minimum=None)
+    integer(user_cap, "user_cap")
     return min(max(user_cap, max_seq_len), default)
 
 
@@ -153,7 +147,7 @@ class Reserve:
     category: str = "reserve"
 
     def __post_init__(self):
-        _check_int(f"Reserve({self.name!r}).bytes", self.bytes)
+        non_negative_int(self.bytes, f"Reserve({self.name!r}).bytes")
         if self.category not in CATEGORIES or self.category in ("headroom", "kv_pool", "weights"):
             raise ValueError(f"Reserve({self.name!r}) category {self.category!r} is not a reservable ledger category")
 
@@ -161,8 +155,8 @@ class Reserve:
     def increment(cls, name: str, profiled_bytes: int, needed_bytes: int, reason: str, category: str = "reserve") -> "Reserve":
         """Reserve only what a configuration adds over what profiling already held, e.g. a
         first-request-only table that profiling allocated at a smaller size."""
-        _check_int("profiled_bytes", profiled_bytes)
-        _check_int("needed_bytes", needed_bytes)
+        non_negative_int(profiled_bytes, "profiled_bytes")
+        non_negative_int(needed_bytes, "needed_bytes")
         return cls(name, max(needed_bytes - profiled_bytes, 0), reason, category)
 
 
@@ -188,7 +182,7 @@ class Profile:
         resident when profiling ran, which would hide their bytes: an error, not a clamp."""
         for name, value in (("torch_peak", torch_peak), ("torch_used", torch_used), ("total_used", total_used),
                             ("total", total), ("model_bytes", model_bytes)):
-            _check_int(name, value)
+            non_negative_int(value, name)
         if total <= 0:
             raise ValueError(f"total card bytes must be positive, got {total}")
         if torch_peak < model_bytes:
@@ -373,15 +367,14 @@ def plan(
     `notes` maps a ledger line name ("weights", "activations", "non-torch") to text appended to its
     reason, e.g. where a figure came from when it was not measured.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    _check_int("estimation_kv_bytes", estimation_kv_bytes)
-    _check_int("workspace_bytes_per_token", workspace_bytes_per_token)
-    _check_int("eager_workspace_in_peak", eager_workspace_in_peak)
+    _fraction(fraction, "fraction")
+    non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
+    non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
+    non_negative_int(eager_workspace_in_peak, "eager_workspace_in_peak")
     if max_kv_bytes is not None:
-        _check_int("max_kv_bytes", max_kv_bytes)
+        non_negative_int(max_kv_bytes, "max_kv_bytes")
     if max_kv_tokens is not None:
-        _check_int("max_kv_tokens", max_kv_tokens)
+        non_negative_int(max_kv_tokens, "max_kv_tokens")
     if estimation_kv_bytes > profile.activation_bytes:
         raise ValueError(
             f"estimation_kv_bytes ({estimation_kv_bytes}) exceeds the profiled activation bytes "
@@ -491,150 +484,3 @@ def plan(
             lines[i] = dataclasses.replace(lines[i], reason=f"{lines[i].reason}; {text}")
     return Plan(total=total, kv_bytes=budget, kv_tokens=tokens, kv_cost=kv_cost, workspace_tokens=ws.tokens,
                 fraction=float(fraction), world_size=world, lines=lines, steps=steps, title=title)
-
-
-# --- command line -------------------------------------------------------------------------------
-
-
-def _size_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number of GiB")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive whole number."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
-
-
-_MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_seq_len", "dtype", "intermediate")
-
-
-def _plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torch-budget plan",
-        description="Plan a card's budgets for a described model without touching a GPU. "
-                    "Without model flags the built-in demo model is planned.",
-    )
-    m = p.add_argument_group("model (flags override --config)")
-    m.add_argument("--config", help="JSON file with model keys: " + ", ".join(_MODEL_FLAGS))
-    for name in _MODEL_FLAGS:
-        if name == "dtype":
-            m.add_argument("--dtype", help="float32, float16 or bfloat16")
-        else:
-            m.add_argument("--" + name.replace("_", "-"), type=positive_int, dest=name)
-    m.add_argument("--weights-gib", type=_size_gib, help="weight bytes of a real checkpoint (default: computed from the shape)")
-    d = p.add_argument_group("device and measurements")
-    d.add_argument("--gpu-mem-gib", type=_size_gib, help="card size (default: the current CUDA device's, if any)")
-    d.add_argument("--activation-gib", type=_size_gib,
-                   help="measured activation peak (default: estimated from the model's shapes)")
-    d.add_argument("--non-torch-gib", type=_size_gib, default=0.0,
-                   help="memory outside torch: context, NCCL (default 0, i.e. unknown)")
-    s = p.add_argument_group("scheduler and caps")
-    s.add_argument("--fraction", type=_fraction, default=0.9)
-    s.add_argument("--max-batch", type=positive_int, default=256, help="sequences per step (default 256)")
-    s.add_argument("--max-num-tokens", type=positive_int, default=8192, help="tokens per step (default 8192)")
-    s.add_argument("--kv-shards", type=positive_int, default=1, help="tensor/context-parallel ways the KV is split")
-    s.add_argument("--workspace-bytes-per-token", type=positive_int, help="attention workspace per attended token")
-    s.add_argument("--attended-token-cap", type=positive_int)
-    s.add_argument("--max-kv-tokens", type=positive_int)
-    s.add_argument("--max-kv-gib", type=_size_gib)
-    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (input for `torch-budget report`)")
-    return p
-
-
-def cli_plan(argv: list[str]) -> int:
-    """`torch-budget plan ...`: print the plan of a described model; 2 on bad input."""
-    from torch_budget import model as demo
-
-    parser = _plan_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    try:
-        values: dict = {}
-        if args.config:
-            try:
-                with open(args.config) as f:
-                    values = json.load(f)
-            except FileNotFoundError:
-                raise ValueError(f"config file {args.config!r} does not exist") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {args.config!r} is not valid JSON: {e}") from None
-            if not isinstance(values, dict):
-                raise ValueError(f"config file {args.config!r} must hold a JSON object")
-        values.update({k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None})
-        cfg = demo.ModelConfig.from_dict(values)
-
-        if args.gpu_mem_gib is not None:
-            total = int(args.gpu_mem_gib * GiB)
-        else:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("no CUDA device here: pass --gpu-mem-gib (e.g. 139.8 for an H200)")
-            total = int(torch.cuda.mem_get_info()[1])
-        if total <= 0:
-            raise ValueError(f"--gpu-mem-gib must be positive, got {args.gpu_mem_gib}")
-
-        weights = int(args.weights_gib * GiB) if args.weights_gib is not None else demo.weight_bytes(cfg)
-        if args.activation_gib is not None:
-            activations, act_note = int(args.activation_gib * GiB), "given"
-        else:
-            seqs = min(args.max_batch, args.max_num_tokens)
-            activations = demo.estimate_activation_bytes(cfg, args.max_num_tokens, seqs)
-            act_note = f"estimated from shapes for {args.max_num_tokens} tokens in {seqs} sequences"
-        non_torch = int(args.non_torch_gib * GiB)
-        prof = Profile.from_measurements(torch_peak=weights + activations, torch_used=weights + activations,
-                                         total_used=weights + activations + non_torch, total=total,
-                                         model_bytes=weights, source="described model, no device")
-        notes = {
-            "weights": "given" if args.weights_gib is not None else "computed from the shape",
-            "activations": act_note,
-            "non-torch": "given" if args.non_torch_gib else "not measured, taken as 0 (--non-torch-gib)",
-        }
-        result = plan(
-            prof,
-            demo.kv_cache_cost(cfg).shard(args.kv_shards),
-            fraction=args.fraction,
-            workspace_bytes_per_token=args.workspace_bytes_per_token or 0,
-            max_batch=args.max_batch,
-            max_num_tokens=args.max_num_tokens,
-            max_seq_len=cfg.max_seq_len,
-            attended_cap=args.attended_token_cap,
-            max_kv_bytes=int(args.max_kv_gib * GiB) if args.max_kv_gib is not None else None,
-            max_kv_tokens=args.max_kv_tokens,
-            notes=notes,
-            title=f"plan: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
-                  f"{cfg.dtype}, card {format_bytes(total)}",
-        )
-        print(result.to_text())
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(result.to_json())
-            print(f"plan written to {args.json}")
-    except (ValueError, TypeError, OSError) as e:
-        print(f"torch-budget plan: error: {e}", file=sys.stderr)
-        return 2
-    return 0

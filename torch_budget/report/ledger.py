@@ -1,22 +1,19 @@
-"""The ledger of one card: where every byte goes, as a text table and as a picture.
+"""The ledger of one card: its lines, a text table, and the JSON form.
 
 A ledger is a list of `LedgerLine`s whose bytes add up to the card: weights, KV pool,
 activations, eager and graph workspaces, graph pools, memory outside torch, reserves, and the
-headroom that is left. `budget.plan()` produces one; `measured_ledger()` builds one from numbers
-read off a running process. Both render the same way, so a plan and a measurement can be
-compared side by side.
+headroom that is left. `planner.plan()` produces one; `measured_ledger()` builds one from numbers
+read off a running process (see measure.py). Both render the same way, so a plan and a
+measurement can be compared side by side.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MiB = 1 << 20
-GiB = 1 << 30
+from torch_budget.units import format_bytes
 
 # Ledger categories in the order they are stacked on the bar: what is resident first, what is
 # left last. Each has a display label and a colour (colour-blind-safe palette).
@@ -58,13 +55,6 @@ class LedgerLine:
             return cls(name=str(d["name"]), category=str(d["category"]), bytes=int(d["bytes"]), reason=str(d.get("reason", "")))
         except KeyError as e:
             raise ValueError(f"ledger line {d!r} lacks the key {e.args[0]!r}") from None
-
-
-def format_bytes(n: int) -> str:
-    """GiB from 1 GiB up, MiB below; signed so an over-commitment reads as such."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB"
 
 
 def measured_ledger(
@@ -123,74 +113,6 @@ def format_table(lines: list[LedgerLine], total: int, title: str | None = None) 
     return "\n".join(out)
 
 
-def _shades(lines: list[LedgerLine]) -> list:
-    # Lines of one category share a hue; later ones are lighter so neighbours stay distinguishable.
-    from matplotlib.colors import to_rgb
-
-    seen: dict[str, int] = {}
-    colours = []
-    for line in lines:
-        i = seen.get(line.category, 0)
-        seen[line.category] = i + 1
-        base = to_rgb(CATEGORIES[line.category][1])
-        mix = min(0.2 * i, 0.6)
-        colours.append(tuple(c + (1.0 - c) * mix for c in base))
-    return colours
-
-
-def write_png(lines: list[LedgerLine], total: int, path, title: str | None = None) -> Path:
-    """Draw the card as one horizontal stacked bar (GiB axis) with a legend below that names each
-    line with its size and share. Renders through the Agg canvas directly, without pyplot, so it
-    works without a display and leaves the caller's matplotlib backend alone."""
-    if total <= 0:
-        raise ValueError(f"total card bytes must be positive, got {total}")
-    from matplotlib.figure import Figure
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.patches import Patch
-
-    path = Path(path)
-    colours = _shades(lines)
-    over = sum(line.bytes for line in lines if line.bytes > 0) > total
-    ncol = min(3, max(len(lines), 1))
-    # The legend sits below the axes; bbox_inches="tight" grows the canvas to fit it.
-    fig = Figure(figsize=(12, 2.0), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    left = 0.0
-    handles = []
-    for line, colour in zip(lines, colours):
-        share = 100.0 * line.bytes / total
-        handles.append(Patch(facecolor=colour, edgecolor="#444444",
-                             label=f"{line.name}: {format_bytes(line.bytes)} ({share:.1f}%)"))
-        if line.bytes <= 0:
-            continue
-        width = line.bytes / GiB
-        ax.barh(0, width, left=left, height=0.8, color=colour, edgecolor="white", linewidth=1.0,
-                hatch="//" if line.category == "headroom" else None)
-        if share >= 6.0:
-            ax.text(left + width / 2, 0, f"{line.name}\n{share:.0f}%", ha="center", va="center", fontsize=9,
-                    color="black" if line.category == "headroom" else "white")
-        left += width
-    ax.axvline(total / GiB, color="black", linewidth=1.5)
-    ax.set_xlim(0, max(total / GiB, left))
-    ax.set_ylim(-0.5, 0.5)
-    ax.set_yticks([])
-    ax.set_xlabel("GiB")
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    subtitle = f"card {format_bytes(total)}"
-    if over:
-        subtitle += f" - OVER-COMMITTED by {format_bytes(sum(l.bytes for l in lines if l.bytes > 0) - total)}"
-    ax.set_title(title or "device memory ledger", fontsize=13, pad=24)
-    ax.text(0.5, 1.03, subtitle, transform=ax.transAxes, ha="center", va="bottom", fontsize=10,
-            color="#B00000" if over else "#333333")
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=ncol,
-              fontsize=9, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.2)
-    return path
-
-
 def load_ledger(path) -> tuple[str | None, int, list[LedgerLine]]:
     """Read a plan (`Plan.to_json`) or a bare ledger (`{"total": ..., "lines": [...]}`) from JSON.
     Both carry `total` and `lines`, so one reader serves both."""
@@ -208,27 +130,3 @@ def load_ledger(path) -> tuple[str | None, int, list[LedgerLine]]:
         raise ValueError(f"ledger file {str(path)!r} has a non-positive total ({total})")
     lines = [LedgerLine.from_dict(d) for d in data["lines"]]
     return data.get("title"), total, lines
-
-
-def cli_report(argv: list[str]) -> int:
-    """`torch-budget report LEDGER.json [--out PNG]`: print the table and write the picture."""
-    parser = argparse.ArgumentParser(prog="torch-budget report",
-                                     description="Render a plan or ledger JSON as a table and a PNG.")
-    parser.add_argument("ledger", help="JSON written by `torch-budget plan --json` or Plan.to_json()")
-    parser.add_argument("--out", help="PNG path (default: the ledger path with .png)")
-    parser.add_argument("--title", help="title for the table and the picture")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    try:
-        title, total, lines = load_ledger(args.ledger)
-        title = args.title or title
-        out = Path(args.out) if args.out else Path(args.ledger).with_suffix(".png")
-        print(format_table(lines, total, title))
-        write_png(lines, total, out, title)
-    except (ValueError, OSError) as e:
-        print(f"torch-budget report: error: {e}", file=sys.stderr)
-        return 2
-    print(f"picture written to {out}")
-    return 0

@@ -1,0 +1,225 @@
+"""The nine steps of the demo's serving run: weights, workspace, profile, graph probe, plan,
+KV pool, capture, serve, and the plan held against the measurement."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from torch_budget.demo.settings import (BLOCK_SIZE, FRACTION, TAG_ACTIVATIONS, TAG_GRAPHS, TAG_KV, TAG_WEIGHTS, DemoError,
+                               Settings)
+from torch_budget.demo.ledger import measured_lines, write_picture
+from torch_budget.demo.requests import make_requests, run_requests
+from torch_budget.units import format_bytes as _fmt
+
+
+def decode_runner(manager, name, model, cache, buckets):
+    """A graph runner whose one captured piece is a greedy decode step over cache rows 0..bucket-1.
+
+    Token ids and positions are host inputs: their copy to the device is captured in the graph,
+    so a step is one memcpy into pinned shadows plus one replay. Padded rows feed token 0 at
+    position 0 into rows whose block table points at the null block.
+    """
+    import torch
+
+    from torch_budget.graphs import StaticInput
+    from torch_budget.model import decode
+
+    def decode_step(buffers):
+        return {"next": decode(model, buffers["ids"], buffers["pos"], cache).argmax(dim=-1)}
+
+    return manager.runner(name, decode_step, buckets=list(buckets),
+                          inputs=[StaticInput("ids", torch.int64), StaticInput("pos", torch.int64)])
+
+
+
+def _step(i: int, text: str) -> None:
+    print(f"\n[{i}/9] {text}")
+
+
+def serve(torch, settings: Settings, mode: str) -> None:
+    import torch_budget
+    from torch_budget import planner, report
+    from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
+    from torch_budget.graphs import GraphPoolManager
+    from torch_budget.model import (DemoModel, ModelConfig, PagedKVCache, kv_cache_cost, parameter_count,
+                                    prefill, prefill_workspace_bytes)
+    from torch_budget.report import measure
+
+    route = torch_budget.route
+    installed = mode == "torch_budget"
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = ModelConfig()
+    if settings.max_prompt + settings.max_new > cfg.max_seq_len:
+        raise DemoError(f"prompts of up to {settings.max_prompt} tokens plus {settings.max_new} new tokens exceed "
+                         f"the model's max_seq_len={cfg.max_seq_len}")
+    total = int(torch.cuda.mem_get_info(device)[1])
+    name = torch.cuda.get_device_name(device)
+    print(f"device: {name}, {_fmt(total)} (measured); model: built-in, {parameter_count(cfg) / 1e6:.1f} M parameters, "
+          f"{cfg.layers} layers, {cfg.dtype}, random weights")
+
+    # 1. Weights, charged to their own tag.
+    _step(1, "weights")
+    before = measure.read(device, installed)
+    with route(tag=TAG_WEIGHTS):
+        model = DemoModel(cfg, device=device, seed=settings.seed)
+    weights = measure.read(device, installed).allocated - before.allocated
+    print(f"  {_fmt(weights)} allocated for parameters and buffers")
+
+    # 2. The eager workspace: its warm-up size is the floor it never shrinks below.
+    _step(2, "eager workspace")
+    meta = WorkspaceMetadata(device, reclaimable=True)  # pure attention scratch: safe to reallocate
+    meta.warm_up(prefill_workspace_bytes(cfg, 1, settings.min_prompt))
+    print(f"  floor {_fmt(meta.floor)} (one {settings.min_prompt}-token prompt); grows to the largest layer's need")
+
+    # 3. Profile one worst-case prefill. The KV it writes exists only for the estimate and is
+    # handed back to the KV budget by the planner (estimation_kv_bytes).
+    _step(3, f"profiling a dummy prefill of {settings.max_prompt} tokens")
+    estimation = {}
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+
+    def dummy_prefill():
+        with route(tag=TAG_KV):
+            est_cache = PagedKVCache(cfg, num_blocks=-(-settings.max_prompt // BLOCK_SIZE) + 1, max_batch=1,
+                                     block_size=BLOCK_SIZE, device=device)
+        estimation["kv"] = est_cache.nbytes + est_cache.block_tables.nbytes
+        with route(tag=TAG_ACTIVATIONS):
+            ids = torch.randint(0, cfg.vocab, (1, settings.max_prompt), generator=gen).to(device)
+            with workspace_scope(meta):
+                return prefill(model, ids, est_cache, [0], scratch=meta, last_only=True)
+
+    prof = planner.profile(dummy_prefill, model_bytes=weights, device=device)
+    ws_in_peak = meta.capacity
+    print(f"  torch peak {_fmt(prof.torch_peak)}, activations {_fmt(prof.activation_bytes)} (incl. estimation KV "
+          f"{_fmt(estimation['kv'])} and workspace {_fmt(ws_in_peak)}), outside torch {_fmt(prof.extra_cost)}")
+
+    # 4. What the decode graphs will hold, measured by capturing them once against a 2-block cache:
+    # a decode step's shapes depend on the batch and max_seq_len, not on how many blocks the cache has.
+    _step(4, f"measuring the decode graphs (buckets {settings.buckets}) with a throw-away cache")
+    manager = GraphPoolManager(device)  # one manager, so the real capture reuses the probe's capture stream
+    start = measure.read(device, installed)
+    with route(tag=TAG_KV):
+        probe_cache = PagedKVCache(cfg, num_blocks=2, max_batch=settings.max_batch, block_size=BLOCK_SIZE,
+                                   device=device)
+    before = measure.read(device, installed)
+    with route(tag=TAG_GRAPHS):
+        probe = decode_runner(manager, "decode-probe", model, probe_cache, settings.buckets)
+        t0 = time.perf_counter()
+        probe.capture()
+        probe_seconds = time.perf_counter() - t0
+    after = measure.read(device, installed)
+    graph_pools = after.pools - before.pools
+    # Static buffers, plus what capture creates once per stream (e.g. cuBLAS's workspace for the
+    # capture stream): allocated outside the pool and kept.
+    graph_static = after.allocated - before.allocated
+    # Executable graphs live outside torch: device-wide growth that torch did not reserve.
+    graph_exec = max((after.used - before.used) - (after.reserved - before.reserved), 0)
+    probe.close()
+    del probe, probe_cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    # What outlives the probe (per-stream state such as cuBLAS's workspace for the capture stream)
+    # is also what the real capture will not allocate again.
+    probe_left = max(measure.read(device, installed).allocated - start.allocated, 0)
+    print(f"  captured {len(settings.buckets)} graphs in {probe_seconds:.2f} s: pool {_fmt(graph_pools)}, static "
+          f"buffers {_fmt(graph_static)}, outside torch {_fmt(graph_exec)}; released again, "
+          f"{_fmt(probe_left)} of capture-stream state stays")
+
+    # 5. Plan.
+    _step(5, "planning the KV budget")
+    from_kv = [r for r in (
+        planner.Reserve("decode graph pools", graph_pools,
+                       f"measured: capture of {len(settings.buckets)} decode buckets", category="graph_pools"),
+        planner.Reserve("decode static buffers", graph_static,
+                       "measured: graph inputs/outputs and capture-stream state", category="graph_workspace"),
+        planner.Reserve("decode graph execs", graph_exec,
+                       "measured: device memory the captured graphs hold outside torch", category="non_torch"),
+    ) if r.bytes > 0]
+    plan = planner.plan(prof, kv_cache_cost(cfg), fraction=FRACTION, estimation_kv_bytes=estimation["kv"],
+                       from_kv=from_kv, max_kv_bytes=settings.kv_cap_bytes, eager_workspace_in_peak=ws_in_peak,
+                       title=f"plan: built-in model on {name} ({_fmt(total)})")
+    print(plan.to_text())
+    predicted = sum(line.bytes for line in plan.lines if line.category != "headroom")
+    uncapped = next(s.kv_bytes for s in plan.steps if s.step == 5)
+    print(f"\nKV pool capped at {_fmt(settings.kv_cap_bytes)} so the demo stays quick; uncapped, the plan would give "
+          f"it {_fmt(uncapped)}")
+
+    # 6. The KV pool, sized by the plan.
+    _step(6, "allocating the KV pool from the plan")
+    before = measure.read(device, installed)
+    try:
+        with route(tag=TAG_KV):
+            cache = PagedKVCache.from_budget(cfg, plan.kv_bytes, max_batch=settings.max_batch,
+                                             block_size=BLOCK_SIZE, device=device)
+    except ValueError as e:
+        raise DemoError(f"the plan leaves too little for a KV pool: {e}") from None
+    kv_bytes = measure.read(device, installed).allocated - before.allocated
+    print(f"  {cache.num_blocks} blocks of {BLOCK_SIZE} tokens ({cache.num_blocks * BLOCK_SIZE} tokens): "
+          f"{_fmt(kv_bytes)} allocated, plan {_fmt(plan.kv_bytes)}")
+
+    # 7. The decode graphs, captured for real against the KV pool (under install(), the shim
+    # serves capture from its private pools).
+    _step(7, "capturing the decode graphs")
+    before = measure.read(device, installed)
+    with route(tag=TAG_GRAPHS):
+        runner = decode_runner(manager, "decode", model, cache, settings.buckets)
+        runner.capture()
+    after = measure.read(device, installed)
+    real_static = after.allocated - before.allocated
+    print(f"  pool {_fmt(after.pools - before.pools)} (step 4 measured {_fmt(graph_pools)}), static buffers "
+          f"{_fmt(real_static)} (+ {_fmt(probe_left)} capture-stream state kept from step 4)")
+
+    # 8. Serve.
+    requests = make_requests(settings, cfg.vocab)
+    _step(8, f"serving {len(requests)} requests: prompts {min(r.prompt_len for r in requests)}-"
+             f"{max(r.prompt_len for r in requests)} tokens, {settings.min_new}-{settings.max_new} new tokens, "
+             f"at most {settings.max_batch} at once")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    watch = measure.DeviceWatch(device)
+    watch.sample()
+    stats = run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, route)
+    torch.cuda.synchronize(device)
+    watch.sample()
+    peak_allocated = int(torch.cuda.max_memory_allocated(device))
+    peak_reserved = int(torch.cuda.max_memory_reserved(device))
+    rate = stats["generated"] / stats["seconds"]
+    step_ms = 1e3 * stats["step_seconds"] / max(stats["steps"], 1)
+    print(f"  {stats['generated']} tokens generated in {stats['seconds']:.2f} s ({rate:.0f} tokens/s); "
+          f"{stats['steps']} decode steps, mean {step_ms:.2f} ms, by bucket {dict(sorted(stats['buckets'].items()))}")
+    print(f"  {stats['prefill_tokens']} prompt tokens prefilled; {len(stats['deferred'])} request(s) waited for KV "
+          f"blocks; workspace {_fmt(meta.floor)}-{_fmt(stats['ws_peak'])}, shrank {stats['ws_shrinks']} time(s)")
+
+    # 9. Plan against measurement, then the ledger.
+    _step(9, "predicted against measured peak")
+    predicted_torch = predicted - plan.bytes_in("non_torch")
+    # Between replays a graph pool's blocks are reserved but not allocated.
+    predicted_allocated = predicted_torch - plan.bytes_in("graph_pools")
+    rows = [
+        ("predicted peak: every plan line but headroom", predicted, None),
+        (f"measured device-wide peak used (mem_get_info, {watch.samples} samples)", watch.peak_used, predicted),
+        ("predicted torch share: plan minus non-torch lines", predicted_torch, None),
+        ("measured torch peak reserved (max_memory_reserved)", peak_reserved, predicted_torch),
+        ("predicted torch allocated: torch share minus graph pools", predicted_allocated, None),
+        ("measured torch peak allocated (max_memory_allocated)", peak_allocated, predicted_allocated),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for label, value, against in rows:
+        tail = f"  ratio {value / against:.3f}" if against else ""
+        print(f"  {label:<{width}}  {_fmt(value):>11}{tail}")
+    margin = plan.line("headroom").bytes
+    over = watch.peak_used - predicted
+    if over > 0:
+        print(f"  the measured peak exceeds the prediction by {_fmt(over)}; the plan left {_fmt(margin)} unplanned, "
+              f"{'which absorbs it' if over <= margin else 'which does NOT cover it'}")
+    else:
+        print(f"  the measured peak stayed {_fmt(-over)} below the prediction: no OOM with the KV pool the plan sized")
+
+    lines = measured_lines(torch, device, mode, total=total, weights=weights, kv=kv_bytes,
+                            graph_static=probe_left + real_static, pools=measure.graph_pool_bytes(device, installed),
+                            ws_peak=stats["ws_peak"], peak_allocated=peak_allocated, watch=watch)
+    title = f"measured during serving: built-in model on {name}" + (" (native allocator)" if mode == "native" else "")
+    print()
+    print(report.format_table(lines, total, title))
+    write_picture(report, lines, total, settings.out, title)
+    manager.close()

@@ -1,0 +1,52 @@
+"""What one demo run serves, and the names its steps share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB  # noqa: F401  (the no-GPU path's card)
+from torch_budget.units import GiB
+
+
+TAG_WEIGHTS, TAG_KV, TAG_GRAPHS, TAG_ACTIVATIONS = "weights", "kv", "graphs", "activations"
+FRACTION = 0.9  # the planner's default share of what the peak leaves free
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one demo run serves. `--quick` shrinks every dimension so a run takes seconds."""
+
+    requests: int
+    seed: int
+    out: Path
+    native: bool
+    min_prompt: int
+    max_prompt: int
+    min_new: int
+    max_new: int
+    buckets: tuple
+    kv_cap_bytes: int  # cap on the KV pool: the demo needs a few GiB, not the whole card
+
+    @property
+    def max_batch(self) -> int:
+        # Every decode step replays a graph: concurrency is capped at the largest bucket.
+        return self.buckets[-1]
+
+
+def make_settings(*, quick: bool = False, requests: int | None = None, seed: int = 0,
+                  out: Path = Path("torch_budget_ledger.png"), native: bool = False) -> Settings:
+    """The run `torch-budget demo` makes; `quick` shrinks every dimension so it takes seconds."""
+    if quick:
+        shape = dict(min_prompt=16, max_prompt=256, min_new=8, max_new=32, buckets=(1, 2, 4, 8), kv_cap_bytes=1 * GiB)
+        default_requests = 16
+    else:
+        shape = dict(min_prompt=16, max_prompt=1024, min_new=16, max_new=64, buckets=(1, 2, 4, 8, 16, 32),
+                     kv_cap_bytes=4 * GiB)
+        default_requests = 48
+    return Settings(requests=requests or default_requests, seed=seed, out=Path(out), native=native, **shape)
+
+
+class DemoError(Exception):
+    """The serving run was set up in a way that cannot work; the message says how to fix it."""

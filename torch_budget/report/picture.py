@@ -1,0 +1,90 @@
+"""The ledger as a picture: one horizontal stacked bar of the card, with a legend.
+
+matplotlib is an optional dependency (`pip install torch_budget[plot]`); without it,
+write_png raises ImportError saying how to get it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch_budget.report.ledger import CATEGORIES, LedgerLine
+from torch_budget.units import GiB, format_bytes
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing the ledger needs matplotlib: pip install 'torch_budget[plot]' "
+                          "(or pip install matplotlib)") from None
+    return matplotlib
+
+
+def _shades(lines: list[LedgerLine]) -> list:
+    # Lines of one category share a hue; later ones are lighter so neighbours stay distinguishable.
+    from matplotlib.colors import to_rgb
+
+    seen: dict[str, int] = {}
+    colours = []
+    for line in lines:
+        i = seen.get(line.category, 0)
+        seen[line.category] = i + 1
+        base = to_rgb(CATEGORIES[line.category][1])
+        mix = min(0.2 * i, 0.6)
+        colours.append(tuple(c + (1.0 - c) * mix for c in base))
+    return colours
+
+
+def write_png(lines: list[LedgerLine], total: int, path, title: str | None = None) -> Path:
+    """Draw the card as one horizontal stacked bar (GiB axis) with a legend below that names each
+    line with its size and share. Renders through the Agg canvas directly, without pyplot, so it
+    works without a display and leaves the caller's matplotlib backend alone."""
+    if total <= 0:
+        raise ValueError(f"total card bytes must be positive, got {total}")
+    _matplotlib()
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    colours = _shades(lines)
+    over = sum(line.bytes for line in lines if line.bytes > 0) > total
+    ncol = min(3, max(len(lines), 1))
+    # The legend sits below the axes; bbox_inches="tight" grows the canvas to fit it.
+    fig = Figure(figsize=(12, 2.0), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    left = 0.0
+    handles = []
+    for line, colour in zip(lines, colours):
+        share = 100.0 * line.bytes / total
+        handles.append(Patch(facecolor=colour, edgecolor="#444444",
+                             label=f"{line.name}: {format_bytes(line.bytes)} ({share:.1f}%)"))
+        if line.bytes <= 0:
+            continue
+        width = line.bytes / GiB
+        ax.barh(0, width, left=left, height=0.8, color=colour, edgecolor="white", linewidth=1.0,
+                hatch="//" if line.category == "headroom" else None)
+        if share >= 6.0:
+            ax.text(left + width / 2, 0, f"{line.name}\n{share:.0f}%", ha="center", va="center", fontsize=9,
+                    color="black" if line.category == "headroom" else "white")
+        left += width
+    ax.axvline(total / GiB, color="black", linewidth=1.5)
+    ax.set_xlim(0, max(total / GiB, left))
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel("GiB")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    subtitle = f"card {format_bytes(total)}"
+    if over:
+        subtitle += f" - OVER-COMMITTED by {format_bytes(sum(l.bytes for l in lines if l.bytes > 0) - total)}"
+    ax.set_title(title or "device memory ledger", fontsize=13, pad=24)
+    ax.text(0.5, 1.03, subtitle, transform=ax.transAxes, ha="center", va="bottom", fontsize=10,
+            color="#B00000" if over else "#333333")
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=ncol,
+              fontsize=9, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.2)
+    return path
