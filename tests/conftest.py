@@ -1,12 +1,7 @@
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
-MiB = 1 << 20
-GiB = 1 << 30
+from _harness import run_fresh, run_ranks
+from torch_budget.units import GiB, KiB, MiB  # noqa: F401  (sizes for the tests: 5 * MiB)
 
 
 def _cuda_available():
@@ -26,21 +21,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_fresh(code, timeout=300, env=None):
-    """Run `code` in a fresh Python process (needed for anything that swaps torch's
-    allocator or captures graphs) and return its stdout; fail the test with the
-    child's output when it exits non-zero."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"child process failed (rc={proc.returncode})\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    return proc.stdout
+@pytest.fixture
+def fresh():
+    """Runs code in a fresh Python process (see _harness.run_fresh)."""
+    return run_fresh
 
 
 @pytest.fixture
-def fresh():
-    return run_fresh
+def ranks():
+    """Runs code as several ranks of a process group (see _harness.run_ranks)."""
+    return run_ranks

@@ -2,12 +2,6 @@
 
 Each test runs in a fresh process and skips when fewer than two devices are visible.
 """
-import os
-import socket
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -102,33 +96,21 @@ print("peer ok")
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_two
-def test_nccl_all_reduce_across_two_processes_under_install(tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, torch, torch_budget
-        rank = int(sys.argv[1])
-        torch_budget.install()
-        torch.cuda.set_device(rank)
-        import torch.distributed as dist
-        dist.init_process_group("nccl", rank=rank, world_size=2)
-        x = torch.full((1 << 20,), float(rank + 1), device="cuda")
-        dist.all_reduce(x)
-        assert float(x[0]) == 3.0 and float(x[-1]) == 3.0, float(x[0])
-        dist.barrier()
-        dist.destroy_process_group()
-        assert torch.cuda.get_allocator_backend() == "torch_budget"
-        print("rank", rank, "ok")
-    """))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {r} ok" in out, out[-3000:]
+def test_nccl_all_reduce_across_two_processes_under_install(ranks):
+    outs = ranks("""
+import os, torch, torch_budget
+rank = int(os.environ["RANK"])
+torch_budget.install()
+torch.cuda.set_device(rank)
+import torch.distributed as dist
+dist.init_process_group("nccl", init_method=os.environ["TB_INIT_METHOD"], rank=rank, world_size=2)
+x = torch.full((1 << 20,), float(rank + 1), device="cuda")
+dist.all_reduce(x)
+assert float(x[0]) == 3.0 and float(x[-1]) == 3.0, float(x[0])
+dist.barrier()
+dist.destroy_process_group()
+assert torch.cuda.get_allocator_backend() == "torch_budget"
+print("rank", rank, "ok")
+""", 2, timeout=300)
+    assert all(f"rank {r} ok" in out for r, out in enumerate(outs)), outs

@@ -176,8 +176,10 @@ def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
 def test_separate_metadata_objects_run_forwards_side_by_side():
     a, b = warmed(), warmed()
     with workspace(a), workspace(b):
-        a.get(2 * MiB)
-        b.get(3 * MiB)
+        ta, tb = a.get(2 * MiB), b.get(3 * MiB)
+        assert ta.numel() >= 2 * MiB and tb.numel() >= 3 * MiB
+        assert ta.data_ptr() != tb.data_ptr(), "two metadata objects must not share one workspace"
+    assert a.capacity >= 2 * MiB and b.capacity >= 3 * MiB
 
 
 def test_forward_that_raises_frees_the_workspace_and_is_not_counted():
