@@ -131,3 +131,36 @@ def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
             out.append(int(decode(model, torch.tensor([out[-1]]), torch.tensor([pos]), alone)[0].argmax()))
             pos += 1
         assert req.out == out, f"request {req.index}"
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_flag_of_every_command_has_help(command):
+    parser = cli.PARSERS[command]()
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help, f"{command} {action.option_strings or action.dest} has no help"
+
+
+def test_plan_without_arguments_or_a_device_plans_an_assumed_card_and_says_so():
+    proc = subprocess.run([sys.executable, "-m", "torch_budget", "plan"], capture_output=True, text=True,
+                          env=repo_env({"CUDA_VISIBLE_DEVICES": ""}), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "assumed NVIDIA H200" in proc.stdout and "KV pool" in proc.stdout
+
+
+def test_an_over_committed_plan_exits_1_and_says_by_how_much(capsys):
+    assert cli.main(["plan", "--gpu-mem-gib", "0.2"]) == 1
+    out, err = capsys.readouterr()
+    assert "OVER-COMMITTED" in out and "over-committed by" in err
+
+
+def test_bench_help_describes_the_benchmark_instead_of_running_it(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    assert "round trips" in capsys.readouterr().out
+
+
+def test_doctor_reports_a_bad_torch_budget_conf_naming_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:12 parsecs")
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "TORCH_BUDGET_CONF" in out and "invalid" in out and "parsecs" in out

@@ -131,11 +131,14 @@ def doctor_text() -> str:
     return "\n".join(lines)
 
 
-def _doctor(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"{PROG} doctor", description=(
+def _doctor_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"{PROG} doctor", description=(
         "Print versions, the settings TORCH_BUDGET_CONF asks for, the visible devices, their capabilities "
         "and the route torch_budget.install() would choose."))
-    _, rc = _parse(parser, argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    _, rc = _parse(_doctor_parser(), argv)
     if rc is not None:
         return rc
     from torch_budget import _native
@@ -152,7 +155,7 @@ def _doctor(argv: list[str]) -> int:
 # --- demo -----------------------------------------------------------------------------------------
 
 
-def _demo(argv: list[str]) -> int:
+def _demo_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} demo",
         description="Serve the built-in model (random weights, nothing downloaded) inside a budget planned from "
@@ -166,7 +169,11 @@ def _demo(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests, fewer graphs, a smaller KV cap")
     parser.add_argument("--native", action="store_true",
                         help="serve on torch's own allocator instead of torch_budget's (for comparison)")
-    args, rc = _parse(parser, argv)
+    return parser
+
+
+def _demo(argv: list[str]) -> int:
+    args, rc = _parse(_demo_parser(), argv)
     if rc is not None:
         return rc
     from torch_budget import demo
@@ -317,13 +324,17 @@ def _plan(argv: list[str]) -> int:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _report(argv: list[str]) -> int:
+def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"{PROG} report",
                                      description="Render a plan or ledger JSON as a table and a PNG.")
     parser.add_argument("ledger", help="JSON written by `torch-budget plan --json` or Plan.to_json()")
     parser.add_argument("--out", help="PNG path (default: the ledger path with .png)")
     parser.add_argument("--title", help="title for the table and the picture")
-    args, rc = _parse(parser, argv)
+    return parser
+
+
+def _report(argv: list[str]) -> int:
+    args, rc = _parse(_report_parser(), argv)
     if rc is not None:
         return rc
     from torch_budget.report import format_table, load_ledger, write_png
@@ -352,7 +363,7 @@ def bench_script() -> Path:
     return Path(__file__).resolve().parent.parent / "tools" / "bench_alloc.py"
 
 
-def _bench(argv: list[str]) -> int:
+def _bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} bench",
         description="Run the allocator benchmark: torch.empty + del round trips at 4 KiB, 1 MiB and 64 MiB and a "
@@ -361,7 +372,11 @@ def _bench(argv: list[str]) -> int:
                     "(the script is tools/bench_alloc.py).")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="interleaved rounds per configuration; the table shows medians (default 3)")
-    args, rc = _parse(parser, argv)
+    return parser
+
+
+def _bench(argv: list[str]) -> int:
+    args, rc = _parse(_bench_parser(), argv)
     if rc is not None:
         return rc
     script = bench_script()
@@ -376,6 +391,8 @@ def _bench(argv: list[str]) -> int:
 
 
 COMMANDS = {"doctor": _doctor, "demo": _demo, "plan": _plan, "report": _report, "bench": _bench}
+PARSERS = {"doctor": _doctor_parser, "demo": _demo_parser, "plan": _plan_parser, "report": _report_parser,
+           "bench": _bench_parser}
 
 
 def main(argv=None) -> int:
