@@ -22,13 +22,13 @@ def test_new_policy_starts_with_an_empty_window_of_three():
 
 
 def test_negative_floor_is_rejected_naming_the_value():
-    with pytest.raises(ValueError, match=r"floor_bytes must be >= 0 bytes, got -1"):
+    with pytest.raises(ValueError, match=r"floor_bytes \(bytes\) must be >= 0, got -1"):
         WorkspaceShrinkPolicy(-1)
 
 
 @pytest.mark.parametrize("bad", [1.5, "4", None, True])
 def test_non_integer_floor_is_rejected(bad):
-    with pytest.raises(TypeError, match="floor_bytes must be an integer byte count"):
+    with pytest.raises(TypeError, match=r"floor_bytes \(bytes\) must be an integer"):
         WorkspaceShrinkPolicy(bad)
 
 
@@ -41,7 +41,7 @@ def test_zero_floor_is_allowed():
 
 def test_negative_required_is_rejected_naming_the_value():
     policy = WorkspaceShrinkPolicy(1 * MiB)
-    with pytest.raises(ValueError, match=r"required must be >= 0 bytes, got -5"):
+    with pytest.raises(ValueError, match=r"required \(bytes\) must be >= 0, got -5"):
         policy.finish_forward(-5, 8 * MiB, False)
 
 
@@ -67,9 +67,9 @@ def test_invalid_input_leaves_the_window_untouched():
 
 def test_non_integer_required_or_capacity_is_rejected():
     policy = WorkspaceShrinkPolicy(0)
-    with pytest.raises(TypeError, match="required must be an integer byte count"):
+    with pytest.raises(TypeError, match=r"required \(bytes\) must be an integer"):
         policy.finish_forward(1.0, 8, False)
-    with pytest.raises(TypeError, match="capacity must be an integer byte count"):
+    with pytest.raises(TypeError, match=r"capacity \(bytes\) must be an integer"):
         policy.finish_forward(1, "8", False)
 
 

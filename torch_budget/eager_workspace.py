@@ -65,6 +65,8 @@ import threading
 import weakref
 from contextlib import nullcontext
 
+from torch_budget._validate import non_negative_int
+
 __all__ = [
     "WORKSPACE_TAG",
     "WorkspaceMetadata",
@@ -84,15 +86,7 @@ _NO_SCOPE = nullcontext()
 
 def _as_bytes(name, value):
     """Return `value` as a non-negative int byte count, or raise naming `name`."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer byte count, got a bool ({value!r})")
-    try:
-        value = value.__index__()
-    except AttributeError:
-        raise TypeError(f"{name} must be an integer byte count, got {type(value).__name__} ({value!r})") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-    return value
+    return non_negative_int(value, f"{name} (bytes)")
 
 
 class WorkspaceShrinkPolicy:
@@ -149,7 +143,7 @@ class WorkspaceShrinkPolicy:
             capacity = _as_bytes("capacity", capacity)
         floor = self._floor
         if required < 0:
-            raise ValueError(f"required must be >= 0 bytes, got {required}")
+            _as_bytes("required", required)  # raises, with the package's message
         if capacity < required or capacity < floor:
             raise ValueError(
                 f"capacity {capacity} is below max(required={required}, floor={floor}) bytes: "
