@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from .._validate import is_int, non_negative_int, positive_int
 
-
 # Note [Buckets are part of the budget]
 # A captured graph has fixed shapes, so every step is padded up to a captured size; the
 # padding is forced, not an optimization. The set of sizes is a trade: denser buckets waste

@@ -10,8 +10,9 @@ import torch
 
 from .._validate import integer, positive_int
 from .buckets import BucketRule
+from .pieces import EagerPiece
 from .pools import PoolHandle, PoolLedger, pool_key
-from .runner import EagerPiece, GraphRunner
+from .runner import GraphRunner
 from .static import AxisSize, StaticInput
 
 __all__ = ["GraphPoolManager"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-
 # Note [Shadow ring]
 # A host-sourced input reaches the device through a copy captured in the graph: the copy
 # node reads the pinned shadow when it runs on the device, which can be long after replay()

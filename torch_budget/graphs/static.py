@@ -4,7 +4,7 @@ read-only view that refuses rebinding."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Union
 
@@ -99,6 +99,26 @@ class BufferLayout:
 
     def full(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(self.max_shape)
+
+
+def input_shape(spec: StaticInput, bucket: int, axes: Mapping[str, AxisSize], owner: str) -> tuple[int, ...]:
+    """The shape of `spec`'s buffer at `bucket`: symbolic axes sized by `axes`, the bucket
+    inserted at the batch axis."""
+    dims = [_axis_size(axes, d, bucket, owner) if isinstance(d, str) else d for d in spec.shape]
+    if spec.batch_axis is not None:
+        dims.insert(spec.batch_axis, bucket)
+    return tuple(dims)
+
+
+def _axis_size(axes: Mapping[str, AxisSize], axis: str, bucket: int, owner: str) -> int:
+    size = axes[axis]
+    value = size(bucket) if callable(size) else size
+    return positive_int(value, f"{owner}: size of symbolic axis {axis!r} at bucket {bucket}")
+
+
+def inputs_nbytes(specs: Iterable[StaticInput], axes: Mapping[str, AxisSize], bucket: int, owner: str) -> int:
+    """Device bytes of the static inputs if `bucket` were the largest (BucketRule.memory_limit)."""
+    return sum(math.prod(input_shape(s, bucket, axes, owner)) * s.dtype.itemsize for s in specs)
 
 
 def rebind_message(owner: str, name: str) -> str:
