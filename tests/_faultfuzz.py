@@ -5,8 +5,9 @@ in a subprocess). Every step checks the invariants that must survive any driver
 failure; `run` raises AssertionError on the first violation and returns counts.
 """
 import random
+import threading
 
-from _hostcore import OOM, MiB, Host
+from _hostcore import OOM, S1, S2, S3, MiB, Host
 
 ROUTES = ("vmm", "pool", "sync")
 
@@ -101,3 +102,45 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     counts["injected"] = c["injected"]
     counts["retries"] = st["num_alloc_retries"]
     return counts
+
+
+def race(h, threads=4, ops=3000):
+    """Threads allocating, freeing and recording streams on one another's blocks at once; a
+    block may be freed by one thread while another records a stream on it. Returns the blocks
+    still live and the errors the threads met (out-of-memory refusals are not errors)."""
+    shared, errors, lock = [], [], threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(ops):
+                r = rng.random()
+                if r < 0.4:
+                    try:
+                        p = h.malloc(rng.choice([512, 70_000, 3 * MiB]), rng.choice([S1, S2]))
+                    except OOM:
+                        continue
+                    with lock:
+                        shared.append(p)
+                elif r < 0.7:
+                    with lock:
+                        p = shared.pop(rng.randrange(len(shared))) if shared else None
+                    if p:
+                        h.free(p)
+                else:
+                    with lock:
+                        p = rng.choice(shared) if shared else None
+                    if p:
+                        try:
+                            h.record_stream(p, S3)
+                        except ValueError:
+                            pass  # freed by another thread meanwhile
+        except BaseException as e:  # collected for the caller
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return shared, errors

@@ -70,45 +70,20 @@ def _asan_runtime():
 
 
 SANITIZED = """
-import random, sys, threading
+import sys
 sys.path.insert(0, {here!r})
-from _faultfuzz import run
-from _hostcore import MiB, Host, S1, S2, S3
+from _faultfuzz import race, run
+from _hostcore import MiB, Host
 if {route!r} != "threads":
     print(run({route!r}, ops={ops}, seed=5, library="_host_core_asan"))
     sys.exit(0)
 # Threads racing frees, record_stream and allocations under injected failures, then a
 # free that arrives during process exit, after thread-local objects are destroyed.
 h = Host(route="vmm", budget=512 * MiB, library="_host_core_asan")
+h.free(h.malloc(1 * MiB))                # creates the device before any fault
 h.fail("*", rate=0.01, seed=3)
-shared, lock = [], threading.Lock()
-def worker(seed):
-    rng = random.Random(seed)
-    for _ in range(2000):
-        r = rng.random()
-        if r < 0.4:
-            try:
-                p = h.malloc(rng.choice([512, 70000, 3 * MiB]), rng.choice([S1, S2]))
-            except Exception:
-                continue
-            with lock:
-                shared.append(p)
-        elif r < 0.7:
-            with lock:
-                p = shared.pop(rng.randrange(len(shared))) if shared else None
-            if p:
-                h.free(p)
-        else:
-            with lock:
-                p = rng.choice(shared) if shared else None
-            if p:
-                try:
-                    h.record_stream(p, S3)
-                except ValueError:
-                    pass
-threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-[t.start() for t in threads]
-[t.join() for t in threads]
+shared, errors = race(h, ops=2000)
+assert not errors, errors
 h.heal()
 for p in shared:
     h.free(p)

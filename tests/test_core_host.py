@@ -411,41 +411,10 @@ def test_ending_one_capture_of_a_shared_pool_keeps_the_other_open():
 
 @isolated
 def test_record_stream_and_free_racing_from_threads_stay_consistent():
-    import threading
+    from _faultfuzz import race
 
     h = Host(route="vmm")
-    shared, errors, lock = [], [], threading.Lock()
-
-    def worker(seed):
-        rng = random.Random(seed)
-        try:
-            for _ in range(3000):
-                r = rng.random()
-                if r < 0.4:
-                    p = h.malloc(rng.choice([512, 70 * KiB, 3 * MiB]), rng.choice([S1, S2]))
-                    with lock:
-                        shared.append(p)
-                elif r < 0.7:
-                    with lock:
-                        p = shared.pop(rng.randrange(len(shared))) if shared else None
-                    if p:
-                        h.free(p)
-                else:
-                    with lock:
-                        p = rng.choice(shared) if shared else None
-                    if p:
-                        try:
-                            h.record_stream(p, S3)
-                        except ValueError:
-                            pass  # freed by another thread meanwhile
-        except BaseException as e:  # collected and re-raised in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    shared, errors = race(h)
     assert not errors, errors
     for p in shared:
         h.free(p)

@@ -26,11 +26,6 @@ PRELUDE = textwrap.dedent(
 
     if __INSTALL__:
         try:
-            import torch_budget.allocator  # noqa: F401
-        except ImportError as exc:
-            print(f"SKIP: torch_budget.allocator is not importable ({exc})")
-            sys.exit(0)
-        try:
             torch_budget.install()
         except ImportError as exc:
             print(f"SKIP: the compiled allocator extension is not built ({exc})")
@@ -349,7 +344,6 @@ def test_rebinding_a_captured_buffer_raises_and_in_place_writes_are_replayed(fre
 def test_shadow_ring_is_never_overwritten_under_back_to_back_replays_with_changing_data(fresh, install):
     _run(fresh, """
         manager = GraphPoolManager()
-        busy = torch.randn(2048, 2048, device=DEV)
         for slots in (1, 2, 3):
             runner = manager.runner(f"ring{slots}", mlp, buckets=[1, 2, 4, 8, 16, 32, 64], inputs=mlp_inputs(),
                                     shadow_slots=slots)
@@ -360,10 +354,12 @@ def test_shadow_ring_is_never_overwritten_under_back_to_back_replays_with_changi
             for k in range(120):
                 n = int(torch.randint(1, 65, (1,), generator=gen))
                 x, pos = host_batch(n, gen)
-                # Keep the device busy so that the host runs ahead: without the ring's fences it
-                # would overwrite a pinned shadow before an earlier replay's captured copy read it.
-                for _ in range(4):
-                    busy @ busy
+                if k % 10 == 0:
+                    # The device sleeps ~50 ms, far longer than the host takes to stage ten steps:
+                    # the steps behind it are staged while earlier ones are still queued, so
+                    # without the ring's fences a pinned shadow would be overwritten before an
+                    # earlier replay's captured copy read it.
+                    torch.cuda._sleep(100_000_000)
                 # Every tenth step runs eagerly: its non-blocking copies read a slot too.
                 out = runner.run_eager(n, x=x, pos=pos) if k % 10 == 9 else runner.step(n, x=x, pos=pos)
                 results.append(out["y"].clone())
@@ -371,6 +367,8 @@ def test_shadow_ring_is_never_overwritten_under_back_to_back_replays_with_changi
                 # Was the previous step still queued when this one had written its slot?
                 if previous is not None and not previous.query():
                     ahead += 1
+                elif slots > 1 and k % 10 == 1:
+                    raise AssertionError(f"shadow_slots={slots}: step {k} was staged after the device caught up")
                 previous = torch.cuda.Event()
                 previous.record()
             torch.cuda.synchronize()
@@ -379,10 +377,6 @@ def test_shadow_ring_is_never_overwritten_under_back_to_back_replays_with_changi
                     check(got, x, pos)
                 except AssertionError as exc:
                     raise AssertionError(f"shadow_slots={slots}: step {i} computed on other data than it was given") from exc
-            if slots > 1:
-                # The host staged steps while earlier ones still waited for the device, so the
-                # data above went through slots that queued replays had yet to read.
-                assert ahead >= 60, f"shadow_slots={slots}: the host was ahead on only {ahead} of 119 steps"
             print(f"shadow_slots={slots}: host ahead of the device on {ahead} of 119 steps")
             runner.close()
         manager.close()

@@ -36,22 +36,20 @@ commands:
 # --- argument types -------------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a positive whole number."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
-
-
 def whole_number(text: str) -> int:
+    """argparse type: a whole number."""
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive whole number."""
+    value = whole_number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return value
 
 
 def gib(text: str) -> float:

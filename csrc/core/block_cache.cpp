@@ -52,7 +52,14 @@ BlockPool::~BlockPool() {
   }
 }
 
-Block* BlockPool::add_segment(std::unique_ptr<Segment> seg) {
+Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstream stream, size_t granules) {
+  auto seg = std::make_unique<Segment>();
+  seg->base = base;
+  seg->size = size;
+  seg->small = small;
+  seg->stream = stream;
+  seg->route = route_;
+  seg->granules.assign(granules, 0);
   Block* block = store_->make();
   block->ptr = seg->base;
   block->size = seg->size;
@@ -63,7 +70,7 @@ Block* BlockPool::add_segment(std::unique_ptr<Segment> seg) {
   seg->head = block;
   free_set(seg->small).insert(block);
   segments_.push_back(std::move(seg));
-  return block;
+  return segments_.back().get();
 }
 
 void BlockPool::remove_segment(Segment* seg) {

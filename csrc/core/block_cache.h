@@ -142,8 +142,9 @@ class BlockPool {
   // releases on free gets the segment back at once.
   void free(Block* block);
 
-  // Registers a new segment covered by one free block (used by backings).
-  Block* add_segment(std::unique_ptr<Segment> seg);
+  // Registers a new segment of `size` bytes at `base`, covered by one free block (used by
+  // backings); VMM arenas start with `granules` unmapped granule slots.
+  Segment* add_segment(uintptr_t base, size_t size, bool small, CUstream stream, size_t granules = 0);
   // Removes a segment with no live blocks and its single free block (used by backings).
   void remove_segment(Segment* seg);
 

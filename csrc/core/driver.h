@@ -78,6 +78,15 @@ void set_driver(const DriverApi* api);
 // "CUDA_ERROR_OUT_OF_MEMORY" style name of a driver result.
 std::string driver_error_name(CUresult r);
 
+// Read and write access for `device`, as cuMemSetAccess / cuMemPoolSetAccess take it.
+inline CUmemAccessDesc read_write_access(int device) {
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = device;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return desc;
+}
+
 // A device and its primary context, as the routes see them.
 struct DeviceContext {
   int device = -1;

@@ -91,13 +91,7 @@ bool PoolRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   }
   if (grew > 0) bump(ledger_.num_device_alloc);
   settle(after, small);
-  auto seg = std::make_unique<Segment>();
-  seg->base = ptr;
-  seg->size = size;
-  seg->small = small;
-  seg->stream = stream;
-  seg->route = kRoutePool;
-  pool.add_segment(std::move(seg));
+  pool.add_segment(ptr, size, small, stream);
   ledger_.segment.add(small, 1);
   return true;
 }
@@ -128,10 +122,7 @@ void PoolRoute::release_cached(BlockPool& pool) {
 }
 
 bool PoolRoute::grant_peer(int peer) {
-  CUmemAccessDesc desc{};
-  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  desc.location.id = peer;
-  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc desc = read_write_access(peer);
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   TB_DRIVER_CHECK(driver()->memPoolSetAccess(pool_, &desc, 1), false);

@@ -20,13 +20,7 @@ bool SyncRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   TB_DRIVER_CHECK(driver()->memAlloc(&ptr, bytes), false);
   charge.commit();
   bump(ledger_.num_device_alloc);
-  auto seg = std::make_unique<Segment>();
-  seg->base = ptr;
-  seg->size = bytes;
-  seg->small = small;
-  seg->stream = stream;
-  seg->route = kRouteSync;
-  pool.add_segment(std::move(seg));
+  pool.add_segment(ptr, bytes, small, stream);
   ledger_.segment.add(small, 1);
   return true;
 }

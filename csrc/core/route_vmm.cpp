@@ -13,10 +13,7 @@ VmmRoute::VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, siz
   prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop_.location.id = ctx.device;
-  CUmemAccessDesc own{};
-  own.location = prop_.location;
-  own.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  access_.push_back(own);
+  access_.push_back(read_write_access(ctx.device));
 }
 
 Placement VmmRoute::placement(const Segment& seg) const {
@@ -31,15 +28,7 @@ bool VmmRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
   va = std::max(va, (size + granule_ - 1) / granule_ * granule_);
   CUdeviceptr base = 0;
   TB_DRIVER_CHECK(driver()->memAddressReserve(&base, va, granule_, 0, 0), false);
-  auto seg = std::make_unique<Segment>();
-  seg->base = base;
-  seg->size = va;
-  seg->small = small;
-  seg->stream = stream;
-  seg->route = kRouteVmm;
-  seg->granules.assign(va / granule_, 0);
-  arenas_.push_back(seg.get());
-  pool.add_segment(std::move(seg));
+  arenas_.push_back(pool.add_segment(base, va, small, stream, va / granule_));
   ledger_.segment.add(small, 1);
   return true;
 }
@@ -224,10 +213,7 @@ bool VmmRoute::destroy_segment(Segment& seg) {
 bool VmmRoute::grant_peer(int peer) {
   for (const CUmemAccessDesc& a : access_)
     if (a.location.id == peer) return true;
-  CUmemAccessDesc desc{};
-  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  desc.location.id = peer;
-  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc desc = read_write_access(peer);
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   for (Segment* seg : arenas_) {
