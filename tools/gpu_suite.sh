@@ -41,7 +41,7 @@ if has sanitize; then
   echo "== compute-sanitizer memcheck over the allocator's GPU tests"
   start=$(date +%s)
   timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
-    $PY -m pytest -q -p no:cacheprovider -n ${SANITIZE_JOBS:-6} tests/test_allocator_gpu.py -k "not eight_threads" \
+    $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n ${SANITIZE_JOBS:-6} tests/test_allocator_gpu.py -k "not eight_threads" \
     >"$OUT/sanitize.log" 2>&1
   rc=$?
   tail -15 "$OUT/sanitize.log"
