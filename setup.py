@@ -114,7 +114,7 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned: the extension is built against, and runs with, the torch already installed.
     install_requires=["torch"],
-    extras_require={"plot": ["matplotlib"], "progress": ["tqdm"], "test": ["pytest", "numpy", "matplotlib"]},
+    extras_require={"plot": ["matplotlib"], "progress": ["tqdm"], "test": ["pytest", "hypothesis", "numpy", "matplotlib"]},
     ext_modules=extensions,
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["torch-budget=torch_budget.cli:main"]},

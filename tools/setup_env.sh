@@ -29,11 +29,11 @@ else
   fi
 fi
 
-DEPS=(ninja pytest numpy matplotlib "setuptools>=64" wheel)
+DEPS=(ninja pytest hypothesis numpy matplotlib "setuptools>=64" wheel)
 mkdir -p build
 stamp="build/.deps-$(echo "$PY ${DEPS[*]}" | cksum | cut -d' ' -f1)"
 if ! [ -f "$stamp" ]; then
-  if "$PY" -c 'import ninja, pytest, numpy, matplotlib, setuptools, wheel' >/dev/null 2>&1; then
+  if "$PY" -c 'import ninja, pytest, hypothesis, numpy, matplotlib, setuptools, wheel' >/dev/null 2>&1; then
     :
   else
     say "installing build and test dependencies: ${DEPS[*]}"
