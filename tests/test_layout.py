@@ -1,0 +1,58 @@
+"""The package's import graph has no cycle (function-level imports included): data flows one
+way, from the command line and the demo down to the allocator front and the ctypes seam."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torch_budget"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                # the deepest module of the package this import names (a package, or a module in it)
+                while t and t not in modules:
+                    t = t.rsplit(".", 1)[0] if "." in t else ""
+                if t and t != name and t != "torch_budget":  # the facade imports lazily
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def test_the_package_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "torch_budget.allocator" in graph and "torch_budget.graphs.runner" in graph
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
