@@ -423,13 +423,6 @@ def test_nothing_is_routed_when_the_shim_is_not_installed(shim):
     assert shim.scopes == []
 
 
-def test_allocator_module_without_the_routing_interface_counts_as_not_installed(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_budget.allocator", types.ModuleType("torch_budget.allocator"))
-    meta = warmed(1 * MiB)
-    forward(meta, 8 * MiB)
-    assert meta.capacity == 8 * MiB
-
-
 def test_failed_shrink_allocation_leaves_an_empty_usable_workspace(shim):
     meta = warmed(1 * MiB)
     forward(meta, 8 * MiB)

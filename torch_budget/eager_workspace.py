@@ -183,12 +183,7 @@ def _allocation_scope():
     allocator = sys.modules.get("torch_budget.allocator")
     if allocator is None:
         return _NO_SCOPE
-    try:
-        installed, route = allocator.installed, allocator.route
-    except AttributeError:
-        # A partial or older allocator module without the routing interface: nothing routes.
-        return _NO_SCOPE
-    return route(tag=WORKSPACE_TAG) if installed() else _NO_SCOPE
+    return allocator.route(tag=WORKSPACE_TAG) if allocator.installed() else _NO_SCOPE
 
 
 def _describe(meta):
