@@ -26,8 +26,8 @@ try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:
     sys.exit(
-        "torch_budget builds against the torch installed in this environment, and none was found.\n"
-        "Install torch first (pip install torch), then build without pip's build isolation, which would hide it:\n"
+        "torch_budget builds against the torch you run it with, and this build environment has no torch: pip's\n"
+        "default build isolation hides the installed one. Install torch if it is not there yet, then:\n"
         "    pip install --no-build-isolation .")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
