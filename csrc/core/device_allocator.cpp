@@ -138,6 +138,8 @@ void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std
 }
 
 void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
+  // cuMemFree waits for the device: never while a capture is open (kept for later).
+  if (open_captures() > 0) return;
   std::vector<SyncRoute::Detached> list = sync_->take_detached();
   if (list.empty()) return;
   lock.unlock();
@@ -149,9 +151,13 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
 void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
   sync_device(lock);
   process_events();
-  if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
-  sync_->release_cached(*sync_pool_);
-  if (pool_pool_) pool_->release_cached(*pool_pool_);
+  {
+    // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
+    RelaxedCaptureMode relaxed(open_captures() > 0);
+    if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
+    sync_->release_cached(*sync_pool_);
+    if (pool_pool_) pool_->release_cached(*pool_pool_);
+  }
   destroy_dead_pools(lock);
   free_detached(lock);
 }
