@@ -35,6 +35,7 @@ assert st["by_route"]["vmm"]["allocated"] == st["allocated"]
 """)
 
 
+@pytest.mark.exclusive
 def test_empty_cache_returns_freed_memory_to_the_device(fresh):
     fresh(PRELUDE + """
 torch_budget.install()

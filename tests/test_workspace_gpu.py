@@ -40,6 +40,7 @@ logging.getLogger("torch_budget.eager_workspace").addHandler(warnings)
 """
 
 
+@pytest.mark.exclusive
 def test_third_short_forward_frees_the_excess_under_install_and_empty_cache_returns_it(fresh):
     out = fresh("""
 import torch_budget

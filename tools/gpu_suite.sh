@@ -5,7 +5,7 @@
 # $OUT when it is set.
 #
 # Steps can be chosen with STEPS (default: "build tests bench sanitize demo"); TESTS,
-# PYTEST_ARGS and BENCHES narrow them.
+# PYTEST_ARGS (split on spaces), TEST_JOBS and BENCHES narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -23,10 +23,15 @@ if has build || [ ! -e torch_budget/_C*.so ]; then
 fi
 
 if has tests; then
+  # Tests that read device-wide memory run alone first; the rest run in parallel processes
+  # (each GPU test starts a fresh process anyway), which keeps the suite within one call.
   echo "== tests"
   start=$(date +%s)
-  $PY -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -60
-  summary+=("tests        $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
+  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs -m exclusive ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest-exclusive.log" | tail -20
+  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs -n ${TEST_JOBS:-8} -m "not exclusive" ${TESTS:-tests} \
+    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+  summary+=("tests        alone: $(grep -E "(passed|failed|error)" "$OUT/pytest-exclusive.log" | tail -1); parallel: $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
 fi
 
 if has bench; then
