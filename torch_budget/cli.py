@@ -52,22 +52,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _float(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def gib(text: str) -> float:
     """argparse type: a non-negative number of GiB."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    value = _float(text, "a number of GiB")
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number of GiB")
     return value
 
 
 def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    """argparse type: a number in (0, 1]."""
+    value = _float(text, "a number")
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
