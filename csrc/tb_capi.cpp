@@ -6,6 +6,7 @@
 
 #include "core/allocator.h"
 #include "core/error.h"
+#include "core/host_pool.h"
 #include "core/ledger_json.h"
 #include "core/scope.h"
 
@@ -140,6 +141,79 @@ int tb_grant_peer(int device, int peer) {
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
   return d->grant_peer(peer) ? 0 : code();
+}
+
+int tb_tag_find(const char* name) {
+  clear_error();
+  return name == nullptr ? -1 : tag_find(name);
+}
+
+int tb_device_ready(int device) {
+  clear_error();
+  return Allocator::get().device_if_ready(device) != nullptr ? 1 : 0;
+}
+
+int tb_release_tag(int device, int tag, int backup) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->release_tag(tag, backup) ? 0 : code();
+}
+
+int tb_restore_tag(int device, int tag) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->restore_tag(tag) ? 0 : code();
+}
+
+int tb_tag_info(int device, int tag, int64_t out[8]) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  if (tag < 0 || tag >= tag_count()) {
+    set_error(kInvalidArgument, "unknown tag id " + std::to_string(tag));
+    return kInvalidArgument;
+  }
+  const TagView v = d->tag_view(tag);
+  const int64_t values[8] = {v.life, v.backup, v.resident, v.released, v.last_device, v.last_backup, v.backup_bytes, 0};
+  std::copy(values, values + 8, out);
+  return 0;
+}
+
+int tb_trim_tag(int device, int tag, int64_t* returned) {
+  clear_error();
+  *returned = 0;
+  DeviceAllocator* d = Allocator::get().device_if_ready(device);
+  if (d == nullptr) return 0;
+  return d->trim_tag(tag, returned) ? 0 : code();
+}
+
+int tb_host_pool_reserve(int64_t bytes) {
+  clear_error();
+  if (bytes < 0) {
+    set_error(kInvalidArgument, "a host pool size must be >= 0 bytes, got " + std::to_string(bytes));
+    return kInvalidArgument;
+  }
+  DeviceAllocator* d = Allocator::get().device(0);  // pinning needs a context; the memory is portable
+  if (d == nullptr) return code();
+  ContextGuard guard(d->context().ctx);
+  if (!guard.ok()) return code();
+  return HostPool::get().reserve(static_cast<size_t>(bytes)) ? 0 : code();
+}
+
+int tb_host_pool_free(void) {
+  clear_error();
+  if (driver() == nullptr) return 0;
+  return HostPool::get().free_unused() ? 0 : code();
+}
+
+int tb_host_pool_stats(int64_t out[8]) {
+  clear_error();
+  const HostPoolStats s = HostPool::get().stats();
+  const int64_t values[8] = {s.bytes, s.used, s.chunks, s.pinned_at_release, s.pin_ns, 0, 0, 0};
+  std::copy(values, values + 8, out);
+  return 0;
 }
 
 int tb_begin_pool(int device, uint64_t id0, uint64_t id1, void* stream) {

@@ -52,6 +52,24 @@ TB_API int tb_empty_cache(int device);
 // Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).
 TB_API int tb_grant_peer(int device, int peer);
 
+// --- sleep / wake (VMM memory under a tag; csrc/core/tag_sleep.h)
+TB_API int tb_tag_find(const char* name);  // id of a known tag, -1 if none has that name
+TB_API int tb_device_ready(int device);    // 1 once torch_budget serves allocations on `device`
+// backup: 0 none, 1 memset, 2 cpu, 3 pinned.
+TB_API int tb_release_tag(int device, int tag, int backup);
+TB_API int tb_restore_tag(int device, int tag);
+// out: life (0 live, 1 released, 2 restoring), backup (-1 never released), resident bytes,
+// released bytes, device bytes and backup bytes the last release / restore moved, host
+// bytes of the backup held.
+TB_API int tb_tag_info(int device, int tag, int64_t out[8]);
+// Gives the tag's clean cached memory back to the driver; *returned: bytes.
+TB_API int tb_trim_tag(int device, int tag, int64_t* returned);
+// The pinned host pool that backups use (process-wide).
+TB_API int tb_host_pool_reserve(int64_t bytes);
+TB_API int tb_host_pool_free(void);
+// out: pinned bytes, bytes holding backups, chunks, bytes pinned at release, ns spent pinning.
+TB_API int tb_host_pool_stats(int64_t out[8]);
+
 // --- graph pools (torch's begin/end allocate-to-pool and release-pool)
 // Allocations on `stream` go to pool (id0, id1) until tb_end_pool.
 TB_API int tb_begin_pool(int device, uint64_t id0, uint64_t id1, void* stream);
@@ -83,6 +101,9 @@ TB_API int tb_host_can_access(int device, void* ptr);
 TB_API int tb_host_hold_syncs(int hold, int wait_for);
 TB_API int tb_host_remove_entry(const char* name);
 TB_API void tb_host_free_at_exit(void* ptr);
+TB_API int tb_host_poke(void* va, const void* src, int64_t bytes);
+TB_API int tb_host_peek(void* va, void* dst, int64_t bytes);
+TB_API int64_t tb_host_pinned(void);
 
 #ifdef __cplusplus
 }

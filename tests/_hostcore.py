@@ -161,3 +161,36 @@ class Host:
 
     def release_pool(self, pool_id, device=0):
         _native.check(self.lib, self.lib.tb_release_pool(device, pool_id[0], pool_id[1]))
+
+    # -- sleep / wake (csrc/core/tag_sleep.h)
+    BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}
+
+    def release(self, tag, backup="none", device=0):
+        _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), self.BACKUPS[backup]))
+
+    def restore(self, tag, device=0):
+        _native.check(self.lib, self.lib.tb_restore_tag(device, self.tag(tag)))
+
+    def tag_info(self, tag, device=0):
+        out = (ctypes.c_int64 * 8)()
+        _native.check(self.lib, self.lib.tb_tag_info(device, self.tag(tag), out))
+        keys = ["life", "backup", "resident", "released", "last_device", "last_backup", "backup_bytes"]
+        return dict(zip(keys, out))
+
+    def trim(self, tag, device=0):
+        out = ctypes.c_int64()
+        _native.check(self.lib, self.lib.tb_trim_tag(device, self.tag(tag), ctypes.byref(out)))
+        return out.value
+
+    def poke(self, ptr, data: bytes):
+        buf = ctypes.create_string_buffer(data, len(data))
+        return self.lib.tb_host_poke(ptr, buf, len(data)) == 0
+
+    def peek(self, ptr, n):
+        buf = ctypes.create_string_buffer(n)
+        return buf.raw if self.lib.tb_host_peek(ptr, buf, n) == 0 else None
+
+    def host_pool(self):
+        out = (ctypes.c_int64 * 8)()
+        _native.check(self.lib, self.lib.tb_host_pool_stats(out))
+        return {"bytes": out[0], "used": out[1], "chunks": out[2], "pinned_at_release": out[3]}

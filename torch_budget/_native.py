@@ -46,6 +46,15 @@ def _declare(lib, host):
         "tb_set_budget": (i, [i, i64, d]),
         "tb_empty_cache": (i, [i]),
         "tb_grant_peer": (i, [i, i]),
+        "tb_tag_find": (i, [cp]),
+        "tb_device_ready": (i, [i]),
+        "tb_release_tag": (i, [i, i, i]),
+        "tb_restore_tag": (i, [i, i]),
+        "tb_tag_info": (i, [i, i, _c_i64_8]),
+        "tb_trim_tag": (i, [i, i, ctypes.POINTER(i64)]),
+        "tb_host_pool_reserve": (i, [i64]),
+        "tb_host_pool_free": (i, []),
+        "tb_host_pool_stats": (i, [_c_i64_8]),
         "tb_begin_pool": (i, [i, u64, u64, vp]),
         "tb_end_pool": (i, [i, u64, u64]),
         "tb_release_pool": (i, [i, u64, u64]),
@@ -67,6 +76,9 @@ def _declare(lib, host):
             "tb_host_hold_syncs": (i, [i, i]),
             "tb_host_remove_entry": (i, [cp]),
             "tb_host_free_at_exit": (None, [vp]),
+            "tb_host_poke": (i, [vp, vp, i64]),
+            "tb_host_peek": (i, [vp, vp, i64]),
+            "tb_host_pinned": (i64, []),
         })
     else:
         sigs.update({"tb_torch_install": (i, []), "tb_torch_installed": (i, [])})

@@ -56,7 +56,8 @@ bool DeviceAllocator::init(const Settings& settings) {
     const size_t arena = (caps_.total_bytes + granule - 1) / granule * granule;
     vmm_ = std::make_unique<VmmRoute>(ctx_, budget_, ledger_, granule, arena, settings.reuse_before_grow);
     vmm_pool_ = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
-    vmm_->set_reuse_source(vmm_pool_.get());
+    vmm_->add_reuse_source(vmm_pool_.get());
+    mover_ = std::make_unique<TagMover>(ctx_, *vmm_);
   }
   sync_ = std::make_unique<SyncRoute>(ctx_, budget_, ledger_);
   sync_pool_ = std::make_unique<BlockPool>(sync_.get(), kRouteSync, false, &store_, &clock_);
@@ -90,6 +91,24 @@ BlockPool* DeviceAllocator::default_pool(int route) {
   if (route == kRouteVmm) return vmm_pool_.get();
   if (route == kRoutePool) return pool_pool_.get();
   return sync_pool_.get();
+}
+
+BlockPool* DeviceAllocator::tag_pool(int tag) {
+  if (tag == 0) return vmm_pool_.get();
+  std::unique_ptr<BlockPool>& p = tag_pools_[tag];
+  if (!p) {
+    p = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
+    vmm_->add_reuse_source(p.get());
+  }
+  return p.get();
+}
+
+std::vector<BlockPool*> DeviceAllocator::pools_of(int tag) {
+  std::vector<BlockPool*> out;
+  if (tag_pools_[tag]) out.push_back(tag_pools_[tag].get());
+  for (auto& [id, p] : graphs_.pools())
+    if (p.tag == tag && p.blocks->route() == kRouteVmm) out.push_back(p.blocks.get());
+  return out;
 }
 
 Backing* DeviceAllocator::graph_backing() {
@@ -155,6 +174,8 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
     // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
     RelaxedCaptureMode relaxed(open_captures() > 0);
     if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
+    for (int t = 1; t < kMaxTags; ++t)  // a released tag's segments are remembered by its pieces
+      if (tag_pools_[t] && tag_live(t)) vmm_->release_cached(*tag_pools_[t]);
     sync_->release_cached(*sync_pool_);
     if (pool_pool_) pool_->release_cached(*pool_pool_);
   }
@@ -164,7 +185,7 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
 
 // ---------------------------------------------------------------- allocation
 
-Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, bool allow_sync) {
+Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync) {
   const bool capturing = graphs_.capturing();
   BlockPool* gp = capturing ? graphs_.route_for(stream) : nullptr;
   if (!capturing && (!pending_.empty() || !deferred_.empty())) process_events();
@@ -172,8 +193,17 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, bool al
   budget_.clear_refusal();
   // Any capture in global mode, on any thread, forbids this thread's cuMemCreate etc.
   RelaxedCaptureMode relaxed(open_captures() > 0);
-  if (gp != nullptr) return gp->malloc(size, stream);
-  return default_pool(resolve_route(caps_, route))->malloc(size, stream);
+  if (gp != nullptr) {
+    PrivatePool* p = graphs_.find(gp, nullptr);
+    TB_REQUIRE(p == nullptr || tag_live(p->tag), kState,
+               "the graph pool being captured into belongs to tag '" + tag_name(p->tag) +
+                   "', which is released: restore it before capturing",
+               nullptr);
+    return gp->malloc(size, stream);
+  }
+  const int used = resolve_route(caps_, route);
+  if (used == kRouteVmm) return tag_pool(tag)->malloc(size, stream);
+  return default_pool(used)->malloc(size, stream);
 }
 
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
@@ -187,9 +217,13 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
                                      "the request is larger than the device's total memory"));
     return nullptr;
   }
+  TB_REQUIRE(tag_live(tag), kState,
+             "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
+                 ": restore it (torch_budget.restore) before allocating under it",
+             nullptr);
   bool released = false;
   for (int round = 0;; ++round) {
-    Block* b = attempt(size, stream, route, round < kSyncRounds);
+    Block* b = attempt(size, stream, route, tag, round < kSyncRounds);
     if (b != nullptr) {
       b->tag = tag;
       account_alloc(b);
@@ -200,7 +234,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       sync_streams(lock, clock_.take_requests());
       continue;
     }
-    if (last_error_code() == kInvalidArgument) return nullptr;
+    if (last_error_code() == kInvalidArgument || last_error_code() == kState) return nullptr;
     if (!released && !graphs_.capturing()) {
       released = true;
       bump(ledger_.num_alloc_retries);
@@ -240,6 +274,7 @@ void DeviceAllocator::account_alloc(Block* b) {
   ledger_.tag_allocated[b->tag].add(size);
   ledger_.tag_requested[b->tag].add(requested);
   bump(ledger_.tag_count[b->tag]);
+  if (b->route != kRouteVmm) off_route_[b->tag]++;
 }
 
 void DeviceAllocator::account_release(Block* b) {
@@ -252,6 +287,7 @@ void DeviceAllocator::account_release(Block* b) {
   ledger_.route_allocated[b->route].sub(size);
   ledger_.tag_allocated[b->tag].sub(size);
   ledger_.tag_requested[b->tag].sub(requested);
+  if (b->route != kRouteVmm) off_route_[b->tag]--;
 }
 
 void DeviceAllocator::account_inactive(Block* b) {
@@ -377,7 +413,10 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction) {
              "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
   bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
   std::unique_lock<std::mutex> lock(mu_);
-  const int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
+  // Only resident memory counts: a released tag's blocks hold no device memory now.
+  int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
+  for (int t = 1; t < kMaxTags; ++t)
+    if (!tag_live(t)) allocated -= ledger_.tag_allocated[t].get();
   TB_REQUIRE(bytes >= allocated, kInvalidArgument,
              "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
                  " already has allocated (" + format_size(allocated) + "): free tensors first",
@@ -412,6 +451,8 @@ size_t DeviceAllocator::largest_free() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t best = sync_pool_->largest_free();
   if (vmm_pool_) best = std::max(best, vmm_pool_->largest_free());
+  for (const auto& p : tag_pools_)
+    if (p) best = std::max(best, p->largest_free());
   return best;
 }
 
@@ -429,7 +470,7 @@ void DeviceAllocator::reset_accumulated() {
 
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mu_);
-  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_);
+  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_, current_scope().tag);
   graphs_.begin_capture(id, std::move(filter));
   open_captures_.fetch_add(1, std::memory_order_acq_rel);
   return true;
@@ -448,7 +489,7 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
 
 void DeviceAllocator::create_or_incref_pool(const PoolId& id) {
   std::lock_guard<std::mutex> lock(mu_);
-  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_);
+  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_, current_scope().tag);
 }
 
 int DeviceAllocator::pool_use_count(const PoolId& id) {
@@ -494,7 +535,7 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock) {
   for (const DeadPool& d : dead) {
     PrivatePool* p = graphs_.find(d.id);
     if (p == nullptr || !p->dead()) continue;  // revived while the lock was released
-    if (!clock_.device_clean(d.died_at)) {
+    if (!clock_.device_clean(d.died_at) || !tag_live(p->tag)) {  // a released tag's pieces point into it
       dead_.push_back(d);
       continue;
     }
@@ -537,6 +578,7 @@ std::vector<SegmentView> DeviceAllocator::segments() {
     }
   };
   visit(vmm_pool_.get(), PoolId{0, 0});
+  for (const auto& p : tag_pools_) visit(p.get(), PoolId{0, 0});
   visit(sync_pool_.get(), PoolId{0, 0});
   visit(pool_pool_.get(), PoolId{0, 0});
   for (auto& [id, p] : graphs_.pools()) visit(p.blocks.get(), id);
@@ -562,6 +604,7 @@ void DeviceAllocator::inactive_split_locked(int64_t* count, int64_t* bytes) {
   };
   visit(vmm_pool_.get());
   visit(sync_pool_.get());
+  for (const auto& p : tag_pools_) visit(p.get());
 }
 
 }  // namespace tb

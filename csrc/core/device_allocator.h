@@ -33,6 +33,7 @@
 #include "route_sync.h"
 #include "route_vmm.h"
 #include "stream_order.h"
+#include "tag_sleep.h"
 
 namespace tb {
 
@@ -73,6 +74,17 @@ struct SegmentView {
     int state;  // 0 free, 1 allocated, 2 waiting on recorded streams
   };
   std::vector<BlockView> blocks;
+};
+
+// A tag's state on one device (Note [Tag arenas]).
+struct TagView {
+  int life;
+  int backup;
+  int64_t resident;      // device bytes mapped behind the tag, graph pools included
+  int64_t released;      // bytes waiting for a restore
+  int64_t backup_bytes;  // host bytes holding its backup
+  int64_t last_device;   // device bytes the last release / restore moved
+  int64_t last_backup;   // bytes it copied
 };
 
 // What a lookup by address tells about a live block.
@@ -121,6 +133,16 @@ class DeviceAllocator {
   void reset_peaks();
   void reset_accumulated();
 
+  // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
+  // not live / not released, during a capture, or with live memory off the VMM route.
+  bool release_tag(int tag, int backup);
+  bool restore_tag(int tag);
+  TagView tag_view(int tag);
+  // Gives the clean cached memory of `tag`'s own pool back to the driver, after
+  // synchronising the streams its free blocks were used on; *returned: bytes.
+  bool trim_tag(int tag, int64_t* returned);
+  const DeviceContext& context() const { return ctx_; }
+
   // Graph capture (see Note [Interaction with CUDA graph capture]).
   bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter);
   bool end_allocate_to_pool(const PoolId& id);
@@ -157,8 +179,17 @@ class DeviceAllocator {
   };
 
   BlockPool* default_pool(int route);
+  // The VMM pool of `tag` (the default VMM pool for tag 0), created on first use.
+  BlockPool* tag_pool(int tag);
+  // Every pool holding the tag's VMM memory: its own pool and graph pools created under it.
+  std::vector<BlockPool*> pools_of(int tag);
+  bool tag_live(int tag) const { return tags_[tag].life == kTagLive; }
+  bool check_tag(int tag, const char* what);
+  // For each granule of `seg`: whether an allocated or waiting block covers it.
+  std::vector<bool> covered(const Segment& seg) const;
+  std::vector<std::vector<bool>> still_needed(const TagState& st) const;
   Backing* graph_backing();
-  Block* attempt(size_t size, CUstream stream, int route, bool allow_sync);
+  Block* attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync);
   std::string oom_text(size_t size, int route, int tag, const std::string& cause);
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
@@ -196,6 +227,10 @@ class DeviceAllocator {
   std::deque<Pending> pending_;   // record_stream events outstanding
   std::vector<Block*> deferred_;  // frees still to record events (or waiting for captures to end)
   std::vector<int> peers_;        // devices granted access to this one
+  std::unique_ptr<BlockPool> tag_pools_[kMaxTags];  // VMM pools of tags 1.. (Note [Tag arenas])
+  TagState tags_[kMaxTags];
+  int64_t off_route_[kMaxTags] = {};  // live tagged blocks on the pool / sync routes
+  std::unique_ptr<TagMover> mover_;
 
   static std::atomic<int> open_captures_;
 };

@@ -65,7 +65,14 @@ bool load_cuda_driver(std::string* why) {
       resolve(lib, "cuEventRecord", &d.eventRecord, why) && resolve(lib, "cuEventQuery", &d.eventQuery, why) &&
       resolve(lib, "cuStreamSynchronize", &d.streamSynchronize, why) &&
       resolve(lib, "cuThreadExchangeStreamCaptureMode", &d.threadExchangeStreamCaptureMode, why) &&
-      resolve(lib, "cuGetErrorName", &d.getErrorName, why);
+      resolve(lib, "cuGetErrorName", &d.getErrorName, why) &&
+      resolve(lib, "cuEventSynchronize", &d.eventSynchronize, why) &&
+      resolve(lib, "cuStreamCreate", &d.streamCreate, why) &&
+      resolve(lib, "cuStreamDestroy_v2", &d.streamDestroy, why) &&
+      resolve(lib, "cuMemcpyDtoHAsync_v2", &d.memcpyDtoHAsync, why) &&
+      resolve(lib, "cuMemcpyHtoDAsync_v2", &d.memcpyHtoDAsync, why) &&
+      resolve(lib, "cuMemsetD8Async", &d.memsetD8Async, why) &&
+      resolve(lib, "cuMemHostAlloc", &d.memHostAlloc, why) && resolve(lib, "cuMemFreeHost", &d.memFreeHost, why);
   if (!base) return false;
   // Optional groups: a missing entry point leaves a null and turns the route off.
   resolve(lib, "cuMemAddressReserve", &d.memAddressReserve, nullptr);

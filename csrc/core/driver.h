@@ -37,6 +37,15 @@ struct DriverApi {
   CUresult (*streamSynchronize)(CUstream stream);
   CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode* mode);
   CUresult (*getErrorName)(CUresult error, const char** name);
+  // copies, streams and pinned host memory (release / restore of tags)
+  CUresult (*eventSynchronize)(CUevent event);
+  CUresult (*streamCreate)(CUstream* stream, unsigned int flags);
+  CUresult (*streamDestroy)(CUstream stream);
+  CUresult (*memcpyDtoHAsync)(void* dst, CUdeviceptr src, size_t bytes, CUstream stream);
+  CUresult (*memcpyHtoDAsync)(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream);
+  CUresult (*memsetD8Async)(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream stream);
+  CUresult (*memHostAlloc)(void** ptr, size_t bytes, unsigned int flags);
+  CUresult (*memFreeHost)(void* ptr);
   // --- VMM route (optional as a group)
   CUresult (*memAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                 unsigned long long flags);

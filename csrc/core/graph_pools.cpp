@@ -14,9 +14,12 @@ std::string describe(const PoolId& id) {
 }  // namespace
 
 PrivatePool& GraphPools::acquire(const PoolId& id, Backing* backing, int route, BlockStore* store,
-                                 StreamClock* clock) {
+                                 StreamClock* clock, int tag) {
   PrivatePool& p = pools_[id];
-  if (!p.blocks) p.blocks = std::make_unique<BlockPool>(backing, route, /*graph_pool=*/true, store, clock);
+  if (!p.blocks) {
+    p.blocks = std::make_unique<BlockPool>(backing, route, /*graph_pool=*/true, store, clock);
+    p.tag = tag;
+  }
   p.use_count++;
   return p;
 }
@@ -39,7 +42,7 @@ PrivatePool* GraphPools::find(const PoolId& id) {
 PrivatePool* GraphPools::find(const BlockPool* blocks, PoolId* id) {
   for (auto& [key, pool] : pools_) {
     if (pool.blocks.get() == blocks) {
-      *id = key;
+      if (id != nullptr) *id = key;
       return &pool;
     }
   }

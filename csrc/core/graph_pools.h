@@ -38,13 +38,14 @@ using StreamFilter = std::function<bool(CUstream)>;
 struct PrivatePool {
   std::unique_ptr<BlockPool> blocks;
   int use_count = 0;  // graphs, MemPools and open captures holding the pool
+  int tag = 0;        // the tag in force when the pool was created (Note [Tag arenas])
   bool dead() const { return use_count == 0 && blocks->live_blocks() == 0; }
 };
 
 class GraphPools {
  public:
-  // Creates the pool on first use and takes one use.
-  PrivatePool& acquire(const PoolId& id, Backing* backing, int route, BlockStore* store, StreamClock* clock);
+  // Creates the pool on first use (charged to `tag`) and takes one use.
+  PrivatePool& acquire(const PoolId& id, Backing* backing, int route, BlockStore* store, StreamClock* clock, int tag);
   // Drops one use. Unknown ids or a count already at zero: false + kInvalidArgument.
   bool release(const PoolId& id);
   void erase(const PoolId& id);

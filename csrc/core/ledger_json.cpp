@@ -34,6 +34,11 @@ class Json {
     out_ += '"';
     return *this;
   }
+  Json& null() {
+    comma();
+    out_ += "null";
+    return *this;
+  }
   Json& open(char c) {
     comma();
     out_ += c;
@@ -89,6 +94,8 @@ void stat3(Json& j, const char* name, const StatArray3& a) {
 
 std::string stats_json(DeviceAllocator& d) {
   Json j;
+  std::vector<TagView> views;
+  for (int t = 0; t < tag_count(); ++t) views.push_back(d.tag_view(t));
   d.read_locked([&](const Ledger& l) {
     j.open('{');
     j.field("device", d.device());
@@ -117,13 +124,19 @@ std::string stats_json(DeviceAllocator& d) {
     }
     j.close('}');
     j.key("tags").open('{');
-    const int ntags = tag_count();
+    const int ntags = static_cast<int>(views.size());
     for (int t = 0; t < ntags; ++t) {
       const std::string name = tag_name(t);
       j.key(name.c_str()).open('{');
       stat(j, "allocated", l.tag_allocated[t]);
       stat(j, "requested", l.tag_requested[t]);
       j.field("count", l.tag_count[t].load());
+      j.key("state").str(tag_life_name(views[t].life));
+      if (views[t].backup < 0) j.key("backup").null();
+      else j.key("backup").str(backup_name(views[t].backup));
+      j.field("resident", views[t].resident);
+      j.field("released", views[t].released);
+      j.field("backup_bytes", views[t].backup_bytes);
       j.close('}');
     }
     j.close('}');

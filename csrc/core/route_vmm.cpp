@@ -39,10 +39,12 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   std::vector<size_t> need;
   for (size_t i = first; i <= last; ++i)
     if (seg.granules[i] == 0) need.push_back(i);
-  if (need.empty()) return true;
+  return need.empty() || map_granules(seg, need);
+}
+
+bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
-
   std::vector<CUmemGenericAllocationHandle> handles;
   if (!take_handles(need.size(), seg.stream, &handles)) return false;
 
@@ -80,6 +82,22 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   return false;
 }
 
+bool VmmRoute::drop_granule(Segment& seg, size_t index) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok() || !unmap_range(seg.base + index * granule_, granule_)) return false;
+  const CUmemGenericAllocationHandle h = seg.granules[index];
+  seg.granules[index] = 0;
+  seg.mapped--;
+  if (driver()->memRelease(h) != CUDA_SUCCESS) {
+    free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
+    budget_.move(granule_, placement(seg), kCached);
+    return true;
+  }
+  budget_.uncharge(granule_, placement(seg));
+  bump(ledger_.num_device_free);
+  return true;
+}
+
 bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out) {
   auto drain = [&] {
     while (out->size() < n && !free_handles_.empty()) {
@@ -92,13 +110,19 @@ bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericA
     out->clear();
   };
   drain();
-  if (out->size() < n && reuse_ && reuse_source_ != nullptr) {
-    unmap_clean_granules(*reuse_source_, n - out->size());
-    drain();
-    if (out->size() < n && reuse_source_->clock().requests_allowed() && request_sync(*reuse_source_, stream)) {
-      give_back();
-      set_error(kNeedSync, "streams to synchronise before granules can be reused");
-      return false;
+  if (out->size() < n && reuse_ && !reuse_sources_.empty()) {
+    for (BlockPool* source : reuse_sources_) {
+      if (out->size() >= n) break;
+      unmap_clean_granules(*source, n - out->size());
+      drain();
+    }
+    if (out->size() < n && reuse_sources_[0]->clock().requests_allowed()) {
+      for (BlockPool* source : reuse_sources_) {
+        if (!request_sync(*source, stream)) continue;
+        give_back();
+        set_error(kNeedSync, "streams to synchronise before granules can be reused");
+        return false;
+      }
     }
   }
   while (out->size() < n) {

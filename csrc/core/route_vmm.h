@@ -40,8 +40,9 @@ class VmmRoute final : public Backing {
   VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, size_t granule, size_t arena_bytes,
            bool reuse_before_grow);
 
-  // The pool whose clean free granules may be remapped (the default VMM pool).
-  void set_reuse_source(BlockPool* pool) { reuse_source_ = pool; }
+  // Pools whose clean free granules may be remapped (the default VMM pool and the
+  // tag pools; never a graph pool).
+  void add_reuse_source(BlockPool* pool) { reuse_sources_.push_back(pool); }
   void set_reuse_before_grow(bool on) { reuse_ = on; }
 
   bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
@@ -52,6 +53,18 @@ class VmmRoute final : public Backing {
 
   size_t granule() const { return granule_; }
 
+  // For tag release / restore (tag_sleep.h). Maps granules `need` of `seg` (each
+  // unmapped) with cached, reused or new memory; all or nothing.
+  bool map_granules(Segment& seg, const std::vector<size_t>& need);
+  // Unmaps granule `index` and gives its memory back to the driver at once. false when
+  // the unmap failed (still mapped); a refused release keeps the handle cached.
+  bool drop_granule(Segment& seg, size_t index);
+  // Unmaps up to `limit` granules lying wholly inside clean free blocks of `pool`
+  // (kept as cached handles); returns how many.
+  size_t unmap_clean_granules(BlockPool& pool, size_t limit);
+  // Gives every cached handle back to the driver.
+  void release_free_handles();
+
  private:
   static constexpr Placement kCached{kRouteVmm, false, false};
   Placement placement(const Segment& seg) const;
@@ -59,13 +72,10 @@ class VmmRoute final : public Backing {
   // blocks, then (once the allocating stream is synchronised) its own dirty ones,
   // then new memory within the budget.
   bool take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out);
-  // Unmaps up to `limit` granules lying wholly inside clean free blocks of `pool`.
-  size_t unmap_clean_granules(BlockPool& pool, size_t limit);
   // Asks for `stream` to be synchronised when its free blocks hold mapped granules.
   bool request_sync(BlockPool& pool, CUstream stream);
   bool unmap_granule(Segment& seg, size_t index);
   bool unmap_range(uintptr_t va, size_t bytes);
-  void release_free_handles();
 
   const DeviceContext& ctx_;
   Budget& budget_;
@@ -77,7 +87,7 @@ class VmmRoute final : public Backing {
   std::vector<CUmemAccessDesc> access_;  // this device first, then peers
   std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, charged as kCached
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs
-  BlockPool* reuse_source_ = nullptr;
+  std::vector<BlockPool*> reuse_sources_;
 };
 
 }  // namespace tb

@@ -69,6 +69,13 @@ int tag_id(const std::string& name) {
   return g_tag_count++;
 }
 
+int tag_find(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_tags_mu);
+  for (int i = 0; i < g_tag_count; ++i)
+    if (name == g_tags[i]) return i;
+  return -1;
+}
+
 std::string tag_name(int id) {
   std::lock_guard<std::mutex> lock(g_tags_mu);
   if (id < 0 || id >= g_tag_count) return "";

@@ -34,6 +34,8 @@ bool pop_scope();
 // Tag registry: names to small integers, process-wide, never shrinks.
 // Returns -1 (kInvalidArgument) on an empty name or when the table is full.
 int tag_id(const std::string& name);
+// The id of a registered tag, -1 when none has that name (registers nothing).
+int tag_find(const std::string& name);
 std::string tag_name(int id);
 int tag_count();
 

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +54,7 @@ struct Alloc {
 struct Handle {
   int device;
   size_t size;
+  std::vector<uint8_t> data;  // contents, materialised on the first copy into or out of it
 };
 
 struct Mapping {
@@ -87,6 +89,9 @@ struct State {
   uintptr_t next_stream = 0x7000000;
   std::map<std::pair<void*, int>, uint64_t> submitted, completed;  // per (stream, device)
   int64_t map_calls = 0, unmap_calls = 0, syncs = 0, injected = 0;
+  int64_t host_pinned = 0;                   // bytes of cuMemHostAlloc memory live
+  std::set<void*> host_allocs;
+  std::map<void*, size_t> host_sizes;
   std::map<std::string, Fault> faults;
   Fault all;
   uint64_t rng = 0x9E3779B97F4A7C15ull;
@@ -106,6 +111,8 @@ const char* const kEntryPoints[] = {
     "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
     "cuMemGetAllocationGranularity", "cuMemPoolCreate", "cuMemPoolDestroy", "cuMemPoolSetAttribute",
     "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
+    "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
+    "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost",
 };
 
 bool known_entry(const std::string& name) {
@@ -115,7 +122,7 @@ bool known_entry(const std::string& name) {
 }
 
 bool is_allocation(const char* name) {
-  return !std::strcmp(name, "cuMemAlloc") || !std::strcmp(name, "cuMemCreate") ||
+  return !std::strcmp(name, "cuMemAlloc") || !std::strcmp(name, "cuMemCreate") || !std::strcmp(name, "cuMemHostAlloc") ||
          !std::strcmp(name, "cuMemAllocFromPoolAsync") || !std::strcmp(name, "cuMemAddressReserve");
 }
 
@@ -321,6 +328,7 @@ CUresult h_error_name(CUresult r, const char** name) {
     case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
     case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
     default: *name = "CUDA_ERROR_UNKNOWN"; break;
   }
   return CUDA_SUCCESS;
@@ -403,6 +411,82 @@ CUresult h_access(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size
 CUresult h_granularity(size_t* gr, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) {
   HOST_ENTRY("cuMemGetAllocationGranularity");
   *gr = kGranule;
+  return CUDA_SUCCESS;
+}
+
+// Copies run at once on the host; VMM memory is addressed granule by granule through
+// its mappings, so contents follow the physical handle (as on a real device).
+CUresult visit_device(uintptr_t va, size_t bytes, const std::function<void(uint8_t*, size_t)>& fn) {
+  for (uintptr_t p = va; p < va + bytes;) {
+    const uintptr_t base = p / kGranule * kGranule;
+    auto m = g->mappings.find(base);
+    if (m == g->mappings.end()) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    Handle& h = g->handles[m->second.handle];
+    if (h.data.empty()) h.data.assign(h.size, 0xA5);  // fresh memory: garbage, not zeros
+    const size_t n = std::min<size_t>(base + kGranule - p, va + bytes - p);
+    fn(h.data.data() + (p - base), n);
+    p += n;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult h_event_sync(CUevent e) {
+  HOST_ENTRY("cuEventSynchronize");
+  auto* ev = reinterpret_cast<HostEvent*>(e);
+  wait_if_held(host_lock_);
+  auto& done = g->completed[{ev->stream, ev->stream_device}];
+  done = std::max(done, ev->seq);
+  return CUDA_SUCCESS;
+}
+CUresult h_stream_create(CUstream* s, unsigned) {
+  HOST_ENTRY("cuStreamCreate");
+  const int d = current_device();
+  if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  void* h = reinterpret_cast<void*>(g->next_stream);
+  g->next_stream += 0x100;
+  g->streams[h] = d;
+  *s = static_cast<CUstream>(h);
+  return CUDA_SUCCESS;
+}
+CUresult h_stream_destroy(CUstream s) {
+  HOST_ENTRY("cuStreamDestroy");
+  return g->streams.erase(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult h_dtoh(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
+  HOST_ENTRY("cuMemcpyDtoHAsync");
+  auto* out = static_cast<uint8_t*>(dst);
+  return visit_device(src, bytes, [&](uint8_t* p, size_t n) {
+    std::memcpy(out, p, n);
+    out += n;
+  });
+}
+CUresult h_htod(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
+  HOST_ENTRY("cuMemcpyHtoDAsync");
+  const auto* in = static_cast<const uint8_t*>(src);
+  return visit_device(dst, bytes, [&](uint8_t* p, size_t n) {
+    std::memcpy(p, in, n);
+    in += n;
+  });
+}
+CUresult h_memset(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream) {
+  HOST_ENTRY("cuMemsetD8Async");
+  return visit_device(dst, bytes, [&](uint8_t* p, size_t n) { std::memset(p, value, n); });
+}
+CUresult h_host_alloc(void** p, size_t bytes, unsigned) {
+  HOST_ENTRY("cuMemHostAlloc");
+  if (current_device() < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  *p = std::malloc(bytes);
+  if (*p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  g->host_allocs.insert(*p);
+  g->host_pinned += static_cast<int64_t>(bytes);
+  g->host_sizes[*p] = bytes;
+  return CUDA_SUCCESS;
+}
+CUresult h_free_host(void* p) {
+  HOST_ENTRY("cuMemFreeHost");
+  if (!g->host_allocs.erase(p)) return CUDA_ERROR_INVALID_VALUE;
+  g->host_pinned -= static_cast<int64_t>(g->host_sizes[p]);
+  g->host_sizes.erase(p);
+  std::free(p);
   return CUDA_SUCCESS;
 }
 
@@ -517,6 +601,14 @@ tb::DriverApi make_api() {
   a.memPoolSetAccess = h_pool_access;
   a.memAllocFromPoolAsync = h_pool_alloc;
   a.memFreeAsync = h_free_async;
+  a.eventSynchronize = h_event_sync;
+  a.streamCreate = h_stream_create;
+  a.streamDestroy = h_stream_destroy;
+  a.memcpyDtoHAsync = h_dtoh;
+  a.memcpyHtoDAsync = h_htod;
+  a.memsetD8Async = h_memset;
+  a.memHostAlloc = h_host_alloc;
+  a.memFreeHost = h_free_host;
   return a;
 }
 
@@ -676,6 +768,36 @@ int tb_host_can_access(int device, void* ptr) {
   if (p >= a->first + a->second.size) return 0;
   if (a->second.device == device) return 1;
   return a->second.from_pool && g->devices[a->second.device].pool_peers.count(device) ? 1 : 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Writes `bytes` from `src` to device memory at `va` (mapped VMM memory only); 1 if unmapped.
+int tb_host_poke(void* va, const void* src, int64_t bytes) {
+  std::lock_guard<std::mutex> l(g->mu);
+  const auto* in = static_cast<const uint8_t*>(src);
+  return visit_device(reinterpret_cast<uintptr_t>(va), static_cast<size_t>(bytes), [&](uint8_t* p, size_t n) {
+    std::memcpy(p, in, n);
+    in += n;
+  }) == CUDA_SUCCESS ? 0 : 1;
+}
+
+// Reads `bytes` of device memory at `va` into `dst`; 1 if unmapped.
+int tb_host_peek(void* va, void* dst, int64_t bytes) {
+  std::lock_guard<std::mutex> l(g->mu);
+  auto* out = static_cast<uint8_t*>(dst);
+  return visit_device(reinterpret_cast<uintptr_t>(va), static_cast<size_t>(bytes), [&](uint8_t* p, size_t n) {
+    std::memcpy(out, p, n);
+    out += n;
+  }) == CUDA_SUCCESS ? 0 : 1;
+}
+
+// Bytes of pinned host memory live.
+int64_t tb_host_pinned(void) {
+  std::lock_guard<std::mutex> l(g->mu);
+  return g->host_pinned;
 }
 
 }  // extern "C"

@@ -1,0 +1,66 @@
+// The pinned host pool: page-locked host memory that tag backups are copied into.
+//
+// Pinning is slow (about 1 s per GiB on the machines measured) while a pinned copy runs
+// at copy-engine speed, so the pool pins once -- ahead of time with reserve(), or at the
+// first release that finds it too small -- and keeps the memory across release / restore
+// cycles until free_unused() is called. Backups take granule-aligned extents first-fit
+// from its chunks and give them back on restore.
+//
+// Lock rule: one process-wide mutex; taken after a device's mutex, never before one.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace tb {
+
+struct HostExtent {
+  uint8_t* ptr;
+  size_t bytes;
+};
+
+struct HostPoolStats {
+  int64_t bytes = 0;              // pinned bytes held
+  int64_t used = 0;               // bytes holding backups
+  int64_t chunks = 0;             // pinned allocations
+  int64_t pinned_at_release = 0;  // bytes pinned because a release found the pool too small
+  int64_t pin_ns = 0;             // time spent pinning
+};
+
+class HostPool {
+ public:
+  static HostPool& get();
+
+  // Pins until the pool holds at least `bytes` (in the calling thread's current context,
+  // which the caller sets). false + error when the driver refuses.
+  bool reserve(size_t bytes);
+  // `bytes` (a multiple of the unit) as extents, pinning the shortfall first; false +
+  // kOutOfMemory (nothing taken) when that fails.
+  bool take(size_t bytes, std::vector<HostExtent>* out);
+  void give_back(const std::vector<HostExtent>& extents);
+  // Unpins every chunk that holds no backup.
+  bool free_unused();
+  HostPoolStats stats();
+
+  static constexpr size_t kUnit = 2 << 20;
+
+ private:
+  struct Chunk {
+    uint8_t* base;
+    size_t bytes;
+    std::map<size_t, size_t> free;  // offset -> length, coalesced
+  };
+  bool pin(size_t bytes, bool at_release);
+  size_t free_bytes() const;
+
+  std::mutex mu_;
+  std::vector<Chunk> chunks_;
+  HostPoolStats stats_;
+};
+
+}  // namespace tb

@@ -1,0 +1,241 @@
+#include "tag_sleep.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "budget.h"
+#include "error.h"
+#include "route_vmm.h"
+
+namespace tb {
+
+const char* backup_name(int backup) {
+  static const char* const names[] = {"none", "memset", "cpu", "pinned"};
+  return backup >= 0 && backup < kBackupModes ? names[backup] : "?";
+}
+
+const char* tag_life_name(int life) {
+  static const char* const names[] = {"live", "released", "restoring"};
+  return life >= 0 && life <= kTagRestoring ? names[life] : "?";
+}
+
+void TagState::drop_backup() {
+  if (pageable) {
+    for (const HostExtent& e : host) std::free(e.ptr);
+  } else if (!host.empty()) {
+    HostPool::get().give_back(host);
+  }
+  host.clear();
+  pageable = false;
+  backup_bytes = 0;
+}
+
+namespace {
+
+constexpr size_t kWindow = 8;  // pieces in flight on the copy stream
+
+// Calls fn(host, bytes) for the backup bytes [offset, offset + bytes), extent by extent.
+template <typename Fn>
+bool for_host(const std::vector<HostExtent>& host, size_t offset, size_t bytes, Fn fn) {
+  size_t start = 0;
+  for (const HostExtent& e : host) {
+    if (bytes == 0) break;
+    if (offset < start + e.bytes) {
+      const size_t skip = offset - start;
+      const size_t n = std::min(bytes, e.bytes - skip);
+      if (!fn(e.ptr + skip, n)) return false;
+      offset += n;
+      bytes -= n;
+    }
+    start += e.bytes;
+  }
+  return bytes == 0;
+}
+
+}  // namespace
+
+bool TagMover::ready() {
+  if (stream_ != nullptr) return true;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const DriverApi* d = driver();
+  CUstream s = nullptr;
+  TB_DRIVER_CHECK(d->streamCreate(&s, CU_STREAM_NON_BLOCKING), false);
+  std::vector<CUevent> events;
+  for (size_t i = 0; i < kWindow; ++i) {
+    CUevent e = nullptr;
+    CUresult r = d->eventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS) {
+      for (CUevent x : events) d->eventDestroy(x);
+      d->streamDestroy(s);
+      return fail_driver(r, "cuEventCreate", __FILE__, __LINE__);
+    }
+    events.push_back(e);
+  }
+  stream_ = s;
+  events_.swap(events);
+  return true;
+}
+
+// Copies granules [from, from + n) of piece `p` between the device and its backup.
+bool TagMover::copy(const Piece& p, bool to_device, const TagState& state) {
+  const size_t g = vmm_.granule();
+  const DriverApi* d = driver();
+  size_t from = 0;
+  while (from < p.count) {
+    // Runs of granules that are mapped now (a restore skips those no block needs).
+    if (p.seg->granules[p.first + from] == 0) {
+      ++from;
+      continue;
+    }
+    size_t to = from;
+    while (to < p.count && p.seg->granules[p.first + to] != 0) ++to;
+    uintptr_t va = p.seg->base + (p.first + from) * g;
+    const bool ok = for_host(state.host, p.offset + from * g, (to - from) * g, [&](uint8_t* host, size_t bytes) {
+      CUresult r = to_device ? d->memcpyHtoDAsync(va, host, bytes, stream_)
+                             : d->memcpyDtoHAsync(host, va, bytes, stream_);
+      va += bytes;
+      if (r == CUDA_SUCCESS) copied_ += bytes;
+      return r == CUDA_SUCCESS || fail_driver(r, to_device ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync", __FILE__,
+                                              __LINE__);
+    });
+    if (!ok) return false;
+    from = to;
+  }
+  return true;
+}
+
+bool TagMover::fill_zero(const Piece& p) {
+  const size_t g = vmm_.granule();
+  for (size_t i = 0; i < p.count; ++i) {
+    if (p.seg->granules[p.first + i] == 0) continue;
+    TB_DRIVER_CHECK(driver()->memsetD8Async(p.seg->base + (p.first + i) * g, 0, g, stream_), false);
+  }
+  return true;
+}
+
+void TagMover::drop_piece(const Piece& p) {
+  for (size_t i = p.first; i < p.first + p.count; ++i)
+    if (p.seg->granules[i] != 0) vmm_.drop_granule(*p.seg, i);  // a refused unmap leaves it mapped, intact
+}
+
+bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
+                         std::vector<std::pair<Segment*, size_t>>* mapped) {
+  std::vector<size_t> want;
+  for (size_t i = 0; i < p.count; ++i)
+    if (needed[i] && p.seg->granules[p.first + i] == 0) want.push_back(p.first + i);
+  if (want.empty()) return true;
+  if (!vmm_.map_granules(*p.seg, want)) return false;
+  for (size_t i : want) mapped->emplace_back(p.seg, i);
+  return true;
+}
+
+bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered) {
+  *recovered = false;
+  if (!ready()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const size_t g = vmm_.granule();
+  size_t total = 0;
+  for (Piece& p : pieces) {
+    p.offset = total;
+    total += p.count * g;
+  }
+  state->pieces.clear();
+  state->backup = mode;
+  state->last_device_bytes = static_cast<int64_t>(total);
+  state->last_backup_bytes = 0;
+  const bool copies = mode == kBackupCpu || mode == kBackupPinned;
+  if (copies && total > 0) {
+    if (mode == kBackupPinned) {
+      if (!HostPool::get().take(total, &state->host)) return false;
+    } else {
+      void* p = std::malloc(total);
+      TB_REQUIRE(p != nullptr, kOutOfMemory,
+                 "cannot allocate " + format_size(total) + " of host memory for a cpu backup", false);
+      state->host.push_back(HostExtent{static_cast<uint8_t*>(p), total});
+      state->pageable = true;
+    }
+    state->backup_bytes = total;
+  }
+  if (!copies) {
+    for (const Piece& p : pieces) {
+      drop_piece(p);
+      state->pieces.push_back(p);
+    }
+    return true;
+  }
+  const DriverApi* d = driver();
+  const size_t n = pieces.size(), w = events_.size();
+  auto settle = [&](size_t i) {  // piece i's copy is complete: drop it
+    CUresult r = d->eventSynchronize(events_[i % w]);
+    if (r != CUDA_SUCCESS) return fail_driver(r, "cuEventSynchronize", __FILE__, __LINE__);
+    drop_piece(pieces[i]);
+    state->pieces.push_back(pieces[i]);
+    return true;
+  };
+  bool ok = true;
+  size_t settled = 0;
+  for (size_t i = 0; i < n && ok; ++i) {
+    if (i >= w) ok = settle(settled++);
+    if (ok) ok = copy(pieces[i], false, *state);
+    if (ok) {
+      CUresult r = d->eventRecord(events_[i % w], stream_);
+      ok = r == CUDA_SUCCESS || fail_driver(r, "cuEventRecord", __FILE__, __LINE__);
+    }
+  }
+  while (ok && settled < n) ok = settle(settled++);
+  if (ok) {
+    state->last_backup_bytes = static_cast<int64_t>(total);
+    return true;
+  }
+  // What was dropped has a complete backup: try to put it back at once.
+  const ErrorCode code = last_error_code();
+  const std::string msg = last_error_message();
+  d->streamSynchronize(stream_);
+  std::vector<std::vector<bool>> all;
+  for (const Piece& p : state->pieces) all.emplace_back(p.count, true);
+  if (state->pieces.empty() || restore(state, all)) {
+    state->pieces.clear();
+    state->drop_backup();
+    *recovered = true;
+  }
+  set_error(code, msg + (*recovered ? "" : "; the part released so far stays released with its backup: restore it"));
+  return false;
+}
+
+bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& needed) {
+  if (!ready()) return false;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const DriverApi* d = driver();
+  std::vector<std::pair<Segment*, size_t>> mapped;
+  copied_ = 0;
+  bool ok = true;
+  for (size_t k = 0; k < state->pieces.size() && ok; ++k) {
+    const Piece& p = state->pieces[k];
+    ok = map_piece(p, needed[k], &mapped);
+    if (!ok) break;
+    if (state->backup == kBackupMemset) ok = fill_zero(p);
+    else if (!state->host.empty()) ok = copy(p, true, *state);
+  }
+  if (ok) {
+    CUresult r = d->streamSynchronize(stream_);
+    ok = r == CUDA_SUCCESS || fail_driver(r, "cuStreamSynchronize", __FILE__, __LINE__);
+  }
+  state->last_device_bytes = static_cast<int64_t>(mapped.size() * vmm_.granule());
+  if (ok) {
+    state->last_backup_bytes = static_cast<int64_t>(copied_);
+    return true;
+  }
+  const ErrorCode code = last_error_code();
+  const std::string msg = last_error_message();
+  d->streamSynchronize(stream_);
+  for (auto& [seg, i] : mapped)
+    if (seg->granules[i] != 0) vmm_.drop_granule(*seg, i);
+  state->last_device_bytes = 0;
+  set_error(code, msg);
+  return false;
+}
+
+}  // namespace tb

@@ -1,0 +1,100 @@
+// Sleep and wake: releasing the physical memory behind a tag and restoring it at the
+// same virtual addresses.
+//
+// Note [Tag arenas]
+// On the VMM route every tag has its own BlockPool (its own reserved address ranges),
+// and graph pools remember the tag in force when they were created. So the memory
+// of a tag is a set of segments whose granules can be unmapped as a whole while the
+// address ranges stay reserved: tensors, views and captured graphs keep pointing at
+// valid addresses, and a restore maps fresh memory behind the same addresses.
+//
+// Release (DeviceAllocator::release_tag): the device is synchronised (with the lock
+// released), then every mapped granule of the tag's segments is either dropped at
+// once (it lies only under free blocks) or belongs to a live block: those granules are
+// grouped into pieces of at most kPieceBytes, each piece is copied to its backup on a
+// private stream, and a piece's granules are unmapped and given back to the driver
+// (cuMemRelease, so mem_get_info shows them) as soon as its copy completed, while
+// later pieces are still copying. Backups: none, memset (zeros on restore), cpu
+// (pageable host memory) or pinned (the HostPool). Pieces remember their place in
+// the backup.
+//
+// Restore maps each piece (skipping granules that no live block covers any more:
+// their tensors were freed during the sleep) and queues its copy (or memset) on the
+// private stream, so mapping the next piece overlaps the copy of the last; it waits
+// for the stream before returning. When a mapping fails (the budget, the driver,
+// out of memory), everything this restore mapped is unmapped and released again, the
+// backup is kept and the tag stays released: a later restore starts over.
+//
+// Both hold the device lock while they copy: they wait only for their own stream,
+// never for another thread's work, so the lock rule of device_allocator.h holds.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "block_cache.h"
+#include "driver.h"
+#include "host_pool.h"
+
+namespace tb {
+
+class VmmRoute;
+
+enum Backup : int { kBackupNone = 0, kBackupMemset = 1, kBackupCpu = 2, kBackupPinned = 3, kBackupModes = 4 };
+enum TagLife : int { kTagLive = 0, kTagReleased = 1, kTagRestoring = 2 };
+const char* backup_name(int backup);
+const char* tag_life_name(int life);
+
+// Granules [first, first + count) of a segment, and where their contents wait.
+struct Piece {
+  Segment* seg;
+  size_t first;
+  size_t count;
+  size_t offset;  // into the tag's backup space
+};
+
+struct TagState {
+  TagLife life = kTagLive;
+  Backup backup = kBackupNone;
+  std::vector<Piece> pieces;          // released, waiting for a restore
+  std::vector<HostExtent> host;       // the backup space, in order (pinned extents or one pageable buffer)
+  bool pageable = false;
+  size_t backup_bytes = 0;            // bytes of the backup space
+  int64_t last_device_bytes = 0;      // device bytes the last release / restore moved
+  int64_t last_backup_bytes = 0;      // bytes it copied
+  void drop_backup();
+};
+
+// The copy machinery of one device: a private stream and a window of events.
+class TagMover {
+ public:
+  TagMover(const DeviceContext& ctx, VmmRoute& vmm) : ctx_(ctx), vmm_(vmm) {}
+  static constexpr size_t kPieceBytes = 64 << 20;
+
+  // `pieces` are mapped granule runs under live blocks. Backs them up as `mode` asks and
+  // drops them; every piece dropped (even in part) moves to state->pieces. false + error
+  // on failure; then whatever was dropped was mapped and copied back when possible
+  // (*recovered), else it stays recorded in state (released).
+  bool release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered);
+  // Maps and refills state->pieces, skipping granules `needed` says no block covers.
+  // false + error: nothing this call mapped stays mapped.
+  bool restore(TagState* state, const std::vector<std::vector<bool>>& needed);
+
+ private:
+  bool ready();
+  bool copy(const Piece& p, bool to_device, const TagState& state);
+  bool fill_zero(const Piece& p);
+  bool map_piece(const Piece& p, const std::vector<bool>& needed, std::vector<std::pair<Segment*, size_t>>* mapped);
+  void drop_piece(const Piece& p);
+
+  const DeviceContext& ctx_;
+  VmmRoute& vmm_;
+  CUstream stream_ = nullptr;
+  std::vector<CUevent> events_;
+  size_t copied_ = 0;  // bytes the current restore copied
+};
+
+}  // namespace tb

@@ -1,0 +1,243 @@
+"""Sleep and wake in the core, over the host stand-in: release a tag's memory, restore it
+at the same addresses with its contents, and fail without losing anything."""
+import os
+
+import pytest
+
+from _hostcore import GiB, Host, MiB, OOM, S1, isolated
+from torch_budget import _native
+
+pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+
+SIZES = [3 * MiB + 512, 150 * MiB, 1024, 40 * MiB]  # 150 MiB spans several copy pieces
+
+
+def fill(h, tag, sizes=SIZES, stream=S1):
+    """Allocates `sizes` under `tag` and writes random bytes into each; returns [(ptr, data)]."""
+    h.push("vmm", tag)
+    try:
+        blocks = [h.malloc(n, stream) for n in sizes]
+    finally:
+        h.pop()
+    out = []
+    for p, n in zip(blocks, sizes):
+        data = os.urandom(min(n, 4 * MiB)) * (n // min(n, 4 * MiB)) + os.urandom(n % min(n, 4 * MiB))
+        assert h.poke(p, data)
+        out.append((p, data))
+    return out
+
+
+@pytest.mark.parametrize("backup", ["pinned", "cpu"])
+@isolated
+def test_release_returns_the_memory_and_restore_brings_the_contents_back_at_the_same_addresses(backup):
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    used, reserved = h.device_used(), h.reserved()
+    resident = h.tag_info("weights")["resident"]
+    assert resident >= sum(SIZES)
+    for cycle in range(3):
+        h.release("weights", backup)
+        info = h.tag_info("weights")
+        assert info["life"] == 1 and info["resident"] == 0 and info["released"] == resident
+        assert info["backup_bytes"] == resident
+        assert h.device_used() == used - resident, "the memory is back with the driver"
+        assert h.reserved() == reserved - resident, "the budget counts only resident memory"
+        assert h.peek(blocks[0][0], 16) is None, "nothing is mapped behind a released tag"
+        h.restore("weights")
+        info = h.tag_info("weights")
+        assert info["life"] == 0 and info["resident"] == resident and info["backup_bytes"] == 0
+        assert h.device_used() == used and h.reserved() == reserved
+        for p, data in blocks:
+            assert h.peek(p, len(data)) == data, f"cycle {cycle}: contents differ after restore"
+    assert h.host_pool()["used"] == 0
+
+
+@isolated
+def test_memset_restores_zeros_and_none_restores_usable_memory():
+    h = Host(route="vmm")
+    blocks = fill(h, "kv")
+    h.release("kv", "memset")
+    h.restore("kv")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == bytes(len(data))
+    h.release("kv", "none")
+    h.restore("kv")
+    p, data = blocks[1]
+    assert h.poke(p, data) and h.peek(p, len(data)) == data
+
+
+@isolated
+def test_misuse_raises_clear_errors_and_nothing_is_released_twice():
+    h = Host(route="vmm")
+    fill(h, "weights", [8 * MiB])
+    with pytest.raises(RuntimeError, match="not released"):
+        h.restore("weights")
+    h.release("weights", "none")
+    used = h.device_used()
+    with pytest.raises(RuntimeError, match="already released"):
+        h.release("weights", "pinned")
+    assert h.device_used() == used
+    h.push("vmm", "weights")
+    with pytest.raises(RuntimeError, match="'weights' is released"):
+        h.malloc(MiB)
+    h.pop()
+    with pytest.raises(ValueError, match="untagged"):
+        _native.check(h.lib, h.lib.tb_release_tag(0, 0, 0))
+    with pytest.raises(ValueError, match="backup mode"):
+        _native.check(h.lib, h.lib.tb_release_tag(0, h.tag("weights"), 7))
+    h.restore("weights")
+    with pytest.raises(RuntimeError, match="not released"):
+        h.restore("weights")
+
+
+@isolated
+def test_memory_of_a_tag_on_another_route_is_refused_naming_the_route():
+    h = Host(route="vmm")
+    h.push("sync", "mixed")
+    p = h.malloc(4 * MiB)
+    h.pop()
+    with pytest.raises(RuntimeError, match="pool or sync route"):
+        h.release("mixed")
+    h.free(p)
+    h.release("mixed")  # nothing left off the VMM route
+    h.restore("mixed")
+
+
+@isolated
+def test_a_restore_that_runs_out_of_budget_rolls_back_and_a_later_one_succeeds():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    h.release("weights", "pinned")
+    used, reserved = h.device_used(), h.reserved()
+    h.set_budget(reserved + 64 * MiB)  # room for part of the tag only
+    with pytest.raises(OOM, match="restore of tag 'weights'.*stays released"):
+        h.restore("weights")
+    info = h.tag_info("weights")
+    assert info["life"] == 1 and info["backup_bytes"] > 0
+    assert h.device_used() == used and h.reserved() == reserved, "the failed restore kept nothing mapped"
+    h.set_budget(8 * GiB)
+    h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+
+
+@pytest.mark.parametrize("entry", ["cuMemMap", "cuMemCreate", "cuMemcpyHtoDAsync", "cuMemSetAccess"])
+@isolated
+def test_a_restore_failing_in_the_driver_half_way_unmaps_what_it_mapped(entry):
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    h.release("weights", "pinned")
+    used = h.device_used()
+    h.fail(entry, nth=20 if entry in ("cuMemMap", "cuMemCreate") else 2)
+    with pytest.raises(Exception):
+        h.restore("weights")
+    h.heal()
+    assert h.tag_info("weights")["life"] == 1
+    assert h.device_used() == used and h.counters()["mappings"] == 0
+    h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+
+
+@isolated
+def test_a_release_whose_copy_fails_puts_back_what_it_had_dropped():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES + [520 * MiB])  # 15 pieces of at most 64 MiB
+    used, unmaps = h.device_used(), h.counters()["unmaps"]
+    h.fail("cuMemcpyDtoHAsync", nth=9)  # after the first piece of the window was dropped
+    with pytest.raises(Exception, match="cuMemcpyDtoHAsync"):
+        h.release("weights", "pinned")
+    h.heal()
+    assert h.counters()["unmaps"] > unmaps, "part of the tag had been dropped before the failure"
+    assert h.tag_info("weights")["life"] == 0
+    assert h.device_used() == used
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+    assert h.host_pool()["used"] == 0
+
+
+@isolated
+def test_tensors_freed_while_released_are_not_restored():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    h.release("weights", "pinned")
+    h.free(blocks[1][0])  # the 150 MiB one
+    h.restore("weights")
+    info = h.tag_info("weights")
+    assert info["resident"] < 100 * MiB
+    for p, data in blocks[:1] + blocks[2:]:
+        assert h.peek(p, len(data)) == data
+
+
+@isolated
+def test_a_graph_pool_created_under_a_tag_is_released_whole_and_restored_whole():
+    h = Host(route="vmm")
+    pool = (1, 2)
+    h.push(tag="graphs")
+    h.begin_pool(pool, S1)
+    a = h.malloc(6 * MiB)
+    b = h.malloc(10 * MiB)
+    h.free(a)  # a replay still writes here: its granules must come back too
+    h.end_pool(pool)
+    h.pop()
+    resident = h.tag_info("graphs")["resident"]
+    assert resident >= 16 * MiB
+    h.release("graphs", "none")
+    assert h.tag_info("graphs")["resident"] == 0
+    with pytest.raises(RuntimeError, match="released"):
+        h.push(tag="graphs")
+        try:
+            h.begin_pool(pool, S1)
+            h.malloc(MiB)
+        finally:
+            h.end_pool(pool)
+            h.pop()
+    h.restore("graphs")
+    assert h.tag_info("graphs")["resident"] == resident
+    assert h.poke(a, b"x" * 4096) and h.poke(b, b"y" * 4096)
+    h.free(b)
+    h.release_pool(pool)
+
+
+@isolated
+def test_release_waits_for_queued_work_first():
+    h = Host(route="vmm")
+    fill(h, "weights", [8 * MiB])
+    h.submit(S1)
+    syncs = h.counters()["syncs"]
+    h.release("weights", "none")
+    assert h.counters()["syncs"] > syncs
+
+
+@isolated
+def test_trim_of_a_tag_returns_its_freed_memory_at_once():
+    h = Host(route="vmm")
+    h.push("vmm", "workspace")
+    big = h.malloc(256 * MiB)
+    h.pop()
+    h.submit(S1)  # the workspace was used on S1 and is freed with work queued
+    h.free(big)
+    used = h.device_used()
+    returned = h.trim("workspace")
+    assert returned >= 256 * MiB
+    assert h.device_used() <= used - 256 * MiB
+
+
+@isolated
+def test_pinned_backups_reuse_the_reserved_host_pool():
+    h = Host(route="vmm")
+    fill(h, "weights")
+    _native.check(h.lib, h.lib.tb_host_pool_reserve(256 * MiB))
+    assert h.host_pool()["bytes"] >= 256 * MiB
+    pinned = h.lib.tb_host_pinned()
+    for _ in range(3):
+        h.release("weights", "pinned")
+        h.restore("weights")
+    stats = h.host_pool()
+    assert stats["pinned_at_release"] == 0 and h.lib.tb_host_pinned() == pinned
+    h.release("weights", "pinned")
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.host_pool()["bytes"] > 0, "a pool holding a backup is not freed"
+    h.restore("weights")
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
