@@ -181,6 +181,19 @@ int tb_tag_info(int device, int tag, int64_t out[8]) {
   return 0;
 }
 
+int tb_pool_tag(int device, uint64_t id0, uint64_t id1) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device_if_ready(device);
+  return d == nullptr ? -1 : d->pool_tag({id0, id1});
+}
+
+int tb_ptr_tag(void* ptr) {
+  clear_error();
+  int device = 0;
+  BlockInfo info{};
+  return Allocator::get().lookup(ptr, &device, &info) ? info.tag : -1;
+}
+
 int tb_trim_tag(int device, int tag, int64_t* returned) {
   clear_error();
   *returned = 0;

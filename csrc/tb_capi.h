@@ -62,6 +62,9 @@ TB_API int tb_restore_tag(int device, int tag);
 // released bytes, device bytes and backup bytes the last release / restore moved, host
 // bytes of the backup held.
 TB_API int tb_tag_info(int device, int tag, int64_t out[8]);
+// The tag of graph pool (id0, id1) / of the live block at `ptr`; -1 when there is none.
+TB_API int tb_pool_tag(int device, uint64_t id0, uint64_t id1);
+TB_API int tb_ptr_tag(void* ptr);
 // Gives the tag's clean cached memory back to the driver; *returned: bytes.
 TB_API int tb_trim_tag(int device, int tag, int64_t* returned);
 // The pinned host pool that backups use (process-wide).

@@ -15,7 +15,16 @@ _EXPORTS = {
     "capabilities": "allocator",
     "route_for": "allocator",
     "segments": "allocator",
+    "trim_tag": "allocator",
     "TorchBudgetError": "allocator",
+    # sleep / wake
+    "release": "sleep",
+    "restore": "sleep",
+    "sleeping": "sleep",
+    "tag_states": "sleep",
+    "reserve_host_pool": "sleep",
+    "free_host_pool": "sleep",
+    "host_pool_stats": "sleep",
     # graphs
     "GraphPoolManager": "graphs",
     # eager workspace

@@ -51,6 +51,8 @@ def _declare(lib, host):
         "tb_release_tag": (i, [i, i, i]),
         "tb_restore_tag": (i, [i, i]),
         "tb_tag_info": (i, [i, i, _c_i64_8]),
+        "tb_pool_tag": (i, [i, u64, u64]),
+        "tb_ptr_tag": (i, [vp]),
         "tb_trim_tag": (i, [i, i, ctypes.POINTER(i64)]),
         "tb_host_pool_reserve": (i, [i64]),
         "tb_host_pool_free": (i, []),

@@ -17,8 +17,8 @@ from ._native import TorchBudgetError
 _lock = threading.Lock()
 _state = {"installed": False, "settings": None}
 
-__all__ = ["install", "installed", "route", "stats", "segments", "empty_cache", "set_budget", "capabilities",
-           "route_for", "TorchBudgetError"]
+__all__ = ["install", "installed", "route", "stats", "segments", "empty_cache", "trim_tag", "set_budget",
+           "capabilities", "route_for", "TorchBudgetError"]
 
 
 def capabilities(device=0) -> dict:
@@ -146,7 +146,9 @@ def stats(device=None) -> dict:
 
     Keys: allocated, reserved, peak_allocated, peak_reserved, budget (None = card),
     total, graph_pools, by_route {name: {allocated, reserved, peak_allocated, count}},
-    by_tag {name: {allocated, requested, peak_allocated, count}}, raw (every counter).
+    by_tag {name: {allocated, requested, peak_allocated, count, state (live | released | restoring),
+    resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes}},
+    raw (every counter). Reserved and the budget count resident memory only.
     """
     lib = _require_installed("torch_budget.stats()")
     raw = _native.read_json(lib, lib.tb_stats_json, _device_index(device))
@@ -163,7 +165,9 @@ def stats(device=None) -> dict:
                             "peak_allocated": r["allocated"]["peak"], "count": r["count"]}
                      for name, r in raw["routes"].items()},
         "by_tag": {name: {"allocated": t["allocated"]["current"], "requested": t["requested"]["current"],
-                          "peak_allocated": t["allocated"]["peak"], "count": t["count"]}
+                          "peak_allocated": t["allocated"]["peak"], "count": t["count"], "state": t["state"],
+                          "resident": t["resident"], "released": t["released"], "backup": t["backup"],
+                          "backup_bytes": t["backup_bytes"]}
                    for name, t in raw["tags"].items()},
         "raw": raw,
     }
@@ -179,6 +183,19 @@ def empty_cache(device=None) -> None:
     """Returns cached memory of `device` to the driver."""
     lib = _require_installed("torch_budget.empty_cache()")
     _native.check(lib, lib.tb_empty_cache(_device_index(device)))
+
+
+def trim_tag(tag: str, device=None) -> int:
+    """Gives the cached memory of `tag`'s own VMM pool on `device` back to the driver at
+    once (after waiting for the streams its freed blocks were used on). Returns the bytes
+    returned; 0 for a tag never used on the VMM route."""
+    lib = _require_installed("torch_budget.trim_tag()")
+    tag_id = lib.tb_tag_find(tag.encode()) if isinstance(tag, str) else -1
+    if tag_id < 0:
+        raise ValueError(f"unknown tag {tag!r}")
+    out = _native.ctypes.c_int64()
+    _native.check(lib, lib.tb_trim_tag(_device_index(device), tag_id, _native.ctypes.byref(out)))
+    return int(out.value)
 
 
 def set_budget(budget, device=None) -> None:

@@ -138,6 +138,8 @@ class DeviceAllocator {
   bool release_tag(int tag, int backup);
   bool restore_tag(int tag);
   TagView tag_view(int tag);
+  // The tag a graph pool was created under, -1 for an unknown pool.
+  int pool_tag(const PoolId& id);
   // Gives the clean cached memory of `tag`'s own pool back to the driver, after
   // synchronising the streams its free blocks were used on; *returned: bytes.
   bool trim_tag(int tag, int64_t* returned);

@@ -156,6 +156,12 @@ TagView DeviceAllocator::tag_view(int tag) {
   return v;
 }
 
+int DeviceAllocator::pool_tag(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  return p == nullptr ? -1 : p->tag;
+}
+
 bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
   *returned = 0;
   std::unique_lock<std::mutex> lock(mu_);

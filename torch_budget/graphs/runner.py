@@ -9,6 +9,7 @@ manager that made it for the pool to capture into (RunnerOwner).
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -20,7 +21,7 @@ from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .capture import CapturedBucket, capture_bucket
 from .outputs import StaticOutputs
 from .pieces import EagerPiece, call_eager
-from .pools import PoolHandle, PoolLedger
+from .pools import PoolHandle, PoolLedger, pool_key
 from .staging import StaticInputs
 from .static import (
     AxisSize,
@@ -321,6 +322,10 @@ class GraphRunner:
         captured = self._captured_buckets.get(chosen)
         if captured is None:
             raise RuntimeError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
+        asleep = sys.modules.get("torch_budget.sleep")
+        if asleep is not None and asleep.released_tags():
+            # A replay into released memory would fault the context: say which tag instead.
+            asleep.check_awake(self.device, self._pool and pool_key(self._pool), self._ins.device_buffers())
         slot = self._ins.stage(chosen, n, data)
         plan = captured.plans[slot]
         plan.first.replay()

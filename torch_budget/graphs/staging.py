@@ -49,6 +49,10 @@ class StaticInputs:
     copy that the first graph of each bucket captures.
     """
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The device buffer of every static input."""
+        return list(self._in_flat.values())
+
     def __init__(self, owner: str, specs: Mapping[str, StaticInput], axes: Mapping[str, AxisSize],
                  buckets: Sequence[int], shadow_slots: int, device: torch.device):
         self._label = owner
