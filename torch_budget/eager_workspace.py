@@ -30,6 +30,10 @@ Optional attributes, read when present:
   current raw stream is used.
 - ``graph_workspace``: a separate workspace whose addresses are baked into captured graphs.
   The manager never reads or writes it.
+- ``return_to_device`` (bool, read at each shrink, default True): under `torch_budget.install()`
+  a shrink hands the freed memory back to the device at once (the workspace tag's own pool is
+  trimmed after the stream it was used on finished), so other processes and `mem_get_info`
+  see it. False keeps it cached in the allocator for the next growth.
 
 One metadata object stands for one workspace: its state (floor, policy, stream, the
 in-forward flag) lives in it, so keep it for the workspace's life rather than rebuilding it
@@ -184,6 +188,13 @@ def _allocation_scope():
     if allocator is None:
         return _NO_SCOPE
     return allocator.route(tag=WORKSPACE_TAG) if allocator.installed() else _NO_SCOPE
+
+
+def _return_to_device(device):
+    """Hands the workspace tag's freed memory back to the driver (installed allocator only)."""
+    allocator = sys.modules.get("torch_budget.allocator")
+    if allocator is not None and allocator.installed() and device.type == "cuda":
+        allocator.trim_tag(WORKSPACE_TAG, device)
 
 
 def _describe(meta):
@@ -353,6 +364,8 @@ class WorkspaceState:
             raise
         meta.workspace = self._tensor = fresh
         self._capacity = target
+        if getattr(meta, "return_to_device", True):
+            _return_to_device(device)
 
     def _disable(self, meta, why):
         self._disabled = True
@@ -518,11 +531,13 @@ class WorkspaceMetadata:
     multi_stream: used from several streams; disables reclamation at the first forward.
     graph_workspace: the workspace captured graphs use, kept apart from the eager one.
     stream_fn: identity of the current stream, for devices torch_budget cannot query.
+    return_to_device: a shrink hands the freed memory back to the device at once (under
+    torch_budget.install()); False keeps it cached for the next growth.
     """
 
     __slots__ = (
         "device", "workspace", "graph_workspace", "is_graph_metadata", "reclaimable",
-        "multi_stream", "stream_fn", "workspace_state", "__weakref__",
+        "multi_stream", "stream_fn", "workspace_state", "return_to_device", "__weakref__",
     )
 
     def __init__(
@@ -534,6 +549,7 @@ class WorkspaceMetadata:
         multi_stream=False,
         graph_workspace=None,
         stream_fn=None,
+        return_to_device=True,
     ):
         import torch
 
@@ -546,6 +562,7 @@ class WorkspaceMetadata:
         if stream_fn is not None and not callable(stream_fn):
             raise TypeError(f"stream_fn must be callable, got {type(stream_fn).__name__}")
         self.stream_fn = stream_fn
+        self.return_to_device = bool(return_to_device)
         self.workspace_state = None
 
     def warm_up(self, nbytes=None):
