@@ -164,3 +164,148 @@ def test_doctor_reports_a_bad_torch_budget_conf_naming_the_variable(capsys, monk
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "TORCH_BUDGET_CONF" in out and "invalid" in out and "parsecs" in out
+
+
+# --- demo --sleep -------------------------------------------------------------------------------
+
+
+def test_demo_sleep_flag_has_help_and_reaches_the_settings(capsys, monkeypatch):
+    assert cli.main(["demo", "--help"]) == 0
+    assert "--sleep" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(demo, "run", lambda settings: seen.setdefault("settings", settings) and 0)
+    assert cli.main(["demo", "--quick", "--sleep"]) == 0
+    assert seen["settings"].sleep is True
+    assert demo.make_settings().sleep is False
+
+
+def test_demo_sleep_without_a_gpu_says_the_step_is_skipped(tmp_path):
+    env = repo_env({"CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run([sys.executable, "-m", "torch_budget", "demo", "--quick", "--sleep"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sleep/wake step is skipped" in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("torch-budget demo stops here"), proc.stdout
+
+
+def test_sleep_step_without_torch_budget_says_why_it_is_skipped(capsys):
+    from torch_budget.demo.sleep_wake import sleep_wake
+
+    sleep_wake(torch, None, "native", model=None, cache=None, runner=None, meta=None, device=None, route=None)
+    assert "skipped: torch_budget is not installed" in capsys.readouterr().out
+
+
+def test_sleep_step_fails_with_the_first_token_that_changed():
+    from torch_budget.demo.sleep_wake import check_same_tokens
+
+    assert "identical" in check_same_tokens([[1, 2], [3]], [[1, 2], [3]])
+    with pytest.raises(demo.DemoError, match=r"1 of 2 requests differ \(request 0 first at token 1: 2 before, 5 after"):
+        check_same_tokens([[1, 2], [3]], [[1, 5], [3]])
+
+
+def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(model):
+    # What a restore with backup "none" may leave: NaN in every slot and garbage block tables.
+    from torch_budget.demo.sleep_wake import PROMPTS, serve_prompts
+
+    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=True, min_prompt=3, max_prompt=24,
+                             min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0, sleep=True)
+    cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
+    runner = decode_runner(GraphPoolManager("cpu"), "decode", model, cache, settings.buckets)
+
+    class EagerRunner:
+        step = staticmethod(runner.run_eager)
+        bucket_for = staticmethod(runner.bucket_for)
+
+    class NoWatch:
+        def sample(self):
+            pass
+
+    def serve():
+        return serve_prompts(torch, settings, model, cache, EagerRunner(), _warm_meta(3), torch.device("cpu"),
+                             torch_budget.route)
+
+    before = serve()
+    assert len(before) == min(PROMPTS, settings.requests)
+    for t in (cache.k, cache.v):
+        t.fill_(float("nan"))
+    cache.block_tables.fill_(10 ** 6)
+    assert serve() == before
+    # Without the reset the NaN would reach the served tokens: decode reads masked slots too.
+    cache.v.fill_(float("nan"))
+    requests = make_requests(settings, TINY.vocab)[:len(before)]
+    run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(), torch.device("cpu"),
+                 torch_budget.route)
+    assert [r.out for r in requests] != before
+
+
+class FakeSleep:
+    """torch_budget.sleep's contract, played on CPU: "none" leaves NaN behind, "pinned" keeps the contents."""
+
+    def __init__(self, tensors, lose_backup=False):
+        self.tensors, self.lose_backup, self.calls = tensors, lose_backup, []
+
+    def tag_states(self, device=None):
+        return {tag: {"state": "live", "resident": sum(t.nbytes for t in ts), "released": 0, "backup": None,
+                      "backup_bytes": 0} for tag, ts in self.tensors.items()}
+
+    def release(self, tag, backup="none", device=None):
+        self.calls.append(("release", tag, backup))
+        nbytes = sum(t.nbytes for t in self.tensors[tag])
+        if backup == "none" or self.lose_backup:
+            for t in self.tensors[tag]:
+                t.fill_(float("nan") if t.is_floating_point() else 10 ** 6)
+        return {"tags": [tag], "bytes": nbytes, "backup_bytes": nbytes if backup == "pinned" else 0, "seconds": 1e-3}
+
+    def restore(self, tags, device=None):
+        self.calls.append(("restore", tags))
+        return {"tags": [tags], "bytes": 0, "backup_bytes": 0, "seconds": 1e-3}
+
+    def reserve_host_pool(self, nbytes):
+        return nbytes
+
+    def host_pool_stats(self):
+        return {"pinned_at_release": 0}
+
+    def free_host_pool(self):
+        return 0
+
+
+@pytest.mark.parametrize("lose_backup", [False, True])
+def test_sleep_step_serves_the_same_tokens_or_fails_naming_the_difference(model, monkeypatch, capsys, lose_backup):
+    import copy
+
+    import torch_budget.sleep
+    from torch_budget.demo import sleep_wake as step
+
+    own = copy.deepcopy(model)  # the fake release scribbles on the weights it loses
+    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=False, min_prompt=3, max_prompt=24,
+                             min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0, sleep=True)
+    cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
+    runner = decode_runner(GraphPoolManager("cpu"), "decode", own, cache, settings.buckets)
+
+    class EagerRunner:
+        step = staticmethod(runner.run_eager)
+        bucket_for = staticmethod(runner.bucket_for)
+        captured = settings.buckets
+
+    fake = FakeSleep({"weights": list(own.parameters()), "kv": [cache.k, cache.v, cache.block_tables],
+                      "graphs": []}, lose_backup=lose_backup)
+    for name in ("tag_states", "release", "restore", "reserve_host_pool", "host_pool_stats", "free_host_pool"):
+        monkeypatch.setattr(torch_budget.sleep, name, getattr(fake, name))
+    monkeypatch.setattr(step, "skip_reason", lambda mode, device: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 8 << 30))
+
+    def run():
+        step.sleep_wake(torch, settings, "torch_budget", model=own, cache=cache, runner=EagerRunner(),
+                        meta=_warm_meta(3), device=torch.device("cpu"), route=torch_budget.route)
+
+    if lose_backup:
+        with pytest.raises(demo.DemoError, match="sleep/wake changed the served tokens"):
+            run()
+        return
+    run()
+    out = capsys.readouterr().out
+    assert [c[:3] for c in fake.calls if c[0] == "release"] == [("release", "weights", "pinned"), ("release", "kv", "none"),
+                                                                ("release", "graphs", "none")]
+    assert "released weights" in out and "backup pinned" in out and "device free" in out
+    assert "restored kv" in out and "served tokens identical before and after" in out

@@ -128,3 +128,75 @@ def test_cli_report_bad_input_exits_2_with_a_message(tmp_path, capsys, content, 
     assert cli_report([str(src)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# --- released tags (torch_budget.sleep) ---------------------------------------------------------
+
+RELEASED_WEIGHTS = {"allocated": 2 * GiB, "requested": 2 * GiB, "peak_allocated": 2 * GiB, "count": 10,
+                    "state": "released", "resident": 0, "released": 2 * GiB, "backup": "pinned",
+                    "backup_bytes": 2 * GiB}
+
+
+def test_tag_state_names_released_bytes_and_backup_and_is_empty_while_live():
+    from torch_budget.report import tag_state
+
+    assert tag_state(RELEASED_WEIGHTS) == "released 2.00 GiB, backup pinned (2.00 GiB on host)"
+    kv = {"allocated": GiB, "state": "released", "resident": 0, "released": GiB, "backup": "none", "backup_bytes": 0}
+    assert tag_state(kv) == "released 1.00 GiB, backup none"
+    assert tag_state({**kv, "state": "live", "resident": GiB, "released": 0}) == ""
+    assert tag_state({"allocated": GiB, "count": 1}) == "", "a ledger without the sleep keys reads as live"
+
+
+def test_tag_bytes_counts_only_what_is_resident_once_released():
+    from torch_budget.report import tag_bytes
+
+    assert tag_bytes(RELEASED_WEIGHTS) == 0
+    assert tag_bytes({**RELEASED_WEIGHTS, "state": "restoring", "resident": GiB}) == GiB
+    assert tag_bytes({"allocated": 3 * MiB, "peak_allocated": 5 * MiB}, "peak_allocated") == 5 * MiB
+    assert tag_bytes({}) == 0
+
+
+def test_a_released_line_shows_its_state_and_only_resident_bytes_count_toward_the_card():
+    lines = measured_ledger(8 * GiB, weights=0, kv_pool=GiB, states={"weights": "released 2.00 GiB, backup pinned"})
+    assert [line.category for line in lines] == ["weights", "kv_pool", "headroom"], "kept at 0 bytes"
+    assert lines[-1].bytes == 7 * GiB
+    text = format_table(lines, 8 * GiB)
+    rows = {row.split()[0]: row for row in text.splitlines()}
+    assert "state" in rows["line"]
+    assert "0.0 MiB" in rows["weights"] and "released 2.00 GiB, backup pinned" in rows["weights"]
+    assert "8.00 GiB" in rows["sum"] and "100.0%" in rows["sum"]
+    ends = {r.index("%") for r in text.splitlines() if "%" in r and not r.startswith("line")}
+    assert len(ends) == 1, text
+
+
+def test_a_table_without_released_lines_has_no_state_column():
+    assert "state" not in format_table(measured_ledger(8 * GiB, weights=GiB), 8 * GiB)
+
+
+def test_the_demo_ledger_reads_a_released_tag_from_stats(monkeypatch):
+    import torch_budget
+    from torch_budget.demo.ledger import measured_lines
+
+    kv = {"allocated": GiB, "requested": GiB, "peak_allocated": GiB, "count": 1}  # an older ledger: no sleep keys
+    stats = {"graph_pools": 0, "by_tag": {"weights": RELEASED_WEIGHTS, "kv": kv}}
+    monkeypatch.setattr(torch_budget, "stats", lambda device=None: stats, raising=False)
+
+    class Watch:
+        peak_used = reserved_at_peak = 4 * GiB
+
+    lines = measured_lines(None, None, "torch_budget", total=8 * GiB, weights=0, kv=0, graph_static=0, pools=0,
+                           ws_peak=0, peak_allocated=0, watch=Watch())
+    by = {line.category: line for line in lines}
+    assert by["weights"].bytes == 0
+    assert by["weights"].state == "released 2.00 GiB, backup pinned (2.00 GiB on host)"
+    assert by["kv_pool"].bytes == GiB and by["kv_pool"].state == ""
+    assert "backup pinned" in format_table(lines, 8 * GiB)
+
+
+def test_a_released_line_survives_the_json_form_and_the_report_command(tmp_path, capsys):
+    lines = measured_ledger(8 * GiB, weights=0, kv_pool=GiB, states={"weights": "released 2.00 GiB, backup pinned"})
+    assert [LedgerLine.from_dict(line.to_dict()) for line in lines] == lines
+    src = tmp_path / "asleep.json"
+    src.write_text(json.dumps({"total": 8 * GiB, "lines": [line.to_dict() for line in lines]}))
+    assert cli_report([str(src)]) == 0
+    assert "released 2.00 GiB, backup pinned" in capsys.readouterr().out

@@ -169,6 +169,10 @@ def _demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests, fewer graphs, a smaller KV cap")
     parser.add_argument("--native", action="store_true",
                         help="serve on torch's own allocator instead of torch_budget's (for comparison)")
+    parser.add_argument("--sleep", action="store_true",
+                        help="a last step: release the weights, KV cache and graph memory (torch_budget.sleep), "
+                             "restore them, and check that the same prompts give the same tokens (needs "
+                             "torch_budget installed on a device with VMM; otherwise the step says why it is skipped)")
     return parser
 
 
@@ -179,7 +183,7 @@ def _demo(argv: list[str]) -> int:
     from torch_budget import demo
 
     return demo.run(demo.make_settings(quick=args.quick, requests=args.requests, seed=args.seed, out=args.out,
-                                       native=args.native))
+                                       native=args.native, sleep=args.sleep))
 
 
 # --- plan -----------------------------------------------------------------------------------------

@@ -235,6 +235,18 @@ class PagedKVCache:
         self._owned[row].clear()
         self.block_tables[row].zero_()
 
+    def reset(self) -> None:
+        """Hand every block back in its first order, point every row at the null block and zero
+        the pool: the state of a new cache. Needed after the cache's memory was restored without
+        a backup (torch_budget.sleep): its contents are then undefined, and decode reads masked
+        slots too, where a NaN would turn softmax's zero weights into NaN."""
+        self.k.zero_()
+        self.v.zero_()
+        self.block_tables.zero_()
+        for owned in self._owned:
+            owned.clear()
+        self._free = list(range(self.num_blocks - 1, 0, -1))
+
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot index of each (row, position) pair; shapes broadcast, no host sync."""
         blocks = self.block_tables[rows, positions // self.block_size]

@@ -6,8 +6,10 @@ install the allocator before anything touches CUDA, load the weights, profile on
 prefill, measure what the decode graphs will hold, plan the KV budget from those measurements,
 allocate the KV pool from the plan, capture the decode graphs, serve a stream of mixed requests,
 and finally print the plan's predicted peak next to the measured one and draw the measured
-ledger. Every figure it prints is measured on the device or computed from measurements; the one
-exception, the no-GPU path, plans on an assumed card and says so.
+ledger. With --sleep a last step releases the served model's memory, restores it and checks that
+the same prompts get the same tokens (sleep_wake.py). Every figure it prints is measured on the
+device or computed from measurements; the one exception, the no-GPU path, plans on an assumed
+card and says so.
 
 Prefill puts its attention scratch (the GQA-expanded K and V) in the eager workspace, so
 `torch_budget.workspace` manages it. `model.decode` runs cache rows 0..B-1 and `PagedKVCache`
@@ -26,7 +28,8 @@ from torch_budget.units import GiB, format_bytes as _fmt
 
 # The modules of the demo: this one (entry point, the plan-only run), settings.py (what a run
 # serves), serve.py (the nine steps of a serving run), requests.py (the request stream and the
-# scheduler), ledger.py (the measured ledger and its picture).
+# scheduler), ledger.py (the measured ledger and its picture), sleep_wake.py (the tenth step
+# with --sleep: release and restore the served model's memory).
 
 __all__ = ["DemoError", "Settings", "make_settings", "run"]
 
@@ -140,5 +143,7 @@ def _plan_only(settings: Settings, reason: str) -> int:
     result = planner.plan(prof, kv_cache_cost(cfg), fraction=FRACTION, max_kv_bytes=settings.kv_cap_bytes,
                           notes=notes, title=f"plan: built-in model on {card}")
     print(result.to_text())
+    if settings.sleep:
+        print("\n--sleep: the sleep/wake step is skipped, it needs the served model")
     print(f"\ntorch-budget demo stops here: {reason}.")
     return 0

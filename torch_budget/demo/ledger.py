@@ -15,21 +15,29 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
     reserved bytes at the device-wide peak; what torch reserved beyond all torch lines then is the
     allocator's cache. With torch_budget installed every torch line comes from its per-tag ledger;
     on the native allocator they come from allocation deltas and the activations are derived.
+    A released tag's line holds its resident bytes and says what is released.
     """
     import dataclasses
 
     import torch_budget
     from torch_budget import report
 
+    states = {}
     if mode == "torch_budget":
         s = torch_budget.stats(device)
         tags = s["by_tag"]
 
         def tag(name, key="allocated"):
-            return int(tags.get(name, {}).get(key, 0))
+            return report.tag_bytes(tags.get(name, {}), key)
+
+        # A released tag (torch_budget.sleep) shows what is released; its line holds what is resident.
+        states = {category: report.tag_state(tags.get(name, {})) for category, name in
+                  (("weights", TAG_WEIGHTS), ("kv_pool", TAG_KV), ("graph_workspace", TAG_GRAPHS))}
 
         weights, kv, graph_static = tag(TAG_WEIGHTS), tag(TAG_KV), tag(TAG_GRAPHS)
         pools = int(s["graph_pools"])
+        if states["graph_workspace"]:  # the graph pools were captured under TAG_GRAPHS and sleep with it
+            pools = min(pools, int(tags[TAG_GRAPHS].get("resident", 0)))
         from torch_budget.eager_workspace import WORKSPACE_TAG
 
         ws_peak = tag(WORKSPACE_TAG, "peak_allocated")
@@ -59,7 +67,7 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
     why["reserve"] = "allocator cache: torch reserved at the peak beyond every torch line above"
     lines = report.measured_ledger(total, weights=weights, kv_pool=kv, activations=activations,
                                    eager_workspace=ws_peak, graph_workspace=graph_static, graph_pools=pools,
-                                   non_torch=non_torch, reserves=cache, source="measured")
+                                   non_torch=non_torch, reserves=cache, source="measured", states=states)
     names = {"reserve": "allocator cache"}
     return [dataclasses.replace(line, name=names.get(line.category, line.name),
                                 reason=why.get(line.category, line.reason)) for line in lines]

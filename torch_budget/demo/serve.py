@@ -1,5 +1,6 @@
 """The nine steps of the demo's serving run: weights, workspace, profile, graph probe, plan,
-KV pool, capture, serve, and the plan held against the measurement."""
+KV pool, capture, serve, and the plan held against the measurement; with --sleep a tenth, one
+sleep/wake cycle of the served model (sleep_wake.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch_budget.demo.settings import (BLOCK_SIZE, FRACTION, TAG_ACTIVATIONS, T
                                Settings)
 from torch_budget.demo.ledger import measured_lines, write_picture
 from torch_budget.demo.requests import make_requests, run_requests
+from torch_budget.demo.sleep_wake import sleep_wake
 from torch_budget.units import format_bytes as _fmt
 
 
@@ -33,8 +35,8 @@ def decode_runner(manager, name, model, cache, buckets):
 
 
 
-def _step(i: int, text: str) -> None:
-    print(f"\n[{i}/9] {text}")
+def _print_step(i: int, total: int, text: str) -> None:
+    print(f"\n[{i}/{total}] {text}")
 
 
 def serve(torch, settings: Settings, mode: str) -> None:
@@ -48,6 +50,11 @@ def serve(torch, settings: Settings, mode: str) -> None:
 
     route = torch_budget.route
     installed = mode == "torch_budget"
+    steps = 10 if settings.sleep else 9
+
+    def _step(i: int, text: str) -> None:
+        _print_step(i, steps, text)
+
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = ModelConfig()
     if settings.max_prompt + settings.max_new > cfg.max_seq_len:
@@ -222,4 +229,9 @@ def serve(torch, settings: Settings, mode: str) -> None:
     print()
     print(report.format_table(lines, total, title))
     write_picture(report, lines, total, settings.out, title)
+
+    if settings.sleep:
+        _step(10, "sleep and wake: release the weights, KV pool and decode graphs, restore them, serve again")
+        sleep_wake(torch, settings, mode, model=model, cache=cache, runner=runner, meta=meta, device=device,
+                   route=route)
     manager.close()

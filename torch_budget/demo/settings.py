@@ -28,6 +28,7 @@ class Settings:
     max_new: int
     buckets: tuple
     kv_cap_bytes: int  # cap on the KV pool: the demo needs a few GiB, not the whole card
+    sleep: bool = False  # a last step: release and restore the served model's memory (sleep_wake.py)
 
     @property
     def max_batch(self) -> int:
@@ -36,7 +37,7 @@ class Settings:
 
 
 def make_settings(*, quick: bool = False, requests: int | None = None, seed: int = 0,
-                  out: Path = Path("torch_budget_ledger.png"), native: bool = False) -> Settings:
+                  out: Path = Path("torch_budget_ledger.png"), native: bool = False, sleep: bool = False) -> Settings:
     """The run `torch-budget demo` makes; `quick` shrinks every dimension so it takes seconds."""
     if quick:
         shape = dict(min_prompt=16, max_prompt=256, min_new=8, max_new=32, buckets=(1, 2, 4, 8), kv_cap_bytes=1 * GiB)
@@ -45,7 +46,8 @@ def make_settings(*, quick: bool = False, requests: int | None = None, seed: int
         shape = dict(min_prompt=16, max_prompt=1024, min_new=16, max_new=64, buckets=(1, 2, 4, 8, 16, 32),
                      kv_cap_bytes=4 * GiB)
         default_requests = 48
-    return Settings(requests=requests or default_requests, seed=seed, out=Path(out), native=native, **shape)
+    return Settings(requests=requests or default_requests, seed=seed, out=Path(out), native=native, sleep=sleep,
+                    **shape)
 
 
 class DemoError(Exception):

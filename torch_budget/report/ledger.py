@@ -5,6 +5,10 @@ activations, eager and graph workspaces, graph pools, memory outside torch, rese
 headroom that is left. `planner.plan()` produces one; `measured_ledger()` builds one from numbers
 read off a running process (see measure.py). Both render the same way, so a plan and a
 measurement can be compared side by side.
+
+A line whose memory is released (a tag put to sleep, torch_budget.sleep) carries a `state`
+such as "released 1.20 GiB, backup pinned"; its bytes are what is still resident, the only
+bytes that count toward the card.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ CATEGORIES = {
 @dataclass(frozen=True)
 class LedgerLine:
     """One line of the ledger. `bytes` may be negative only for headroom, meaning the other
-    lines over-commit the card by that much."""
+    lines over-commit the card by that much. `state` is empty for resident memory, else what is
+    not resident (released bytes and their backup); `bytes` then counts only what is."""
 
     name: str
     category: str
     bytes: int
     reason: str
+    state: str = ""
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
@@ -52,7 +58,8 @@ class LedgerLine:
     @classmethod
     def from_dict(cls, d: dict) -> "LedgerLine":
         try:
-            return cls(name=str(d["name"]), category=str(d["category"]), bytes=int(d["bytes"]), reason=str(d.get("reason", "")))
+            return cls(name=str(d["name"]), category=str(d["category"]), bytes=int(d["bytes"]),
+                       reason=str(d.get("reason", "")), state=str(d.get("state") or ""))
         except KeyError as e:
             raise ValueError(f"ledger line {d!r} lacks the key {e.args[0]!r}") from None
 
@@ -69,8 +76,11 @@ def measured_ledger(
     non_torch: int = 0,
     reserves: int = 0,
     source: str = "measured",
+    states: dict | None = None,
 ) -> list[LedgerLine]:
-    """A ledger from numbers read off a running process; headroom is whatever the card has left."""
+    """A ledger from numbers read off a running process; headroom is whatever the card has left.
+    `states` maps a category to the state of its memory (a released tag, see LedgerLine): its
+    line is kept even when nothing of it is resident. Other lines of 0 bytes are left out."""
     if total <= 0:
         raise ValueError(f"total card bytes must be positive, got {total}")
     given = {
@@ -83,28 +93,36 @@ def measured_ledger(
         "non_torch": non_torch,
         "reserve": reserves,
     }
-    lines = [LedgerLine(CATEGORIES[c][0], c, int(b), source) for c, b in given.items() if b]
+    states = states or {}
+    lines = [LedgerLine(CATEGORIES[c][0], c, int(b), source, states.get(c, ""))
+             for c, b in given.items() if b or states.get(c)]
     left = total - sum(line.bytes for line in lines)
     lines.append(LedgerLine("headroom", "headroom", left, "card bytes not on any other line"))
     return lines
 
 
 def format_table(lines: list[LedgerLine], total: int, title: str | None = None) -> str:
-    """Aligned text table: line, category, size, share of the card, and why."""
+    """Aligned text table: line, category, size, share of the card, and why; a state column
+    (released bytes and backup) when some line is not all resident. Sizes are resident bytes."""
     if total <= 0:
         raise ValueError(f"total card bytes must be positive, got {total}")
+    stated = any(line.state for line in lines)
     rows = [
-        (line.name, CATEGORIES[line.category][0], format_bytes(line.bytes), f"{100.0 * line.bytes / total:.1f}%", line.reason)
+        (line.name, CATEGORIES[line.category][0], format_bytes(line.bytes), f"{100.0 * line.bytes / total:.1f}%",
+         *([line.state] if stated else []), line.reason)
         for line in lines
     ]
     accounted = sum(line.bytes for line in lines)
-    footer = [("sum of lines", "", format_bytes(accounted), f"{100.0 * accounted / total:.1f}%", ""),
-              ("card", "", format_bytes(total), "100.0%", f"{total} bytes")]
-    header = ("line", "category", "size", "% card", "why")
-    widths = [max(len(r[i]) for r in [header, *rows, *footer]) for i in range(4)]
+    blank = [""] if stated else []
+    footer = [("sum of lines", "", format_bytes(accounted), f"{100.0 * accounted / total:.1f}%", *blank, ""),
+              ("card", "", format_bytes(total), "100.0%", *blank, f"{total} bytes")]
+    header = ("line", "category", "size", "% card", *(["state"] if stated else []), "why")
+    widths = [max(len(r[i]) for r in [header, *rows, *footer]) for i in range(len(header) - 1)]
 
     def fmt(r):
-        return (f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}").rstrip()
+        cells = [f"{r[0]:<{widths[0]}}", f"{r[1]:<{widths[1]}}", f"{r[2]:>{widths[2]}}", f"{r[3]:>{widths[3]}}"]
+        cells += [f"{c:<{w}}" for c, w in zip(r[4:-1], widths[4:])]
+        return "  ".join([*cells, r[-1]]).rstrip()
 
     body = [fmt(r) for r in rows]
     rule = "-" * max(len(r) for r in [fmt(header), *body])

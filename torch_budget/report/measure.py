@@ -4,11 +4,17 @@ torch's allocated and reserved bytes, the device-wide used bytes (`mem_get_info`
 counts memory outside torch and other processes too) and the bytes of CUDA-graph
 private pools: under torch_budget they come from its ledger; on torch's native
 allocator from the pool id torch's snapshot gives each segment.
+
+A tag of the ledger (`torch_budget.stats()["by_tag"][name]`) may be released
+(torch_budget.sleep): `tag_bytes` and `tag_state` read its entry, and read an entry without
+the sleep keys (an older ledger) as live.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torch_budget.units import format_bytes
 
 
 @dataclass
@@ -19,6 +25,32 @@ class Reading:
     reserved: int
     used: int
     pools: int
+
+
+def tag_bytes(entry: dict, key: str = "allocated") -> int:
+    """The `key` bytes of a by_tag entry that are on the device: all of them while the tag is
+    live, at most its resident bytes while it is released or restoring."""
+    value = int(entry.get(key, 0))
+    if entry.get("state", "live") == "live":
+        return value
+    return min(value, int(entry.get("resident", 0)))
+
+
+def tag_state(entry: dict) -> str:
+    """What of a by_tag entry is not resident, for a ledger line's state: empty while the tag is
+    live (or the entry has no sleep keys), else e.g. 'released 1.20 GiB, backup pinned (1.20 GiB
+    on host)'."""
+    state = entry.get("state", "live")
+    if state == "live":
+        return ""
+    text = f"{state} {format_bytes(int(entry.get('released', 0)))}"
+    backup = entry.get("backup")
+    if backup:
+        text += f", backup {backup}"
+        held = int(entry.get("backup_bytes", 0))
+        if held:
+            text += f" ({format_bytes(held)} on host)"
+    return text
 
 
 def graph_pool_bytes(device, installed: bool) -> int:

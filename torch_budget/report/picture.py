@@ -38,7 +38,8 @@ def _shades(lines: list[LedgerLine]) -> list:
 
 def write_png(lines: list[LedgerLine], total: int, path, title: str | None = None) -> Path:
     """Draw the card as one horizontal stacked bar (GiB axis) with a legend below that names each
-    line with its size and share. Renders through the Agg canvas directly, without pyplot, so it
+    line with its size and share (and its state when it is released: the bar holds only
+    resident bytes). Renders through the Agg canvas directly, without pyplot, so it
     works without a display and leaves the caller's matplotlib backend alone."""
     if total <= 0:
         raise ValueError(f"total card bytes must be positive, got {total}")
@@ -59,8 +60,9 @@ def write_png(lines: list[LedgerLine], total: int, path, title: str | None = Non
     handles = []
     for line, colour in zip(lines, colours):
         share = 100.0 * line.bytes / total
+        state = f", {line.state}" if line.state else ""
         handles.append(Patch(facecolor=colour, edgecolor="#444444",
-                             label=f"{line.name}: {format_bytes(line.bytes)} ({share:.1f}%)"))
+                             label=f"{line.name}: {format_bytes(line.bytes)} ({share:.1f}%){state}"))
         if line.bytes <= 0:
             continue
         width = line.bytes / GiB
