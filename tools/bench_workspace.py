@@ -8,8 +8,9 @@ up to 512 MiB, short ones up to 16 MiB. Reports:
   - bytes held after every forward of the trace (workspace capacity, torch's allocated and
     reserved bytes, device memory used since the start);
   - bytes returned by the shrink after the third short forward that follows a long one, as
-    a share of the excess over the new target (goal >= 95 %): to the device (mem_get_info)
-    before and after empty_cache, and to torch's cache (memory_allocated);
+    a share of the excess over the new target: to the device (mem_get_info) at once (goal
+    >= 95 % under install(); torch's allocator keeps it cached) and after empty_cache, and
+    to torch's cache (memory_allocated);
   - the context manager's cost per forward, µs, median of many batches (goal <= 2 µs), at the
     floor and above it (where each forward also zeroes the logical size).
 The last line is `RESULT bench_workspace key=value ...` for the GPU suite's table.
@@ -194,7 +195,8 @@ def main(argv=None):
             print_held(result)
 
     print(f"\nshrink after the third short forward: {native['capacity_mib']:.0f} -> {native['target_mib']:.0f} MiB; "
-          f"goals: returned >= {RETURN_GOAL_PCT:.0f} % of the excess, overhead <= {OVERHEAD_GOAL_US} us")
+          f"goals: returned to the device at once >= {RETURN_GOAL_PCT:.0f} % of the excess, overhead <= "
+          f"{OVERHEAD_GOAL_US} us")
     print(f"{'mode':8} {'device %':>9} {'dev now %':>10} {'to cache %':>11} {'cm us':>7} {'cm >floor us':>13} {'get us':>7}")
     for result in (native, installed):
         if result is None:
@@ -222,7 +224,8 @@ def main(argv=None):
         "native_overhead_above_floor_us": native["overhead_above_floor_us"],
     })
     main_result = installed or native
-    met = main_result["returned_pct"] >= RETURN_GOAL_PCT and main_result["overhead_us"] <= OVERHEAD_GOAL_US
+    met = (main_result["returned_now_pct"] >= RETURN_GOAL_PCT and main_result["returned_pct"] >= RETURN_GOAL_PCT
+           and main_result["overhead_us"] <= OVERHEAD_GOAL_US)
     pairs["goals"] = "met" if met and installed is not None else "missed"
     print("RESULT bench_workspace " + " ".join(f"{k}={v}" for k, v in pairs.items()))
     return 1 if installed is None else 0

@@ -35,7 +35,7 @@ if has tests; then
 fi
 
 if has bench; then
-  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace}; do
+  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace bench_sleep}; do
     [ -f "tools/$bench.py" ] || continue
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25

@@ -69,6 +69,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   const size_t g = vmm_->granule();
   const size_t per_piece = std::max<size_t>(1, TagMover::kPieceBytes / g);
   std::vector<Piece> pieces;
+  int64_t dropped = 0;
   for (BlockPool* pool : pools_of(tag)) {
     for (const auto& seg : pool->segments()) {
       const std::vector<bool> cov = covered(*seg);
@@ -76,7 +77,8 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
         if (seg->granules[i] == 0) {
           ++i;
         } else if (!cov[i]) {
-          vmm_->drop_granule(*seg, i++);  // only free blocks here: nothing to keep
+          if (vmm_->drop_granule(*seg, i)) dropped += g;  // only free blocks here: nothing to keep
+          ++i;
         } else {
           size_t j = i;
           while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] && j - i < per_piece) ++j;
@@ -96,6 +98,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
     return false;
   }
   st.life = kTagReleased;
+  st.last_device_bytes += dropped;
   return true;
 }
 
