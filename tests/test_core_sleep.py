@@ -128,7 +128,8 @@ def test_a_restore_failing_in_the_driver_half_way_unmaps_what_it_mapped(entry):
     blocks = fill(h, "weights")
     h.release("weights", "pinned")
     used = h.device_used()
-    h.fail(entry, nth=20 if entry in ("cuMemMap", "cuMemCreate") else 2)
+    # From the third call on: a failing run mapping falls back to granules, which fail too.
+    h.fail(entry, nth=-3 if entry in ("cuMemMap", "cuMemCreate", "cuMemSetAccess") else 2)
     with pytest.raises(Exception):
         h.restore("weights")
     h.heal()
@@ -241,3 +242,36 @@ def test_pinned_backups_reuse_the_reserved_host_pool():
     h.restore("weights")
     _native.check(h.lib, h.lib.tb_host_pool_free())
     assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
+
+
+@isolated
+def test_a_restore_maps_runs_with_one_handle_each_and_they_go_back_only_whole():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    granules = h.tag_info("weights")["resident"] // (2 * MiB)
+    h.release("weights", "pinned")
+    maps = h.counters()["maps"]
+    h.restore("weights")
+    runs = h.counters()["maps"] - maps
+    assert runs <= 8 < granules, (runs, granules)  # one mapping per piece, not per granule
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+    unmaps = h.counters()["unmaps"]
+    h.release("weights", "pinned")  # a second cycle drops whole runs
+    assert h.counters()["unmaps"] - unmaps == runs
+    h.restore("weights")
+    # Freeing part of a run keeps the run mapped; freeing all of it gives it back whole.
+    used = h.device_used()
+    h.free(blocks[3][0])  # 40 MiB; most of it shares a run with the 150 MiB block
+    h.empty_cache()
+    assert used - 40 * MiB < h.device_used() < used
+    h.free(blocks[1][0])  # now whole runs are free
+    h.empty_cache()
+    # Left: the 64 MiB run holding the 3 MiB block, and the small block's granule.
+    assert h.device_used() == 64 * MiB + 2 * MiB
+    for p, data in (blocks[0], blocks[2]):
+        assert h.peek(p, len(data)) == data
+    h.free(blocks[0][0])
+    h.free(blocks[2][0])
+    h.empty_cache()
+    assert h.device_used() == 0 and h.counters()["mappings"] == 0

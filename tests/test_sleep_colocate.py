@@ -120,7 +120,8 @@ def process_b():
         taken += n
     torch.cuda.synchronize()
     used = free1 - free_bytes()
-    assert used >= target, f"B's {target / GiB:.1f} GiB took only {used / GiB:.1f} GiB of device memory"
+    # Within 1 %: the driver reports free memory in its own pages and keeps a little for itself.
+    assert used >= 0.99 * target, f"B's {target / GiB:.2f} GiB took only {used / GiB:.2f} GiB of device memory"
     for i, c in enumerate(chunks):
         value = i % 250 + 1
         c[::4093].add_(1)                               # write, then read back every byte

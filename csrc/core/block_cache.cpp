@@ -60,6 +60,7 @@ Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstrea
   seg->stream = stream;
   seg->route = route_;
   seg->granules.assign(granules, 0);
+  seg->span.assign(granules, 0);
   Block* block = store_->make();
   block->ptr = seg->base;
   block->size = seg->size;

@@ -53,6 +53,9 @@ struct Segment {
   struct Block* head = nullptr;  // block at `base`; stable: merges keep the lower block
   // VMM only: the physical handle mapped at each granule, 0 where unmapped.
   std::vector<CUmemGenericAllocationHandle> granules;
+  // VMM only: at the first granule of each mapping, how many granules it spans (one
+  // handle, one cuMemMap); 0 elsewhere. See Note [Run mappings] (route_vmm.h).
+  std::vector<uint32_t> span;
   size_t mapped = 0;     // granules mapped
 };
 

@@ -72,7 +72,15 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   int64_t dropped = 0;
   for (BlockPool* pool : pools_of(tag)) {
     for (const auto& seg : pool->segments()) {
-      const std::vector<bool> cov = covered(*seg);
+      std::vector<bool> cov = covered(*seg);
+      // A run mapping is dropped whole (Note [Run mappings]): kept whole when any part is needed.
+      for (size_t h = 0; h < seg->granules.size(); ++h) {
+        if (seg->span[h] <= 1) continue;
+        const size_t end = h + seg->span[h];
+        if (std::find(cov.begin() + static_cast<long>(h), cov.begin() + static_cast<long>(end), true) !=
+            cov.begin() + static_cast<long>(end))
+          std::fill(cov.begin() + static_cast<long>(h), cov.begin() + static_cast<long>(end), true);
+      }
       for (size_t i = 0; i < seg->granules.size();) {
         if (seg->granules[i] == 0) {
           ++i;
@@ -80,8 +88,11 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
           if (vmm_->drop_granule(*seg, i)) dropped += g;  // only free blocks here: nothing to keep
           ++i;
         } else {
+          // Pieces end at mapping boundaries: a piece is dropped once its copy is done.
           size_t j = i;
-          while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] && j - i < per_piece) ++j;
+          while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] &&
+                 (j - i < per_piece || seg->span[j] == 0))
+            ++j;
           pieces.push_back(Piece{seg.get(), i, j - i, 0});
           i = j;
         }

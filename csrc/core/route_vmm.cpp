@@ -69,7 +69,10 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   }
   // Whatever got mapped belongs to the segment from here on (and is counted there);
   // on failure it is unmapped again, and what cannot be unmapped stays mapped.
-  for (size_t k = 0; k < mapped; ++k) seg.granules[need[k]] = handles[k];
+  for (size_t k = 0; k < mapped; ++k) {
+    seg.granules[need[k]] = handles[k];
+    seg.span[need[k]] = 1;
+  }
   seg.mapped += mapped;
   budget_.move(mapped * granule_, kCached, placement(seg));
   if (r == CUDA_SUCCESS) return true;
@@ -82,11 +85,70 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   return false;
 }
 
+size_t VmmRoute::mapping_head(const Segment& seg, size_t index) {
+  while (seg.span[index] == 0 && index > 0) --index;
+  return index;
+}
+
+bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const size_t bytes = count * granule_;
+  Charge charge(budget_, bytes, placement(seg));
+  if (!charge.ok()) return false;
+  const DriverApi* d = driver();
+  CUmemGenericAllocationHandle h = 0;
+  TB_DRIVER_CHECK(d->memCreate(&h, bytes, &prop_, 0), false);
+  const uintptr_t va = seg.base + first * granule_;
+  CUresult r = d->memMap(va, bytes, 0, h, 0);
+  if (r == CUDA_SUCCESS) {
+    r = d->memSetAccess(va, bytes, access_.data(), access_.size());
+    if (r != CUDA_SUCCESS) {
+      fail_driver(r, "cuMemSetAccess", __FILE__, __LINE__);
+      const std::string msg = last_error_message();
+      d->memUnmap(va, bytes);
+      d->memRelease(h);
+      set_error(kDriverError, msg);
+      return false;
+    }
+  } else {
+    d->memRelease(h);
+    return fail_driver(r, "cuMemMap", __FILE__, __LINE__);
+  }
+  charge.commit();
+  bump(ledger_.num_device_alloc);
+  for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
+  seg.span[first] = static_cast<uint32_t>(count);
+  seg.mapped += count;
+  return true;
+}
+
+bool VmmRoute::release_run(Segment& seg, size_t head) {
+  const size_t count = seg.span[head];
+  if (!unmap_range(seg.base + head * granule_, count * granule_)) return false;
+  const CUmemGenericAllocationHandle h = seg.granules[head];
+  for (size_t i = head; i < head + count; ++i) seg.granules[i] = 0;
+  seg.span[head] = 0;
+  seg.mapped -= count;
+  if (driver()->memRelease(h) != CUDA_SUCCESS) {
+    stuck_runs_.emplace_back(h, count * granule_);  // still charged: retried later
+    budget_.move(count * granule_, placement(seg), kCached);
+    return true;
+  }
+  budget_.uncharge(count * granule_, placement(seg));
+  bump(ledger_.num_device_free);
+  return true;
+}
+
 bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   ContextGuard guard(ctx_.ctx);
-  if (!guard.ok() || !unmap_range(seg.base + index * granule_, granule_)) return false;
+  if (!guard.ok()) return false;
+  const size_t head = mapping_head(seg, index);
+  if (seg.span[head] > 1) return release_run(seg, head);
+  if (!unmap_range(seg.base + index * granule_, granule_)) return false;
   const CUmemGenericAllocationHandle h = seg.granules[index];
   seg.granules[index] = 0;
+  seg.span[index] = 0;
   seg.mapped--;
   if (driver()->memRelease(h) != CUDA_SUCCESS) {
     free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
@@ -144,6 +206,8 @@ bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericA
 }
 
 size_t VmmRoute::unmap_clean_granules(BlockPool& pool, size_t limit) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return 0;
   size_t got = 0;
   for (bool small : {false, true}) {
     const FreeSet& fs = pool.free_set(small);
@@ -153,8 +217,21 @@ size_t VmmRoute::unmap_clean_granules(BlockPool& pool, size_t limit) {
       Segment& s = *b->segment;
       const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
       const size_t hi = (b->ptr + b->size - s.base) / granule_;
-      for (size_t i = lo; i < hi && got < limit; ++i)
-        if (s.granules[i] != 0 && unmap_granule(s, i)) ++got;
+      for (size_t i = lo; i < hi && got < limit;) {
+        if (s.granules[i] == 0) {
+          ++i;
+          continue;
+        }
+        const size_t head = mapping_head(s, i), end = head + s.span[head];
+        // A run mapping goes only as a whole (Note [Run mappings]); it frees budget, not handles.
+        if (s.span[head] > 1) {
+          if (head >= lo && end <= hi) release_run(s, head);
+          i = end;
+          continue;
+        }
+        if (unmap_granule(s, i)) ++got;
+        ++i;
+      }
     }
   }
   return got;
@@ -186,15 +263,19 @@ bool VmmRoute::unmap_range(uintptr_t va, size_t bytes) {
 }
 
 bool VmmRoute::unmap_granule(Segment& seg, size_t index) {
+  const size_t head = mapping_head(seg, index);
+  if (seg.span[head] > 1) return release_run(seg, head);
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
   free_handles_.push_back(seg.granules[index]);
   seg.granules[index] = 0;
+  seg.span[index] = 0;
   seg.mapped--;
   budget_.move(granule_, placement(seg), kCached);
   return true;
 }
 
 void VmmRoute::release_free_handles() {
+  ContextGuard guard(ctx_.ctx);
   std::vector<CUmemGenericAllocationHandle> kept;
   for (CUmemGenericAllocationHandle h : free_handles_) {
     if (driver()->memRelease(h) != CUDA_SUCCESS) {
@@ -205,6 +286,16 @@ void VmmRoute::release_free_handles() {
     bump(ledger_.num_device_free);
   }
   free_handles_.swap(kept);
+  std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck;
+  for (const auto& [h, bytes] : stuck_runs_) {
+    if (driver()->memRelease(h) != CUDA_SUCCESS) {
+      stuck.emplace_back(h, bytes);
+      continue;
+    }
+    budget_.uncharge(bytes, kCached);
+    bump(ledger_.num_device_free);
+  }
+  stuck_runs_.swap(stuck);
 }
 
 void VmmRoute::release_cached(BlockPool& pool) {

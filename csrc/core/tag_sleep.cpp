@@ -121,12 +121,23 @@ void TagMover::drop_piece(const Piece& p) {
 
 bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
                          std::vector<std::pair<Segment*, size_t>>* mapped) {
-  std::vector<size_t> want;
-  for (size_t i = 0; i < p.count; ++i)
-    if (needed[i] && p.seg->granules[p.first + i] == 0) want.push_back(p.first + i);
-  if (want.empty()) return true;
-  if (!vmm_.map_granules(*p.seg, want)) return false;
-  for (size_t i : want) mapped->emplace_back(p.seg, i);
+  // One handle per run of granules (Note [Run mappings]); when the budget or the driver
+  // refuses new memory, granule by granule, which can also take cached and clean granules.
+  for (size_t i = 0; i < p.count;) {
+    if (!needed[i] || p.seg->granules[p.first + i] != 0) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < p.count && needed[j] && p.seg->granules[p.first + j] == 0) ++j;
+    if (!vmm_.map_run(*p.seg, p.first + i, j - i)) {
+      std::vector<size_t> want;
+      for (size_t k = i; k < j; ++k) want.push_back(p.first + k);
+      if (!vmm_.map_granules(*p.seg, want)) return false;
+    }
+    for (size_t k = i; k < j; ++k) mapped->emplace_back(p.seg, p.first + k);
+    i = j;
+  }
   return true;
 }
 

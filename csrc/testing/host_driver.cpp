@@ -57,9 +57,13 @@ struct Handle {
   std::vector<uint8_t> data;  // contents, materialised on the first copy into or out of it
 };
 
+// One entry per mapped granule; a mapping may span several granules of one handle
+// and can only be unmapped as a whole, as on a real driver.
 struct Mapping {
   uint64_t handle;
   std::set<int> access;
+  uintptr_t head = 0;   // where the mapping starts
+  size_t length = 0;    // its bytes
 };
 
 struct HostEvent {
@@ -71,6 +75,7 @@ struct HostEvent {
 
 struct Fault {
   int64_t countdown = 0;  // > 0: fail when it reaches zero
+  bool sticky = false;    // and on every call after that
   double rate = 0;
   CUresult result = CUDA_SUCCESS;
 };
@@ -134,7 +139,10 @@ double uniform() {
 }
 
 bool fires(Fault& f) {
-  if (f.countdown > 0 && --f.countdown == 0) return true;
+  if (f.countdown > 0 && --f.countdown == 0) {
+    if (f.sticky) f.rate = 1.0;
+    return true;
+  }
   return f.rate > 0 && uniform() < f.rate;
 }
 
@@ -378,22 +386,28 @@ bool inside_reservation(uintptr_t va, size_t size) {
 }
 CUresult h_map(CUdeviceptr va, size_t size, size_t, CUmemGenericAllocationHandle h, unsigned long long) {
   HOST_ENTRY("cuMemMap");
-  if (size != kGranule || va % kGranule || !g->handles.count(h) || !inside_reservation(va, size) ||
-      g->mappings.count(va))
+  if (size == 0 || size % kGranule || va % kGranule || !g->handles.count(h) || g->handles[h].size != size ||
+      !inside_reservation(va, size))
     return CUDA_ERROR_INVALID_VALUE;
+  for (uintptr_t p = va; p < va + size; p += kGranule)
+    if (g->mappings.count(p)) return CUDA_ERROR_INVALID_VALUE;
   for (auto& [v, m] : g->mappings)
     if (m.handle == h) return CUDA_ERROR_INVALID_VALUE;  // a handle maps once
-  g->mappings[va] = Mapping{h, {}};
+  for (uintptr_t p = va; p < va + size; p += kGranule) g->mappings[p] = Mapping{h, {}, va, size};
   g->map_calls++;
   return CUDA_SUCCESS;
 }
 CUresult h_unmap(CUdeviceptr va, size_t size) {
   HOST_ENTRY("cuMemUnmap");
-  for (uintptr_t p = va; p < va + size; p += kGranule)
-    if (!g->mappings.count(p)) return CUDA_ERROR_INVALID_VALUE;
   for (uintptr_t p = va; p < va + size; p += kGranule) {
+    auto m = g->mappings.find(p);
+    if (m == g->mappings.end()) return CUDA_ERROR_INVALID_VALUE;
+    // Only whole mappings can be unmapped.
+    if (m->second.head < va || m->second.head + m->second.length > va + size) return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (uintptr_t p = va; p < va + size; p += kGranule) {
+    if (g->mappings[p].head == p) g->unmap_calls++;
     g->mappings.erase(p);
-    g->unmap_calls++;
   }
   return CUDA_SUCCESS;
 }
@@ -424,7 +438,7 @@ CUresult visit_device(uintptr_t va, size_t bytes, const std::function<void(uint8
     Handle& h = g->handles[m->second.handle];
     if (h.data.empty()) h.data.assign(h.size, 0xA5);  // fresh memory: garbage, not zeros
     const size_t n = std::min<size_t>(base + kGranule - p, va + bytes - p);
-    fn(h.data.data() + (p - base), n);
+    fn(h.data.data() + (p - m->second.head), n);
     p += n;
   }
   return CUDA_SUCCESS;
@@ -688,7 +702,8 @@ void tb_host_counters(int64_t out[8]) {
 }
 
 // Fails `entry_point` ("cuMemMap", ...; "*" for every one) on its `nth` call from
-// now (0: not by count) and/or at `rate` per call, returning `result` (0: out of
+// now (0: not by count; negative: on its -nth call and every call after) and/or at
+// `rate` per call, returning `result` (0: out of
 // memory for allocating calls, CUDA_ERROR_UNKNOWN otherwise). A null or empty name
 // clears every fault. Returns 1 for an unknown name.
 int tb_host_fail(const char* entry_point, int64_t nth, double rate, int result, uint64_t seed) {
@@ -699,7 +714,7 @@ int tb_host_fail(const char* entry_point, int64_t nth, double rate, int result, 
     g->all = Fault{};
     return 0;
   }
-  Fault f{nth, rate, static_cast<CUresult>(result)};
+  Fault f{nth < 0 ? -nth : nth, nth < 0, rate, static_cast<CUresult>(result)};
   if (!std::strcmp(entry_point, "*")) {
     g->all = f;
     return 0;
