@@ -8,6 +8,7 @@ import random
 import threading
 
 from _hostcore import OOM, S1, S2, S3, MiB, Host
+from torch_budget._native import TorchBudgetError
 
 ROUTES = ("vmm", "pool", "sync")
 
@@ -24,8 +25,24 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
 
     live = {}            # ptr -> requested bytes
     held_pools = []      # graph pools still to release
-    counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0}
+    counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0, "release": 0,
+              "restore": 0, "sleep_failed": 0}
     next_pool = 1
+    # Sleep and wake (VMM only): blocks under tag "t" carry a pattern that a restore with a
+    # cpu or pinned backup must bring back, whatever failed before.
+    sleepy = route == "vmm"
+    tagged = {}          # ptr -> pattern bytes (None: contents undefined)
+    backup = None        # the tag's last release mode while it is released
+
+    def released():
+        return h.tag_info("t")["life"] != 0 if sleepy and "t" in tag_names else False
+
+    tag_names = set()
+
+    def pattern(p):
+        data = bytes(rng.randrange(256) for _ in range(64))
+        if h.poke(p, data):
+            tagged[p] = data
 
     def check(step, what):
         st = h.stats()
@@ -38,25 +55,65 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
             f"step {step} ({what}): the driver holds {h.device_used()}, the ledger says {reserved}"
         assert h.current() == 0, f"step {step} ({what}): current device moved to {h.current()}"
 
-    def allocate(stream):
-        size = max(1, min(int(rng.lognormvariate(13, 3)), 64 * MiB))
+    def allocate(stream, tag=False):
+        size = max(64, min(int(rng.lognormvariate(13, 3)), 64 * MiB))
+        if tag:
+            h.push("vmm", "t")
+            tag_names.add("t")
         try:
-            live[h.malloc(size, stream)] = size
+            p = h.malloc(size, stream)
+            live[p] = size
             counts["alloc"] += 1
+            if tag:
+                pattern(p)
         except OOM:
             counts["oom"] += 1
+        finally:
+            if tag:
+                h.pop()
+
+    def verify(what):
+        for p, data in tagged.items():
+            if data is not None:
+                assert h.peek(p, len(data)) == data, f"{what}: a block of tag 't' lost its contents"
 
     for step in range(ops):
         r = rng.random()
         if r < 0.45 and len(live) < 48:
             what = "malloc"
-            allocate(rng.choice(streams))
+            allocate(rng.choice(streams), tag=sleepy and rng.random() < 0.3 and not released())
         elif r < 0.85 and live:
             what = "free"
             p = rng.choice(list(live))
             del live[p]
+            tagged.pop(p, None)
             h.free(p)
             counts["free"] += 1
+        elif sleepy and r < 0.87 and "t" in tag_names:
+            if not released():
+                what = "release"
+                mode = rng.choice(["none", "memset", "cpu", "pinned"])
+                try:
+                    h.release("t", mode)
+                    counts["release"] += 1
+                except (TorchBudgetError, *OOM):
+                    counts["sleep_failed"] += 1
+                if released():
+                    backup = mode
+                else:
+                    verify("a failed release")  # put back whole
+            else:
+                what = "restore"
+                try:
+                    h.restore("t")
+                    counts["restore"] += 1
+                except (TorchBudgetError, *OOM):
+                    counts["sleep_failed"] += 1
+                if not released():
+                    if backup in ("none", "memset"):
+                        for p in tagged:
+                            pattern(p)
+                    verify("a restore")
         elif r < 0.91 and live:
             what = "record_stream"
             h.record_stream(rng.choice(list(live)), rng.choice(streams))
@@ -84,6 +141,10 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
         check(step, what)
 
     h.heal()
+    if released():
+        h.restore("t")
+        if backup in ("cpu", "pinned"):
+            verify("the final restore")
     for p in list(live):
         h.free(p)
     live.clear()

@@ -99,28 +99,32 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
   const DriverApi* d = driver();
   CUmemGenericAllocationHandle h = 0;
   TB_DRIVER_CHECK(d->memCreate(&h, bytes, &prop_, 0), false);
+  charge.commit();  // the driver's memory now, whatever happens below
+  bump(ledger_.num_device_alloc);
   const uintptr_t va = seg.base + first * granule_;
   CUresult r = d->memMap(va, bytes, 0, h, 0);
+  const char* call = "cuMemMap";
   if (r == CUDA_SUCCESS) {
+    for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
+    seg.span[first] = static_cast<uint32_t>(count);
+    seg.mapped += count;
     r = d->memSetAccess(va, bytes, access_.data(), access_.size());
-    if (r != CUDA_SUCCESS) {
-      fail_driver(r, "cuMemSetAccess", __FILE__, __LINE__);
-      const std::string msg = last_error_message();
-      d->memUnmap(va, bytes);
-      d->memRelease(h);
-      set_error(kDriverError, msg);
-      return false;
-    }
-  } else {
-    d->memRelease(h);
-    return fail_driver(r, "cuMemMap", __FILE__, __LINE__);
+    if (r == CUDA_SUCCESS) return true;
+    call = "cuMemSetAccess";
   }
-  charge.commit();
-  bump(ledger_.num_device_alloc);
-  for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
-  seg.span[first] = static_cast<uint32_t>(count);
-  seg.mapped += count;
-  return true;
+  fail_driver(r, call, __FILE__, __LINE__);
+  const std::string msg = last_error_message();
+  if (seg.span[first] == count) {
+    release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
+  } else if (d->memRelease(h) == CUDA_SUCCESS) {
+    budget_.uncharge(bytes, placement(seg));
+    bump(ledger_.num_device_free);
+  } else {
+    stuck_runs_.emplace_back(h, bytes);
+    budget_.move(bytes, placement(seg), kCached);
+  }
+  set_error(kDriverError, msg);
+  return false;
 }
 
 bool VmmRoute::release_run(Segment& seg, size_t head) {

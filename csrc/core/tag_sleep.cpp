@@ -132,8 +132,14 @@ bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
     while (j < p.count && needed[j] && p.seg->granules[p.first + j] == 0) ++j;
     if (!vmm_.map_run(*p.seg, p.first + i, j - i)) {
       std::vector<size_t> want;
-      for (size_t k = i; k < j; ++k) want.push_back(p.first + k);
+      for (size_t k = i; k < j; ++k) {
+        if (p.seg->granules[p.first + k] == 0) want.push_back(p.first + k);
+        else mapped->emplace_back(p.seg, p.first + k);  // a failed run the driver would not unmap
+      }
       if (!vmm_.map_granules(*p.seg, want)) return false;
+      for (size_t k : want) mapped->emplace_back(p.seg, k);
+      i = j;
+      continue;
     }
     for (size_t k = i; k < j; ++k) mapped->emplace_back(p.seg, p.first + k);
     i = j;
@@ -142,7 +148,7 @@ bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
 }
 
 bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered) {
-  *recovered = false;
+  *recovered = true;  // until something is dropped, a failure leaves the tag as it was
   if (!ready()) return false;
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
@@ -206,10 +212,10 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, 
   d->streamSynchronize(stream_);
   std::vector<std::vector<bool>> all;
   for (const Piece& p : state->pieces) all.emplace_back(p.count, true);
-  if (state->pieces.empty() || restore(state, all)) {
+  *recovered = state->pieces.empty() || restore(state, all);
+  if (*recovered) {
     state->pieces.clear();
     state->drop_backup();
-    *recovered = true;
   }
   set_error(code, msg + (*recovered ? "" : "; the part released so far stays released with its backup: restore it"));
   return false;

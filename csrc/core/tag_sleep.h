@@ -76,8 +76,9 @@ class TagMover {
 
   // `pieces` are mapped granule runs under live blocks. Backs them up as `mode` asks and
   // drops them; every piece dropped (even in part) moves to state->pieces. false + error
-  // on failure; then whatever was dropped was mapped and copied back when possible
-  // (*recovered), else it stays recorded in state (released).
+  // on failure; *recovered then tells whether the tag is whole again (nothing had been
+  // dropped, or what was is mapped and copied back), else what was dropped stays
+  // recorded in state, with its backup (the tag is released).
   bool release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered);
   // Maps and refills state->pieces, skipping granules `needed` says no block covers.
   // false + error: nothing this call mapped stays mapped.
