@@ -56,7 +56,7 @@ fi
 
 if has demo; then
   echo "== demo"
-  timeout 600 $PY -m torch_budget demo --quick --out "$OUT/ledger.png" 2>"$OUT/demo.err" | tee "$OUT/demo.log" | tail -30
+  timeout 600 $PY -m torch_budget demo --quick --sleep --out "$OUT/ledger.png" 2>"$OUT/demo.err" | tee "$OUT/demo.log" | tail -30
   tail -5 "$OUT/demo.err"
 fi
 
