@@ -271,7 +271,7 @@ def raises(kind, fn, *words):
 raises(TorchBudgetError, lambda: torch_budget.restore("weights"))            # live
 torch_budget.release("weights", backup="pinned")
 raises(TorchBudgetError, lambda: torch_budget.release("weights"))            # released twice
-# All or nothing: kv is released first, then weights fails, so kv must be live again.
+# All or nothing: weights is released already, so the call releases nothing and kv stays live.
 raises(TorchBudgetError, lambda: torch_budget.release(["kv", "weights"], backup="memset"))
 assert state("kv")["state"] == "live" and state("kv")["resident"] > 0, state("kv")
 assert torch_budget.sleep.released_tags() == {"weights": "pinned"}

@@ -73,6 +73,30 @@ def _devices(lib, device) -> list[int]:
     return [d for d in range(max(lib.tb_device_count(), 0)) if lib.tb_device_ready(d)]
 
 
+def _life(lib, device, tag) -> int:
+    out = (_native.ctypes.c_int64 * 8)()
+    _native.check(lib, lib.tb_tag_info(device, tag, out))
+    return int(out[0])
+
+
+def _targets(lib, device, ids, names, life) -> list[tuple[int, int]]:
+    """(device, tag) pairs to act on. An explicit device: every tag there (the core refuses a
+    tag in the wrong state). None: each device where the tag is in state `life`; a tag in
+    that state nowhere is an error, so nothing is released or restored twice."""
+    if device is not None:
+        dev = allocator._device_index(device)
+        return [(dev, tag) for tag in ids]
+    devices = _devices(lib, None)
+    pairs = []
+    for tag, name in zip(ids, names):
+        here = [(dev, tag) for dev in devices if _life(lib, dev, tag) == life]
+        if not here:
+            wrong = "live on every device" if life == 1 else "already released (or restoring) on every device"
+            raise _native.TorchBudgetError(f"tag {name!r} is {wrong} that torch_budget serves")
+        pairs += here
+    return sorted(pairs)
+
+
 def _backup_id(backup) -> int:
     if not isinstance(backup, str):
         raise TypeError(f"backup must be a str, got {type(backup).__name__}")
@@ -89,7 +113,7 @@ def _moved(lib, device, tag) -> tuple[int, int]:
 
 def release(tags, backup: str = "none", device=None) -> dict:
     """Releases the device memory of `tags` (a name or names) on `device` (None: every
-    device torch_budget serves). Returns {"tags", "devices", "bytes" (returned to the
+    device torch_budget serves where the tag is live). Returns {"tags", "devices", "bytes" (returned to the
     driver), "backup_bytes", "seconds"}. All or nothing per device: when one tag cannot be
     released, the tags released before it on that device are restored and the error raised.
     """
@@ -97,17 +121,16 @@ def release(tags, backup: str = "none", device=None) -> dict:
     names = _tag_names(tags)
     mode = _backup_id(backup)
     ids = _tag_ids(lib, names)
-    devices = _devices(lib, device)
+    pairs = _targets(lib, device, ids, names, life=0)
     start = time.perf_counter()
     moved = backed = 0
     done: list[tuple[int, int]] = []
     try:
-        for dev in devices:
-            for tag in ids:
-                _native.check(lib, lib.tb_release_tag(dev, tag, mode))
-                done.append((dev, tag))
-                b, k = _moved(lib, dev, tag)
-                moved, backed = moved + b, backed + k
+        for dev, tag in pairs:
+            _native.check(lib, lib.tb_release_tag(dev, tag, mode))
+            done.append((dev, tag))
+            b, k = _moved(lib, dev, tag)
+            moved, backed = moved + b, backed + k
     except BaseException:
         for dev, tag in reversed(done):
             with contextlib.suppress(Exception):
@@ -115,29 +138,28 @@ def release(tags, backup: str = "none", device=None) -> dict:
         raise
     for name in names:
         _released[name] = backup
-    return {"tags": names, "devices": devices, "bytes": moved, "backup_bytes": backed,
+    return {"tags": names, "devices": sorted({d for d, _ in pairs}), "bytes": moved, "backup_bytes": backed,
             "seconds": time.perf_counter() - start}
 
 
 def restore(tags, device=None) -> dict:
-    """Maps memory back behind `tags` at the addresses they had and copies their backups
-    in. Returns the same keys as release(). Raises (tag left released, backup kept) when
+    """Maps memory back behind `tags` at the addresses they had (on `device`; None: every
+    device where the tag is released) and copies their backups in. Returns the same keys as release(). Raises (tag left released, backup kept) when
     the memory cannot be had; the tags restored before the failure stay restored."""
     lib = allocator._require_installed("torch_budget.restore()")
     names = _tag_names(tags)
     ids = _tag_ids(lib, names)
-    devices = _devices(lib, device)
+    pairs = _targets(lib, device, ids, names, life=1)
     start = time.perf_counter()
     moved = backed = 0
-    for dev in devices:
-        for tag, name in zip(ids, names):
-            _native.check(lib, lib.tb_restore_tag(dev, tag))
-            b, k = _moved(lib, dev, tag)
-            moved, backed = moved + b, backed + k
-    for name in names:
-        if all(tag_states(dev)[name]["state"] == "live" for dev in _devices(lib, None)):
+    for dev, tag in pairs:
+        _native.check(lib, lib.tb_restore_tag(dev, tag))
+        b, k = _moved(lib, dev, tag)
+        moved, backed = moved + b, backed + k
+    for tag, name in zip(ids, names):
+        if all(_life(lib, dev, tag) == 0 for dev in _devices(lib, None)):
             _released.pop(name, None)
-    return {"tags": names, "devices": devices, "bytes": moved, "backup_bytes": backed,
+    return {"tags": names, "devices": sorted({d for d, _ in pairs}), "bytes": moved, "backup_bytes": backed,
             "seconds": time.perf_counter() - start}
 
 
