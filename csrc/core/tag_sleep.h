@@ -19,9 +19,11 @@
 // the backup.
 //
 // Restore maps each piece (skipping granules that no live block covers any more:
-// their tensors were freed during the sleep) and queues its copy (or memset) on the
-// private stream, so mapping the next piece overlaps the copy of the last; it waits
-// for the stream before returning. When a mapping fails (the budget, the driver,
+// their tensors were freed during the sleep), one handle per run of granules (Note [Run
+// mappings] in route_vmm.h: mapping cost is per mapping), and queues its copy (or
+// memset) on the private stream, so mapping the next piece overlaps the copy of the
+// last; it waits for the stream before returning. Pieces end at mapping boundaries, so
+// a later release drops each run whole once its copy is done. When a mapping fails (the budget, the driver,
 // out of memory), everything this restore mapped is unmapped and released again, the
 // backup is kept and the tag stays released: a later restore starts over.
 //
