@@ -13,6 +13,8 @@ import threading
 
 from . import _native, config
 from ._native import TorchBudgetError
+from ._validate import non_negative_int
+from .units import parse_bytes
 
 _lock = threading.Lock()
 _state = {"installed": False, "settings": None}
@@ -39,11 +41,13 @@ def route_for(route: str = "vmm", device=0) -> str:
     return {v: k for k, v in config.ROUTES.items()}[got]
 
 
-def install(budget=None, route=None, reuse_before_grow=None) -> dict:
+def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> dict:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
     route: "vmm", "pool", "sync" or None/"auto" (VMM > pool > sync by what each device supports).
+    host_pool: bytes (int or "8GiB") of pinned host memory to pin now for sleep backups
+    (torch_budget.reserve_host_pool), so that no release has to pin; None = none yet.
     Arguments left None come from TORCH_BUDGET_CONF. Must run before the first CUDA allocation;
     raises RuntimeError otherwise. Returns the settings in force.
     """
@@ -54,7 +58,10 @@ def install(budget=None, route=None, reuse_before_grow=None) -> dict:
     parsed = config.parse_budget(budget)
     route = config.check_route(env.get("route") if route is None else route)
     reuse = env.get("reuse_before_grow", True) if reuse_before_grow is None else bool(reuse_before_grow)
-    requested = (budget, route, reuse)
+    host_pool = env.get("host_pool", 0) if host_pool is None else host_pool
+    host_bytes = parse_bytes(host_pool, "host_pool") if isinstance(host_pool, str) else \
+        non_negative_int(host_pool, "host_pool")
+    requested = (budget, route, reuse, host_bytes)
     with _lock:
         if _state["installed"]:
             if _state["settings"]["requested"] != requested:
@@ -76,9 +83,12 @@ def install(budget=None, route=None, reuse_before_grow=None) -> dict:
         _native.check(lib, lib.tb_configure(budget_bytes, fraction, config.ROUTES[asked], int(reuse)))
         _native.check(lib, lib.tb_torch_install())
         _state["installed"] = True
+        if host_bytes > 0:
+            _native.check(lib, lib.tb_host_pool_reserve(host_bytes))
         _state["settings"] = {"route": route_for(asked, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                               "budget_fraction": fraction if fraction > 0 else None,
-                              "reuse_before_grow": reuse, "capabilities": capabilities(0), "requested": requested}
+                              "reuse_before_grow": reuse, "host_pool": host_bytes,
+                              "capabilities": capabilities(0), "requested": requested}
         return dict(_state["settings"])
 
 

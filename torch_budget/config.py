@@ -8,7 +8,9 @@ variable TORCH_BUDGET_CONF, written like PYTORCH_CUDA_ALLOC_CONF:
 
 Keys: budget (bytes with an optional unit -- B, KiB, MiB, GiB, TiB, or decimal KB,
 MB, GB, TB -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
-reuse_before_grow (true | false). An error in the variable says it came from there.
+reuse_before_grow (true | false), host_pool (bytes of pinned host memory that install()
+pins for sleep backups, so that no release pins). An error in the variable says it came
+from there.
 
 A budget is one of two things, decided here and nowhere else in Python: ("bytes", n)
 or ("fraction", f). The compiled core turns a fraction into bytes of each card.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 
 from ._validate import is_int
-from .units import UNITS, parse_size
+from .units import UNITS, parse_bytes, parse_size
 
 ENV_VAR = "TORCH_BUDGET_CONF"
 ROUTES = {"vmm": 0, "pool": 1, "sync": 2}  # csrc/core/ledger.h
@@ -81,8 +83,10 @@ def parse_conf(text: str | None) -> dict:
             out["route"] = check_route(value, f"{ENV_VAR} route")
         elif key == "reuse_before_grow":
             out["reuse_before_grow"] = _parse_bool(key, value)
+        elif key == "host_pool":
+            out["host_pool"] = parse_bytes(value, f"{ENV_VAR} host_pool")
         else:
-            raise ValueError(f"{ENV_VAR}: unknown key {key!r} (known: budget, route, reuse_before_grow)")
+            raise ValueError(f"{ENV_VAR}: unknown key {key!r} (known: budget, route, reuse_before_grow, host_pool)")
     return out
 
 
