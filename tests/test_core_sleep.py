@@ -275,3 +275,53 @@ def test_a_restore_maps_runs_with_one_handle_each_and_they_go_back_only_whole():
     h.free(blocks[2][0])
     h.empty_cache()
     assert h.device_used() == 0 and h.counters()["mappings"] == 0
+
+
+@isolated
+def test_release_and_restore_racing_allocating_threads_keep_the_ledger_whole():
+    import threading
+
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", [8 * MiB, 3 * MiB, 20 * MiB])
+    stop, errors = threading.Event(), []
+
+    def churn(seed):
+        import random
+        rng = random.Random(seed)
+        mine = []
+        try:
+            while not stop.is_set():
+                tagged = rng.random() < 0.3
+                if tagged:
+                    h.push("vmm", "weights")
+                try:
+                    mine.append(h.malloc(rng.choice([4096, 300_000, 5 * MiB])))
+                except RuntimeError as e:  # allocating under the tag while it is released
+                    assert tagged and "released" in str(e), e
+                finally:
+                    if tagged:
+                        h.pop()
+                if len(mine) > 8 or (mine and rng.random() < 0.4):
+                    h.free(mine.pop(rng.randrange(len(mine))))
+            for p in mine:
+                h.free(p)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for cycle in range(30):
+        h.release("weights", ("pinned", "cpu")[cycle % 2])
+        h.restore("weights")
+        for p, data in blocks:
+            assert h.peek(p, len(data)) == data, f"cycle {cycle}"
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for p, _ in blocks:
+        h.free(p)
+    h.empty_cache()
+    st = h.stats()
+    assert st["allocation"]["all"]["current"] == 0 and h.device_used() == 0, (st["allocation"], h.device_used())
