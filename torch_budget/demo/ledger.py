@@ -35,9 +35,7 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
                   (("weights", TAG_WEIGHTS), ("kv_pool", TAG_KV), ("graph_workspace", TAG_GRAPHS))}
 
         weights, kv, graph_static = tag(TAG_WEIGHTS), tag(TAG_KV), tag(TAG_GRAPHS)
-        pools = int(s["graph_pools"])
-        if states["graph_workspace"]:  # the graph pools were captured under TAG_GRAPHS and sleep with it
-            pools = min(pools, int(tags[TAG_GRAPHS].get("resident", 0)))
+        pools = int(s["graph_pools"])  # resident bytes only: a released pool is uncharged
         from torch_budget.eager_workspace import WORKSPACE_TAG
 
         ws_peak = tag(WORKSPACE_TAG, "peak_allocated")
