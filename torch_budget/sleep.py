@@ -67,16 +67,21 @@ def _tag_ids(lib, names) -> list[int]:
     return ids
 
 
-def _devices(lib, device) -> list[int]:
-    if device is not None:
-        return [allocator._device_index(device)]
+def _ready_devices(lib) -> list[int]:
+    """The devices torch_budget serves allocations on."""
     return [d for d in range(max(lib.tb_device_count(), 0)) if lib.tb_device_ready(d)]
 
 
-def _life(lib, device, tag) -> int:
+def _info(lib, device, tag) -> tuple[int, ...]:
+    """tb_tag_info: life, backup, resident, released, device and backup bytes of the last
+    release / restore, backup bytes held."""
     out = (_native.ctypes.c_int64 * 8)()
     _native.check(lib, lib.tb_tag_info(device, tag, out))
-    return int(out[0])
+    return tuple(out)
+
+
+def _life(lib, device, tag) -> int:
+    return _info(lib, device, tag)[0]
 
 
 def _targets(lib, device, ids, names, life) -> list[tuple[int, int]]:
@@ -86,7 +91,7 @@ def _targets(lib, device, ids, names, life) -> list[tuple[int, int]]:
     if device is not None:
         dev = allocator._device_index(device)
         return [(dev, tag) for tag in ids]
-    devices = _devices(lib, None)
+    devices = _ready_devices(lib)
     pairs = []
     for tag, name in zip(ids, names):
         here = [(dev, tag) for dev in devices if _life(lib, dev, tag) == life]
@@ -106,16 +111,15 @@ def _backup_id(backup) -> int:
 
 
 def _moved(lib, device, tag) -> tuple[int, int]:
-    out = (_native.ctypes.c_int64 * 8)()
-    _native.check(lib, lib.tb_tag_info(device, tag, out))
-    return int(out[4]), int(out[5])  # device bytes, backup bytes of the last release / restore
+    """Device bytes and backup bytes the last release / restore of `tag` moved."""
+    return _info(lib, device, tag)[4:6]
 
 
 def release(tags, backup: str = "none", device=None) -> dict:
     """Releases the device memory of `tags` (a name or names) on `device` (None: every
-    device torch_budget serves where the tag is live). Returns {"tags", "devices", "bytes" (returned to the
-    driver), "backup_bytes", "seconds"}. All or nothing per device: when one tag cannot be
-    released, the tags released before it on that device are restored and the error raised.
+    device torch_budget serves where the tag is live). Returns {"tags", "devices", "bytes"
+    (returned to the driver), "backup_bytes", "seconds"}. All or nothing: when one tag cannot
+    be released, the ones this call released before it are restored and the error raised.
     """
     lib = allocator._require_installed("torch_budget.release()")
     names = _tag_names(tags)
@@ -144,8 +148,9 @@ def release(tags, backup: str = "none", device=None) -> dict:
 
 def restore(tags, device=None) -> dict:
     """Maps memory back behind `tags` at the addresses they had (on `device`; None: every
-    device where the tag is released) and copies their backups in. Returns the same keys as release(). Raises (tag left released, backup kept) when
-    the memory cannot be had; the tags restored before the failure stay restored."""
+    device where the tag is released) and copies their backups in. Returns the same keys as
+    release(). Raises (tag left released, backup kept) when the memory cannot be had; the
+    tags restored before the failure stay restored."""
     lib = allocator._require_installed("torch_budget.restore()")
     names = _tag_names(tags)
     ids = _tag_ids(lib, names)
@@ -157,7 +162,7 @@ def restore(tags, device=None) -> dict:
         b, k = _moved(lib, dev, tag)
         moved, backed = moved + b, backed + k
     for tag, name in zip(ids, names):
-        if all(_life(lib, dev, tag) == 0 for dev in _devices(lib, None)):
+        if all(_life(lib, dev, tag) == 0 for dev in _ready_devices(lib)):
             _released.pop(name, None)
     return {"tags": names, "devices": sorted({d for d, _ in pairs}), "bytes": moved, "backup_bytes": backed,
             "seconds": time.perf_counter() - start}
@@ -198,13 +203,13 @@ def check_awake(device, pool=None, tensors=()) -> None:
         tags.add((lib.tb_pool_tag(dev, int(pool[0]), int(pool[1])), "its graph pool"))
     for t in tensors:
         tags.add((lib.tb_ptr_tag(_native.ctypes.c_void_p(t.untyped_storage().data_ptr())), "a static buffer"))
-    out = (_native.ctypes.c_int64 * 8)()
     for tag, what in sorted(tags, key=lambda x: x[0]):
-        if tag <= 0 or lib.tb_tag_info(dev, tag, out) != 0 or out[0] == 0:
+        life = _life(lib, dev, tag) if tag > 0 else 0
+        if life == 0:
             continue
         name = next((n for n in tag_states(dev) if lib.tb_tag_find(n.encode()) == tag), str(tag))
         raise _native.TorchBudgetError(
-            f"{what} belongs to tag {name!r}, which is {STATES[out[0]]} on device {dev}: "
+            f"{what} belongs to tag {name!r}, which is {STATES[life]} on device {dev}: "
             f"torch_budget.restore({name!r}) before replaying")
 
 
