@@ -13,8 +13,6 @@ import threading
 
 from . import _native, config
 from ._native import TorchBudgetError
-from ._validate import non_negative_int
-from .units import parse_bytes
 
 _lock = threading.Lock()
 _state = {"installed": False, "settings": None}
@@ -58,9 +56,7 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> 
     parsed = config.parse_budget(budget)
     route = config.check_route(env.get("route") if route is None else route)
     reuse = env.get("reuse_before_grow", True) if reuse_before_grow is None else bool(reuse_before_grow)
-    host_pool = env.get("host_pool", 0) if host_pool is None else host_pool
-    host_bytes = parse_bytes(host_pool, "host_pool") if isinstance(host_pool, str) else \
-        non_negative_int(host_pool, "host_pool")
+    host_bytes = env.get("host_pool", 0) if host_pool is None else config.parse_host_pool(host_pool)
     requested = (budget, route, reuse, host_bytes)
     with _lock:
         if _state["installed"]:

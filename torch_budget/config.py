@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from ._validate import is_int
+from ._validate import is_int, non_negative_int
 from .units import UNITS, parse_bytes, parse_size
 
 ENV_VAR = "TORCH_BUDGET_CONF"
@@ -49,6 +49,13 @@ def parse_budget(value, source: str = "budget"):
             return parse_budget(number, source)
         return parse_budget(int(number * UNITS[unit]), source)
     raise TypeError(f"{source} must be an int, float or str, got {type(value).__name__}")
+
+
+def parse_host_pool(value, source: str = "host_pool") -> int:
+    """Bytes of the pinned host pool: an int >= 0, or a str with a unit ("8GiB")."""
+    if isinstance(value, str):
+        return parse_bytes(value, source)
+    return non_negative_int(value, source)
 
 
 def check_route(route, source: str = "route") -> str:
@@ -84,7 +91,7 @@ def parse_conf(text: str | None) -> dict:
         elif key == "reuse_before_grow":
             out["reuse_before_grow"] = _parse_bool(key, value)
         elif key == "host_pool":
-            out["host_pool"] = parse_bytes(value, f"{ENV_VAR} host_pool")
+            out["host_pool"] = parse_host_pool(value, f"{ENV_VAR} host_pool")
         else:
             raise ValueError(f"{ENV_VAR}: unknown key {key!r} (known: budget, route, reuse_before_grow, host_pool)")
     return out
