@@ -187,7 +187,8 @@ class DeviceAllocator {
   std::vector<BlockPool*> pools_of(int tag);
   bool tag_live(int tag) const { return tags_[tag].life == kTagLive; }
   bool check_tag(int tag, const char* what);
-  // For each granule of `seg`: whether an allocated or waiting block covers it.
+  // For each granule of `seg`: whether an allocated or waiting block covers it (every
+  // granule of a graph pool; a run mapping whole when any of its granules).
   std::vector<bool> covered(const Segment& seg) const;
   std::vector<std::vector<bool>> still_needed(const TagState& st) const;
   Backing* graph_backing();

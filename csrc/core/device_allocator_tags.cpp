@@ -31,6 +31,12 @@ std::vector<bool> DeviceAllocator::covered(const Segment& seg) const {
     const size_t lo = (b->ptr - seg.base) / g, hi = (b->ptr + b->size - 1 - seg.base) / g;
     for (size_t i = lo; i <= hi; ++i) out[i] = true;
   }
+  // A run mapping goes only whole (Note [Run mappings]): needed whole when any part is.
+  for (size_t h = 0; h < seg.span.size(); ++h) {
+    if (seg.span[h] <= 1) continue;
+    const auto first = out.begin() + static_cast<long>(h), end = first + seg.span[h];
+    if (std::find(first, end, true) != end) std::fill(first, end, true);
+  }
   return out;
 }
 
@@ -72,15 +78,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   int64_t dropped = 0;
   for (BlockPool* pool : pools_of(tag)) {
     for (const auto& seg : pool->segments()) {
-      std::vector<bool> cov = covered(*seg);
-      // A run mapping is dropped whole (Note [Run mappings]): kept whole when any part is needed.
-      for (size_t h = 0; h < seg->granules.size(); ++h) {
-        if (seg->span[h] <= 1) continue;
-        const size_t end = h + seg->span[h];
-        if (std::find(cov.begin() + static_cast<long>(h), cov.begin() + static_cast<long>(end), true) !=
-            cov.begin() + static_cast<long>(end))
-          std::fill(cov.begin() + static_cast<long>(h), cov.begin() + static_cast<long>(end), true);
-      }
+      const std::vector<bool> cov = covered(*seg);
       for (size_t i = 0; i < seg->granules.size();) {
         if (seg->granules[i] == 0) {
           ++i;
