@@ -57,9 +57,8 @@ allocated_before = torch.cuda.memory_allocated()
 forward(meta, SHORT)
 torch.cuda.synchronize()
 assert meta.capacity == SHORT, meta
-# The shrink frees the excess at once (the ledger shows it) and hands it to the device
-# (tests/test_sleep_gpu.py measures that before any empty_cache); after empty_cache it is
-# there in any case.
+# The shrink frees the excess at once (the ledger shows it) and hands it to the device (the
+# next test measures that before any empty_cache); after empty_cache it is there in any case.
 assert allocated_before - torch.cuda.memory_allocated() == LONG - SHORT
 torch.cuda.empty_cache()
 returned = torch.cuda.mem_get_info()[0] - free_before
@@ -69,6 +68,41 @@ assert by_tag["workspace"]["allocated"] == meta.capacity == SHORT, by_tag
 print("returned_mib", returned / MiB)
 """)
     assert "returned_mib" in out
+
+
+@pytest.mark.exclusive
+def test_shrink_under_install_returns_the_excess_to_the_device_at_once_unless_told_to_keep_it(fresh):
+    out = fresh("""
+import torch_budget
+torch_budget.install()
+""" + PRELUDE + """
+def returned_by_shrink(meta):
+    # A long forward, two short ones, then the third short one shrinks: bytes the device got.
+    meta.warm_up(FLOOR)
+    long_then_two_short(meta)
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    forward(meta, SHORT)
+    returned = torch.cuda.mem_get_info()[0] - free0    # no synchronize, no empty_cache
+    assert meta.capacity == SHORT, meta
+    return returned
+
+EXCESS = LONG - SHORT
+returned_meta = WorkspaceMetadata("cuda", reclaimable=True)    # kept alive to the end
+returned = returned_by_shrink(returned_meta)
+assert returned >= 0.95 * EXCESS, ("returned at once", returned / MiB, "MiB of", EXCESS / MiB)
+kept_meta = WorkspaceMetadata("cuda", reclaimable=True, return_to_device=False)
+kept = returned_by_shrink(kept_meta)
+assert kept <= 0.05 * EXCESS, ("return_to_device=False still returned", kept / MiB, "MiB")
+torch.cuda.synchronize()
+free0 = torch.cuda.mem_get_info()[0]
+torch.cuda.empty_cache()
+cached = torch.cuda.mem_get_info()[0] - free0
+assert cached >= 0.95 * EXCESS, ("the kept excess was not in the cache", cached / MiB, "MiB")
+assert torch_budget.stats()["by_tag"]["workspace"]["allocated"] == 2 * SHORT
+print("RETURNED_MIB", returned / MiB, "KEPT_MIB", kept / MiB)
+""")
+    assert "RETURNED_MIB" in out
 
 
 def test_third_short_forward_returns_the_excess_to_torchs_cache_natively(fresh):
