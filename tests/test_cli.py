@@ -203,11 +203,10 @@ def test_sleep_step_fails_with_the_first_token_that_changed():
         check_same_tokens([[1, 2], [3]], [[1, 5], [3]])
 
 
-def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(model):
-    # What a restore with backup "none" may leave: NaN in every slot and garbage block tables.
-    from torch_budget.demo.sleep_wake import PROMPTS, serve_prompts
-
-    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=True, min_prompt=3, max_prompt=24,
+def _tiny_serving(model, *, native):
+    """Settings, a KV pool and an eager stand-in for the captured decode runner (its buckets
+    count as captured), for the sleep step's CPU tests."""
+    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=native, min_prompt=3, max_prompt=24,
                              min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0, sleep=True)
     cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
     runner = decode_runner(GraphPoolManager("cpu"), "decode", model, cache, settings.buckets)
@@ -215,6 +214,16 @@ def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(mod
     class EagerRunner:
         step = staticmethod(runner.run_eager)
         bucket_for = staticmethod(runner.bucket_for)
+        captured = settings.buckets
+
+    return settings, cache, EagerRunner
+
+
+def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(model):
+    # What a restore with backup "none" may leave: NaN in every slot and garbage block tables.
+    from torch_budget.demo.sleep_wake import PROMPTS, serve_prompts
+
+    settings, cache, EagerRunner = _tiny_serving(model, native=True)
 
     class NoWatch:
         def sample(self):
@@ -278,15 +287,7 @@ def test_sleep_step_serves_the_same_tokens_or_fails_naming_the_difference(model,
     from torch_budget.demo import sleep_wake as step
 
     own = copy.deepcopy(model)  # the fake release scribbles on the weights it loses
-    settings = demo.Settings(requests=6, seed=5, out=Path("unused.png"), native=False, min_prompt=3, max_prompt=24,
-                             min_new=2, max_new=6, buckets=(1, 2, 4), kv_cap_bytes=0, sleep=True)
-    cache = PagedKVCache(TINY, num_blocks=10, max_batch=4, block_size=4)
-    runner = decode_runner(GraphPoolManager("cpu"), "decode", own, cache, settings.buckets)
-
-    class EagerRunner:
-        step = staticmethod(runner.run_eager)
-        bucket_for = staticmethod(runner.bucket_for)
-        captured = settings.buckets
+    settings, cache, EagerRunner = _tiny_serving(own, native=False)
 
     fake = FakeSleep({"weights": list(own.parameters()), "kv": [cache.k, cache.v, cache.block_tables],
                       "graphs": []}, lose_backup=lose_backup)
