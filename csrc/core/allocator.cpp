@@ -129,6 +129,14 @@ bool Allocator::free_ptr(void* ptr) {
   return not_ours(ptr);
 }
 
+bool Allocator::free_at(int device, uintptr_t ptr) {
+  if (forked()) return true;
+  DeviceAllocator* d = device_if_ready(device);
+  bool found = false;
+  if (d != nullptr && d->free_ptr(ptr, &found)) return true;
+  return found ? false : not_ours(reinterpret_cast<void*>(ptr));
+}
+
 bool Allocator::lookup(void* ptr, int* device, BlockInfo* info) {
   const auto p = reinterpret_cast<uintptr_t>(ptr);
   for (int i = 0; i < kMaxDevices; ++i) {

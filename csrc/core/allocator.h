@@ -40,6 +40,8 @@ class Allocator {
   bool free(Block* block);
   // Frees the live block at `ptr` on whichever device holds it.
   bool free_ptr(void* ptr);
+  // Frees the live block at `ptr` of `device`, whatever Block object holds it now.
+  bool free_at(int device, uintptr_t ptr);
   bool lookup(void* ptr, int* device, BlockInfo* info);
   bool record_stream(void* ptr, CUstream stream, int stream_device);
   bool end_pool(int device, const PoolId& id);

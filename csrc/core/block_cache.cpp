@@ -71,11 +71,15 @@ Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstrea
   seg->head = block;
   free_set(seg->small).insert(block);
   segments_.push_back(std::move(seg));
+  // A VMM arena is address range; its mappings are traced by the route.
+  if (granules == 0) trace(TraceAction::kSegmentAlloc, device(), base, size, stream, id_, tag_, route_);
   return segments_.back().get();
 }
 
 void BlockPool::remove_segment(Segment* seg) {
   // A segment without live blocks is a single free block: its head.
+  if (seg->granules.empty())
+    trace(TraceAction::kSegmentFree, device(), seg->base, seg->size, seg->stream, id_, tag_, route_);
   free_set(seg->small).erase(seg->head);
   store_->recycle(seg->head);
   segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
@@ -102,7 +106,7 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   return rest;
 }
 
-Block* BlockPool::malloc(size_t size, CUstream stream) {
+Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   const size_t rounded = round_size(size);
   const bool small = rounded <= kSmallSize;
   FreeSet& fs = free_set(small);
@@ -112,6 +116,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream) {
   key.ptr = 0;
   auto it = fs.lower_bound(&key);
   if (it == fs.end() || (*it)->stream != stream) {
+    TB_REQUIRE(grow, kOutOfMemory, "no cached block fits", nullptr);
     if (!backing_->grow(*this, rounded, small, stream)) return nullptr;
     it = fs.lower_bound(&key);
     if (it == fs.end() || (*it)->stream != stream) {
@@ -121,13 +126,36 @@ Block* BlockPool::malloc(size_t size, CUstream stream) {
   }
   Block* block = *it;
   FreeSet::node_type node = fs.extract(it);
-  if (block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
+  if (!no_split_ && block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
 
   block->allocated = true;
   block->segment->live++;
   live_++;
   if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
     // Undo the split through the ordinary free path; the error is already recorded.
+    const ErrorCode code = last_error_code();
+    const std::string msg = last_error_message();
+    free(block);
+    set_error(code, msg);
+    return nullptr;
+  }
+  block->requested = size;
+  return block;
+}
+
+Block* BlockPool::claim(Block* block, size_t size, bool allocate) {
+  FreeSet& fs = free_set(block->segment->small);
+  FreeSet::node_type node = fs.extract(block);
+  if (block->size > size) split(block, size, fs, std::move(node));
+  if (!allocate) {
+    if (node.empty()) fs.insert(block);
+    else fs.insert(std::move(node));
+    return block;
+  }
+  block->allocated = true;
+  block->segment->live++;
+  live_++;
+  if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
     const ErrorCode code = last_error_code();
     const std::string msg = last_error_message();
     free(block);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "stream_order.h"
+#include "trace.h"
 
 namespace tb {
 
@@ -84,6 +85,7 @@ struct Block {
 class BlockStore {
  public:
   explicit BlockStore(int device) : device_(device) {}
+  int device() const { return device_; }
   Block* make();
   void recycle(Block* b);
 
@@ -139,8 +141,11 @@ class BlockPool {
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
   }
 
-  // Best fit on `stream`, growing through the backing when nothing fits.
-  Block* malloc(size_t size, CUstream stream);
+  // Best fit on `stream`, growing through the backing when nothing fits (unless `grow`
+  // is false: then nullptr + kOutOfMemory).
+  Block* malloc(size_t size, CUstream stream, bool grow = true);
+  // Blocks are never split (torch's MemPool(no_split=True)).
+  void set_no_split() { no_split_ = true; }
   // Returns a block to the free set, merging with free neighbours; a backing that
   // releases on free gets the segment back at once.
   void free(Block* block);
@@ -158,8 +163,23 @@ class BlockPool {
   StreamClock& clock() const { return *clock_; }
   int route() const { return route_; }
   bool graph_pool() const { return graph_pool_; }
+  int device() const { return store_->device(); }
+  // The private pool this is ({0,0} for the default and tag pools) and its ledger tag,
+  // for the trace (Note [Allocator trace]).
+  const PoolId& id() const { return id_; }
+  int tag() const { return tag_; }
+  void set_owner(const PoolId& id, int tag) {
+    id_ = id;
+    tag_ = tag;
+  }
   bool release_on_free() const { return release_on_free_; }
   size_t live_blocks() const { return live_; }
+  // Takes the free block `block` out of the free set, first splitting off what lies
+  // beyond `size` (a free block), whatever the split rules: the layout a pool
+  // checkpoint recorded comes back exactly (Note [Pool checkpoints]). With `allocate`
+  // the block becomes allocated and backed, else it goes back to the free set.
+  // nullptr + error when backing it failed (nothing changed then but the split).
+  Block* claim(Block* block, size_t size, bool allocate);
   // Largest free block (for torch's cacheInfo).
   size_t largest_free() const;
 
@@ -176,6 +196,9 @@ class BlockPool {
   FreeSet large_free_;
   std::vector<std::unique_ptr<Segment>> segments_;
   size_t live_ = 0;
+  PoolId id_{0, 0};
+  int tag_ = 0;
+  bool no_split_ = false;
 };
 
 }  // namespace tb

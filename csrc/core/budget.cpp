@@ -1,5 +1,6 @@
 #include "budget.h"
 
+#include <cmath>
 #include <cstdio>
 
 #include "error.h"
@@ -18,7 +19,8 @@ std::string format_size(uint64_t bytes) {
 
 int64_t Budget::resolve(int64_t bytes, double fraction, size_t total) {
   if (bytes >= 0) return bytes;
-  if (fraction > 0) return static_cast<int64_t>(fraction * static_cast<double>(total));
+  // Rounded, not truncated: a fraction computed from a byte count gives that count back.
+  if (fraction > 0) return static_cast<int64_t>(std::llround(fraction * static_cast<double>(total)));
   return kNone;
 }
 

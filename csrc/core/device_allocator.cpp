@@ -98,6 +98,7 @@ BlockPool* DeviceAllocator::tag_pool(int tag) {
   std::unique_ptr<BlockPool>& p = tag_pools_[tag];
   if (!p) {
     p = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
+    p->set_owner({0, 0}, tag);
     vmm_->add_reuse_source(p.get());
   }
   return p.get();
@@ -109,10 +110,6 @@ std::vector<BlockPool*> DeviceAllocator::pools_of(int tag) {
   for (auto& [id, p] : graphs_.pools())
     if (p.tag == tag && p.blocks->route() == kRouteVmm) out.push_back(p.blocks.get());
   return out;
-}
-
-Backing* DeviceAllocator::graph_backing() {
-  return caps_.vmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
 }
 
 bool DeviceAllocator::mem_info(size_t* free_bytes, size_t* total_bytes) {
@@ -169,7 +166,11 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
 
 void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
   sync_device(lock);
+  const size_t waiting = pending_.size() + deferred_.size();
   process_events();
+  // Blocks whose recorded streams just completed were freed after that sync (their
+  // free stamp is now): one more makes them clean, so this call gives them back too.
+  if (pending_.size() + deferred_.size() < waiting) sync_device(lock);
   {
     // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
     RelaxedCaptureMode relaxed(open_captures() > 0);
@@ -178,8 +179,12 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
       if (tag_pools_[t] && tag_live(t)) vmm_->release_cached(*tag_pools_[t]);
     sync_->release_cached(*sync_pool_);
     if (pool_pool_) pool_->release_cached(*pool_pool_);
+    // A private pool no graph holds any more keeps only what its live blocks need
+    // (its outputs may outlive the graph), as torch's allocator does.
+    for (auto& [id, p] : graphs_.pools())
+      if (p.use_count == 0 && tag_live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
   }
-  destroy_dead_pools(lock);
+  destroy_dead_pools(lock, /*all=*/true);
   free_detached(lock);
 }
 
@@ -211,10 +216,10 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   std::unique_lock<std::mutex> lock(mu_);
   if (size > caps_.total_bytes) {
     // Can never fit (and keeps every size computation far from overflow).
-    bump(ledger_.num_ooms);
     budget_.clear_refusal();
-    set_error(kOutOfMemory, oom_text(size, resolve_route(caps_, route), tag,
-                                     "the request is larger than the device's total memory"));
+    fail_oom(size, stream, resolve_route(caps_, route), tag, "the request is larger than the device's total memory");
+    if (size >= (size_t{1} << 60))  // torch's own sentence for such sizes, then ours
+      set_error(kOutOfMemory, std::string("Tried to allocate more than 1EB memory. ") + last_error_message());
     return nullptr;
   }
   TB_REQUIRE(tag_live(tag), kState,
@@ -228,6 +233,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       b->tag = tag;
       account_alloc(b);
       live_.insert(b->ptr, b);
+      trace_block(TraceAction::kAlloc, b);
       return b;
     }
     if (last_error_code() == kNeedSync) {
@@ -242,15 +248,44 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       continue;
     }
     const std::string cause = last_error_message();
+    if (!graphs_.capturing()) {
+      if (Block* lent = borrow(size, stream)) {
+        account_alloc(lent);
+        live_.insert(lent->ptr, lent);
+        trace_block(TraceAction::kAlloc, lent);
+        return lent;
+      }
+    }
     // A pool that grew past the budget before it could be trimmed back is trimmed
     // now, so the failure leaves the ledger within the budget.
     if (budget_.reserved() > budget_.limit()) release_cached(lock);
-    bump(ledger_.num_ooms);
     const int used_route = graphs_.capturing() && graphs_.route_for(stream) ? graphs_.route_for(stream)->route()
                                                                             : resolve_route(caps_, route);
-    set_error(kOutOfMemory, oom_text(size, used_route, tag, cause));
+    fail_oom(size, stream, used_route, tag, cause);
     return nullptr;
   }
+}
+
+Block* DeviceAllocator::borrow(size_t size, CUstream stream) {
+  for (auto& [id, p] : graphs_.pools()) {
+    if (!p.use_on_oom || !tag_live(p.tag)) continue;
+    Block* b = p.blocks->malloc(size, stream, /*grow=*/false);
+    if (b != nullptr) {
+      b->tag = p.tag;
+      return b;
+    }
+  }
+  return nullptr;
+}
+
+void DeviceAllocator::fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause) {
+  bump(ledger_.num_ooms);
+  if (tracing()) {
+    size_t free_b = 0, total_b = 0;
+    mem_info(&free_b, &total_b);
+    trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
+  }
+  set_error(kOutOfMemory, oom_text(size, route, tag, cause));
 }
 
 std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause) {
@@ -319,10 +354,10 @@ bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
 }
 
 void DeviceAllocator::free_locked(Block* b) {
+  trace_block(TraceAction::kFreeRequested, b);
   live_.erase(b->ptr);
   account_release(b);
-  b->allocated = false;
-  b->requested = 0;
+  b->allocated = false;  // `requested` stays until the block is retired: the trace reports it
   // A stream-ordered free is a stream operation: none while a capture is open.
   const bool ordered_free = b->segment->pool->release_on_free();
   if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {
@@ -334,7 +369,15 @@ void DeviceAllocator::free_locked(Block* b) {
   process_events();
 }
 
+void DeviceAllocator::trace_block(TraceAction action, const Block* b) {
+  if (!tracing()) return;
+  const BlockPool* pool = b->segment->pool;
+  // torch's trace reports the requested size of a block (the snapshot has both).
+  trace(action, ctx_.device, b->ptr, b->requested, b->stream, pool->id(), b->tag, b->route);
+}
+
 void DeviceAllocator::retire(Block* b) {
+  trace_block(TraceAction::kFreeCompleted, b);
   account_inactive(b);
   BlockPool* pool = b->segment->pool;
   pool->free(b);
@@ -408,7 +451,7 @@ bool DeviceAllocator::empty_cache() {
   return true;
 }
 
-bool DeviceAllocator::set_budget(int64_t bytes, double fraction) {
+bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
   TB_REQUIRE(bytes >= 0 || (fraction > 0 && fraction <= 1), kInvalidArgument,
              "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
   bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
@@ -417,7 +460,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction) {
   int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
   for (int t = 1; t < kMaxTags; ++t)
     if (!tag_live(t)) allocated -= ledger_.tag_allocated[t].get();
-  TB_REQUIRE(bytes >= allocated, kInvalidArgument,
+  TB_REQUIRE(!strict || bytes >= allocated, kInvalidArgument,
              "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
                  " already has allocated (" + format_size(allocated) + "): free tensors first",
              false);
@@ -425,6 +468,10 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction) {
     TB_REQUIRE(!graphs_.capturing(), kState, "cannot lower the budget below reserved memory during graph capture",
                false);
     release_cached(lock);
+    if (!strict) {
+      budget_.set_limit(bytes);
+      return true;
+    }
     const int64_t reserved = budget_.reserved();
     TB_REQUIRE(bytes >= reserved, kInvalidArgument,
                "budget of " + format_size(bytes) + " is below the " + format_size(reserved) + " device " +
@@ -468,9 +515,22 @@ void DeviceAllocator::reset_accumulated() {
 
 // ---------------------------------------------------------------- graph pools
 
+// Note [Private pool routes]
+// A private pool created under a tag lives on the VMM route when the device has it, so
+// the tag can release it (Note [Tag arenas]). An untagged one lives on the synchronous
+// route: segments of torch's sizes (2 MiB for small blocks, 20 MiB below 10 MiB,
+// else the request rounded to 2 MiB), split by torch's rules, so its layout -- what
+// graph trees checkpoint, what snapshots show, what NCCL registers -- is torch's own.
+int DeviceAllocator::private_route(int tag) const { return tag != 0 && caps_.vmm ? kRouteVmm : kRouteSync; }
+
+Backing* DeviceAllocator::private_backing(int tag) {
+  return private_route(tag) == kRouteVmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
+}
+
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mu_);
-  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_, current_scope().tag);
+  const int tag = current_scope().tag;
+  graphs_.acquire(id, private_backing(tag), private_route(tag), &store_, &clock_, tag);
   graphs_.begin_capture(id, std::move(filter));
   open_captures_.fetch_add(1, std::memory_order_acq_rel);
   return true;
@@ -487,9 +547,33 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
   return true;
 }
 
-void DeviceAllocator::create_or_incref_pool(const PoolId& id) {
+void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {
   std::lock_guard<std::mutex> lock(mu_);
-  graphs_.acquire(id, graph_backing(), caps_.vmm ? kRouteVmm : kRouteSync, &store_, &clock_, current_scope().tag);
+  std::unique_ptr<Backing> own;
+  if (source != nullptr && graphs_.find(id) == nullptr)
+    own = std::make_unique<UserRoute>(ctx_.device, budget_, ledger_, std::move(source));
+  const int tag = current_scope().tag;
+  graphs_.acquire(id, private_backing(tag), own ? kRouteSync : private_route(tag), &store_, &clock_, tag,
+                  std::move(own));
+}
+
+bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no_split) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  TB_REQUIRE(p != nullptr, kInvalidArgument,
+             "no memory pool (" + std::to_string(id.first) + ", " + std::to_string(id.second) + ") on device " +
+                 std::to_string(ctx_.device),
+             false);
+  if (use_on_oom >= 0) p->use_on_oom = use_on_oom != 0;
+  if (no_split) p->blocks->set_no_split();
+  return true;
+}
+
+bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  if (p != nullptr && p->own_backing) p->own_backing->release_cached(*p->blocks);
+  return true;
 }
 
 int DeviceAllocator::pool_use_count(const PoolId& id) {
@@ -521,18 +605,22 @@ void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   if (p == nullptr || !p->dead()) return;
   for (const DeadPool& d : dead_)
     if (d.id == id) return;
-  dead_.push_back(DeadPool{id, clock_.stamp()});
+  dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
 }
 
-void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock) {
+void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all) {
   if (dead_.empty() || open_captures() > 0) return;
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
-  for (const DeadPool& d : dead_) need_sync |= !clock_.device_clean(d.died_at);
+  for (const DeadPool& d : dead_) need_sync |= (all || !d.during_capture) && !clock_.device_clean(d.died_at);
   if (need_sync && !sync_device(lock)) return;
   std::vector<DeadPool> dead;
   dead.swap(dead_);
   for (const DeadPool& d : dead) {
+    if (d.during_capture && !all) {
+      dead_.push_back(d);
+      continue;
+    }
     PrivatePool* p = graphs_.find(d.id);
     if (p == nullptr || !p->dead()) continue;  // revived while the lock was released
     if (!clock_.device_clean(d.died_at) || !tag_live(p->tag)) {  // a released tag's pieces point into it
@@ -565,6 +653,15 @@ std::vector<SegmentView> DeviceAllocator::segments() {
       v.route = seg->route;
       v.pool = id;
       v.mapped = seg->route == kRouteVmm ? seg->mapped * vmm_->granule() : seg->size;
+      if (seg->route == kRouteVmm) {
+        const size_t g = vmm_->granule();
+        for (size_t i = 0; i < seg->granules.size(); ++i) {
+          if (seg->granules[i] == 0) continue;
+          const uintptr_t at = seg->base + i * g;
+          if (!v.runs.empty() && v.runs.back().first + v.runs.back().second == at) v.runs.back().second += g;
+          else v.runs.emplace_back(at, g);
+        }
+      }
       for (const Block* b = seg->head; b; b = b->next) {
         const int state = b->allocated ? 1 : (b->pending > 0 ? 2 : 0);
         if (b->allocated) {
@@ -572,7 +669,7 @@ std::vector<SegmentView> DeviceAllocator::segments() {
           v.requested += b->requested;
         }
         if (state != 0) v.active += b->size;
-        v.blocks.push_back({b->size, b->requested, state});
+        v.blocks.push_back({b->size, b->requested, state, b->ptr, b->tag});
       }
       out.push_back(std::move(v));
     }
@@ -582,6 +679,40 @@ std::vector<SegmentView> DeviceAllocator::segments() {
   visit(sync_pool_.get(), PoolId{0, 0});
   visit(pool_pool_.get(), PoolId{0, 0});
   for (auto& [id, p] : graphs_.pools()) visit(p.blocks.get(), id);
+  return out;
+}
+
+std::vector<SegmentView> DeviceAllocator::mapped_segments() {
+  std::vector<SegmentView> all = segments();
+  std::vector<SegmentView> out;
+  for (SegmentView& v : all) {
+    if (v.route != kRouteVmm) {
+      out.push_back(std::move(v));
+      continue;
+    }
+    for (const auto& [start, bytes] : v.runs) {
+      SegmentView r = v;
+      r.base = start;
+      r.size = r.mapped = bytes;
+      r.allocated = r.requested = r.active = 0;
+      r.blocks.clear();
+      r.runs.clear();
+      for (const SegmentView::BlockView& b : v.blocks) {
+        const uintptr_t lo = std::max(b.ptr, start), hi = std::min(b.ptr + b.size, start + bytes);
+        if (lo >= hi) continue;
+        SegmentView::BlockView piece = b;
+        piece.ptr = lo;
+        piece.size = hi - lo;
+        if (b.state == 1) {
+          r.allocated += piece.size;
+          r.requested += b.requested;
+        }
+        if (b.state != 0) r.active += piece.size;
+        r.blocks.push_back(piece);
+      }
+      out.push_back(std::move(r));
+    }
+  }
   return out;
 }
 

@@ -31,6 +31,8 @@
 #include "ptr_map.h"
 #include "route_pool.h"
 #include "route_sync.h"
+#include "route_user.h"
+#include "pool_checkpoint.h"
 #include "route_vmm.h"
 #include "stream_order.h"
 #include "tag_sleep.h"
@@ -72,8 +74,11 @@ struct SegmentView {
     size_t size;
     size_t requested;
     int state;  // 0 free, 1 allocated, 2 waiting on recorded streams
+    uintptr_t ptr;
+    int tag;
   };
   std::vector<BlockView> blocks;
+  std::vector<std::pair<uintptr_t, size_t>> runs;  // VMM: mapped address ranges, in order
 };
 
 // A tag's state on one device (Note [Tag arenas]).
@@ -125,7 +130,10 @@ class DeviceAllocator {
   // Returns cached memory of the default pools to the driver.
   bool empty_cache();
   // bytes >= 0, or a fraction (0, 1] of the card (see Budget::resolve).
-  bool set_budget(int64_t bytes, double fraction = -1);
+  // `strict`: refuse a budget below what is allocated now. torch's memory fraction is
+  // not strict: it is taken as it is, cached memory goes back as far as it can, and
+  // allocations fail until enough is freed.
+  bool set_budget(int64_t bytes, double fraction = -1, bool strict = true);
   // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
   bool grant_peer(int peer);
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
@@ -150,12 +158,34 @@ class DeviceAllocator {
   bool end_allocate_to_pool(const PoolId& id);
   bool release_pool(const PoolId& id);
   // torch.cuda.MemPool: a pool that exists (and holds a use) outside any capture.
-  void create_or_incref_pool(const PoolId& id);
+  // A new pool given a `source` takes its segments from it (route_user.h).
+  void create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source = nullptr);
+  // torch's MemPool options: use_on_oom (-1 leaves it), no_split (never undone).
+  bool set_pool_options(const PoolId& id, int use_on_oom, bool no_split);
+  // Gives the free segments of a pool with its own allocator back to that allocator.
+  bool empty_pool_cache(const PoolId& id);
   int pool_use_count(const PoolId& id);
+  // Note [Pool checkpoints]: the layout of a private pool; restoring it frees every
+  // block allocated in the pool (*freed) and re-creates the checkpointed allocations
+  // at their addresses (*created, allocated and charged).
+  bool checkpoint_pool(const PoolId& id, PoolCheckpoint* out);
+  bool restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed, std::vector<Block*>* created);
+  // *match: the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
+  bool pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match);
+  // Note [Sharing memory between processes] (ipc.h): the handle bytes of the live block
+  // at `ptr` and its offset from what the handle maps; opening such bytes in this
+  // process, on this device, and closing what was opened.
+  bool share(uintptr_t ptr, std::string* handle, size_t* offset);
+  bool open_shared(const std::string& bytes, OpenedShare* out);
+  void close_shared(OpenedShare& s);
   // Destroys dead graph pools once that is safe (called when captures end).
   void settle_pools();
 
   std::vector<SegmentView> segments();
+  // The segments as torch's snapshot shows them: a VMM arena becomes one segment per
+  // run of mapped granules, holding the parts of blocks that lie in it (as torch shows
+  // its expandable segments), so blocks tile each segment exactly.
+  std::vector<SegmentView> mapped_segments();
   // Free blocks carved from segments that still hold live blocks (torch's inactive_split).
   void inactive_split(int64_t* count, int64_t* bytes);
   // Runs `fn(ledger)` under the lock: a consistent view of every counter at once
@@ -178,6 +208,10 @@ class DeviceAllocator {
   struct DeadPool {
     PoolId id;
     uint64_t died_at;  // StreamClock stamp
+    // Died while a capture was open: the graph being captured may use its memory (a
+    // block freed during capture was read or written before), so, as torch does, it
+    // is destroyed only by empty_cache or an out-of-memory retry.
+    bool during_capture;
   };
 
   BlockPool* default_pool(int route);
@@ -191,14 +225,18 @@ class DeviceAllocator {
   // granule of a graph pool; a run mapping whole when any of its granules).
   std::vector<bool> covered(const Segment& seg) const;
   std::vector<std::vector<bool>> still_needed(const TagState& st) const;
-  Backing* graph_backing();
   Block* attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync);
+  // torch's use_on_oom: a free block of a pool that lends its memory, or nullptr.
+  Block* borrow(size_t size, CUstream stream);
+  // Records an out-of-memory failure: counted, traced, and the error set.
+  void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
   std::string oom_text(size_t size, int route, int tag, const std::string& cause);
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
   void free_locked(Block* b);
   void retire(Block* b);            // active -> back to its pool
+  void trace_block(TraceAction action, const Block* b);
   void process_events();
   void note_if_dead(BlockPool* pool);
   // The three below take the lock held and return with it held, releasing it while
@@ -206,7 +244,10 @@ class DeviceAllocator {
   bool sync_device(std::unique_lock<std::mutex>& lock);
   void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
   void release_cached(std::unique_lock<std::mutex>& lock);
-  void destroy_dead_pools(std::unique_lock<std::mutex>& lock);
+  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false);
+  // The route of a new private pool (Note [Private pool routes]).
+  int private_route(int tag) const;
+  Backing* private_backing(int tag);
   void free_detached(std::unique_lock<std::mutex>& lock);
   void inactive_split_locked(int64_t* count, int64_t* bytes);
 

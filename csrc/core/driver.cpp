@@ -91,6 +91,11 @@ bool load_cuda_driver(std::string* why) {
   resolve(lib, "cuMemPoolSetAccess", &d.memPoolSetAccess, nullptr);
   resolve(lib, "cuMemAllocFromPoolAsync", &d.memAllocFromPoolAsync, nullptr);
   resolve(lib, "cuMemFreeAsync", &d.memFreeAsync, nullptr);
+  resolve(lib, "cuMemExportToShareableHandle", &d.memExportToShareableHandle, nullptr);
+  resolve(lib, "cuMemImportFromShareableHandle", &d.memImportFromShareableHandle, nullptr);
+  resolve(lib, "cuIpcGetMemHandle", &d.ipcGetMemHandle, nullptr);
+  resolve(lib, "cuIpcOpenMemHandle_v2", &d.ipcOpenMemHandle, nullptr);
+  resolve(lib, "cuIpcCloseMemHandle", &d.ipcCloseMemHandle, nullptr);
   CUresult r = d.init(0);
   if (r != CUDA_SUCCESS) {
     *why = "cuInit failed: " + std::to_string(static_cast<int>(r)) +

@@ -69,6 +69,14 @@ struct DriverApi {
   CUresult (*memAllocFromPoolAsync)(CUdeviceptr* ptr, size_t bytes, CUmemoryPool pool, CUstream stream);
   CUresult (*memFreeAsync)(CUdeviceptr ptr, CUstream stream);
 
+  // --- sharing memory with other processes (optional, each on its own)
+  CUresult (*memExportToShareableHandle)(void* shareable, CUmemGenericAllocationHandle handle,
+                                         CUmemAllocationHandleType type, unsigned long long flags);
+  CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle* handle, void* shareable,
+                                           CUmemAllocationHandleType type);
+  CUresult (*ipcGetMemHandle)(CUipcMemHandle* handle, CUdeviceptr ptr);
+  CUresult (*ipcOpenMemHandle)(CUdeviceptr* ptr, CUipcMemHandle handle, unsigned int flags);
+  CUresult (*ipcCloseMemHandle)(CUdeviceptr ptr);
   bool has_vmm() const;
   bool has_pools() const;
 };

@@ -14,10 +14,15 @@ std::string describe(const PoolId& id) {
 }  // namespace
 
 PrivatePool& GraphPools::acquire(const PoolId& id, Backing* backing, int route, BlockStore* store,
-                                 StreamClock* clock, int tag) {
+                                 StreamClock* clock, int tag, std::unique_ptr<Backing> own) {
   PrivatePool& p = pools_[id];
   if (!p.blocks) {
+    if (own) {
+      p.own_backing = std::move(own);
+      backing = p.own_backing.get();
+    }
     p.blocks = std::make_unique<BlockPool>(backing, route, /*graph_pool=*/true, store, clock);
+    p.blocks->set_owner(id, tag);
     p.tag = tag;
   }
   p.use_count++;

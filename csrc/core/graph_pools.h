@@ -32,20 +32,22 @@
 
 namespace tb {
 
-using PoolId = std::pair<uint64_t, uint64_t>;
 using StreamFilter = std::function<bool(CUstream)>;
 
 struct PrivatePool {
+  std::unique_ptr<Backing> own_backing;  // a MemPool's own allocator (route_user.h); outlives `blocks`
   std::unique_ptr<BlockPool> blocks;
   int use_count = 0;  // graphs, MemPools and open captures holding the pool
   int tag = 0;        // the tag in force when the pool was created (Note [Tag arenas])
+  bool use_on_oom = false;  // default allocations that find no memory may take its free blocks
   bool dead() const { return use_count == 0 && blocks->live_blocks() == 0; }
 };
 
 class GraphPools {
  public:
   // Creates the pool on first use (charged to `tag`) and takes one use.
-  PrivatePool& acquire(const PoolId& id, Backing* backing, int route, BlockStore* store, StreamClock* clock, int tag);
+  PrivatePool& acquire(const PoolId& id, Backing* backing, int route, BlockStore* store, StreamClock* clock, int tag,
+                       std::unique_ptr<Backing> own = nullptr);
   // Drops one use. Unknown ids or a count already at zero: false + kInvalidArgument.
   bool release(const PoolId& id);
   void erase(const PoolId& id);

@@ -1,5 +1,7 @@
 #include "route_vmm.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "error.h"
@@ -14,6 +16,55 @@ VmmRoute::VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, siz
   prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop_.location.id = ctx.device;
   access_.push_back(read_write_access(ctx.device));
+  // Exportable handles, so blocks can be shared with other processes (Note [Sharing
+  // memory between processes]).
+  CUdevice dev = 0;
+  int fd_ok = 0;
+  if (driver()->memExportToShareableHandle != nullptr && driver()->deviceGet(&dev, ctx.device) == CUDA_SUCCESS &&
+      driver()->deviceGetAttribute(&fd_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev) ==
+          CUDA_SUCCESS &&
+      fd_ok != 0)
+    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+}
+
+CUresult VmmRoute::release_handle(CUmemGenericAllocationHandle h) {
+  const CUresult r = driver()->memRelease(h);
+  if (r == CUDA_SUCCESS && !fds_.empty()) {
+    auto it = fds_.find(h);
+    if (it != fds_.end()) {
+      close(it->second);
+      fds_.erase(it);
+    }
+  }
+  return r;
+}
+
+bool VmmRoute::export_block(const Segment& seg, uintptr_t ptr, size_t size, std::vector<SharedPiece>* pieces,
+                            uintptr_t* start) {
+  TB_REQUIRE(prop_.requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, kNotAvailable,
+             "device " + std::to_string(ctx_.device) +
+                 " cannot export VMM memory as file descriptors: share tensors allocated under "
+                 "torch_budget.route('sync') instead",
+             false);
+  const size_t first = (ptr - seg.base) / granule_;
+  const size_t last = (ptr + size - 1 - seg.base) / granule_;
+  size_t i = mapping_head(seg, first);
+  *start = seg.base + i * granule_;
+  while (i <= last) {
+    const CUmemGenericAllocationHandle h = seg.granules[i];
+    TB_REQUIRE(h != 0, kState, "internal: an allocated block lies on an unmapped granule", false);
+    const size_t span = std::max<size_t>(seg.span[i], 1);
+    auto it = fds_.find(h);
+    if (it == fds_.end()) {
+      int fd = -1;
+      TB_DRIVER_CHECK(driver()->memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                      false);
+      it = fds_.emplace(h, fd).first;
+    }
+    pieces->push_back(SharedPiece{it->second, span * granule_});
+    i += span;
+  }
+  return true;
 }
 
 Placement VmmRoute::placement(const Segment& seg) const {
@@ -75,7 +126,16 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   }
   seg.mapped += mapped;
   budget_.move(mapped * granule_, kCached, placement(seg));
-  if (r == CUDA_SUCCESS) return true;
+  if (r == CUDA_SUCCESS) {
+    size_t run = 0;
+    for (size_t k = 1; k <= need.size(); ++k) {
+      if (k == need.size() || need[k] != need[k - 1] + 1) {
+        traced(TraceAction::kSegmentMap, seg, seg.base + need[run] * granule_, (k - run) * granule_);
+        run = k;
+      }
+    }
+    return true;
+  }
   fail_driver(r, call, __FILE__, __LINE__);
   const ErrorCode code = last_error_code();
   const std::string msg = last_error_message();
@@ -109,14 +169,17 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
     seg.span[first] = static_cast<uint32_t>(count);
     seg.mapped += count;
     r = d->memSetAccess(va, bytes, access_.data(), access_.size());
-    if (r == CUDA_SUCCESS) return true;
+    if (r == CUDA_SUCCESS) {
+      traced(TraceAction::kSegmentMap, seg, va, bytes);
+      return true;
+    }
     call = "cuMemSetAccess";
   }
   fail_driver(r, call, __FILE__, __LINE__);
   const std::string msg = last_error_message();
   if (seg.span[first] == count) {
     release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
-  } else if (d->memRelease(h) == CUDA_SUCCESS) {
+  } else if (release_handle(h) == CUDA_SUCCESS) {
     budget_.uncharge(bytes, placement(seg));
     bump(ledger_.num_device_free);
   } else {
@@ -130,11 +193,12 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
 bool VmmRoute::release_run(Segment& seg, size_t head) {
   const size_t count = seg.span[head];
   if (!unmap_range(seg.base + head * granule_, count * granule_)) return false;
+  traced(TraceAction::kSegmentUnmap, seg, seg.base + head * granule_, count * granule_);
   const CUmemGenericAllocationHandle h = seg.granules[head];
   for (size_t i = head; i < head + count; ++i) seg.granules[i] = 0;
   seg.span[head] = 0;
   seg.mapped -= count;
-  if (driver()->memRelease(h) != CUDA_SUCCESS) {
+  if (release_handle(h) != CUDA_SUCCESS) {
     stuck_runs_.emplace_back(h, count * granule_);  // still charged: retried later
     budget_.move(count * granule_, placement(seg), kCached);
     return true;
@@ -150,11 +214,12 @@ bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   const size_t head = mapping_head(seg, index);
   if (seg.span[head] > 1) return release_run(seg, head);
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
+  traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
   const CUmemGenericAllocationHandle h = seg.granules[index];
   seg.granules[index] = 0;
   seg.span[index] = 0;
   seg.mapped--;
-  if (driver()->memRelease(h) != CUDA_SUCCESS) {
+  if (release_handle(h) != CUDA_SUCCESS) {
     free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
     budget_.move(granule_, placement(seg), kCached);
     return true;
@@ -259,6 +324,10 @@ bool VmmRoute::request_sync(BlockPool& pool, CUstream stream) {
   return false;
 }
 
+void VmmRoute::traced(TraceAction action, const Segment& seg, uintptr_t va, size_t bytes) const {
+  trace(action, ctx_.device, va, bytes, seg.stream, seg.pool->id(), seg.pool->tag(), kRouteVmm);
+}
+
 bool VmmRoute::unmap_range(uintptr_t va, size_t bytes) {
   CUresult r = CUDA_SUCCESS;
   for (int attempt = 0; attempt < 4; ++attempt)
@@ -270,6 +339,7 @@ bool VmmRoute::unmap_granule(Segment& seg, size_t index) {
   const size_t head = mapping_head(seg, index);
   if (seg.span[head] > 1) return release_run(seg, head);
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
+  traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
   free_handles_.push_back(seg.granules[index]);
   seg.granules[index] = 0;
   seg.span[index] = 0;
@@ -282,7 +352,7 @@ void VmmRoute::release_free_handles() {
   ContextGuard guard(ctx_.ctx);
   std::vector<CUmemGenericAllocationHandle> kept;
   for (CUmemGenericAllocationHandle h : free_handles_) {
-    if (driver()->memRelease(h) != CUDA_SUCCESS) {
+    if (release_handle(h) != CUDA_SUCCESS) {
       kept.push_back(h);  // still the driver's memory, still charged: retried next time
       continue;
     }
@@ -292,7 +362,7 @@ void VmmRoute::release_free_handles() {
   free_handles_.swap(kept);
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck;
   for (const auto& [h, bytes] : stuck_runs_) {
-    if (driver()->memRelease(h) != CUDA_SUCCESS) {
+    if (release_handle(h) != CUDA_SUCCESS) {
       stuck.emplace_back(h, bytes);
       continue;
     }

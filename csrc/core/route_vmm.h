@@ -39,11 +39,13 @@
 // into a small arena or a graph pool moves its bytes there (Budget::move).
 #pragma once
 
+#include <unordered_map>
 #include <vector>
 
 #include "block_cache.h"
 #include "budget.h"
 #include "driver.h"
+#include "ipc.h"
 
 namespace tb {
 
@@ -64,6 +66,10 @@ class VmmRoute final : public Backing {
   bool grant_peer(int peer) override;
 
   size_t granule() const { return granule_; }
+  // The mappings under [ptr, ptr + size) of `seg` as file descriptors, whole mappings:
+  // *start is where the first begins (Note [Sharing memory between processes]).
+  bool export_block(const Segment& seg, uintptr_t ptr, size_t size, std::vector<SharedPiece>* pieces,
+                    uintptr_t* start);
 
   // For tag release / restore (tag_sleep.h). Maps granules `need` of `seg` (each
   // unmapped) with cached, reused or new memory; all or nothing.
@@ -95,6 +101,9 @@ class VmmRoute final : public Backing {
   // Unmaps the run mapping starting at `head` and releases its handle.
   bool release_run(Segment& seg, size_t head);
   bool unmap_range(uintptr_t va, size_t bytes);
+  // cuMemRelease, closing the handle's exported descriptor once it is gone.
+  CUresult release_handle(CUmemGenericAllocationHandle h);
+  void traced(TraceAction action, const Segment& seg, uintptr_t va, size_t bytes) const;
 
   const DeviceContext& ctx_;
   Budget& budget_;
@@ -105,6 +114,7 @@ class VmmRoute final : public Backing {
   CUmemAllocationProp prop_{};
   std::vector<CUmemAccessDesc> access_;  // this device first, then peers
   std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, charged as kCached
+  std::unordered_map<CUmemGenericAllocationHandle, int> fds_;  // exported descriptors, closed on release
   // Run handles the driver refused to release (unmapped, charged as kCached): retried.
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck_runs_;
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs

@@ -1,0 +1,149 @@
+// Pool checkpoints for CUDA graph trees: see Note [Pool checkpoints] (pool_checkpoint.h).
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "device_allocator.h"
+#include "error.h"
+
+namespace tb {
+namespace {
+
+std::string hex(uintptr_t v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string describe(const PoolId& id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+}  // namespace
+
+bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  TB_REQUIRE(p != nullptr, kInvalidArgument, "no private pool " + describe(id) + " on device " +
+                                                 std::to_string(ctx_.device) + " to checkpoint", false);
+  process_events();
+  out->pool = id;
+  out->segments.clear();
+  for (const auto& seg : p->blocks->segments()) {
+    CheckpointSegment cs{seg->base, {}};
+    for (const Block* b = seg->head; b != nullptr; b = b->next)
+      cs.blocks.push_back(CheckpointBlock{b->ptr, b->size, b->stream, b->allocated});
+    out->segments.push_back(std::move(cs));
+  }
+  return true;
+}
+
+bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed,
+                                         std::vector<Block*>* created) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string where = "private pool " + describe(cp.pool) + " on device " + std::to_string(ctx_.device);
+  auto find_segments = [&](std::map<uintptr_t, Segment*>* out) -> PrivatePool* {
+    PrivatePool* p = graphs_.find(cp.pool);
+    if (p == nullptr) return nullptr;
+    out->clear();
+    for (const auto& seg : p->blocks->segments()) (*out)[seg->base] = seg.get();
+    return p;
+  };
+  std::map<uintptr_t, Segment*> segs;
+  PrivatePool* p = find_segments(&segs);
+  TB_REQUIRE(p != nullptr, kInvalidArgument, "no " + where + " to restore a checkpoint into", false);
+  for (const CheckpointSegment& cs : cp.segments)
+    TB_REQUIRE(segs.count(cs.base) != 0, kInvalidArgument,
+               "the checkpoint of " + where + " has a segment at " + hex(cs.base) + " that no longer exists", false);
+
+  // 1. Free every block allocated in the pool (torch took their tensors' deleters).
+  std::vector<Block*> live;
+  for (const auto& seg : p->blocks->segments())
+    for (Block* b = seg->head; b != nullptr; b = b->next)
+      if (b->allocated) live.push_back(b);
+  for (Block* b : live) {
+    freed->push_back(b->ptr);
+    free_locked(b);
+  }
+  process_events();
+
+  // 2. Frees waiting on recorded streams must complete before the layout can change.
+  auto settled = [&]() {
+    for (const CheckpointSegment& cs : cp.segments) {
+      const Segment* seg = segs[cs.base];
+      if (!seg->head->is_free() || seg->head->next != nullptr) return false;
+    }
+    return true;
+  };
+  if (!settled()) {
+    TB_REQUIRE(sync_device(lock), kState,
+               "restoring a checkpoint of " + where + " needs a device synchronisation, impossible during capture",
+               false);
+    process_events();
+    p = find_segments(&segs);
+    TB_REQUIRE(p != nullptr, kState, where + " was destroyed while its checkpoint was being restored", false);
+    for (const CheckpointSegment& cs : cp.segments)
+      TB_REQUIRE(segs.count(cs.base) != 0, kState, "segment " + hex(cs.base) + " of " + where + " went away", false);
+    TB_REQUIRE(settled(), kState,
+               "a block of " + where + " is still in use after a device synchronisation: its checkpoint "
+               "cannot be restored", false);
+  }
+
+  // 3. Carve each checkpointed segment back into its blocks.
+  BlockPool* pool = p->blocks.get();
+  for (const CheckpointSegment& cs : cp.segments) {
+    Block* cur = segs[cs.base]->head;
+    for (size_t i = 0; i < cs.blocks.size(); ++i) {
+      const CheckpointBlock& cb = cs.blocks[i];
+      const bool last = i + 1 == cs.blocks.size();
+      if (cur == nullptr || cur->ptr != cb.ptr || cur->size < cb.size || (last && cur->size != cb.size)) {
+        set_error(kState, "the checkpoint of " + where + " does not fit segment " + hex(cs.base) +
+                              " at block " + hex(cb.ptr));
+        for (Block* b : *created) free_locked(b);
+        created->clear();
+        return false;
+      }
+      Block* b = pool->claim(cur, cb.size, cb.allocated);
+      if (b == nullptr) {
+        const ErrorCode code = last_error_code();
+        const std::string msg = last_error_message();
+        for (Block* c : *created) free_locked(c);
+        created->clear();
+        set_error(code, msg);
+        return false;
+      }
+      if (cb.allocated) {
+        b->tag = p->tag;
+        account_alloc(b);
+        live_.insert(b->ptr, b);
+        trace_block(TraceAction::kAlloc, b);
+        created->push_back(b);
+      }
+      cur = b->next;
+    }
+  }
+  return true;
+}
+
+bool DeviceAllocator::pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  TB_REQUIRE(p != nullptr, kInvalidArgument, "no private pool " + describe(id) + " on device " +
+                                                 std::to_string(ctx_.device), false);
+  std::vector<uintptr_t> sorted(expected);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  size_t count = 0;
+  *match = true;
+  for (const auto& seg : p->blocks->segments())
+    for (const Block* b = seg->head; b != nullptr && *match; b = b->next) {
+      if (!b->allocated) continue;
+      ++count;
+      *match = std::binary_search(sorted.begin(), sorted.end(), b->ptr);
+    }
+  *match = *match && count == sorted.size();
+  return true;
+}
+
+}  // namespace tb
