@@ -7,7 +7,7 @@ build isolation would hide that torch. No CUDA toolkit is needed: the CUDA heade
 CUDA_HOME when it is set, else from the CUDA runtime wheel a CUDA build of torch installs
 (nvidia/cu*/include), else from /usr/local/cuda. Nothing is compiled by nvcc.
 
-- torch_budget/_C: the allocator core, the C ABI and the torch bridge (needs a CUDA build of
+- torch_budget/_C: the allocator core, the C ABI and the torch bridge (csrc/bridge) (needs a CUDA build of
   torch; the driver itself is loaded at run time).
 - torch_budget/_host_core and torch_budget/_host_core_asan: the same core over a host-memory
   stand-in for the driver, for the CPU tests (the second built with AddressSanitizer).
@@ -95,8 +95,8 @@ extensions = [
 if torch.version.cuda:
     extensions.insert(0, CppExtension(
         name="torch_budget._C",
-        sources=CORE + ["csrc/torch_bridge.cpp"],
-        include_dirs=[CUDA_INCLUDE],
+        sources=CORE + sorted(glob.glob("csrc/bridge/*.cpp")),
+        include_dirs=[CUDA_INCLUDE, os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": CXX_FLAGS},
         libraries=["dl", "c10_cuda", "torch_cuda"],
     ))

@@ -1,0 +1,173 @@
+#include "history.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+
+namespace tb::bridge {
+namespace {
+
+// The stack gathered for the next event this thread causes (Note [History]).
+thread_local std::shared_ptr<c10::GatheredContext> t_pending;
+thread_local std::string t_user_metadata;
+
+constexpr const char* kActionNames[] = {"alloc",         "free_requested", "free_completed",
+                                        "segment_alloc", "segment_free",   "segment_map",
+                                        "segment_unmap", "snapshot",       "oom"};
+constexpr int kActions = sizeof(kActionNames) / sizeof(kActionNames[0]);
+
+}  // namespace
+
+History& History::get() {
+  static auto* h = new History();  // never destroyed: frees can come during exit
+  return *h;
+}
+
+void History::record(bool enabled, cda::CreateContextFn recorder, size_t max_entries, cda::RecordContext when,
+                     bool clear, const std::vector<std::string>& skip_actions) {
+  TORCH_CHECK(when == cda::RecordContext::NEVER || recorder != nullptr,
+              "torch_budget: recording memory history with stacks needs a context recorder");
+  std::lock_guard<std::mutex> lock(mu_);
+  std::fill(std::begin(skip_), std::end(skip_), false);
+  for (const std::string& name : skip_actions)
+    for (int a = 0; a < kActions; ++a)
+      if (name == kActionNames[a]) skip_[a] = true;
+  recorder_ = enabled ? recorder : nullptr;
+  max_entries_ = std::max<size_t>(1, max_entries);
+  when_.store(enabled ? static_cast<int>(when) : 0, std::memory_order_relaxed);
+  if (!enabled || clear) {
+    rings_.clear();
+    if (!enabled)
+      for (auto& m : stacks_) m.clear();
+  }
+  for (Ring& r : rings_) {
+    if (r.entries.size() <= max_entries_) continue;
+    std::rotate(r.entries.begin(), r.entries.begin() + static_cast<long>(r.next), r.entries.end());
+    r.entries.erase(r.entries.begin(), r.entries.end() - static_cast<long>(max_entries_));
+    r.next = 0;
+  }
+  enabled_.store(enabled, std::memory_order_release);
+  update_sink();
+}
+
+void History::gather() {
+  cda::CreateContextFn recorder = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    recorder = recorder_;
+  }
+  if (recorder != nullptr) t_pending = recorder();
+}
+
+void History::forget() { t_pending.reset(); }
+
+void History::set_user_metadata(const std::string& md) { t_user_metadata = md; }
+
+std::string History::user_metadata() { return t_user_metadata; }
+
+void History::attach_tracker(cda::AllocatorTraceTracker tracker) {
+  std::lock_guard<std::mutex> lock(mu_);
+  trackers_.push_back(std::move(tracker));
+  has_trackers_.store(true, std::memory_order_release);
+  update_sink();
+}
+
+void History::attach_oom_observer(cca::OutOfMemoryObserver observer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void History::notify_oom(int device, size_t size, size_t limit, size_t device_free) {
+  std::vector<cca::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    observers = oom_observers_;
+  }
+  for (const auto& obs : observers) obs(device, size, limit, device_free);
+}
+
+void History::update_sink() {
+  set_trace_sink(enabled_.load() || has_trackers_.load() ? &History::sink : nullptr);
+}
+
+void History::sink(const TraceEvent& e) { get().on_event(e); }
+
+void History::on_event(const TraceEvent& e) {
+  const int when = when_.load(std::memory_order_relaxed);
+  const int dev = std::clamp(e.device, 0, 63);
+  std::shared_ptr<c10::GatheredContext> ctx;
+  std::vector<cda::AllocatorTraceTracker> trackers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& stacks = stacks_[dev];
+    switch (e.action) {
+      case TraceAction::kAlloc:
+        ctx = std::move(t_pending);
+        t_pending.reset();
+        if (ctx && when >= static_cast<int>(cda::RecordContext::STATE)) stacks[e.addr] = ctx;
+        break;
+      case TraceAction::kFreeRequested:
+      case TraceAction::kFreeCompleted: {
+        auto it = stacks.find(e.addr);
+        if (e.action == TraceAction::kFreeRequested && t_pending) {
+          ctx = std::move(t_pending);
+          t_pending.reset();
+        } else if (it != stacks.end()) {
+          ctx = it->second;
+        }
+        if (e.action == TraceAction::kFreeCompleted && it != stacks.end()) stacks.erase(it);
+        break;
+      }
+      default:
+        ctx = t_pending;  // a segment mapped for this thread's allocation carries its stack
+        break;
+    }
+    if (has_trackers_.load(std::memory_order_relaxed)) trackers = trackers_;
+  }
+  if (when < static_cast<int>(cda::RecordContext::ALLOC)) ctx.reset();
+  cda::TraceEntry entry(static_cast<cda::TraceEntry::Action>(static_cast<int>(e.action)),
+                        static_cast<c10::DeviceIndex>(e.device), e.addr, e.size, e.stream, {e.pool.first, e.pool.second},
+                        c10::getApproximateTime(), std::move(ctx), "N/A", t_user_metadata);
+  for (const auto& t : trackers) t(entry);
+  if (!enabled_.load(std::memory_order_relaxed) || skip_[static_cast<int>(e.action)]) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rings_.size() <= static_cast<size_t>(dev)) rings_.resize(dev + 1);
+  push(rings_[dev], std::move(entry));
+}
+
+void History::push(Ring& r, cda::TraceEntry&& entry) {
+  if (r.entries.size() < max_entries_) {
+    r.entries.push_back(std::move(entry));
+  } else {
+    r.entries[r.next] = std::move(entry);
+    r.next = (r.next + 1) % max_entries_;
+  }
+}
+
+std::vector<std::vector<cda::TraceEntry>> History::traces(int devices, size_t total_active) {
+  std::vector<std::vector<cda::TraceEntry>> out(static_cast<size_t>(std::max(devices, 0)));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto to_us = clock_.makeConverter();
+  for (size_t d = 0; d < out.size() && d < rings_.size(); ++d) {
+    const Ring& r = rings_[d];
+    out[d].reserve(r.entries.size());
+    for (size_t k = 0; k < r.entries.size(); ++k) out[d].push_back(r.entries[(r.next + k) % r.entries.size()]);
+    for (cda::TraceEntry& te : out[d]) te.time_.t_ = to_us(te.time_.approx_t_) / 1000;
+  }
+  if (enabled_.load() && !skip_[static_cast<int>(TraceAction::kSnapshot)]) {
+    if (rings_.empty()) rings_.resize(1);
+    push(rings_[0], cda::TraceEntry(cda::TraceEntry::SNAPSHOT, 0, 0, total_active, nullptr, {0, 0},
+                                    c10::getApproximateTime()));
+  }
+  return out;
+}
+
+std::shared_ptr<c10::GatheredContext> History::stack_of(int device, uintptr_t ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& stacks = stacks_[std::clamp(device, 0, 63)];
+  auto it = stacks.find(ptr);
+  return it == stacks.end() ? nullptr : it->second;
+}
+
+}  // namespace tb::bridge

@@ -1,0 +1,467 @@
+// The only code that includes torch headers (with history.* and ipc.* beside it): a
+// subclass of torch's CUDAPluggableAllocator that serves torch from the core and
+// answers torch's statistics, snapshot, history, cache, graph-pool, checkpoint and
+// IPC calls from the core's ledger.
+//
+// Overriding allocate() and raw_deleter() skips the base class's mutex and pointer
+// map on every allocation; the DataPtr context is the core's Block, so a free needs
+// no lookup. Allocation failures become c10 errors here (this is C++ called by
+// torch, not the C ABI): kOutOfMemory -> torch.cuda.OutOfMemoryError.
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <unordered_set>
+
+#include "bridge/history.h"
+#include "bridge/ipc.h"
+#include "core/allocator.h"
+#include "core/error.h"
+#include "tb_capi.h"
+
+namespace tb {
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+using bridge::History;
+
+// Out of memory: torch's observers first (with the numbers torch gives them), then
+// torch's OutOfMemoryError with the core's message.
+[[noreturn]] void raise_last_error(const char* what, int device = -1, size_t size = 0) {
+  const std::string msg = *last_error_message() ? std::string(last_error_message()) : std::string(what);
+  if (last_error_code() == kOutOfMemory) {
+    if (tb::DeviceAllocator* d = device >= 0 ? tb::Allocator::get().device_if_ready(device) : nullptr) {
+      size_t free_b = 0, total_b = 0;
+      d->mem_info(&free_b, &total_b);
+      const int64_t limit = d->budget() < static_cast<int64_t>(total_b) ? d->budget() : static_cast<int64_t>(total_b);
+      History::get().notify_oom(device, size, static_cast<size_t>(limit), free_b);
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
+  }
+  TORCH_CHECK(false, "torch_budget: ", what, ": ", msg);
+}
+
+// Note [One deleter]
+// torch compares a storage's deleter with raw_deleter() (graph trees swap it, and
+// _has_Standard_Deleter checks it), so every DataPtr we hand out uses this one
+// function. A block is freed by its address, as torch's own allocator does: after a
+// pool checkpoint is restored, a tensor that outlived it frees the block re-created
+// at its address (Note [Pool checkpoints]). The context is that address with the
+// device + 1 in its low bits (blocks are 512-byte aligned), so no device is searched;
+// DataPtrs torch builds as {ptr, ptr, raw_deleter()} have 0 there.
+constexpr uintptr_t kDeviceBits = 0xff;
+
+void block_deleter(void* ctx) {
+  if (ctx == nullptr) return;
+  const auto v = reinterpret_cast<uintptr_t>(ctx);
+  if (History::get().enabled()) History::get().before_free();
+  const bool ok = (v & kDeviceBits) != 0
+                      ? tb::Allocator::get().free_at(static_cast<int>(v & kDeviceBits) - 1, v & ~kDeviceBits)
+                      : tb::Allocator::get().free_ptr(ctx);
+  if (!ok) TORCH_WARN("torch_budget: free failed: ", last_error_message());
+}
+
+void* block_context(const Block* b) {
+  static_assert(kMaxDevices < kDeviceBits, "the device index must fit below the block alignment");
+  return reinterpret_cast<void*>((b->ptr & kDeviceBits) == 0 ? b->ptr | static_cast<uintptr_t>(b->device + 1)
+                                                              : b->ptr);
+}
+
+void copy_stat(c10::CachingAllocator::Stat& out, const Stat& in) {
+  out.current = in.get();
+  out.peak = in.peak.load(std::memory_order_relaxed);
+  out.allocated = in.allocated.load(std::memory_order_relaxed);
+  out.freed = in.freed.load(std::memory_order_relaxed);
+}
+
+void copy_array(c10::CachingAllocator::StatArray& out, const StatArray3& in) {
+  for (int i = 0; i < kPoolKinds; ++i) copy_stat(out[i], in.s[i]);
+}
+
+// A MemPool's own allocator, as the core's segment source.
+class TorchSource final : public SegmentSource {
+ public:
+  explicit TorchSource(std::shared_ptr<cca::CUDAAllocator> a) : a_(std::move(a)) {}
+  CUdeviceptr alloc(size_t bytes, CUstream stream) override {
+    try {
+      return reinterpret_cast<CUdeviceptr>(a_->raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream)));
+    } catch (const std::exception& e) {
+      set_error(kOutOfMemory, std::string("the memory pool's own allocator failed: ") + e.what());
+      return 0;
+    }
+  }
+  void free(CUdeviceptr ptr) override {
+    try {
+      a_->raw_delete(reinterpret_cast<void*>(ptr));
+    } catch (const std::exception& e) {
+      TORCH_WARN("torch_budget: the memory pool's own allocator failed to free: ", e.what());
+    }
+  }
+
+ private:
+  std::shared_ptr<cca::CUDAAllocator> a_;
+};
+
+class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  BudgetAllocator()
+      : CUDAPluggableAllocator(
+            [](size_t size, int device, cudaStream_t stream) {
+              return tb_malloc(static_cast<ssize_t>(size), device, stream);
+            },
+            [](void* ptr, size_t size, int device, cudaStream_t stream) {
+              tb_free(ptr, static_cast<ssize_t>(size), device, stream);
+            }) {}
+
+  c10::DataPtr allocate(size_t size) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    const c10::Device dev(c10::DeviceType::CUDA, device);
+    if (size == 0) return {nullptr, nullptr, &block_deleter, dev};
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    Block* b = serve(size, device, stream);
+    return {reinterpret_cast<void*>(b->ptr), block_context(b), &block_deleter, dev};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &block_deleter; }
+
+  void* raw_alloc(size_t nbytes) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) return nullptr;
+    return reinterpret_cast<void*>(serve(nbytes, c10::cuda::current_device(), stream)->ptr);
+  }
+
+  void raw_delete(void* ptr) override {
+    if (ptr == nullptr) return;
+    if (History::get().enabled()) History::get().before_free();
+    if (!tb::Allocator::get().free_ptr(ptr)) raise_last_error("free failed");
+  }
+
+  void init(int /*device_count*/) override { initialized_ = true; }
+  bool initialized() override { return initialized_; }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr || d->budget() == INT64_MAX) return 1.0;
+    return static_cast<double>(d->budget()) / static_cast<double>(d->caps().total_bytes);
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    TORCH_CHECK(fraction >= 0 && fraction <= 1, "torch_budget: memory fraction must be within [0, 1], got ",
+                fraction);
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error("setMemoryFraction");
+    if (!(fraction > 0 ? d->set_budget(-1, fraction, false) : d->set_budget(0, -1, false)))
+      raise_last_error("setMemoryFraction");
+  }
+
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
+
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    const bool all = mempool_id.first == 0 && mempool_id.second == 0;
+    // Segments given back now carry this stack when recording "all" (Note [History]).
+    History::Scope stack(History::get(), c10::CachingDeviceAllocator::RecordContext::ALL);
+    for (int i = 0; i < kMaxDevices; ++i) {
+      tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(i);
+      if (d == nullptr) continue;
+      if (!(all ? d->empty_cache() : d->empty_pool_cache({mempool_id.first, mempool_id.second})))
+        raise_last_error("empty_cache");
+    }
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error("cacheInfo");
+    *largest = d->largest_free();
+    if (*largest == 0) {
+      // Nothing cached yet: what could still be had, within the budget.
+      size_t free_b = 0, total_b = 0;
+      if (!d->mem_info(&free_b, &total_b)) raise_last_error("cacheInfo");
+      const int64_t room = d->budget() - d->ledger().reserved_bytes.s[kAggregate].get();
+      *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
+    }
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    int device = 0;
+    BlockInfo info{};
+    if (!tb::Allocator::get().lookup(ptr, &device, &info)) raise_last_error("getBaseAllocation");
+    *size = info.size;
+    return reinterpret_cast<void*>(info.base);
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get() == nullptr || ptr.get_deleter() != &block_deleter) return;
+    // By address, under the owning device's lock: the block may be freed concurrently.
+    if (!tb::Allocator::get().record_stream(ptr.get(), static_cast<CUstream>(stream.stream()), stream.device_index()))
+      raise_last_error("recordStream");
+  }
+
+  // torch enables peer access before copies between devices; VMM mappings and the
+  // memory pool need their own grant (Note [Peer access to VMM memory]).
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
+    tb::DeviceAllocator* d = tb::Allocator::get().device(dev_to_access);
+    if (d == nullptr || !d->grant_peer(dev)) raise_last_error("enablePeerAccess");
+  }
+
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    DeviceStats stats;
+    tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
+    if (d == nullptr) return stats;
+    d->read_locked([&](const Ledger& l) {
+      copy_array(stats.allocation, l.allocation);
+      copy_array(stats.segment, l.segment);
+      copy_array(stats.active, l.active);
+      copy_array(stats.allocated_bytes, l.allocated_bytes);
+      copy_array(stats.reserved_bytes, l.reserved_bytes);
+      copy_array(stats.active_bytes, l.active_bytes);
+      copy_array(stats.requested_bytes, l.requested_bytes);
+      stats.num_alloc_retries = l.num_alloc_retries.load();
+      stats.num_ooms = l.num_ooms.load();
+      stats.num_sync_all_streams = l.num_sync_all_streams.load();
+      stats.num_device_alloc = l.num_device_alloc.load();
+      stats.num_device_free = l.num_device_free.load();
+    });
+    int64_t split_count = 0, split_bytes = 0;
+    d->inactive_split(&split_count, &split_bytes);
+    stats.inactive_split[0].current = split_count;
+    stats.inactive_split_bytes[0].current = split_bytes;
+    return stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->reset_accumulated();
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->reset_peaks();
+  }
+
+  cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id, bool /*include_traces*/) override {
+    cca::SnapshotInfo info;
+    const bool all = mempool_id.first == 0 && mempool_id.second == 0;
+    int devices = 0;
+    size_t total_active = 0;
+    for (int i = 0; i < kMaxDevices; ++i) {
+      tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(i);
+      if (d == nullptr) continue;
+      devices = i + 1;
+      for (const SegmentView& v : d->mapped_segments()) {
+        if (!all && (v.pool.first != mempool_id.first || v.pool.second != mempool_id.second)) continue;
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(i);
+        seg.address = v.base;
+        seg.total_size = v.size;
+        seg.requested_size = v.requested;
+        seg.allocated_size = v.allocated;
+        seg.active_size = v.active;
+        seg.stream = v.stream;
+        seg.is_large = !v.small;
+        seg.is_expandable = v.route == kRouteVmm;
+        seg.owner_private_pool_id = {v.pool.first, v.pool.second};
+        total_active += v.active;
+        for (const auto& bv : v.blocks) {
+          c10::CachingDeviceAllocator::BlockInfo bi;
+          bi.size = bv.size;
+          bi.requested_size = bv.state != 0 ? std::min(bv.requested, bv.size) : 0;
+          bi.allocated = bv.state == 1;
+          bi.active = bv.state != 0;
+          if (bv.state != 0) bi.context_when_allocated = History::get().stack_of(i, bv.ptr);
+          seg.blocks.push_back(std::move(bi));
+        }
+        info.segments.push_back(std::move(seg));
+      }
+    }
+    std::sort(info.segments.begin(), info.segments.end(),
+              [](const auto& a, const auto& b) { return a.address < b.address; });
+    info.device_traces = History::get().traces(std::max<int>(devices, c10::cuda::device_count()), total_active);
+    return info;
+  }
+
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    History::get().record(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, skip_actions);
+  }
+
+  bool isHistoryEnabled() override { return History::get().enabled(); }
+
+  // torch.cuda.memory._set_memory_metadata: a string for this thread's trace entries.
+  // (Declared without `override`: the hooks are virtual only in some torch versions.)
+  bool supportsUserMetadata() { return true; }
+  void setUserMetadata(const std::string& metadata) { History::set_user_metadata(metadata); }
+  std::string getUserMetadata() { return History::user_metadata(); }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    History::get().attach_oom_observer(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    History::get().attach_tracker(std::move(tracker));
+  }
+
+  // Note [Pool checkpoints] (core/pool_checkpoint.h).
+  struct CheckpointState final : cca::AllocatorState {
+    int device = 0;
+    PoolCheckpoint checkpoint;
+  };
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::cuda::MempoolId_t id) override {
+    auto state = std::make_shared<CheckpointState>();
+    state->device = device;
+    if (!ready(device, "getCheckpointState")->checkpoint_pool({id.first, id.second}, &state->checkpoint))
+      raise_last_error("getCheckpointState");
+    return state;
+  }
+
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> as) override {
+    auto state = std::dynamic_pointer_cast<CheckpointState>(as);
+    TORCH_CHECK(state != nullptr, "torch_budget: setCheckpointPoolState needs a state from its getCheckpointState");
+    TORCH_CHECK(state->device == device, "torch_budget: a checkpoint of device ", state->device,
+                " cannot be restored on device ", static_cast<int>(device));
+    std::vector<uintptr_t> freed;
+    std::vector<Block*> created;
+    if (!ready(device, "setCheckpointPoolState")->restore_checkpoint(state->checkpoint, &freed, &created))
+      raise_last_error("setCheckpointPoolState");
+    cca::CheckpointDelta delta;
+    for (uintptr_t p : freed) delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
+    const c10::Device dev(c10::DeviceType::CUDA, device);
+    for (Block* b : created)
+      delta.dataptrs_allocd.emplace_back(reinterpret_cast<void*>(b->ptr), block_context(b), &block_deleter, dev);
+    return delta;
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<uintptr_t> ptrs;
+    ptrs.reserve(expected.size());
+    for (void* p : expected) ptrs.push_back(reinterpret_cast<uintptr_t>(p));
+    bool match = false;
+    if (!ready(device, "checkPoolLiveAllocations")->pool_live_matches({id.first, id.second}, ptrs, &match))
+      raise_last_error("checkPoolLiveAllocations");
+    return match;
+  }
+
+  cca::ShareableHandle shareIpcHandle(void* ptr) override { return bridge::share_ipc_handle(ptr); }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return bridge::open_ipc_handle(handle); }
+
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error("beginAllocateToPool");
+    auto f = [filter = std::move(filter)](CUstream s) { return filter(static_cast<cudaStream_t>(s)); };
+    if (!d->begin_allocate_to_pool({id.first, id.second}, std::move(f))) raise_last_error("beginAllocateToPool");
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    if (!tb::Allocator::get().end_pool(device, {id.first, id.second})) raise_last_error("endAllocateToPool");
+  }
+
+  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr || !d->release_pool({id.first, id.second})) raise_last_error("releasePool");
+  }
+
+  // torch.cuda.MemPool and use_mem_pool reach the same private pools as capture; a
+  // MemPool built with its own allocator takes its segments from it (core/route_user.h).
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    std::unique_ptr<SegmentSource> source;
+    if (allocator != nullptr && allocator.get() != this) source = std::make_unique<TorchSource>(std::move(allocator));
+    ready(device, "createOrIncrefPool")->create_or_incref_pool({id.first, id.second}, std::move(source));
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    return ready(device, "getPoolUseCount")->pool_use_count({id.first, id.second});
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t id, bool use_on_oom) override {
+    if (!ready(device, "setUseOnOOM")->set_pool_options({id.first, id.second}, use_on_oom ? 1 : 0, false))
+      raise_last_error("setUseOnOOM");
+  }
+
+  void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    if (!ready(device, "setNoSplit")->set_pool_options({id.first, id.second}, -1, true))
+      raise_last_error("setNoSplit");
+  }
+
+  std::string name() override { return "torch_budget"; }
+
+ private:
+  static tb::DeviceAllocator* ready(c10::DeviceIndex device, const char* what) {
+    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+    if (d == nullptr) raise_last_error(what);
+    return d;
+  }
+
+  static Block* serve(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    History& h = History::get();
+    const bool recording = h.enabled();
+    if (recording) h.before_alloc();
+    Block* b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
+    if (b == nullptr) {
+      if (recording) History::forget();
+      raise_last_error("allocation failed", device, size);
+    }
+    return b;
+  }
+};
+
+// Never destroyed: torch may free tensors during interpreter shutdown, after static
+// objects are gone.
+std::shared_ptr<BudgetAllocator>& installed() {
+  static auto* p = new std::shared_ptr<BudgetAllocator>();
+  return *p;
+}
+
+}  // namespace
+}  // namespace tb
+
+extern "C" {
+
+int tb_torch_install(void) {
+  using namespace tb;
+  clear_error();
+  try {
+    auto* current = c10::cuda::CUDACachingAllocator::get();
+    if (installed() && current == installed().get()) return 0;
+    if (current != nullptr && current->initialized()) {
+      set_error(kState,
+                "torch's CUDA allocator is already initialised: call torch_budget.install() at process start, "
+                "before the first CUDA tensor is created (and before torch.cuda.init() or any CUDA call)");
+      return kState;
+    }
+    if (!tb::Allocator::get().load_driver()) return last_error_code();
+    auto a = std::make_shared<BudgetAllocator>();
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+    // torch.accelerator's memory calls look the CUDA allocator up in c10's table.
+    c10::SetAllocator(c10::DeviceType::CUDA, a.get(), std::numeric_limits<uint8_t>::max());
+    installed() = a;
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(kState, std::string("installing the allocator failed: ") + e.what());
+    return kState;
+  }
+}
+
+int tb_torch_installed(void) {
+  return tb::installed() && c10::cuda::CUDACachingAllocator::get() == tb::installed().get() ? 1 : 0;
+}
+
+}  // extern "C"
