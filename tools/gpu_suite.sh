@@ -4,14 +4,14 @@
 # allocator's GPU tests and the demo, then print a short table last. Logs go to
 # $OUT when it is set.
 #
-# Steps can be chosen with STEPS (default: "build tests bench sanitize demo"); TESTS,
+# Steps can be chosen with STEPS (default: "build tests torch bench sanitize demo"); TESTS,
 # PYTEST_ARGS (split on spaces), TEST_JOBS and BENCHES narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-build tests bench sanitize demo}
+STEPS=${STEPS:-build tests torch bench sanitize demo}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
 
@@ -34,8 +34,21 @@ if has tests; then
   summary+=("tests        alone: $(grep -E "(passed|failed|error)" "$OUT/pytest-exclusive.log" | tail -1); parallel: $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
 fi
 
+if has torch; then
+  # torch's own allocator tests (test/test_cuda.py of the installed torch, in .torch_tests/),
+  # natively and under install().
+  if [ -f .torch_tests/test_cuda.py ]; then
+    echo "== torch's allocator tests"
+    timeout ${TORCH_TESTS_TIMEOUT:-560} $PY tools/torch_allocator_tests.py --out "$OUT/torch_tests" 2>&1 \
+      | tee "$OUT/torch_tests.log" | tail -40
+    summary+=("$(grep -h "^torch_tests" "$OUT/torch_tests.log" | tail -1)")
+  else
+    summary+=("torch_tests  skipped: no .torch_tests/test_cuda.py")
+  fi
+fi
+
 if has bench; then
-  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace bench_sleep}; do
+  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace bench_sleep bench_torch_surface}; do
     [ -f "tools/$bench.py" ] || continue
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25

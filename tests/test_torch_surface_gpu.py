@@ -1,0 +1,312 @@
+"""torch's own allocator tools under install(): torch.compile's CUDA graph trees, memory
+history and the memory visualiser, out-of-memory observers and trace trackers, sharing
+CUDA tensors between processes, and torch's memory-fraction semantics.
+
+Each test runs in a fresh process: install() must precede the first CUDA allocation.
+"""
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PRELUDE = """
+import torch, torch_budget
+MiB, GiB = 1 << 20, 1 << 30
+torch_budget.install()
+"""
+
+MLP = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+"""
+
+BRANCHY = """
+class Branchy(torch.nn.Module):
+    # The forward takes another path by batch size: each path is its own graph in the tree.
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(128, 128)
+        self.b = torch.nn.Linear(128, 128)
+    def forward(self, x):
+        h = self.a(x).relu()
+        if x.shape[0] > 8:
+            h = self.b(h) + h
+        else:
+            h = h * torch.sigmoid(self.b(h))
+        return h.sum(dim=1, keepdim=True) + h
+
+torch.manual_seed(0)
+model = Branchy().cuda()
+"""
+
+
+def _compiled_steps(scope: str) -> str:
+    return f"""
+compiled = torch.compile(model, mode="reduce-overhead")
+shapes = [4, 16, 4, 32, 16, 4, 32, 32, 4, 16] * 2
+with torch.no_grad():
+    for step, n in enumerate(shapes):
+        x = torch.randn(n, model[0].in_features if isinstance(model, torch.nn.Sequential) else 128,
+                        device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        with {scope}:
+            out = compiled(x)
+        ref = model(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        out = out.clone()                  # the tree may reuse its output buffer next step
+assert torch_budget.stats()["allocated"] > 0
+print("steps", len(shapes), "ok")
+"""
+
+
+@pytest.mark.parametrize("scope", ["torch.no_grad()", "torch_budget.route(tag='graphs')"])
+@pytest.mark.parametrize("model", ["mlp", "branchy"])
+def test_reduce_overhead_matches_eager_over_twenty_steps(fresh, model, scope):
+    out = fresh(PRELUDE + (MLP if model == "mlp" else BRANCHY) + _compiled_steps(scope), timeout=600)
+    assert "steps 20 ok" in out
+
+
+def test_reduce_overhead_tree_restores_checkpoints_at_the_same_addresses(fresh):
+    # A tree with two paths: running the second path makes the tree restore the pool's
+    # checkpoint; the live-allocation check and the deleter swap must hold throughout.
+    out = fresh(PRELUDE + BRANCHY + """
+import torch._inductor.config as cfg
+assert cfg.triton.slow_path_cudagraph_asserts     # torch checks the pool against its tensors
+compiled = torch.compile(model, mode="reduce-overhead")
+with torch.no_grad():
+    for step in range(12):
+        n = (4, 16, 32)[step % 3]
+        x = torch.full((n, 128), 0.01 * step, device="cuda")
+        a = compiled(x).clone()
+        torch.testing.assert_close(a, model(x), rtol=1e-4, atol=1e-4)
+stats = torch.cuda.memory_stats()
+print("pools", sum(1 for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] != (0, 0)))
+""", timeout=600)
+    assert "pools" in out
+
+
+HISTORY = PRELUDE + """
+import os, pickle, tempfile
+from torch.cuda import _memory_viz
+torch.cuda.memory._record_memory_history(max_entries=100000)
+
+def make_small():
+    return torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+
+keep = make_small()                                   # a live block with frames
+dead = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+del dead
+with torch_budget.route("sync"):
+    s = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+del s
+side = torch.cuda.Stream()
+r = torch.empty(1 * MiB, dtype=torch.uint8, device="cuda")
+with torch.cuda.stream(side):
+    r.add_(1)
+r.record_stream(side)
+del r                                                 # free_completed comes later, after side's event
+torch.cuda.synchronize()
+try:
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    raise SystemExit("no out-of-memory error")
+except torch.cuda.OutOfMemoryError:
+    pass
+torch.cuda.empty_cache()                              # segment_unmap / segment_free
+first = torch.cuda.memory._snapshot()
+snap = torch.cuda.memory._snapshot()
+"""
+
+
+def test_history_snapshot_has_segments_blocks_with_frames_and_every_action(fresh):
+    out = fresh(HISTORY + """
+assert torch.cuda.memory._record_memory_history is not None
+actions = {e["action"] for e in snap["device_traces"][0]}
+want = {"alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "segment_alloc",
+        "segment_free", "oom", "snapshot"}
+assert want <= actions, sorted(want - actions)
+seg = [s for s in snap["segments"] if any(b["state"] == "active_allocated" for b in s["blocks"])]
+assert seg, snap["segments"]
+live = [b for s in seg for b in s["blocks"] if b["state"] == "active_allocated"]
+named = [b for b in live if any(f["name"] == "make_small" for f in b["frames"])]
+assert named and named[0]["requested_size"] == 3 * MiB, live
+for s in snap["segments"]:                            # blocks tile their segment
+    assert sum(b["size"] for b in s["blocks"]) == s["total_size"], s
+allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc" and e["size"] == 3 * MiB]
+assert allocs and allocs[0]["frames"], allocs
+oom = [e for e in snap["device_traces"][0] if e["action"] == "oom"][0]
+assert oom["size"] >= 1 << 50 and 0 < oom["device_free"] <= torch.cuda.mem_get_info()[1], oom
+pending = [e for e in snap["device_traces"][0] if e["action"] == "free_completed" and e["size"] == 1 * MiB]
+assert pending, "the record_stream block's free never completed in the trace"
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "snap.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    with open(path, "rb") as f:
+        dumped = pickle.load(f)
+    html = _memory_viz.trace_plot(dumped)
+    assert "<html" in html.lower() or "<script" in html.lower()
+    _memory_viz.segment_plot(dumped)
+torch.cuda.memory._record_memory_history(enabled=None)
+assert not torch._C._cuda_isHistoryEnabled()
+after = torch.cuda.memory._snapshot()
+assert not after["device_traces"][0], after["device_traces"][0][:3]
+print("history ok", len(snap["device_traces"][0]))
+""")
+    assert "history ok" in out
+
+
+def test_history_entries_carry_the_threads_user_metadata(fresh):
+    out = fresh(PRELUDE + """
+torch.cuda.memory._record_memory_history(max_entries=1000)
+torch.cuda.memory._set_memory_metadata("step 7")
+t = torch.empty(4096, device="cuda")
+torch.cuda.memory._set_memory_metadata("")
+u = torch.empty(8192, device="cuda")
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+allocs = {e["size"]: e["user_metadata"] for e in trace if e["action"] == "alloc"}
+assert allocs[4096 * 4] == "step 7" and allocs[8192 * 4] == "", allocs
+print("metadata ok")
+""")
+    assert "metadata ok" in out
+
+
+def test_history_ring_keeps_the_newest_entries_and_honours_skip_actions(fresh):
+    out = fresh(PRELUDE + """
+torch.cuda.memory._record_memory_history(max_entries=10, skip_actions=["free_requested"])
+for i in range(50):
+    t = torch.empty((i + 1) * 4096, dtype=torch.uint8, device="cuda")
+    del t
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+assert len(trace) == 10, len(trace)
+assert not [e for e in trace if e["action"] == "free_requested"]
+sizes = [e["size"] for e in trace if e["action"] == "alloc"]
+assert sizes and sizes == sorted(sizes) and sizes[-1] == 50 * 4096, sizes
+times = [e["time_us"] for e in trace]
+assert times == sorted(times)
+print("ring ok")
+""")
+    assert "ring ok" in out
+
+
+def test_oom_observer_is_called_once_with_device_size_and_free_bytes(fresh):
+    out = fresh(PRELUDE + """
+calls = []
+torch._C._cuda_attach_out_of_memory_observer(lambda *a: calls.append(a))
+seen = []
+torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+try:
+    torch.empty(1 << 48, dtype=torch.uint8, device="cuda")
+except torch.cuda.OutOfMemoryError as e:
+    assert "Tried to allocate" in str(e)
+assert len(calls) == 1 and len(seen) == 1, calls
+device, size, limit, free = calls[0]
+free_now, total = torch.cuda.mem_get_info()
+assert device == 0 and size >= 1 << 48, calls
+assert limit == total and abs(free - free_now) < 256 * MiB, (calls, free_now, total)
+print("observer ok")
+""")
+    assert "observer ok" in out
+
+
+def test_memory_fraction_below_current_use_is_accepted_and_later_allocations_fail(fresh):
+    out = fresh(PRELUDE + """
+big = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+torch.cuda.set_per_process_memory_fraction(0.001)
+try:
+    more = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
+    raise SystemExit("allocated past the fraction")
+except torch.cuda.OutOfMemoryError as e:
+    assert "out of memory" in str(e)
+del big
+torch.cuda.set_per_process_memory_fraction(1.0)
+again = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
+print("fraction ok")
+""")
+    assert "fraction ok" in out
+
+
+CONSUMER = '''
+import torch
+
+def main(install, q_in, q_out):
+    if install:
+        import torch_budget
+        torch_budget.install()
+    while True:
+        item = q_in.get(timeout=120)
+        if item is None:
+            break
+        name, t, fill = item
+        ok = bool((t == fill).all().item())
+        t.add_(1)                       # written back through the shared mapping
+        torch.cuda.synchronize()
+        q_out.put((name, ok, t.numel()))
+        del t, item
+    q_out.put(("done", True, 0))
+'''
+
+
+@pytest.mark.parametrize("consumer_installed", [True, False])
+def test_tensors_shared_from_each_route_are_read_and_written_by_a_consumer(fresh, tmp_path, consumer_installed):
+    (tmp_path / "ipc_consumer.py").write_text(CONSUMER)
+    out = fresh(PRELUDE + f"""
+import sys
+sys.path.insert(0, {str(tmp_path)!r})
+import ipc_consumer
+import torch.multiprocessing as mp
+ctx = mp.get_context("spawn")
+q_in, q_out = ctx.Queue(), ctx.Queue()
+installed = {consumer_installed}
+p = ctx.Process(target=ipc_consumer.main, args=(installed, q_in, q_out))
+p.start()
+base = torch.cuda.memory_allocated()
+tensors = {{}}
+tensors["vmm"] = torch.full((3 * MiB + 5,), 7, dtype=torch.uint8, device="cuda")
+with torch_budget.route("sync"):
+    tensors["sync"] = torch.full((1000,), 9, dtype=torch.int32, device="cuda")
+if not installed:
+    tensors.pop("vmm")                      # torch's own allocator opens only its own formats
+fills = {{"vmm": 7, "sync": 9}}
+for name, t in tensors.items():
+    q_in.put((name, t, fills[name]))
+got = {{}}
+for _ in tensors:
+    name, ok, n = q_out.get(timeout=120)
+    got[name] = ok
+assert all(got.values()) and set(got) == set(tensors), got
+for name, t in tensors.items():
+    assert bool((t == fills[name] + 1).all().item()), name
+try:
+    with torch_budget.route("pool"):
+        pooled = torch.ones(100, device="cuda")
+    if torch_budget.stats()["by_route"]["pool"]["count"] > 0:
+        pooled.untyped_storage()._share_cuda_()
+        raise SystemExit("a pool-route tensor was shared")
+except RuntimeError as e:
+    assert "route" in str(e), e
+q_in.put(None)
+assert q_out.get(timeout=120)[0] == "done"
+p.join(60)
+assert p.exitcode == 0, p.exitcode
+del tensors, t
+torch.cuda.ipc_collect()
+import gc; gc.collect()
+torch.cuda.synchronize()
+assert torch.cuda.memory_allocated() <= base + 4096, (torch.cuda.memory_allocated(), base)
+print("ipc ok", sorted(got))
+""", timeout=600)
+    assert "ipc ok" in out
+
+
+def test_opening_a_handle_that_is_not_one_raises_a_clear_error(fresh):
+    out = fresh(PRELUDE + """
+for bad in (b"\\x02zgarbage", b"\\x02t" + b"\\x00" * 3, b"\\x09c" + b"\\x00" * 64):
+    try:
+        torch.UntypedStorage._new_shared_cuda(0, bad, 16, 0, b"none", 0, b"\\x00" * 64, False)
+        raise SystemExit(f"opened {bad!r}")
+    except RuntimeError as e:
+        assert "handle" in str(e), e
+x = torch.ones(10, device="cuda")                  # the process still works
+assert x.sum().item() == 10
+print("bad handles ok")
+""")
+    assert "bad handles ok" in out
