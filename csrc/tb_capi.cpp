@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/allocator.h"
 #include "core/error.h"
@@ -20,6 +23,13 @@ int64_t hand_over(const std::string& text, char* buffer, int64_t capacity) {
   const auto n = static_cast<int64_t>(text.size());
   if (buffer != nullptr && capacity > n) std::memcpy(buffer, text.c_str(), text.size() + 1);
   return n;
+}
+
+// Checkpoints handed out by tb_pool_checkpoint, by id; never destroyed (exit-time calls).
+std::mutex checkpoints_mu;
+std::vector<std::unique_ptr<PoolCheckpoint>>& checkpoints() {
+  static auto* v = new std::vector<std::unique_ptr<PoolCheckpoint>>();
+  return *v;
 }
 
 bool probe(int device, Capabilities* caps) {
@@ -247,6 +257,65 @@ int tb_release_pool(int device, uint64_t id0, uint64_t id1) {
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
   return d->release_pool({id0, id1}) ? 0 : code();
+}
+
+int tb_pool_checkpoint(int device, uint64_t id0, uint64_t id1) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return -code();
+  PoolCheckpoint cp;
+  if (!d->checkpoint_pool({id0, id1}, &cp)) return -code();
+  std::lock_guard<std::mutex> lock(checkpoints_mu);
+  checkpoints().push_back(std::make_unique<PoolCheckpoint>(std::move(cp)));
+  return static_cast<int>(checkpoints().size() - 1);
+}
+
+int tb_pool_restore(int device, int checkpoint, uint64_t* freed, int64_t* n_freed, uint64_t* created,
+                    int64_t* n_created, int64_t capacity) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  PoolCheckpoint cp;
+  {
+    std::lock_guard<std::mutex> lock(checkpoints_mu);
+    if (checkpoint < 0 || static_cast<size_t>(checkpoint) >= checkpoints().size() || !checkpoints()[checkpoint]) {
+      set_error(kInvalidArgument, "unknown checkpoint " + std::to_string(checkpoint));
+      return kInvalidArgument;
+    }
+    cp = *checkpoints()[checkpoint];
+  }
+  std::vector<uintptr_t> f;
+  std::vector<Block*> c;
+  if (!d->restore_checkpoint(cp, &f, &c)) return code();
+  *n_freed = static_cast<int64_t>(f.size());
+  *n_created = static_cast<int64_t>(c.size());
+  for (size_t i = 0; i < f.size() && static_cast<int64_t>(i) < capacity; ++i) freed[i] = f[i];
+  for (size_t i = 0; i < c.size() && static_cast<int64_t>(i) < capacity; ++i) created[i] = c[i]->ptr;
+  return 0;
+}
+
+int tb_pool_checkpoint_drop(int checkpoint) {
+  clear_error();
+  std::lock_guard<std::mutex> lock(checkpoints_mu);
+  if (checkpoint >= 0 && static_cast<size_t>(checkpoint) < checkpoints().size()) checkpoints()[checkpoint].reset();
+  return 0;
+}
+
+int tb_pool_live_matches(int device, uint64_t id0, uint64_t id1, const uint64_t* ptrs, int64_t n) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return -code();
+  std::vector<uintptr_t> expected(ptrs, ptrs + std::max<int64_t>(n, 0));
+  bool match = false;
+  if (!d->pool_live_matches({id0, id1}, expected, &match)) return -code();
+  return match ? 1 : 0;
+}
+
+int tb_pool_options(int device, uint64_t id0, uint64_t id1, int use_on_oom, int no_split) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->set_pool_options({id0, id1}, use_on_oom, no_split != 0) ? 0 : code();
 }
 
 int64_t tb_stats_json(int device, char* buffer, int64_t capacity) {

@@ -79,6 +79,18 @@ TB_API int tb_begin_pool(int device, uint64_t id0, uint64_t id1, void* stream);
 TB_API int tb_end_pool(int device, uint64_t id0, uint64_t id1);
 TB_API int tb_release_pool(int device, uint64_t id0, uint64_t id1);
 
+// Pool checkpoints (csrc/core/pool_checkpoint.h): a checkpoint id >= 0, or -code.
+TB_API int tb_pool_checkpoint(int device, uint64_t id0, uint64_t id1);
+// Restores checkpoint `checkpoint` (which stays valid): *n_freed / *n_created addresses
+// (at most `capacity` of each are written) of the blocks freed and re-created.
+TB_API int tb_pool_restore(int device, int checkpoint, uint64_t* freed, int64_t* n_freed, uint64_t* created,
+                           int64_t* n_created, int64_t capacity);
+TB_API int tb_pool_checkpoint_drop(int checkpoint);
+// 1 when the pool's allocated blocks are exactly ptrs[0..n), 0 when not, < 0 on error.
+TB_API int tb_pool_live_matches(int device, uint64_t id0, uint64_t id1, const uint64_t* ptrs, int64_t n);
+// torch's MemPool options: use_on_oom (-1 leaves it, 0 off, 1 on), no_split (1: never split).
+TB_API int tb_pool_options(int device, uint64_t id0, uint64_t id1, int use_on_oom, int no_split);
+
 // --- ledger, as JSON written into the caller's buffer: returns the full length
 // (call again with a larger buffer when it exceeds `capacity`), or -code.
 TB_API int64_t tb_stats_json(int device, char* buffer, int64_t capacity);
@@ -107,6 +119,8 @@ TB_API void tb_host_free_at_exit(void* ptr);
 TB_API int tb_host_poke(void* va, const void* src, int64_t bytes);
 TB_API int tb_host_peek(void* va, void* dst, int64_t bytes);
 TB_API int64_t tb_host_pinned(void);
+// Counts the allocator's trace events by action (core/trace.h) from now on; counts[9].
+TB_API void tb_host_trace(int on, int64_t counts[9]);
 
 #ifdef __cplusplus
 }

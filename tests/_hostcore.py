@@ -162,6 +162,38 @@ class Host:
     def release_pool(self, pool_id, device=0):
         _native.check(self.lib, self.lib.tb_release_pool(device, pool_id[0], pool_id[1]))
 
+    # -- pool checkpoints (csrc/core/pool_checkpoint.h) and MemPool options
+    def checkpoint(self, pool_id, device=0):
+        cp = self.lib.tb_pool_checkpoint(device, pool_id[0], pool_id[1])
+        if cp < 0:
+            raise _native.error(self.lib, -cp)
+        return cp
+
+    def restore_checkpoint(self, cp, device=0, capacity=256):
+        freed, created = (ctypes.c_uint64 * capacity)(), (ctypes.c_uint64 * capacity)()
+        nf, nc = ctypes.c_int64(), ctypes.c_int64()
+        _native.check(self.lib, self.lib.tb_pool_restore(device, cp, freed, ctypes.byref(nf), created,
+                                                         ctypes.byref(nc), capacity))
+        return list(freed[:nf.value]), list(created[:nc.value])
+
+    def live_matches(self, pool_id, ptrs, device=0):
+        arr = (ctypes.c_uint64 * max(len(ptrs), 1))(*ptrs)
+        r = self.lib.tb_pool_live_matches(device, pool_id[0], pool_id[1], arr, len(ptrs))
+        if r < 0:
+            raise _native.error(self.lib, -r)
+        return r == 1
+
+    def pool_options(self, pool_id, use_on_oom=-1, no_split=False, device=0):
+        _native.check(self.lib, self.lib.tb_pool_options(device, pool_id[0], pool_id[1], use_on_oom, int(no_split)))
+
+    def trace(self, on=True):
+        """Starts counting trace events (on) or stops; returns the counts so far by action."""
+        out = (ctypes.c_int64 * 9)()
+        self.lib.tb_host_trace(1 if on else 0, out)
+        names = ["alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                 "segment_unmap", "snapshot", "oom"]
+        return dict(zip(names, out))
+
     # -- sleep / wake (csrc/core/tag_sleep.h)
     BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}
 

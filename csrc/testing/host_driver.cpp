@@ -17,6 +17,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "../core/driver.h"
+#include "../core/trace.h"
 #include "../tb_capi.h"  // declares the tb_host_ exports (visibility)
 
 namespace {
@@ -813,6 +815,32 @@ int tb_host_peek(void* va, void* dst, int64_t bytes) {
 int64_t tb_host_pinned(void) {
   std::lock_guard<std::mutex> l(g->mu);
   return g->host_pinned;
+}
+
+}  // extern "C"
+
+namespace {
+
+std::atomic<int64_t> g_trace_counts[9];
+
+void count_trace(const tb::TraceEvent& e) {
+  const int a = static_cast<int>(e.action);
+  if (a >= 0 && a < 9) g_trace_counts[a].fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+extern "C" {
+
+// on = 1: counts from zero from now on; on = 0: stops counting. counts gets the counts.
+void tb_host_trace(int on, int64_t counts[9]) {
+  for (int a = 0; a < 9; ++a) counts[a] = g_trace_counts[a].load();
+  if (on) {
+    for (auto& c : g_trace_counts) c.store(0);
+    tb::set_trace_sink(&count_trace);
+  } else {
+    tb::set_trace_sink(nullptr);
+  }
 }
 
 }  // extern "C"

@@ -1,0 +1,169 @@
+"""Private pools in the core, against the host stand-in: checkpoints restored at the same
+addresses (CUDA graph trees), the live-allocation check, MemPool options, and the trace
+torch's memory history is built from."""
+import pytest
+
+from _hostcore import OOM, MiB, S1, S2, Host, isolated
+from torch_budget import _native
+
+pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
+
+KiB = 1 << 10
+POOL = (0, 7)
+
+
+def layout(h, pool):
+    return [(s["address"], s["blocks"]) for s in h.segments() if tuple(s["pool"]) == pool]
+
+
+def captured(h, sizes, pool=POOL, tag=None, stream=S2):
+    """Blocks allocated into `pool` as a capture would."""
+    if tag:
+        h.push(tag=tag)
+    h.begin_pool(pool, stream)
+    ptrs = [h.malloc(n, stream) for n in sizes]
+    h.end_pool(pool)
+    if tag:
+        h.pop()
+    return ptrs
+
+
+@pytest.mark.parametrize("tag", [None, "graphs"], ids=["sync", "vmm"])
+def test_a_checkpoint_brings_back_the_same_blocks_at_the_same_addresses(tag):
+    @isolated
+    def body():
+        h = Host(route="vmm")
+        a, b, c = captured(h, [64 * KiB, 3 * KiB, 512 * KiB], tag=tag)
+        h.free(b)                                     # a hole inside the segment
+        before = layout(h, POOL)
+        cp = h.checkpoint(POOL)
+        assert h.live_matches(POOL, [a, c]) and not h.live_matches(POOL, [a])
+        h.free(a)                                     # the layout changes after the checkpoint
+        h.begin_pool(POOL, S2)
+        d = h.malloc(200 * KiB, S2)
+        e = h.malloc(8 * MiB, S2)                     # in a new segment, or further in the arena
+        h.end_pool(POOL)
+        freed, created = h.restore_checkpoint(cp)
+        assert sorted(freed) == sorted([c, d, e])     # everything allocated now is freed
+        assert sorted(created) == sorted([a, c])      # the checkpoint's live blocks come back
+        assert h.live_matches(POOL, [a, c])
+        after = {addr: blocks for addr, blocks in layout(h, POOL)}
+        for addr, blocks in before:                  # checkpointed segments: identical
+            assert after[addr] == blocks, (addr, blocks, after[addr])
+        again_freed, again_created = h.restore_checkpoint(cp)  # a checkpoint can be restored twice
+        assert sorted(again_freed) == sorted(again_created) == sorted([a, c])
+        for p in (a, c):
+            h.free(p)
+        h.release_pool(POOL)                          # one use per capture, as torch's graphs hold
+        h.release_pool(POOL)
+        h.empty_cache()
+        assert h.stats()["graph_pool_reserved"]["current"] == 0
+        assert h.allocated() == 0
+    body()
+
+
+@isolated
+def test_restoring_a_checkpoint_whose_segment_is_gone_fails_and_changes_nothing():
+    h = Host(route="sync")
+    (a,) = captured(h, [64 * KiB])
+    cp = h.checkpoint(POOL)
+    h.free(a)
+    h.release_pool(POOL)                              # the pool dies and is destroyed
+    with pytest.raises(ValueError, match="no private pool|no longer exists"):
+        h.restore_checkpoint(cp)
+    (b,) = captured(h, [64 * KiB], pool=(0, 8))
+    (c,) = captured(h, [1 * MiB], pool=(0, 8))
+    cp2 = h.checkpoint((0, 8))
+    with pytest.raises(ValueError, match="unknown checkpoint"):
+        h.restore_checkpoint(999)
+    freed, created = h.restore_checkpoint(cp2)
+    assert sorted(freed) == sorted(created) == sorted([b, c])
+    assert h.allocated() == 64 * KiB + 1 * MiB
+    h.free(b)
+    h.free(c)
+    h.release_pool((0, 8))
+    assert h.allocated() == 0
+
+
+@isolated
+def test_live_check_of_an_unknown_pool_is_an_error():
+    h = Host(route="sync")
+    with pytest.raises(ValueError, match="no private pool"):
+        h.live_matches((0, 99), [])
+    with pytest.raises(ValueError, match="no private pool"):
+        h.checkpoint((0, 99))
+
+
+@isolated
+def test_use_on_oom_pool_lends_its_free_blocks_when_the_budget_is_reached():
+    h = Host(route="sync", budget=64 * MiB)
+    lender, other = (0, 20), (0, 21)
+    big = captured(h, [30 * MiB], pool=lender, stream=S1)[0]  # free blocks are lent on their own stream
+    held = captured(h, [30 * MiB], pool=other, stream=S1)[0]
+    h.pool_options(lender, use_on_oom=1)
+    h.free(big)
+    h.free(held)
+    filler = h.malloc(1 * KiB, S1)                    # a small segment: what is left of the budget
+    p = h.malloc(20 * MiB, S1)                        # no room: the lending pool's free block
+    owner = [tuple(s["pool"]) for s in h.segments() if s["allocated_size"] >= 20 * MiB]
+    assert owner == [lender]
+    with pytest.raises(OOM):
+        h.malloc(20 * MiB, S1)                        # 'other' does not lend
+    h.pool_options(lender, use_on_oom=0)
+    h.free(p)
+    with pytest.raises(OOM):
+        h.malloc(20 * MiB, S1)
+    h.free(filler)
+    for pool in (lender, other):
+        h.release_pool(pool)
+    h.empty_cache()
+    assert h.reserved() == 0
+
+
+@isolated
+def test_a_no_split_pool_gives_each_allocation_a_whole_segment():
+    h = Host(route="sync")
+    split, whole = (0, 30), (0, 31)
+    for pool in (split, whole):
+        h.begin_pool(pool, S2)                        # the pool exists before the option is set
+        h.end_pool(pool)
+    h.pool_options(whole, no_split=True)
+    for pool in (split, whole):
+        h.begin_pool(pool, S2)
+        h.malloc(4 * MiB, S2)
+        h.malloc(4 * MiB, S2)
+        h.end_pool(pool)
+    segs = {pool: [s for s in h.segments() if tuple(s["pool"]) == pool] for pool in (split, whole)}
+    assert len(segs[split]) == 1 and len(segs[whole]) == 2
+    assert all(len(s["blocks"]) == 1 for s in segs[whole])
+    with pytest.raises(ValueError, match="no memory pool"):
+        h.pool_options((0, 77), no_split=True)
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync"])
+def test_the_trace_reports_each_action_once(route):
+    @isolated
+    def body():
+        h = Host(route=route, budget=256 * MiB)
+        h.trace(True)
+        a = h.malloc(5 * MiB)
+        b = h.malloc(1 * KiB)
+        h.record_stream(b, S2)
+        h.submit(S2)                                  # S2 still uses b
+        h.free(a)
+        h.free(b)                                     # waits for S2's event: completes later
+        counts = h.trace(True)
+        assert counts["alloc"] == 2 and counts["free_requested"] == 2, counts
+        assert counts["free_completed"] == 1, counts
+        h.complete(S2)
+        h.malloc(1 * KiB)                             # events are polled on the allocation path
+        with pytest.raises(OOM):
+            h.malloc(1 << 40)
+        h.empty_cache()
+        counts = h.trace(False)
+        assert counts["free_completed"] == 1 and counts["oom"] == 1, counts
+        if route == "vmm":
+            assert counts["segment_unmap"] >= 1 and counts["segment_alloc"] == 0, counts
+        else:
+            assert counts["segment_free"] >= 1 and counts["segment_map"] == 0, counts
+    body()
