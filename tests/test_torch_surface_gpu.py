@@ -310,3 +310,29 @@ assert x.sum().item() == 10
 print("bad handles ok")
 """)
     assert "bad handles ok" in out
+
+
+def test_memory_snapshot_names_each_blocks_route_and_tag(fresh):
+    out = fresh(PRELUDE + """
+import os, pickle, tempfile
+from torch.cuda import _memory_viz
+with torch_budget.route(tag="kv"):
+    kv = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+with torch_budget.route("sync", tag="weights"):
+    w = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+snap = torch_budget.memory_snapshot()
+found = {}
+for seg in snap["segments"]:
+    address = seg["address"]
+    for b in seg["blocks"]:
+        if address in (kv.data_ptr(), w.data_ptr()):
+            found[address] = (b["route"], b["tag"])
+        address += b["size"]
+assert found == {kv.data_ptr(): ("vmm", "kv"), w.data_ptr(): ("sync", "weights")}, found
+with tempfile.TemporaryDirectory() as tmp:
+    torch_budget.dump_snapshot(os.path.join(tmp, "s.pickle"))
+    with open(os.path.join(tmp, "s.pickle"), "rb") as f:
+        _memory_viz.segment_plot(pickle.load(f))
+print("names ok")
+""")
+    assert "names ok" in out

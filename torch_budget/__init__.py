@@ -17,6 +17,8 @@ _EXPORTS = {
     "segments": "allocator",
     "trim_tag": "allocator",
     "TorchBudgetError": "allocator",
+    "memory_snapshot": "snapshot",
+    "dump_snapshot": "snapshot",
     # sleep / wake
     "release": "sleep",
     "restore": "sleep",
