@@ -87,6 +87,20 @@ void History::notify_oom(int device, size_t size, size_t limit, size_t device_fr
   for (const auto& obs : observers) obs(device, size, limit, device_free);
 }
 
+void History::attach_rejection_observer(RejectionObserver observer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rejection_observers_.push_back(std::move(observer));
+}
+
+void History::notify_rejection(int device, size_t size, size_t allocated, size_t limit) {
+  std::vector<RejectionObserver> observers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    observers = rejection_observers_;
+  }
+  for (const auto& obs : observers) obs(device, size, allocated, limit);
+}
+
 void History::update_sink() {
   set_trace_sink(enabled_.load() || has_trackers_.load() ? &History::sink : nullptr);
 }

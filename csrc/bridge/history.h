@@ -23,6 +23,7 @@
 #include <c10/util/ApproximateClock.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -75,6 +76,11 @@ class History {
   void attach_tracker(cda::AllocatorTraceTracker tracker);
   void attach_oom_observer(cca::OutOfMemoryObserver observer);
   void notify_oom(int device, size_t size, size_t limit, size_t device_free);
+  // Observers of allocations the budget refused before asking the driver (torch's
+  // OomRejectionObserver, where torch has it): (device, size, allocated, limit).
+  using RejectionObserver = std::function<void(int64_t, size_t, size_t, size_t)>;
+  void attach_rejection_observer(RejectionObserver observer);
+  void notify_rejection(int device, size_t size, size_t allocated, size_t limit);
 
   // For snapshot(): the traces per device, oldest first, times in µs since the epoch,
   // and a SNAPSHOT entry added for the next one; the stack of the live block at `ptr`.
@@ -105,6 +111,7 @@ class History {
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks_[64];  // per device
   std::vector<cda::AllocatorTraceTracker> trackers_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  std::vector<RejectionObserver> rejection_observers_;
   std::atomic<bool> has_trackers_{false};
   c10::ApproximateClockToUnixTimeConverter clock_;
 };

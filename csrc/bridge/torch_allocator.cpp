@@ -43,6 +43,9 @@ using bridge::History;
       size_t free_b = 0, total_b = 0;
       d->mem_info(&free_b, &total_b);
       const int64_t limit = d->budget() < static_cast<int64_t>(total_b) ? d->budget() : static_cast<int64_t>(total_b);
+      if (d->budget_refused())
+        History::get().notify_rejection(device, size, static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+                                        static_cast<size_t>(limit));
       History::get().notify_oom(device, size, static_cast<size_t>(limit), free_b);
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
@@ -308,6 +311,14 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     History::get().attach_oom_observer(std::move(observer));
   }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+  // Called when the budget (torch's memory fraction included) refuses an allocation
+  // before the driver is asked, then the out-of-memory observers are.
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    History::get().attach_rejection_observer(std::move(observer));
+  }
+#endif
 
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     History::get().attach_tracker(std::move(tracker));

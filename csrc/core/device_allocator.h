@@ -114,6 +114,8 @@ class DeviceAllocator {
   const Capabilities& caps() const { return caps_; }
   const Ledger& ledger() const { return ledger_; }
   int64_t budget() const { return budget_.limit(); }
+  // The last allocation that failed was refused by the budget (not by the driver).
+  bool budget_refused() const { return budget_.refused(); }
 
   // nullptr + error: kOutOfMemory (after one release-and-retry) carries the
   // quantified message; kInvalidArgument for a zero size.
