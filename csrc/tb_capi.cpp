@@ -286,12 +286,13 @@ int tb_pool_restore(int device, int checkpoint, uint64_t* freed, int64_t* n_free
   }
   std::vector<uintptr_t> f;
   std::vector<Block*> c;
-  if (!d->restore_checkpoint(cp, &f, &c)) return code();
+  const bool ok = d->restore_checkpoint(cp, &f, &c);
+  // Written on failure too: the blocks freed before it are gone all the same.
   *n_freed = static_cast<int64_t>(f.size());
   *n_created = static_cast<int64_t>(c.size());
   for (size_t i = 0; i < f.size() && static_cast<int64_t>(i) < capacity; ++i) freed[i] = f[i];
   for (size_t i = 0; i < c.size() && static_cast<int64_t>(i) < capacity; ++i) created[i] = c[i]->ptr;
-  return 0;
+  return ok ? 0 : code();
 }
 
 int tb_pool_checkpoint_drop(int checkpoint) {

@@ -82,7 +82,8 @@ TB_API int tb_release_pool(int device, uint64_t id0, uint64_t id1);
 // Pool checkpoints (csrc/core/pool_checkpoint.h): a checkpoint id >= 0, or -code.
 TB_API int tb_pool_checkpoint(int device, uint64_t id0, uint64_t id1);
 // Restores checkpoint `checkpoint` (which stays valid): *n_freed / *n_created addresses
-// (at most `capacity` of each are written) of the blocks freed and re-created.
+// (at most `capacity` of each are written) of the blocks freed and re-created, also when
+// it fails part-way (then nothing is re-created).
 TB_API int tb_pool_restore(int device, int checkpoint, uint64_t* freed, int64_t* n_freed, uint64_t* created,
                            int64_t* n_created, int64_t capacity);
 TB_API int tb_pool_checkpoint_drop(int checkpoint);

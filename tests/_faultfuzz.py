@@ -26,7 +26,7 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     live = {}            # ptr -> requested bytes
     held_pools = []      # graph pools still to release
     counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0, "release": 0,
-              "restore": 0, "sleep_failed": 0}
+              "restore": 0, "sleep_failed": 0, "checkpoint": 0, "checkpoint_failed": 0}
     next_pool = 1
     # Sleep and wake (VMM only): blocks under tag "t" carry a pattern that a restore with a
     # cpu or pinned backup must bring back, whatever failed before.
@@ -130,17 +130,44 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
             what = "capture"
             pool = (0, next_pool)
             next_pool += 1
+            before = set(live)
             h.begin_pool(pool, capture_stream)
             for _ in range(rng.randrange(1, 4)):
                 allocate(capture_stream)
             h.end_pool(pool)
             held_pools.append(pool)
+            mine = {p: live[p] for p in set(live) - before}
+            if mine and rng.random() < 0.5:
+                # A graph tree's checkpoint: the layout comes back at the same addresses
+                # after the pool's blocks changed (Note [Pool checkpoints]).
+                what = "checkpoint"
+                cp = h.checkpoint(pool)
+                gone = rng.choice(list(mine))
+                del live[gone]
+                h.free(gone)
+                errors = []
+                freed, created = h.restore_checkpoint(cp, errors=errors)
+                for p in freed:
+                    live.pop(p, None)
+                if errors:
+                    counts["checkpoint_failed"] += 1
+                else:
+                    assert sorted(created) == sorted(mine), (created, mine)
+                    live.update(mine)
+                    counts["checkpoint"] += 1
             if len(held_pools) > 2:
                 h.release_pool(held_pools.pop(0))
             counts["capture"] += 1
         check(step, what)
 
     h.heal()
+    # Room for the final restore: everything but tag "t"'s blocks goes first.
+    for p in [p for p in live if p not in tagged]:
+        h.free(p)
+        del live[p]
+    for pool in held_pools:
+        h.release_pool(pool)
+    h.empty_cache()
     if released():
         h.restore("t")
         if backup in ("cpu", "pinned"):
@@ -148,8 +175,6 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     for p in list(live):
         h.free(p)
     live.clear()
-    for pool in held_pools:
-        h.release_pool(pool)
     for s in streams + [capture_stream]:
         h.complete(s)
     h.empty_cache()

@@ -169,11 +169,15 @@ class Host:
             raise _native.error(self.lib, -cp)
         return cp
 
-    def restore_checkpoint(self, cp, device=0, capacity=256):
+    def restore_checkpoint(self, cp, device=0, capacity=256, errors=None):
+        """(freed, created); a failure raises, or with `errors` (a list) is appended to it."""
         freed, created = (ctypes.c_uint64 * capacity)(), (ctypes.c_uint64 * capacity)()
         nf, nc = ctypes.c_int64(), ctypes.c_int64()
-        _native.check(self.lib, self.lib.tb_pool_restore(device, cp, freed, ctypes.byref(nf), created,
-                                                         ctypes.byref(nc), capacity))
+        rc = self.lib.tb_pool_restore(device, cp, freed, ctypes.byref(nf), created, ctypes.byref(nc), capacity)
+        if rc != 0:
+            if errors is None:
+                raise _native.error(self.lib, rc)
+            errors.append(_native.error(self.lib, rc))
         return list(freed[:nf.value]), list(created[:nc.value])
 
     def live_matches(self, pool_id, ptrs, device=0):

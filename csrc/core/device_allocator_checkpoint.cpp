@@ -33,7 +33,7 @@ bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
   for (const auto& seg : p->blocks->segments()) {
     CheckpointSegment cs{seg->base, {}};
     for (const Block* b = seg->head; b != nullptr; b = b->next)
-      cs.blocks.push_back(CheckpointBlock{b->ptr, b->size, b->stream, b->allocated});
+      cs.blocks.push_back(CheckpointBlock{b->ptr, b->size, b->allocated ? b->requested : 0, b->stream, b->allocated});
     out->segments.push_back(std::move(cs));
   }
   return true;
@@ -114,6 +114,7 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
         return false;
       }
       if (cb.allocated) {
+        b->requested = cb.requested;
         b->tag = p->tag;
         account_alloc(b);
         live_.insert(b->ptr, b);

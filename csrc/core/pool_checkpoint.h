@@ -30,6 +30,7 @@ namespace tb {
 struct CheckpointBlock {
   uintptr_t ptr;
   size_t size;
+  size_t requested;  // what the caller asked for, so the ledger's requested bytes come back too
   CUstream stream;
   bool allocated;
 };
