@@ -164,8 +164,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK(fraction >= 0 && fraction <= 1, "torch_budget: memory fraction must be within [0, 1], got ",
                 fraction);
-    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-    if (d == nullptr) raise_last_error("setMemoryFraction");
+    tb::DeviceAllocator* d = ready(device, "setMemoryFraction");
     if (!(fraction > 0 ? d->set_budget(-1, fraction, false) : d->set_budget(0, -1, false)))
       raise_last_error("setMemoryFraction");
   }
@@ -185,8 +184,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
-    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-    if (d == nullptr) raise_last_error("cacheInfo");
+    tb::DeviceAllocator* d = ready(device, "cacheInfo");
     *largest = d->largest_free();
     if (*largest == 0) {
       // Nothing cached yet: what could still be had, within the budget.
@@ -216,8 +214,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // memory pool need their own grant (Note [Peer access to VMM memory]).
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
-    tb::DeviceAllocator* d = tb::Allocator::get().device(dev_to_access);
-    if (d == nullptr || !d->grant_peer(dev)) raise_last_error("enablePeerAccess");
+    if (!ready(dev_to_access, "enablePeerAccess")->grant_peer(dev)) raise_last_error("enablePeerAccess");
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -374,10 +371,8 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
-    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-    if (d == nullptr) raise_last_error("beginAllocateToPool");
     auto f = [filter = std::move(filter)](CUstream s) { return filter(static_cast<cudaStream_t>(s)); };
-    if (!d->begin_allocate_to_pool({id.first, id.second}, std::move(f))) raise_last_error("beginAllocateToPool");
+    if (!ready(device, "beginAllocateToPool")->begin_allocate_to_pool({id.first, id.second}, std::move(f))) raise_last_error("beginAllocateToPool");
   }
 
   void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
@@ -385,8 +380,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
-    tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-    if (d == nullptr || !d->release_pool({id.first, id.second})) raise_last_error("releasePool");
+    if (!ready(device, "releasePool")->release_pool({id.first, id.second})) raise_last_error("releasePool");
   }
 
   // torch.cuda.MemPool and use_mem_pool reach the same private pools as capture; a

@@ -1,0 +1,143 @@
+// Private pools: CUDA graph capture, torch.cuda.MemPool and their lifetimes
+// (Note [Interaction with CUDA graph capture], graph_pools.h).
+#include "device_allocator.h"
+#include "error.h"
+#include "scope.h"
+
+namespace tb {
+
+// Note [Private pool routes]
+// A private pool created under a tag lives on the VMM route when the device has it, so
+// the tag can release it (Note [Tag arenas]). An untagged one lives on the synchronous
+// route: segments of torch's sizes (2 MiB for small blocks, 20 MiB below 10 MiB,
+// else the request rounded to 2 MiB), split by torch's rules, so its layout -- what
+// graph trees checkpoint, what snapshots show, what NCCL registers -- is torch's own.
+int DeviceAllocator::private_route(int tag) const { return tag != 0 && caps_.vmm ? kRouteVmm : kRouteSync; }
+
+Backing* DeviceAllocator::private_backing(int tag) {
+  return private_route(tag) == kRouteVmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
+}
+
+bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int tag = current_scope().tag;
+  graphs_.acquire(id, private_backing(tag), private_route(tag), &store_, &clock_, tag);
+  graphs_.begin_capture(id, std::move(filter));
+  open_captures_.fetch_add(1, std::memory_order_acq_rel);
+  return true;
+}
+
+bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!graphs_.end_capture(id)) return false;
+  open_captures_.fetch_sub(1, std::memory_order_acq_rel);
+  if (open_captures() == 0) {
+    process_events();
+    destroy_dead_pools(lock);
+  }
+  return true;
+}
+
+void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<Backing> own;
+  if (source != nullptr && graphs_.find(id) == nullptr)
+    own = std::make_unique<UserRoute>(ctx_.device, budget_, ledger_, std::move(source));
+  const int tag = current_scope().tag;
+  graphs_.acquire(id, private_backing(tag), own ? kRouteSync : private_route(tag), &store_, &clock_, tag,
+                  std::move(own));
+}
+
+bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no_split) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  TB_REQUIRE(p != nullptr, kInvalidArgument,
+             "no memory pool (" + std::to_string(id.first) + ", " + std::to_string(id.second) + ") on device " +
+                 std::to_string(ctx_.device),
+             false);
+  if (use_on_oom >= 0) p->use_on_oom = use_on_oom != 0;
+  if (no_split) p->blocks->set_no_split();
+  return true;
+}
+
+bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  if (p != nullptr && p->own_backing) p->own_backing->release_cached(*p->blocks);
+  return true;
+}
+
+int DeviceAllocator::pool_use_count(const PoolId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PrivatePool* p = graphs_.find(id);
+  return p ? p->use_count : 0;
+}
+
+bool DeviceAllocator::release_pool(const PoolId& id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!graphs_.release(id)) return false;
+  PrivatePool* p = graphs_.find(id);
+  note_if_dead(p->blocks.get());
+  destroy_dead_pools(lock);
+  return true;
+}
+
+void DeviceAllocator::settle_pools() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!dead_.empty() && open_captures() == 0) {
+    process_events();
+    destroy_dead_pools(lock);
+  }
+}
+
+void DeviceAllocator::note_if_dead(BlockPool* blocks) {
+  PoolId id;
+  PrivatePool* p = graphs_.find(blocks, &id);
+  if (p == nullptr || !p->dead()) return;
+  for (const DeadPool& d : dead_)
+    if (d.id == id) return;
+  dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
+}
+
+void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all) {
+  if (dead_.empty() || open_captures() > 0) return;
+  // A replay may still be running: wait for the device once for all of them.
+  bool need_sync = false;
+  for (const DeadPool& d : dead_) need_sync |= (all || !d.during_capture) && !clock_.device_clean(d.died_at);
+  if (need_sync && !sync_device(lock)) return;
+  std::vector<DeadPool> dead;
+  dead.swap(dead_);
+  for (const DeadPool& d : dead) {
+    if (d.during_capture && !all) {
+      dead_.push_back(d);
+      continue;
+    }
+    PrivatePool* p = graphs_.find(d.id);
+    if (p == nullptr || !p->dead()) continue;  // revived while the lock was released
+    if (!clock_.device_clean(d.died_at) || !tag_live(p->tag)) {  // a released tag's pieces point into it
+      dead_.push_back(d);
+      continue;
+    }
+    std::vector<Segment*> segs;
+    for (const auto& seg : p->blocks->segments()) segs.push_back(seg.get());
+    bool all = true;
+    for (Segment* seg : segs) all &= p->blocks->backing()->destroy_segment(*seg);
+    if (all) graphs_.erase(d.id);
+    else dead_.push_back(d);  // the driver refused part of it: retried later
+  }
+  free_detached(lock);
+}
+
+Block* DeviceAllocator::borrow(size_t size, CUstream stream) {
+  for (auto& [id, p] : graphs_.pools()) {
+    if (!p.use_on_oom || !tag_live(p.tag)) continue;
+    Block* b = p.blocks->malloc(size, stream, /*grow=*/false);
+    if (b != nullptr) {
+      b->tag = p.tag;
+      return b;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace tb
