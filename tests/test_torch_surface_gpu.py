@@ -129,6 +129,7 @@ assert seg, snap["segments"]
 live = [b for s in seg for b in s["blocks"] if b["state"] == "active_allocated"]
 named = [b for b in live if any(f["name"] == "make_small" for f in b["frames"])]
 assert named and named[0]["requested_size"] == 3 * MiB, live
+assert "roundup_power2_divisions" in snap["allocator_settings"], snap["allocator_settings"]
 for s in snap["segments"]:                            # blocks tile their segment
     assert sum(b["size"] for b in s["blocks"]) == s["total_size"], s
 allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc" and e["size"] == 3 * MiB]

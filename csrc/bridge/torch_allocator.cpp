@@ -251,7 +251,14 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id, bool /*include_traces*/) override {
-    cca::SnapshotInfo info;
+    cca::SnapshotInfo info{};  // value-initialised: torch's config struct has no defaults
+    // The snapshot carries torch's allocator settings as torch reports them (the
+    // visualiser shows them); torch_budget does not apply them.
+    info.config_metadata.max_split_size = std::numeric_limits<size_t>::max();
+    info.config_metadata.roundup_power2_divisions =
+        c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions();
+    info.config_metadata.last_allocator_settings =
+        c10::CachingAllocator::AcceleratorAllocatorConfig::last_allocator_settings();
     const bool all = mempool_id.first == 0 && mempool_id.second == 0;
     int devices = 0;
     size_t total_active = 0;
