@@ -167,3 +167,28 @@ def test_the_trace_reports_each_action_once(route):
         else:
             assert counts["segment_free"] >= 1 and counts["segment_map"] == 0, counts
     body()
+
+
+@isolated
+def test_nested_pool_scopes_allocate_from_the_innermost():
+    # torch.cuda.use_mem_pool nests: each scope's pool serves until it ends.
+    h = Host(route="sync")
+    outer, inner = (0, 40), (0, 41)
+    h.begin_pool(outer, S1)
+    a = h.malloc(20 * MiB, S1)
+    h.begin_pool(inner, S1)
+    b = h.malloc(20 * MiB, S1)
+    h.end_pool(inner)
+    c = h.malloc(20 * MiB, S1)
+    h.end_pool(outer)
+    owner = {}
+    for s in h.segments():
+        for p in (a, b, c):
+            if s["address"] <= p < s["address"] + s["total_size"]:
+                owner[p] = tuple(s["pool"])
+    assert owner == {a: outer, b: inner, c: outer}, owner
+    for p in (a, b, c):
+        h.free(p)
+    h.release_pool(outer)
+    h.release_pool(inner)
+    assert h.reserved() == 0 or h.stats()["graph_pool_reserved"]["current"] == 0

@@ -59,7 +59,7 @@ void GraphPools::begin_capture(const PoolId& id, StreamFilter filter) {
 }
 
 bool GraphPools::end_capture(const PoolId& id) {
-  for (auto it = captures_.begin(); it != captures_.end(); ++it) {
+  for (auto it = captures_.begin(); it != captures_.end(); ++it) {  // the oldest, as torch's allocator
     if (it->first == id) {
       captures_.erase(it);
       return true;
@@ -70,9 +70,10 @@ bool GraphPools::end_capture(const PoolId& id) {
 }
 
 BlockPool* GraphPools::route_for(CUstream stream) {
-  for (auto& [id, filter] : captures_) {
-    if (filter(stream)) {
-      PrivatePool* p = find(id);
+  // Newest first: with nested torch.cuda.use_mem_pool scopes the innermost one serves.
+  for (auto it = captures_.rbegin(); it != captures_.rend(); ++it) {
+    if (it->second(stream)) {
+      PrivatePool* p = find(it->first);
       return p ? p->blocks.get() : nullptr;
     }
   }
