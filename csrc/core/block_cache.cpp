@@ -127,7 +127,10 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   Block* block = *it;
   FreeSet::node_type node = fs.extract(it);
   if (!no_split_ && block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
+  return activate(block, size);
+}
 
+Block* BlockPool::activate(Block* block, size_t requested) {
   block->allocated = true;
   block->segment->live++;
   live_++;
@@ -139,7 +142,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
     set_error(code, msg);
     return nullptr;
   }
-  block->requested = size;
+  block->requested = requested;
   return block;
 }
 
@@ -152,18 +155,14 @@ Block* BlockPool::claim(Block* block, size_t size, bool allocate) {
     else fs.insert(std::move(node));
     return block;
   }
-  block->allocated = true;
-  block->segment->live++;
-  live_++;
-  if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
-    const ErrorCode code = last_error_code();
-    const std::string msg = last_error_message();
-    free(block);
-    set_error(code, msg);
-    return nullptr;
-  }
-  block->requested = size;
-  return block;
+  return activate(block, size);
+}
+
+std::vector<Segment*> BlockPool::idle_clean_segments() const {
+  std::vector<Segment*> idle;
+  for (const auto& seg : segments_)
+    if (seg->live == 0 && clock_->clean(seg->stream, seg->head->freed_at)) idle.push_back(seg.get());
+  return idle;
 }
 
 void BlockPool::free(Block* block) {

@@ -180,11 +180,17 @@ class BlockPool {
   // the block becomes allocated and backed, else it goes back to the free set.
   // nullptr + error when backing it failed (nothing changed then but the split).
   Block* claim(Block* block, size_t size, bool allocate);
+  // Segments without live blocks whose last free is clean (Note [Clean blocks]): what a
+  // backing may give back.
+  std::vector<Segment*> idle_clean_segments() const;
   // Largest free block (for torch's cacheInfo).
   size_t largest_free() const;
 
  private:
   Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
+  // A block out of the free set becomes allocated and backed; nullptr + error (the
+  // block freed again) when backing it failed.
+  Block* activate(Block* block, size_t requested);
 
   Backing* backing_;
   int route_;

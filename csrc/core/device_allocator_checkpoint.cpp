@@ -16,10 +16,6 @@ std::string hex(uintptr_t v) {
   return buf;
 }
 
-std::string describe(const PoolId& id) {
-  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
-}
-
 }  // namespace
 
 bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
@@ -92,6 +88,15 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
 
   // 3. Carve each checkpointed segment back into its blocks.
   BlockPool* pool = p->blocks.get();
+  // A failure part-way frees what was re-created, keeping the error.
+  auto undo = [&]() {
+    const ErrorCode code = last_error_code();
+    const std::string msg = last_error_message();
+    for (Block* b : *created) free_locked(b);
+    created->clear();
+    set_error(code, msg);
+    return false;
+  };
   for (const CheckpointSegment& cs : cp.segments) {
     Block* cur = segs[cs.base]->head;
     for (size_t i = 0; i < cs.blocks.size(); ++i) {
@@ -100,19 +105,10 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
       if (cur == nullptr || cur->ptr != cb.ptr || cur->size < cb.size || (last && cur->size != cb.size)) {
         set_error(kState, "the checkpoint of " + where + " does not fit segment " + hex(cs.base) +
                               " at block " + hex(cb.ptr));
-        for (Block* b : *created) free_locked(b);
-        created->clear();
-        return false;
+        return undo();
       }
       Block* b = pool->claim(cur, cb.size, cb.allocated);
-      if (b == nullptr) {
-        const ErrorCode code = last_error_code();
-        const std::string msg = last_error_message();
-        for (Block* c : *created) free_locked(c);
-        created->clear();
-        set_error(code, msg);
-        return false;
-      }
+      if (b == nullptr) return undo();
       if (cb.allocated) {
         b->requested = cb.requested;
         b->tag = p->tag;

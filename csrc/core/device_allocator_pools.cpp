@@ -52,7 +52,7 @@ bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no
   std::lock_guard<std::mutex> lock(mu_);
   PrivatePool* p = graphs_.find(id);
   TB_REQUIRE(p != nullptr, kInvalidArgument,
-             "no memory pool (" + std::to_string(id.first) + ", " + std::to_string(id.second) + ") on device " +
+             "no memory pool " + describe(id) + " on device " +
                  std::to_string(ctx_.device),
              false);
   if (use_on_oom >= 0) p->use_on_oom = use_on_oom != 0;

@@ -5,13 +5,10 @@
 #include "error.h"
 
 namespace tb {
-namespace {
 
 std::string describe(const PoolId& id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
-
-}  // namespace
 
 PrivatePool& GraphPools::acquire(const PoolId& id, Backing* backing, int route, BlockStore* store,
                                  StreamClock* clock, int tag, std::unique_ptr<Backing> own) {

@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,9 @@
 namespace tb {
 
 using StreamFilter = std::function<bool(CUstream)>;
+
+// "(first, second)", for messages.
+std::string describe(const PoolId& id);
 
 struct PrivatePool {
   std::unique_ptr<Backing> own_backing;  // a MemPool's own allocator (route_user.h); outlives `blocks`

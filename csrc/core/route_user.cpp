@@ -36,10 +36,7 @@ bool UserRoute::destroy_segment(Segment& seg) {
 }
 
 void UserRoute::release_cached(BlockPool& pool) {
-  std::vector<Segment*> idle;
-  for (const auto& seg : pool.segments())
-    if (seg->live == 0 && pool.clock().clean(seg->stream, seg->head->freed_at)) idle.push_back(seg.get());
-  for (Segment* seg : idle) destroy_segment(*seg);
+  for (Segment* seg : pool.idle_clean_segments()) destroy_segment(*seg);
 }
 
 }  // namespace tb
