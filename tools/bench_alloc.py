@@ -21,6 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench import cuda_torch  # noqa: E402  (tools/ is the script's own folder)
+
 ROUNDS = int(os.environ.get("BENCH_ALLOC_ROUNDS", "3"))
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
 CONFIGS = [
@@ -108,13 +110,7 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2] if sys.argv[2] != "none" else None, sys.argv[3] == "pinned", sys.argv[4] == "churn")
         return 0
-    try:
-        import torch
-    except ImportError:
-        print("bench_alloc: torch is not installed")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench_alloc: no CUDA device visible; this benchmark measures GPU allocation and needs one")
+    if cuda_torch("bench_alloc", "GPU allocation", result_line=False) is None:
         return 0
     # Configurations run interleaved, ROUNDS times each; the table takes each one's
     # median, so a slow moment of the machine does not land on one configuration only.

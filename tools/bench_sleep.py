@@ -28,6 +28,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench import cuda_torch  # noqa: E402  (tools/ is the script's own folder)
+
 MiB, GiB, GB = 1 << 20, 1 << 30, 1e9
 MIN_SIZE, MAX_SIZE = 2 * MiB, 256 * MiB
 GOAL_GBPS = 50.0
@@ -260,14 +262,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeat < 1:
         parser.error("--gib must be positive and --repeat at least 1")
-    try:
-        import torch
-    except ImportError:
-        print("bench_sleep: torch is not installed; nothing to measure")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench_sleep: no CUDA device visible; this benchmark measures GPU memory and needs one")
-        print("RESULT bench_sleep skipped=no_cuda")
+    torch = cuda_torch("bench_sleep", "GPU memory")
+    if torch is None:
         return 0
     import torch_budget as tb
 

@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+from _bench import cuda_torch  # tools/ is the script's own folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS = int(os.environ.get("BENCH_TORCH_ROUNDS", "3"))
 
@@ -83,6 +85,8 @@ def run(config):
 
 
 def main():
+    if cuda_torch("bench_torch", "torch's tools on a GPU") is None:
+        return
     results = {"native": [], "tb": []}
     for _ in range(ROUNDS):
         for config in ("native", "tb"):

@@ -26,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench import cuda_torch  # noqa: E402  (tools/ is the script's own folder)
+
 MiB = 1 << 20
 FLOOR = 8 * MiB
 LONG = [64 * MiB, 128 * MiB, 512 * MiB, 256 * MiB, 384 * MiB, 32 * MiB]  # per-layer needs
@@ -178,14 +180,8 @@ def main(argv=None):
     if args.child:
         print("CHILD " + json.dumps(measure(args.child)))
         return 0
-    try:
-        import torch
-    except ImportError:
-        print("bench_workspace: torch is not installed; nothing to measure")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench_workspace: no CUDA device visible; this benchmark measures GPU memory and needs one")
-        print("RESULT bench_workspace skipped=no_cuda")
+    torch = cuda_torch("bench_workspace", "GPU memory")
+    if torch is None:
         return 0
 
     installed = run_installed_child()  # first, while this process holds no device memory
