@@ -68,8 +68,10 @@ std::string History::user_metadata() { return t_user_metadata; }
 
 void History::attach_tracker(cda::AllocatorTraceTracker tracker) {
   std::lock_guard<std::mutex> lock(mu_);
-  trackers_.push_back(std::move(tracker));
-  has_trackers_.store(true, std::memory_order_release);
+  auto next = trackers_ ? std::make_shared<std::vector<cda::AllocatorTraceTracker>>(*trackers_)
+                       : std::make_shared<std::vector<cda::AllocatorTraceTracker>>();
+  next->push_back(std::move(tracker));
+  trackers_ = std::move(next);
   update_sink();
 }
 
@@ -102,7 +104,7 @@ void History::notify_rejection(int device, size_t size, size_t allocated, size_t
 }
 
 void History::update_sink() {
-  set_trace_sink(enabled_.load() || has_trackers_.load() ? &History::sink : nullptr);
+  set_trace_sink(enabled_.load() || trackers_ ? &History::sink : nullptr);  // mu_ held
 }
 
 void History::sink(const TraceEvent& e) { get().on_event(e); }
@@ -111,7 +113,7 @@ void History::on_event(const TraceEvent& e) {
   const int when = when_.load(std::memory_order_relaxed);
   const int dev = std::clamp(e.device, 0, 63);
   std::shared_ptr<c10::GatheredContext> ctx;
-  std::vector<cda::AllocatorTraceTracker> trackers;
+  std::shared_ptr<const std::vector<cda::AllocatorTraceTracker>> trackers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto& stacks = stacks_[dev];
@@ -137,13 +139,14 @@ void History::on_event(const TraceEvent& e) {
         ctx = t_pending;  // a segment mapped for this thread's allocation carries its stack
         break;
     }
-    if (has_trackers_.load(std::memory_order_relaxed)) trackers = trackers_;
+    trackers = trackers_;
   }
   if (when < static_cast<int>(cda::RecordContext::ALLOC)) ctx.reset();
   cda::TraceEntry entry(static_cast<cda::TraceEntry::Action>(static_cast<int>(e.action)),
                         static_cast<c10::DeviceIndex>(e.device), e.addr, e.size, e.stream, {e.pool.first, e.pool.second},
                         c10::getApproximateTime(), std::move(ctx), "N/A", t_user_metadata);
-  for (const auto& t : trackers) t(entry);
+  if (trackers)
+    for (const auto& t : *trackers) t(entry);
   if (!enabled_.load(std::memory_order_relaxed) || skip_[static_cast<int>(e.action)]) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (rings_.size() <= static_cast<size_t>(dev)) rings_.resize(dev + 1);

@@ -109,10 +109,10 @@ class History {
   bool skip_[16] = {};
   std::vector<Ring> rings_;
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks_[64];  // per device
-  std::vector<cda::AllocatorTraceTracker> trackers_;
+  // Replaced, never changed, when one is attached: an event takes a reference, not a copy.
+  std::shared_ptr<const std::vector<cda::AllocatorTraceTracker>> trackers_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   std::vector<RejectionObserver> rejection_observers_;
-  std::atomic<bool> has_trackers_{false};
   c10::ApproximateClockToUnixTimeConverter clock_;
 };
 

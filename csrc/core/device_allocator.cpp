@@ -268,18 +268,17 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
 
 void DeviceAllocator::fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause) {
   bump(ledger_.num_ooms);
-  if (tracing()) {
-    size_t free_b = 0, total_b = 0;
-    mem_info(&free_b, &total_b);
-    trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
-  }
-  set_error(kOutOfMemory, oom_text(size, route, tag, cause));
+  size_t free_b = 0;
+  const std::string text = oom_text(size, route, tag, cause, &free_b);
+  trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
+  set_error(kOutOfMemory, text);
 }
 
-std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause) {
+std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free) {
   size_t free_b = 0, total_b = 0;
   mem_info(&free_b, &total_b);
   if (total_b == 0) total_b = caps_.total_bytes;
+  if (device_free != nullptr) *device_free = free_b;
   return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
 }
 

@@ -232,7 +232,8 @@ class DeviceAllocator {
   Block* borrow(size_t size, CUstream stream);
   // Records an out-of-memory failure: counted, traced, and the error set.
   void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
-  std::string oom_text(size_t size, int route, int tag, const std::string& cause);
+  // The quantified message; *device_free (when given) gets the free bytes it quotes.
+  std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr);
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
