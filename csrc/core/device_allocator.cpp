@@ -502,7 +502,7 @@ void DeviceAllocator::reset_accumulated() {
 
 // ---------------------------------------------------------------- introspection
 
-std::vector<SegmentView> DeviceAllocator::segments() {
+std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SegmentView> out;
   auto visit = [&](const BlockPool* pool, const PoolId& id) {
@@ -516,7 +516,7 @@ std::vector<SegmentView> DeviceAllocator::segments() {
       v.route = seg->route;
       v.pool = id;
       v.mapped = seg->route == kRouteVmm ? seg->mapped * vmm_->granule() : seg->size;
-      if (seg->route == kRouteVmm) {
+      if (runs && seg->route == kRouteVmm) {
         const size_t g = vmm_->granule();
         for (size_t i = 0; i < seg->granules.size(); ++i) {
           if (seg->granules[i] == 0) continue;
@@ -546,7 +546,7 @@ std::vector<SegmentView> DeviceAllocator::segments() {
 }
 
 std::vector<SegmentView> DeviceAllocator::mapped_segments() {
-  std::vector<SegmentView> all = segments();
+  std::vector<SegmentView> all = segments(/*runs=*/true);
   std::vector<SegmentView> out;
   for (SegmentView& v : all) {
     if (v.route != kRouteVmm) {

@@ -78,7 +78,7 @@ struct SegmentView {
     int tag;
   };
   std::vector<BlockView> blocks;
-  std::vector<std::pair<uintptr_t, size_t>> runs;  // VMM: mapped address ranges, in order
+  std::vector<std::pair<uintptr_t, size_t>> runs;  // VMM, when asked for: mapped address ranges, in order
 };
 
 // A tag's state on one device (Note [Tag arenas]).
@@ -183,7 +183,8 @@ class DeviceAllocator {
   // Destroys dead graph pools once that is safe (called when captures end).
   void settle_pools();
 
-  std::vector<SegmentView> segments();
+  // `runs`: also each VMM arena's mapped ranges (a walk over its granules).
+  std::vector<SegmentView> segments(bool runs = false);
   // The segments as torch's snapshot shows them: a VMM arena becomes one segment per
   // run of mapped granules, holding the parts of blocks that lie in it (as torch shows
   // its expandable segments), so blocks tile each segment exactly.
