@@ -7,6 +7,7 @@
 #include <mutex>
 #include <utility>
 
+#include "bridge/errors.h"
 #include "core/allocator.h"
 #include "core/error.h"
 
@@ -17,20 +18,16 @@ std::mutex mu;
 // Never destroyed: consumers may drop mappings during exit.
 auto* opened = new std::map<std::pair<std::string, int>, std::weak_ptr<void>>();
 
-[[noreturn]] void fail(const char* what) {
-  TORCH_CHECK(false, "torch_budget: ", what, ": ", last_error_message());
-}
-
 }  // namespace
 
 c10::cuda::CUDACachingAllocator::ShareableHandle share_ipc_handle(void* ptr) {
   int device = -1;
   BlockInfo info{};
-  if (!tb::Allocator::get().lookup(ptr, &device, &info)) fail("shareIpcHandle");
+  if (!tb::Allocator::get().lookup(ptr, &device, &info)) raise_last_error("shareIpcHandle");
   c10::cuda::CUDACachingAllocator::ShareableHandle out{};
   size_t offset = 0;
   if (!tb::Allocator::get().device(device)->share(reinterpret_cast<uintptr_t>(ptr), &out.handle, &offset))
-    fail("shareIpcHandle");
+    raise_last_error("shareIpcHandle");
   out.offset = static_cast<ptrdiff_t>(offset);
   return out;
 }
@@ -45,11 +42,11 @@ std::shared_ptr<void> open_ipc_handle(const std::string& handle) {
     opened->erase(it);
   }
   tb::DeviceAllocator* d = tb::Allocator::get().device(device);
-  if (d == nullptr) fail("getIpcDevPtr");
+  if (d == nullptr) raise_last_error("getIpcDevPtr");
   auto* share = new OpenedShare();
   if (!d->open_shared(handle, share)) {
     delete share;
-    fail("getIpcDevPtr");
+    raise_last_error("getIpcDevPtr");
   }
   std::shared_ptr<void> sp(reinterpret_cast<void*>(share->ptr), [d, share, key](void*) {
     {

@@ -20,6 +20,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "bridge/errors.h"
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "core/allocator.h"
@@ -34,9 +35,11 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 using bridge::History;
 
+}  // namespace
+
 // Out of memory: torch's observers first (with the numbers torch gives them), then
 // torch's OutOfMemoryError with the core's message.
-[[noreturn]] void raise_last_error(const char* what, int device = -1, size_t size = 0) {
+void bridge::raise_last_error(const char* what, int device, size_t size) {
   const std::string msg = *last_error_message() ? std::string(last_error_message()) : std::string(what);
   if (last_error_code() == kOutOfMemory) {
     if (tb::DeviceAllocator* d = device >= 0 ? tb::Allocator::get().device_if_ready(device) : nullptr) {
@@ -52,6 +55,10 @@ using bridge::History;
   }
   TORCH_CHECK(false, "torch_budget: ", what, ": ", msg);
 }
+
+namespace {
+
+using bridge::raise_last_error;
 
 // Note [One deleter]
 // torch compares a storage's deleter with raw_deleter() (graph trees swap it, and
