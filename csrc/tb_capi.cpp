@@ -252,6 +252,8 @@ int tb_end_pool(int device, uint64_t id0, uint64_t id1) {
   return Allocator::get().end_pool(device, {id0, id1}) ? 0 : code();
 }
 
+void tb_capture_reuse(int on) { DeviceAllocator::set_capture_reuse(on != 0); }
+
 int tb_release_pool(int device, uint64_t id0, uint64_t id1) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);

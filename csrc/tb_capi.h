@@ -78,6 +78,9 @@ TB_API int tb_host_pool_stats(int64_t out[8]);
 TB_API int tb_begin_pool(int device, uint64_t id0, uint64_t id1, void* stream);
 TB_API int tb_end_pool(int device, uint64_t id0, uint64_t id1);
 TB_API int tb_release_pool(int device, uint64_t id0, uint64_t id1);
+// torch's graph_capture_record_stream_reuse, for the whole process (Note [Reuse during
+// capture], csrc/core/capture_graph.h); read at the next free during capture.
+TB_API void tb_capture_reuse(int on);
 
 // Pool checkpoints (csrc/core/pool_checkpoint.h): a checkpoint id >= 0, or -code.
 TB_API int tb_pool_checkpoint(int device, uint64_t id0, uint64_t id1);
@@ -122,6 +125,11 @@ TB_API int tb_host_peek(void* va, void* dst, int64_t bytes);
 TB_API int64_t tb_host_pinned(void);
 // Counts the allocator's trace events by action (core/trace.h) from now on; counts[9].
 TB_API void tb_host_trace(int on, int64_t counts[9]);
+// Capture, as the stand-in's streams report it: `stream` captures sequence `capture`
+// (0: not capturing; one sequence, one graph) and now ends in tails[0..n). Graph nodes
+// are numbers; tb_host_node gives node `node` the dependencies parents[0..n).
+TB_API void tb_host_capture(void* stream, uint64_t capture, const uint64_t* tails, int n);
+TB_API void tb_host_node(uint64_t node, const uint64_t* parents, int n);
 
 #ifdef __cplusplus
 }

@@ -162,6 +162,17 @@ class Host:
     def release_pool(self, pool_id, device=0):
         _native.check(self.lib, self.lib.tb_release_pool(device, pool_id[0], pool_id[1]))
 
+    # -- the graph a stream captures (Note [Reuse during capture])
+    def capture_reuse(self, on):
+        self.lib.tb_capture_reuse(int(on))
+
+    def capture(self, stream, sequence, tails=()):
+        """`stream` captures `sequence` (0: not capturing) and now ends in graph nodes `tails`."""
+        self.lib.tb_host_capture(stream, sequence, (ctypes.c_uint64 * max(len(tails), 1))(*tails), len(tails))
+
+    def node(self, node, parents=()):
+        self.lib.tb_host_node(node, (ctypes.c_uint64 * max(len(parents), 1))(*parents), len(parents))
+
     # -- pool checkpoints (csrc/core/pool_checkpoint.h) and MemPool options
     def checkpoint(self, pool_id, device=0):
         cp = self.lib.tb_pool_checkpoint(device, pool_id[0], pool_id[1])

@@ -3,7 +3,7 @@ addresses (CUDA graph trees), the live-allocation check, MemPool options, and th
 torch's memory history is built from."""
 import pytest
 
-from _hostcore import OOM, MiB, S1, S2, Host, isolated
+from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
 from torch_budget import _native
 
 pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
@@ -192,3 +192,81 @@ def test_nested_pool_scopes_allocate_from_the_innermost():
     h.release_pool(outer)
     h.release_pool(inner)
     assert h.reserved() == 0 or h.stats()["graph_pool_reserved"]["current"] == 0
+
+
+def captured_read(h, sequence, streams_nodes):
+    """Each (stream, node, parents): `stream` queues graph node `node` after `parents`."""
+    for stream, node, parents in streams_nodes:
+        h.node(node, parents)
+        h.capture(stream, sequence, [node])
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "default"])
+def test_a_block_freed_after_record_stream_is_reused_in_capture_once_the_streams_join(reuse):
+    # torch's graph_capture_record_stream_reuse, two streams (Note [Reuse during capture]).
+    @isolated
+    def body():
+        h = Host(route="sync")
+        h.capture_reuse(reuse)
+        h.capture(S1, 1)
+        h.capture(S2, 1)
+        h.begin_pool(POOL, S1)
+        h.malloc(512, S1)                              # a neighbour, so the freed block stays apart
+        data1 = h.malloc(512, S1)
+        captured_read(h, 1, [(S2, 10, [])])            # s2 reads data1
+        h.record_stream(data1, S2)
+        h.free(data1)
+        data2 = h.malloc(512, S1)                      # s1 has queued nothing after s2's read
+        assert data2 != data1
+        captured_read(h, 1, [(S1, 11, [10])])          # s1 waits for s2, then queues a kernel
+        data3 = h.malloc(512, S1)
+        assert (data3 == data1) == reuse
+        h.end_pool(POOL)
+        h.capture(S1, 0)
+        h.capture(S2, 0)
+        h.complete(S2)
+        h.free(data2)
+        h.free(data3)
+        h.empty_cache()                                # the deferred block (no reuse) is freed now
+        assert h.allocated() == 512
+    body()
+
+
+@isolated
+def test_reuse_in_capture_waits_until_every_stream_that_used_the_block_joined():
+    # torch's four-stream case: partial joins do not free the block.
+    h = Host(route="sync")
+    S4 = 0x4000
+    h.capture_reuse(True)
+    for s in (S1, S2, S3, S4):
+        h.capture(s, 7)
+    h.begin_pool(POOL, S1)
+    captured_read(h, 7, [(S1, 1, [])])                 # data1 is written on s1
+    data1 = h.malloc(512, S1)
+    h.malloc(512, S1)
+    captured_read(h, 7, [(S2, 20, [1]), (S3, 30, [1]), (S4, 40, [1])])
+    for s in (S2, S3, S4):
+        h.record_stream(data1, s)
+    h.free(data1)
+    captured_read(h, 7, [(S1, 11, [1, 20]), (S3, 31, [30, 40])])  # s1 joins s2, s3 joins s4
+    data2 = h.malloc(512, S1)
+    assert data2 != data1
+    assert h.malloc(512, S2) != data1                  # only the block's own stream may take it
+    captured_read(h, 7, [(S1, 12, [11, 31])])          # s1 joins s3: every use is behind it
+    assert h.malloc(512, S1) == data1
+    h.end_pool(POOL)
+
+
+@isolated
+def test_a_block_used_on_a_stream_outside_the_capture_waits_for_the_end_of_capture():
+    h = Host(route="sync")
+    h.capture_reuse(True)
+    h.capture(S1, 3)
+    h.begin_pool(POOL, S1)
+    data1 = h.malloc(512, S1)
+    h.malloc(512, S1)
+    h.record_stream(data1, S3)                         # s3 is not capturing
+    h.free(data1)
+    captured_read(h, 3, [(S1, 5, [])])
+    assert h.malloc(512, S1) != data1
+    h.end_pool(POOL)

@@ -208,6 +208,44 @@ print("observer ok")
     assert "observer ok" in out
 
 
+def test_record_stream_reuse_in_capture_follows_torchs_setting_and_replays_right(fresh):
+    # graph_capture_record_stream_reuse (Note [Reuse during capture]): a block freed after
+    # record_stream is reused in the same capture once the other stream joined, never before.
+    out = fresh(PRELUDE + """
+src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+def capture(reuse):
+    torch.cuda.memory._set_allocator_settings(f"graph_capture_record_stream_reuse:{reuse}")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    s1.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s1):
+        g.capture_begin()
+        data1 = src * 2
+        s2.wait_stream(s1)
+        with torch.cuda.stream(s2):
+            out2 = data1 + 1
+            data1.record_stream(s2)
+        first = data1.data_ptr()
+        del data1
+        early = torch.zeros_like(src)          # s2 may still read data1 here
+        s1.wait_stream(s2)
+        late = torch.full_like(src, 5.0)       # s2's read is behind s1 now
+        res = out2 + late + early
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s1)
+    assert early.data_ptr() != first
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(res, src * 2 + 6)
+    return late.data_ptr() == first
+assert capture(True) is True
+assert capture(False) is False
+print("reuse ok")
+""")
+    assert "reuse ok" in out
+
+
 def test_memory_fraction_below_current_use_is_accepted_and_later_allocations_fail(fresh):
     out = fresh(PRELUDE + """
 big = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")

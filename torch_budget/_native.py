@@ -60,6 +60,7 @@ def _declare(lib, host):
         "tb_begin_pool": (i, [i, u64, u64, vp]),
         "tb_end_pool": (i, [i, u64, u64]),
         "tb_release_pool": (i, [i, u64, u64]),
+        "tb_capture_reuse": (None, [i]),
         "tb_pool_checkpoint": (i, [i, u64, u64]),
         "tb_pool_restore": (i, [i, i, ctypes.POINTER(u64), ctypes.POINTER(i64), ctypes.POINTER(u64),
                                 ctypes.POINTER(i64), i64]),
@@ -88,6 +89,8 @@ def _declare(lib, host):
             "tb_host_poke": (i, [vp, vp, i64]),
             "tb_host_peek": (i, [vp, vp, i64]),
             "tb_host_pinned": (i64, []),
+            "tb_host_capture": (None, [vp, u64, ctypes.POINTER(u64), i]),
+            "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
         })
     else:
         sigs.update({"tb_torch_install": (i, []), "tb_torch_installed": (i, [])})

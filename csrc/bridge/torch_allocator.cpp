@@ -4,9 +4,9 @@
 // IPC calls from the core's ledger.
 //
 // Overriding allocate() and raw_deleter() skips the base class's mutex and pointer
-// map on every allocation; the DataPtr context is the core's Block, so a free needs
-// no lookup. Allocation failures become c10 errors here (this is C++ called by
+// map on every allocation (Note [One deleter]). Allocation failures become c10 errors here (this is C++ called by
 // torch, not the C ABI): kOutOfMemory -> torch.cuda.OutOfMemoryError.
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -18,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 
 #include "bridge/errors.h"
@@ -32,6 +33,20 @@ namespace {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
 using c10::CachingDeviceAllocator::DeviceStats;
+
+// torch's graph_capture_record_stream_reuse setting, on the torch versions that have it.
+template <typename Config, typename = void>
+struct HasCaptureReuse : std::false_type {};
+template <typename Config>
+struct HasCaptureReuse<Config, std::void_t<decltype(Config::graph_capture_record_stream_reuse())>> : std::true_type {};
+
+template <typename Config = cca::CUDAAllocatorConfig>
+bool capture_reuse_setting() {
+  if constexpr (HasCaptureReuse<Config>::value)
+    return Config::graph_capture_record_stream_reuse();
+  else
+    return false;
+}
 
 using bridge::History;
 
@@ -386,6 +401,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
     auto f = [filter = std::move(filter)](CUstream s) { return filter(static_cast<cudaStream_t>(s)); };
+    tb::DeviceAllocator::set_capture_reuse(capture_reuse_setting());  // as set when this capture begins
     if (!ready(device, "beginAllocateToPool")->begin_allocate_to_pool({id.first, id.second}, std::move(f))) raise_last_error("beginAllocateToPool");
   }
 

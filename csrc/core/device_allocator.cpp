@@ -17,6 +17,7 @@ constexpr int kSyncRounds = 3;
 }  // namespace
 
 std::atomic<int> DeviceAllocator::open_captures_{0};
+std::atomic<bool> DeviceAllocator::capture_reuse_{false};
 
 DeviceAllocator::DeviceAllocator(int device) : budget_(device, ledger_), store_(device) { ctx_.device = device; }
 
@@ -193,6 +194,7 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
 Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync) {
   const bool capturing = graphs_.capturing();
   BlockPool* gp = capturing ? graphs_.route_for(stream) : nullptr;
+  if (!capture_frees_.empty()) reuse_in_capture(stream);
   if (!capturing && (!pending_.empty() || !deferred_.empty())) process_events();
   clock_.allow_requests(allow_sync && open_captures() == 0);
   budget_.clear_refusal();
@@ -353,6 +355,10 @@ void DeviceAllocator::free_locked(Block* b) {
   }
   b->pending = 1;  // held until events were recorded on every recorded stream
   deferred_.push_back(b);
+  if (open_captures() > 0) {
+    mark_capture_free(b);
+    return;
+  }
   process_events();
 }
 

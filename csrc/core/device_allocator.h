@@ -25,6 +25,7 @@
 
 #include "block_cache.h"
 #include "budget.h"
+#include "capture_graph.h"
 #include "driver.h"
 #include "graph_pools.h"
 #include "ledger.h"
@@ -201,6 +202,10 @@ class DeviceAllocator {
 
   // Captures open anywhere in the process: no synchronisation while any is.
   static int open_captures() { return open_captures_.load(std::memory_order_acquire); }
+  // torch's graph_capture_record_stream_reuse, for the whole process: a block freed
+  // during capture after record_stream is reused in the same capture once the graph
+  // orders it after every use (Note [Reuse during capture], capture_graph.h).
+  static void set_capture_reuse(bool on) { capture_reuse_.store(on, std::memory_order_relaxed); }
 
  private:
   struct Pending {
@@ -242,6 +247,10 @@ class DeviceAllocator {
   void retire(Block* b);            // active -> back to its pool
   void trace_block(TraceAction action, const Block* b);
   void process_events();
+  // Note [Reuse during capture]: keeps the free markers of a block just deferred
+  // during capture, and frees those on `stream` the graph now orders after every use.
+  void mark_capture_free(Block* b);
+  void reuse_in_capture(CUstream stream);
   void note_if_dead(BlockPool* pool);
   // The three below take the lock held and return with it held, releasing it while
   // they wait for the device.
@@ -274,6 +283,12 @@ class DeviceAllocator {
   PtrMap live_;                   // every allocated block, by address
   std::deque<Pending> pending_;   // record_stream events outstanding
   std::vector<Block*> deferred_;  // frees still to record events (or waiting for captures to end)
+  struct CaptureFree {
+    Block* block;  // in deferred_
+    std::vector<CUgraphNode> markers;
+  };
+  std::vector<CaptureFree> capture_frees_;  // deferred during this device's captures, with markers
+  CaptureWalks walks_;
   std::vector<int> peers_;        // devices granted access to this one
   std::unique_ptr<BlockPool> tag_pools_[kMaxTags];  // VMM pools of tags 1.. (Note [Tag arenas])
   TagState tags_[kMaxTags];
@@ -281,6 +296,7 @@ class DeviceAllocator {
   std::unique_ptr<TagMover> mover_;
 
   static std::atomic<int> open_captures_;
+  static std::atomic<bool> capture_reuse_;
 };
 
 }  // namespace tb

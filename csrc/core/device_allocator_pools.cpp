@@ -1,5 +1,7 @@
 // Private pools: CUDA graph capture, torch.cuda.MemPool and their lifetimes
 // (Note [Interaction with CUDA graph capture], graph_pools.h).
+#include <algorithm>
+
 #include "device_allocator.h"
 #include "error.h"
 #include "scope.h"
@@ -31,11 +33,50 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!graphs_.end_capture(id)) return false;
   open_captures_.fetch_sub(1, std::memory_order_acq_rel);
+  if (!graphs_.capturing()) {  // markers and walks name nodes of graphs no longer captured
+    capture_frees_.clear();
+    walks_.clear();
+  }
   if (open_captures() == 0) {
     process_events();
     destroy_dead_pools(lock);
   }
   return true;
+}
+
+void DeviceAllocator::mark_capture_free(Block* b) {
+  if (!capture_reuse_.load(std::memory_order_relaxed) || b->recorded.empty()) return;
+  std::vector<CUstream> streams{b->stream};
+  for (const StreamRef& r : b->recorded) streams.push_back(r.stream);
+  std::vector<CUgraphNode> markers;
+  // No markers (a stream not capturing, or nothing queued yet): the end of capture frees it.
+  if (capture_tails(streams, &markers) && !markers.empty())
+    capture_frees_.push_back(CaptureFree{b, std::move(markers)});
+}
+
+void DeviceAllocator::reuse_in_capture(CUstream stream) {
+  const std::unordered_set<CUgraphNode>* reached = nullptr;
+  for (size_t i = 0; i < capture_frees_.size();) {
+    CaptureFree& f = capture_frees_[i];
+    if (f.block->stream != stream) {
+      ++i;
+      continue;
+    }
+    if (reached == nullptr && (reached = walks_.reached(stream)) == nullptr) return;
+    bool after_every_use = true;
+    for (CUgraphNode m : f.markers) after_every_use = after_every_use && reached->count(m) > 0;
+    if (!after_every_use) {
+      ++i;
+      continue;
+    }
+    Block* b = f.block;
+    f = std::move(capture_frees_.back());
+    capture_frees_.pop_back();
+    deferred_.erase(std::find(deferred_.begin(), deferred_.end(), b));
+    b->recorded.clear();  // the graph orders the reuse: no event needed
+    b->pending = 0;
+    retire(b);
+  }
 }
 
 void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {

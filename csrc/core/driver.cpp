@@ -96,6 +96,8 @@ bool load_cuda_driver(std::string* why) {
   resolve(lib, "cuIpcGetMemHandle", &d.ipcGetMemHandle, nullptr);
   resolve(lib, "cuIpcOpenMemHandle_v2", &d.ipcOpenMemHandle, nullptr);
   resolve(lib, "cuIpcCloseMemHandle", &d.ipcCloseMemHandle, nullptr);
+  resolve(lib, "cuStreamGetCaptureInfo_v3", &d.streamGetCaptureInfo, nullptr);
+  resolve(lib, "cuGraphNodeGetDependencies_v2", &d.graphNodeGetDependencies, nullptr);
   CUresult r = d.init(0);
   if (r != CUDA_SUCCESS) {
     *why = "cuInit failed: " + std::to_string(static_cast<int>(r)) +

@@ -5,8 +5,8 @@
 // used by the CPU tests (csrc/testing/host_driver.cpp). A machine without a driver
 // builds and imports fine; asking for memory there is a clean error.
 //
-// Entry points come in three groups. The base group is required. The VMM group and
-// the memory-pool group are optional: a driver lacking one of their entry points
+// Entry points come in groups. The base group is required. The others (VMM, memory
+// pools, IPC, capture graphs) are optional: a driver lacking one of their entry points
 // still loads, and the route that needs them is reported unavailable.
 #pragma once
 
@@ -77,8 +77,13 @@ struct DriverApi {
   CUresult (*ipcGetMemHandle)(CUipcMemHandle* handle, CUdeviceptr ptr);
   CUresult (*ipcOpenMemHandle)(CUdeviceptr* ptr, CUipcMemHandle handle, unsigned int flags);
   CUresult (*ipcCloseMemHandle)(CUdeviceptr ptr);
+  // --- the graph a stream is capturing (optional as a group: Note [Reuse during capture])
+  CUresult (*streamGetCaptureInfo)(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id, CUgraph* graph,
+                                   const CUgraphNode** tails, const CUgraphEdgeData** edges, size_t* count);
+  CUresult (*graphNodeGetDependencies)(CUgraphNode node, CUgraphNode* deps, CUgraphEdgeData* edges, size_t* count);
   bool has_vmm() const;
   bool has_pools() const;
+  bool has_capture_graph() const { return streamGetCaptureInfo && graphNodeGetDependencies; }
 };
 
 // The table in use; nullptr until a driver was loaded or installed.

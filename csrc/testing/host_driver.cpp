@@ -102,6 +102,8 @@ struct State {
   std::map<std::string, Fault> faults;
   Fault all;
   uint64_t rng = 0x9E3779B97F4A7C15ull;
+  std::map<void*, std::pair<uint64_t, std::vector<CUgraphNode>>> captures;  // stream -> (sequence, tails)
+  std::map<CUgraphNode, std::vector<CUgraphNode>> parents;                   // graph node -> dependencies
   bool hold_syncs = false;  // synchronisations wait until released (tb_host_hold_syncs)
   int waiting_syncs = 0;
   std::condition_variable sync_cv;
@@ -119,7 +121,7 @@ const char* const kEntryPoints[] = {
     "cuMemGetAllocationGranularity", "cuMemPoolCreate", "cuMemPoolDestroy", "cuMemPoolSetAttribute",
     "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
-    "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost",
+    "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
 };
 
 bool known_entry(const std::string& name) {
@@ -327,6 +329,30 @@ CUresult h_stream_sync(CUstream s) {
 }
 CUresult h_capture_mode(CUstreamCaptureMode*) {
   HOST_ENTRY("cuThreadExchangeStreamCaptureMode");
+  return CUDA_SUCCESS;
+}
+CUresult h_capture_info(CUstream s, CUstreamCaptureStatus* status, cuuint64_t* id, CUgraph* graph,
+                        const CUgraphNode** tails, const CUgraphEdgeData** edges, size_t* count) {
+  HOST_ENTRY("cuStreamGetCaptureInfo");
+  auto it = g->captures.find(s);
+  const bool on = it != g->captures.end() && it->second.first != 0;
+  *status = on ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  *id = on ? it->second.first : 0;
+  *graph = on ? reinterpret_cast<CUgraph>(static_cast<uintptr_t>(it->second.first)) : nullptr;
+  *tails = on ? it->second.second.data() : nullptr;
+  *edges = nullptr;  // default edges only
+  *count = on ? it->second.second.size() : 0;
+  return CUDA_SUCCESS;
+}
+CUresult h_node_deps(CUgraphNode node, CUgraphNode* deps, CUgraphEdgeData* edges, size_t* count) {
+  HOST_ENTRY("cuGraphNodeGetDependencies");
+  const std::vector<CUgraphNode>& p = g->parents[node];
+  if (deps != nullptr) {
+    if (*count < p.size()) return CUDA_ERROR_INVALID_VALUE;
+    std::copy(p.begin(), p.end(), deps);
+    if (edges != nullptr) std::fill(edges, edges + p.size(), CUgraphEdgeData{});
+  }
+  *count = p.size();
   return CUDA_SUCCESS;
 }
 CUresult h_error_name(CUresult r, const char** name) {
@@ -625,6 +651,8 @@ tb::DriverApi make_api() {
   a.memsetD8Async = h_memset;
   a.memHostAlloc = h_host_alloc;
   a.memFreeHost = h_free_host;
+  a.streamGetCaptureInfo = h_capture_info;
+  a.graphNodeGetDependencies = h_node_deps;
   return a;
 }
 
@@ -761,6 +789,20 @@ int tb_host_remove_entry(const char* name) {
   else if (!std::strcmp(name, "cuMemAllocFromPoolAsync")) g_api.memAllocFromPoolAsync = nullptr;
   else return 1;
   return 0;
+}
+
+void tb_host_capture(void* stream, uint64_t capture, const uint64_t* tails, int n) {
+  std::lock_guard<std::mutex> l(g->mu);
+  std::vector<CUgraphNode> nodes;
+  for (int i = 0; i < n; ++i) nodes.push_back(reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(tails[i])));
+  g->captures[stream] = {capture, std::move(nodes)};
+}
+
+void tb_host_node(uint64_t node, const uint64_t* parents, int n) {
+  std::lock_guard<std::mutex> l(g->mu);
+  auto& p = g->parents[reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(node))];
+  p.clear();
+  for (int i = 0; i < n; ++i) p.push_back(reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(parents[i])));
 }
 
 // Frees `ptr` through tb_free after this thread's thread-local objects and earlier

@@ -1,0 +1,77 @@
+#include "capture_graph.h"
+
+#include "driver.h"
+
+namespace tb {
+namespace {
+
+struct CaptureInfo {
+  cuuint64_t id = 0;
+  CUgraph graph = nullptr;
+  const CUgraphNode* tails = nullptr;
+  size_t count = 0;
+};
+
+bool capture_info(CUstream stream, CaptureInfo* out) {
+  const DriverApi* d = driver();
+  if (d == nullptr || !d->has_capture_graph()) return false;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUgraphEdgeData* edges = nullptr;  // asked for: without it, edges with data fail the query
+  if (d->streamGetCaptureInfo(stream, &status, &out->id, &out->graph, &out->tails, &edges, &out->count) !=
+      CUDA_SUCCESS)
+    return false;
+  return status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
+// The nodes `node` depends on; false when the driver cannot say.
+bool dependencies(CUgraphNode node, std::vector<CUgraphNode>* deps, std::vector<CUgraphEdgeData>* edges) {
+  const DriverApi* d = driver();
+  size_t count = 0;
+  if (d->graphNodeGetDependencies(node, nullptr, nullptr, &count) != CUDA_SUCCESS) return false;
+  deps->resize(count);
+  edges->resize(count);
+  if (count == 0) return true;
+  if (d->graphNodeGetDependencies(node, deps->data(), edges->data(), &count) != CUDA_SUCCESS) return false;
+  deps->resize(count);
+  return true;
+}
+
+}  // namespace
+
+bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out) {
+  out->clear();
+  CUgraph graph = nullptr;
+  for (CUstream s : streams) {
+    CaptureInfo info;
+    if (!capture_info(s, &info)) return false;
+    if (graph != nullptr && info.graph != graph) return false;
+    graph = info.graph;
+    out->insert(out->end(), info.tails, info.tails + info.count);
+  }
+  return true;
+}
+
+const std::unordered_set<CUgraphNode>* CaptureWalks::reached(CUstream stream) {
+  CaptureInfo info;
+  if (!capture_info(stream, &info) || info.count == 0) return nullptr;
+  Walk* walk = nullptr;
+  for (Walk& w : walks_)
+    if (w.capture == info.id && w.stream == stream) walk = &w;
+  if (walk == nullptr) walk = &walks_.emplace_back(Walk{info.id, stream, {}});
+  std::vector<CUgraphNode> todo(info.tails, info.tails + info.count);
+  std::vector<CUgraphNode> deps;
+  std::vector<CUgraphEdgeData> edges;
+  while (!todo.empty()) {
+    CUgraphNode n = todo.back();
+    todo.pop_back();
+    if (walk->seen.count(n)) continue;
+    // A node whose dependencies cannot be read is not counted as reached: the blocks
+    // it would free wait for the end of capture.
+    if (!dependencies(n, &deps, &edges)) continue;
+    walk->seen.insert(n);
+    todo.insert(todo.end(), deps.begin(), deps.end());
+  }
+  return &walk->seen;
+}
+
+}  // namespace tb

@@ -1,0 +1,55 @@
+// What a capturing stream has recorded so far, read from the graph being captured.
+//
+// Note [Reuse during capture]
+// A block freed during capture after record_stream cannot wait for events: an event
+// query is illegal while a stream captures. By default it stays unusable until every
+// capture has ended (Note [Stream-ordered reuse]). torch's
+// graph_capture_record_stream_reuse setting asks for more: reuse it inside the same
+// capture as soon as the graph itself orders the reuse after every use.
+//
+// At the free, the nodes each stream touching the block currently ends in (its
+// allocation stream and every recorded stream) are the block's free markers: every
+// use of the block so far lies at or before them. When any of those streams is not
+// capturing, or they capture different graphs, there are no markers and the block
+// waits for the end of capture as before.
+//
+// Before a later allocation on the block's own stream, the nodes that stream ends in
+// are walked back through their dependencies. Whatever that stream queues next
+// depends on all of them, so when every marker is among the nodes reached, the new
+// work runs after the block's last use on every stream: the block is free on that
+// stream with no event at all. Only its own stream may take it (blocks are matched
+// by stream), so the check is made on that stream only. A stream's nodes only grow
+// in one capture, so the walk is kept per (capture, stream) and never visits a node
+// twice; it is dropped when the device's captures end.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <unordered_set>
+#include <vector>
+
+namespace tb {
+
+// The nodes `streams` currently end in, all of one capture: false when one of them is
+// not capturing, they capture different graphs, or the driver cannot say. Streams
+// that have queued nothing in the capture yet add no node.
+bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out);
+
+class CaptureWalks {
+ public:
+  // Every node `stream` depends on so far in its capture, its current tails
+  // included; nullptr when it is not capturing or has queued nothing yet.
+  const std::unordered_set<CUgraphNode>* reached(CUstream stream);
+  void clear() { walks_.clear(); }
+
+ private:
+  struct Walk {
+    cuuint64_t capture;
+    CUstream stream;
+    std::unordered_set<CUgraphNode> seen;
+  };
+  std::vector<Walk> walks_;
+};
+
+}  // namespace tb
