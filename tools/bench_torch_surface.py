@@ -1,7 +1,7 @@
 """torch's own tools under install(), against torch's native allocator in the same run.
 
 Each configuration runs in its own process (install() must come first); the two
-allocators alternate, ROUNDS times, and medians are reported:
+allocators alternate, ROUNDS times (the order flipping each round), and medians are reported:
   - torch.compile(mode="reduce-overhead") step time, µs, on an MLP (one graph replayed)
     and on a model whose forward branches on the batch size, stepped through three
     batch sizes in turn (the graph tree switches paths, restoring pool checkpoints);
@@ -19,7 +19,7 @@ import sys
 from _bench import cuda_torch  # tools/ is the script's own folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROUNDS = int(os.environ.get("BENCH_TORCH_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("BENCH_TORCH_ROUNDS", "5"))
 
 CHILD = r"""
 import json, sys, time
@@ -88,8 +88,8 @@ def main():
     if cuda_torch("bench_torch", "torch's tools on a GPU") is None:
         return
     results = {"native": [], "tb": []}
-    for _ in range(ROUNDS):
-        for config in ("native", "tb"):
+    for r in range(ROUNDS):  # the order flips every round, so neither always runs first
+        for config in (("native", "tb") if r % 2 == 0 else ("tb", "native")):
             results[config].append(run(config))
     keys = ("mlp_us", "tree_us", "history_us")
     med = {c: {k: statistics.median(r[k] for r in results[c]) for k in keys} for c in results}
