@@ -305,7 +305,8 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         for (const auto& bv : v.blocks) {
           c10::CachingDeviceAllocator::BlockInfo bi;
           bi.size = bv.size;
-          bi.requested_size = bv.state != 0 ? std::min(bv.requested, bv.size) : 0;
+          // An inactive block reports what its last allocation asked for, as torch's does.
+          bi.requested_size = std::min(bv.requested, bv.size);
           bi.allocated = bv.state == 1;
           bi.active = bv.state != 0;
           if (bv.state != 0) bi.context_when_allocated = History::get().stack_of(i, bv.ptr);

@@ -95,6 +95,7 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   rest->segment = block->segment;
   rest->route = route_;
   rest->freed_at = block->freed_at;
+  rest->requested = block->requested;  // see Block::requested
   rest->prev = block;
   rest->next = block->next;
   if (block->next) block->next->prev = rest;
@@ -168,7 +169,6 @@ std::vector<Segment*> BlockPool::idle_clean_segments() const {
 void BlockPool::free(Block* block) {
   block->allocated = false;
   block->pending = 0;
-  block->requested = 0;
   block->recorded.clear();
   block->freed_at = clock_->stamp();
   block->segment->live--;
@@ -183,6 +183,7 @@ void BlockPool::free(Block* block) {
     p->size += block->size;
     p->next = block->next;
     p->freed_at = std::max(p->freed_at, block->freed_at);
+    p->requested = block->requested;  // the block freed now carries its figure (Block::requested)
     if (block->next) block->next->prev = p;
     store_->recycle(block);
     block = p;

@@ -66,7 +66,10 @@ struct Segment {
 struct Block {
   uintptr_t ptr = 0;
   size_t size = 0;        // rounded bytes owned by this block
-  size_t requested = 0;   // bytes the caller asked for, while allocated
+  // Bytes the caller asked for. A free block keeps the figure of the last allocation
+  // it absorbed, and a split hands it to the remainder, because torch's snapshot
+  // reports exactly that for inactive blocks (its tools and tests read it).
+  size_t requested = 0;
   CUstream stream = nullptr;
   Segment* segment = nullptr;
   Block* prev = nullptr;  // address-order neighbours inside the segment

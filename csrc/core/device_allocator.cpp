@@ -346,7 +346,7 @@ void DeviceAllocator::free_locked(Block* b) {
   trace_block(TraceAction::kFreeRequested, b);
   live_.erase(b->ptr);
   account_release(b);
-  b->allocated = false;  // `requested` stays until the block is retired: the trace reports it
+  b->allocated = false;  // `requested` stays: the trace reports it
   // A stream-ordered free is a stream operation: none while a capture is open.
   const bool ordered_free = b->segment->pool->release_on_free();
   if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {

@@ -162,7 +162,7 @@ std::string segments_json(DeviceAllocator& d) {
     j.key("pool").open('[').num(static_cast<int64_t>(v.pool.first)).num(static_cast<int64_t>(v.pool.second)).close(']');
     j.key("blocks").open('[');
     for (const auto& b : v.blocks)
-      j.open('[').num(static_cast<int64_t>(b.size)).num(static_cast<int64_t>(b.requested)).num(b.state).close(']');
+      j.open('[').num(static_cast<int64_t>(b.size)).num(static_cast<int64_t>(b.state != 0 ? b.requested : 0)).num(b.state).close(']');
     j.close(']');
     j.close('}');
   }
