@@ -1,4 +1,6 @@
-"""What every benchmark in tools/ checks first: torch installed, a CUDA device visible."""
+"""What the benchmarks in tools/ share: the torch / CUDA check every one makes first, and pinning
+the measuring thread to one CPU core."""
+import os
 
 
 def cuda_torch(name: str, measures: str, result_line: bool = True):
@@ -15,3 +17,11 @@ def cuda_torch(name: str, measures: str, result_line: bool = True):
             print(f"RESULT {name} skipped=no_cuda")
         return None
     return torch
+
+
+def pin_to_one_core():
+    """Pins the calling thread to one CPU core, the same one in every process of a run: which core
+    (and NUMA node) a process lands on otherwise moves the figures more than allocators differ."""
+    if hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[len(allowed) // 2]})

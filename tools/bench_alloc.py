@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench import cuda_torch  # noqa: E402  (tools/ is the script's own folder)
+from _bench import cuda_torch, pin_to_one_core  # noqa: E402  (tools/ is the script's own folder)
 
 ROUNDS = int(os.environ.get("BENCH_ALLOC_ROUNDS", "3"))
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
@@ -52,11 +52,8 @@ def churn_trace(seed=0, steps=4000, max_live=48):
 
 
 def child(route, pinned, churn):
-    # Every configuration runs on the same CPU core: otherwise which core (and NUMA
-    # node) a process lands on moves the figures more than the allocators differ.
-    if pinned and hasattr(os, "sched_setaffinity"):
-        allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {allowed[len(allowed) // 2]})
+    if pinned:
+        pin_to_one_core()
     import torch
 
     if route:

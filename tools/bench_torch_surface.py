@@ -1,7 +1,8 @@
 """torch's own tools under install(), against torch's native allocator in the same run.
 
 Each configuration runs in its own process (install() must come first); the two
-allocators alternate, ROUNDS times (the order flipping each round), and medians are reported:
+allocators alternate, ROUNDS times (the order flipping each round), and medians are reported;
+the timed loops run on one CPU core, the same in every process:
   - torch.compile(mode="reduce-overhead") step time, µs, on an MLP (one graph replayed)
     and on a model whose forward branches on the batch size, stepped through three
     batch sizes in turn (the graph tree switches paths, restoring pool checkpoints);
@@ -22,19 +23,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS = int(os.environ.get("BENCH_TORCH_ROUNDS", "5"))
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
+from _bench import pin_to_one_core
 if sys.argv[1] == "tb":
     import torch_budget
     torch_budget.install()
 
 def timed(fn, steps):
+    # Pinned while timed only: compile workers forked meanwhile would inherit one core.
+    allowed = os.sched_getaffinity(0)
+    pin_to_one_core()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(steps):
         fn(i)
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e6
+    elapsed = time.perf_counter() - t0
+    os.sched_setaffinity(0, allowed)
+    return elapsed / steps * 1e6
 
 out = {}
 torch.manual_seed(0)
@@ -75,7 +82,8 @@ print("JSON", json.dumps(out))
 
 
 def run(config):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = [ROOT, os.path.join(ROOT, "tools"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     proc = subprocess.run([sys.executable, "-c", CHILD, config], capture_output=True, text=True, env=env,
                           timeout=900)
     line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
