@@ -188,6 +188,35 @@ print("ring ok")
     assert "ring ok" in out
 
 
+def test_a_live_block_keeps_its_stack_after_recording_stops(fresh):
+    # As torch's blocks keep theirs (Note [History]); a block allocated later has none,
+    # also at the address of one that had a stack.
+    out = fresh(PRELUDE + """
+def made_while_recording():
+    return torch.empty(3 * MiB + 512, dtype=torch.uint8, device="cuda")
+def frames_at(ptr):
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        at = seg["address"]
+        for b in seg["blocks"]:
+            if at == ptr and b["state"] == "active_allocated":
+                return [f["name"] for f in b["frames"]]
+            at += b["size"]
+    raise AssertionError(f"no live block at {ptr:#x}")
+torch.cuda.memory._record_memory_history(stacks="python")
+kept = made_while_recording()
+gone = made_while_recording()
+torch.cuda.memory._record_memory_history(enabled=None)
+assert "made_while_recording" in frames_at(kept.data_ptr())
+del gone
+later = torch.empty(3 * MiB + 512, dtype=torch.uint8, device="cuda")
+assert frames_at(later.data_ptr()) == []
+torch.cuda.memory._record_memory_history(stacks="python", clear_history=True)
+assert "made_while_recording" in frames_at(kept.data_ptr())
+print("stacks ok")
+""")
+    assert "stacks ok" in out
+
+
 def test_oom_observer_is_called_once_with_device_size_and_free_bytes(fresh):
     out = fresh(PRELUDE + """
 calls = []

@@ -36,11 +36,7 @@ void History::record(bool enabled, cda::CreateContextFn recorder, size_t max_ent
   recorder_ = enabled ? recorder : nullptr;
   max_entries_ = std::max<size_t>(1, max_entries);
   when_.store(enabled ? static_cast<int>(when) : 0, std::memory_order_relaxed);
-  if (!enabled || clear) {
-    rings_.clear();
-    if (!enabled)
-      for (auto& m : stacks_) m.clear();
-  }
+  if (!enabled || clear) rings_.clear();  // live blocks keep their stacks (Note [History])
   for (Ring& r : rings_) {
     if (r.entries.size() <= max_entries_) continue;
     std::rotate(r.entries.begin(), r.entries.begin() + static_cast<long>(r.next), r.entries.end());
@@ -104,7 +100,7 @@ void History::notify_rejection(int device, size_t size, size_t allocated, size_t
 }
 
 void History::update_sink() {
-  set_trace_sink(enabled_.load() || trackers_ ? &History::sink : nullptr);  // mu_ held
+  set_trace_sink(enabled_.load() || trackers_ || stacked_ > 0 ? &History::sink : nullptr);  // mu_ held
 }
 
 void History::sink(const TraceEvent& e) { get().on_event(e); }
@@ -118,11 +114,20 @@ void History::on_event(const TraceEvent& e) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& stacks = stacks_[dev];
     switch (e.action) {
-      case TraceAction::kAlloc:
+      case TraceAction::kAlloc: {
         ctx = std::move(t_pending);
         t_pending.reset();
-        if (ctx && when >= static_cast<int>(cda::RecordContext::STATE)) stacks[e.addr] = ctx;
+        auto it = stacks.find(e.addr);  // a block at this address earlier is gone
+        if (it != stacks.end()) {
+          stacks.erase(it);
+          --stacked_;
+        }
+        if (ctx && when >= static_cast<int>(cda::RecordContext::STATE)) {
+          stacks[e.addr] = ctx;
+          ++stacked_;
+        }
         break;
+      }
       case TraceAction::kFreeRequested:
       case TraceAction::kFreeCompleted: {
         auto it = stacks.find(e.addr);
@@ -132,7 +137,10 @@ void History::on_event(const TraceEvent& e) {
         } else if (it != stacks.end()) {
           ctx = it->second;
         }
-        if (e.action == TraceAction::kFreeCompleted && it != stacks.end()) stacks.erase(it);
+        if (e.action == TraceAction::kFreeCompleted && it != stacks.end()) {
+          stacks.erase(it);
+          if (--stacked_ == 0 && !enabled_.load(std::memory_order_relaxed)) update_sink();
+        }
         break;
       }
       default:
@@ -141,6 +149,7 @@ void History::on_event(const TraceEvent& e) {
     }
     trackers = trackers_;
   }
+  if (!trackers && !enabled_.load(std::memory_order_relaxed)) return;  // only keeping block stacks
   if (when < static_cast<int>(cda::RecordContext::ALLOC)) ctx.reset();
   cda::TraceEntry entry(static_cast<cda::TraceEntry::Action>(static_cast<int>(e.action)),
                         static_cast<c10::DeviceIndex>(e.device), e.addr, e.size, e.stream, {e.pool.first, e.pool.second},

@@ -13,6 +13,10 @@
 // address for the snapshot's blocks. Trace trackers see every entry, history on or
 // off, skip list or not, as torch's own allocator calls them.
 //
+// A block keeps its stack until it is freed, also after recording stops (torch's
+// blocks hold theirs): a snapshot taken later still names where live memory came
+// from. So the sink stays on while any stack is kept, to drop each with its block.
+//
 // Lock rule: mu_ guards the rings, the block stacks and the observer lists; it is
 // taken inside a device's mutex (from the sink) and never the other way round.
 // Trackers run with mu_ released and the device's mutex held.
@@ -109,6 +113,7 @@ class History {
   bool skip_[16] = {};
   std::vector<Ring> rings_;
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks_[64];  // per device
+  size_t stacked_ = 0;  // entries in stacks_
   // Replaced, never changed, when one is attached: an event takes a reference, not a copy.
   std::shared_ptr<const std::vector<cda::AllocatorTraceTracker>> trackers_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
