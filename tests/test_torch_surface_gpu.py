@@ -170,6 +170,25 @@ print("metadata ok")
     assert "metadata ok" in out
 
 
+def test_history_entries_name_the_compiled_region_that_allocated(fresh):
+    out = fresh(PRELUDE + """
+def f(x):
+    return (x @ x).relu() + 1
+compiled = torch.compile(f)
+x = torch.randn(64, 64, device="cuda")
+compiled(x)                                   # compiled before recording
+torch.cuda.memory._record_memory_history(max_entries=1000, compile_context=True)
+compiled(x)
+eager = torch.empty(12345, dtype=torch.uint8, device="cuda")
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+regions = [e["compile_context"] for e in trace if e["action"] == "alloc"]
+assert any(r.startswith("Torch-Compiled Region") for r in regions), regions
+assert [e["compile_context"] for e in trace if e["action"] == "alloc" and e["size"] == 12345] == ["N/A"], trace
+print("regions ok")
+""")
+    assert "regions ok" in out
+
+
 def test_history_ring_keeps_the_newest_entries_and_honours_skip_actions(fresh):
     out = fresh(PRELUDE + """
 torch.cuda.memory._record_memory_history(max_entries=10, skip_actions=["free_requested"])

@@ -11,6 +11,7 @@ namespace {
 // The stack gathered for the next event this thread causes (Note [History]).
 thread_local std::shared_ptr<c10::GatheredContext> t_pending;
 thread_local std::string t_user_metadata;
+thread_local std::vector<std::string> t_compile_context;
 
 constexpr const char* kActionNames[] = {"alloc",         "free_requested", "free_completed",
                                         "segment_alloc", "segment_free",   "segment_map",
@@ -61,6 +62,12 @@ void History::forget() { t_pending.reset(); }
 void History::set_user_metadata(const std::string& md) { t_user_metadata = md; }
 
 std::string History::user_metadata() { return t_user_metadata; }
+
+void History::push_compile_context(const std::string& region) { t_compile_context.push_back(region); }
+
+void History::pop_compile_context() {
+  if (!t_compile_context.empty()) t_compile_context.pop_back();
+}
 
 void History::attach_tracker(cda::AllocatorTraceTracker tracker) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -153,7 +160,8 @@ void History::on_event(const TraceEvent& e) {
   if (when < static_cast<int>(cda::RecordContext::ALLOC)) ctx.reset();
   cda::TraceEntry entry(static_cast<cda::TraceEntry::Action>(static_cast<int>(e.action)),
                         static_cast<c10::DeviceIndex>(e.device), e.addr, e.size, e.stream, {e.pool.first, e.pool.second},
-                        c10::getApproximateTime(), std::move(ctx), "N/A", t_user_metadata);
+                        c10::getApproximateTime(), std::move(ctx),
+                        t_compile_context.empty() ? std::string("N/A") : t_compile_context.back(), t_user_metadata);
   if (trackers)
     for (const auto& t : *trackers) t(entry);
   if (!enabled_.load(std::memory_order_relaxed) || skip_[static_cast<int>(e.action)]) return;

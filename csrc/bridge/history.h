@@ -76,6 +76,10 @@ class History {
   // torch's user metadata (thread-local), copied into each trace entry.
   static void set_user_metadata(const std::string& md);
   static std::string user_metadata();
+  // torch.compile's region names (thread-local, innermost last): the innermost goes
+  // into each trace entry, "N/A" outside any.
+  static void push_compile_context(const std::string& region);
+  static void pop_compile_context();
 
   void attach_tracker(cda::AllocatorTraceTracker tracker);
   void attach_oom_observer(cca::OutOfMemoryObserver observer);

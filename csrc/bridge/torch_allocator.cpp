@@ -335,6 +335,11 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void setUserMetadata(const std::string& metadata) { History::set_user_metadata(metadata); }
   std::string getUserMetadata() { return History::user_metadata(); }
 
+  // _record_memory_history(compile_context=True): torch.compile names the region it
+  // runs, innermost last, for this thread's trace entries.
+  void pushCompileContext(std::string& md) override { History::push_compile_context(md); }
+  void popCompileContext() override { History::pop_compile_context(); }
+
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     History::get().attach_oom_observer(std::move(observer));
   }
