@@ -34,7 +34,7 @@ void History::record(bool enabled, cda::CreateContextFn recorder, size_t max_ent
   for (const std::string& name : skip_actions)
     for (int a = 0; a < kActions; ++a)
       if (name == kActionNames[a]) skip_[a] = true;
-  recorder_ = enabled ? recorder : nullptr;
+  recorder_.store(enabled ? recorder : nullptr, std::memory_order_release);
   max_entries_ = std::max<size_t>(1, max_entries);
   when_.store(enabled ? static_cast<int>(when) : 0, std::memory_order_relaxed);
   if (!enabled || clear) rings_.clear();  // live blocks keep their stacks (Note [History])
@@ -49,12 +49,7 @@ void History::record(bool enabled, cda::CreateContextFn recorder, size_t max_ent
 }
 
 void History::gather() {
-  cda::CreateContextFn recorder = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    recorder = recorder_;
-  }
-  if (recorder != nullptr) t_pending = recorder();
+  if (cda::CreateContextFn recorder = recorder_.load(std::memory_order_acquire)) t_pending = recorder();
 }
 
 void History::forget() { t_pending.reset(); }
@@ -116,58 +111,60 @@ void History::on_event(const TraceEvent& e) {
   const int when = when_.load(std::memory_order_relaxed);
   const int dev = std::clamp(e.device, 0, 63);
   std::shared_ptr<c10::GatheredContext> ctx;
-  std::shared_ptr<const std::vector<cda::AllocatorTraceTracker>> trackers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& stacks = stacks_[dev];
-    switch (e.action) {
-      case TraceAction::kAlloc: {
+  std::unique_lock<std::mutex> lock(mu_);  // one hold: stacks, then the ring
+  auto& stacks = stacks_[dev];
+  switch (e.action) {
+    case TraceAction::kAlloc: {
+      ctx = std::move(t_pending);
+      t_pending.reset();
+      auto it = stacks.find(e.addr);  // a block at this address earlier is gone
+      if (it != stacks.end()) {
+        stacks.erase(it);
+        --stacked_;
+      }
+      if (ctx && when >= static_cast<int>(cda::RecordContext::STATE)) {
+        stacks[e.addr] = ctx;
+        ++stacked_;
+      }
+      break;
+    }
+    case TraceAction::kFreeRequested:
+    case TraceAction::kFreeCompleted: {
+      auto it = stacks.find(e.addr);
+      if (e.action == TraceAction::kFreeRequested && t_pending) {
         ctx = std::move(t_pending);
         t_pending.reset();
-        auto it = stacks.find(e.addr);  // a block at this address earlier is gone
-        if (it != stacks.end()) {
-          stacks.erase(it);
-          --stacked_;
-        }
-        if (ctx && when >= static_cast<int>(cda::RecordContext::STATE)) {
-          stacks[e.addr] = ctx;
-          ++stacked_;
-        }
-        break;
+      } else if (it != stacks.end()) {
+        ctx = it->second;
       }
-      case TraceAction::kFreeRequested:
-      case TraceAction::kFreeCompleted: {
-        auto it = stacks.find(e.addr);
-        if (e.action == TraceAction::kFreeRequested && t_pending) {
-          ctx = std::move(t_pending);
-          t_pending.reset();
-        } else if (it != stacks.end()) {
-          ctx = it->second;
-        }
-        if (e.action == TraceAction::kFreeCompleted && it != stacks.end()) {
-          stacks.erase(it);
-          if (--stacked_ == 0 && !enabled_.load(std::memory_order_relaxed)) update_sink();
-        }
-        break;
+      if (e.action == TraceAction::kFreeCompleted && it != stacks.end()) {
+        stacks.erase(it);
+        if (--stacked_ == 0 && !enabled_.load(std::memory_order_relaxed)) update_sink();
       }
-      default:
-        ctx = t_pending;  // a segment mapped for this thread's allocation carries its stack
-        break;
+      break;
     }
-    trackers = trackers_;
+    default:
+      ctx = t_pending;  // a segment mapped for this thread's allocation carries its stack
+      break;
   }
-  if (!trackers && !enabled_.load(std::memory_order_relaxed)) return;  // only keeping block stacks
+  std::shared_ptr<const std::vector<cda::AllocatorTraceTracker>> trackers = trackers_;
+  const bool keep = enabled_.load(std::memory_order_relaxed) && !skip_[static_cast<int>(e.action)];
+  if (!trackers && !keep) return;  // history off or this action skipped: only block stacks kept
   if (when < static_cast<int>(cda::RecordContext::ALLOC)) ctx.reset();
   cda::TraceEntry entry(static_cast<cda::TraceEntry::Action>(static_cast<int>(e.action)),
                         static_cast<c10::DeviceIndex>(e.device), e.addr, e.size, e.stream, {e.pool.first, e.pool.second},
                         c10::getApproximateTime(), std::move(ctx),
                         t_compile_context.empty() ? std::string("N/A") : t_compile_context.back(), t_user_metadata);
-  if (trackers)
-    for (const auto& t : *trackers) t(entry);
-  if (!enabled_.load(std::memory_order_relaxed) || skip_[static_cast<int>(e.action)]) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (rings_.size() <= static_cast<size_t>(dev)) rings_.resize(dev + 1);
-  push(rings_[dev], std::move(entry));
+  if (keep) {
+    if (rings_.size() <= static_cast<size_t>(dev)) rings_.resize(dev + 1);
+    if (!trackers) {
+      push(rings_[dev], std::move(entry));
+      return;
+    }
+    push(rings_[dev], cda::TraceEntry(entry));
+  }
+  lock.unlock();
+  for (const auto& t : *trackers) t(entry);
 }
 
 void History::push(Ring& r, cda::TraceEntry&& entry) {

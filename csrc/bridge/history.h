@@ -112,7 +112,7 @@ class History {
   std::mutex mu_;
   std::atomic<bool> enabled_{false};
   std::atomic<int> when_{0};  // RecordContext
-  cda::CreateContextFn recorder_ = nullptr;
+  std::atomic<cda::CreateContextFn> recorder_{nullptr};  // read without mu_ on every allocation
   size_t max_entries_ = 1;
   bool skip_[16] = {};
   std::vector<Ring> rings_;
