@@ -70,9 +70,11 @@ void DeviceAllocator::reuse_in_capture(CUstream stream) {
       continue;
     }
     Block* b = f.block;
-    f = std::move(capture_frees_.back());
+    if (i + 1 != capture_frees_.size()) f = std::move(capture_frees_.back());
     capture_frees_.pop_back();
-    deferred_.erase(std::find(deferred_.begin(), deferred_.end(), b));
+    auto d = std::find(deferred_.begin(), deferred_.end(), b);
+    if (d == deferred_.end()) continue;  // not waiting any more (cannot happen while capturing)
+    deferred_.erase(d);
     b->recorded.clear();  // the graph orders the reuse: no event needed
     b->pending = 0;
     retire(b);
