@@ -21,12 +21,13 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     capture_stream = h.stream(0)
     h.free(h.malloc(1 * MiB, streams[0]))  # creates the device before any fault
     h.set_current(0)
+    h.capture_reuse(True)  # Note [Reuse during capture]: exercised by the capture step
     h.fail("*", rate=rate, seed=seed + 1)
 
     live = {}            # ptr -> requested bytes
     held_pools = []      # graph pools still to release
     counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0, "release": 0,
-              "restore": 0, "sleep_failed": 0, "checkpoint": 0, "checkpoint_failed": 0}
+              "restore": 0, "sleep_failed": 0, "checkpoint": 0, "checkpoint_failed": 0, "capture_reuse": 0}
     next_pool = 1
     # Sleep and wake (VMM only): blocks under tag "t" carry a pattern that a restore with a
     # cpu or pinned backup must bring back, whatever failed before.
@@ -131,10 +132,29 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
             pool = (0, next_pool)
             next_pool += 1
             before = set(live)
+            other = rng.choice(streams)
+            for s in (capture_stream, other):  # both in one capture (sequence = pool number)
+                h.capture(s, pool[1])
             h.begin_pool(pool, capture_stream)
             for _ in range(rng.randrange(1, 4)):
                 allocate(capture_stream)
+            if set(live) - before and rng.random() < 0.5:
+                # A block read on the other stream, freed, and (once the capture stream
+                # waited for that read) taken again in the same capture.
+                p = rng.choice(sorted(set(live) - before))
+                read, join = 2 * pool[1] + 1, 2 * pool[1] + 2
+                h.node(read)
+                h.capture(other, pool[1], [read])
+                h.record_stream(p, other)
+                del live[p]
+                h.free(p)
+                h.node(join, [read])
+                h.capture(capture_stream, pool[1], [join])
+                allocate(capture_stream)
+                counts["capture_reuse"] += 1
             h.end_pool(pool)
+            for s in (capture_stream, other):
+                h.capture(s, 0)
             held_pools.append(pool)
             mine = {p: live[p] for p in set(live) - before}
             if mine and rng.random() < 0.5:

@@ -25,6 +25,7 @@ def test_one_percent_driver_failures_over_100k_operations_keep_every_invariant(r
         assert counts["alloc"] > 10_000 and counts["oom"] > 0, counts
         assert counts["retries"] > 0, counts
         assert counts["checkpoint"] > 100, counts  # graph-tree checkpoints restored under faults
+        assert counts["capture_reuse"] > 100, counts  # record_stream frees inside a capture
         if route == "vmm":  # tag "t" was released and restored, and some of it failed
             assert counts["release"] > 100 and counts["restore"] > 100 and counts["sleep_failed"] > 0, counts
     body()
