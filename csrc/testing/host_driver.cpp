@@ -331,6 +331,12 @@ CUresult h_capture_mode(CUstreamCaptureMode*) {
   HOST_ENTRY("cuThreadExchangeStreamCaptureMode");
   return CUDA_SUCCESS;
 }
+// Stand-in graph nodes are numbers.
+std::vector<CUgraphNode> graph_nodes(const uint64_t* ids, int n) {
+  std::vector<CUgraphNode> nodes;
+  for (int i = 0; i < n; ++i) nodes.push_back(reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(ids[i])));
+  return nodes;
+}
 CUresult h_capture_info(CUstream s, CUstreamCaptureStatus* status, cuuint64_t* id, CUgraph* graph,
                         const CUgraphNode** tails, const CUgraphEdgeData** edges, size_t* count) {
   HOST_ENTRY("cuStreamGetCaptureInfo");
@@ -793,16 +799,12 @@ int tb_host_remove_entry(const char* name) {
 
 void tb_host_capture(void* stream, uint64_t capture, const uint64_t* tails, int n) {
   std::lock_guard<std::mutex> l(g->mu);
-  std::vector<CUgraphNode> nodes;
-  for (int i = 0; i < n; ++i) nodes.push_back(reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(tails[i])));
-  g->captures[stream] = {capture, std::move(nodes)};
+  g->captures[stream] = {capture, graph_nodes(tails, n)};
 }
 
 void tb_host_node(uint64_t node, const uint64_t* parents, int n) {
   std::lock_guard<std::mutex> l(g->mu);
-  auto& p = g->parents[reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(node))];
-  p.clear();
-  for (int i = 0; i < n; ++i) p.push_back(reinterpret_cast<CUgraphNode>(static_cast<uintptr_t>(parents[i])));
+  g->parents[graph_nodes(&node, 1)[0]] = graph_nodes(parents, n);
 }
 
 // Frees `ptr` through tb_free after this thread's thread-local objects and earlier
