@@ -4,8 +4,9 @@
 // IPC calls from the core's ledger.
 //
 // Overriding allocate() and raw_deleter() skips the base class's mutex and pointer
-// map on every allocation (Note [One deleter]). Allocation failures become c10 errors here (this is C++ called by
-// torch, not the C ABI): kOutOfMemory -> torch.cuda.OutOfMemoryError.
+// map on every allocation (Note [One deleter]). Allocation failures become c10
+// errors here (this is C++ called by torch, not the C ABI): kOutOfMemory ->
+// torch.cuda.OutOfMemoryError.
 #include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
