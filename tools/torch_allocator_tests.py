@@ -15,6 +15,12 @@ it shadows, if any, then calls torch_budget.install() when TORCH_BUDGET_AUTO_INS
 and the subprocesses test_cuda.py starts with sys.executable are all installed before anything touches CUDA.
 Outcomes come from --junitxml. Always exits 0: it is a report (full list in OUT/torch_tests.txt).
 
+A test that passes natively and fails installed in the parallel part may only fail after what its worker ran
+before it (torch's tests leave graphs, pools and generator states behind). Each such test is run again, in
+one process per allocator: alone, and after exactly the tests its worker ran before it, in that order (read
+from pytest's verbose log). Failing natively in that same order makes it an order-dependent test of torch's
+suite, reported as such; the serial part already runs in one order for both allocators.
+
 From the repo root on a GPU machine, after the build:
   python3 tools/torch_allocator_tests.py --out /tmp/torch_tests [--workers 8] [--timeout 120] [-k EXPR]
   python3 tools/torch_allocator_tests.py --out /tmp/torch_tests --collect-only   # just the selection
@@ -108,6 +114,63 @@ def outcomes(paths):
     return found
 
 
+VERBOSE_LINE = re.compile(r"^\[(gw\d+)\] \[\s*\d+%\] [A-Z]+ (\S+::\S+)")
+
+
+def worker_orders(log):
+    """{node id: the node ids its xdist worker ran before it, in order} from a `pytest -v -n N` log."""
+    runs, before = {}, {}
+    try:
+        with open(log) as f:
+            for line in f:
+                m = VERBOSE_LINE.match(line)
+                if m:
+                    seq = runs.setdefault(m.group(1), [])
+                    before[m.group(2)] = list(seq)
+                    seq.append(m.group(2))
+    except OSError:
+        pass
+    return before
+
+
+def recheck(regressions, ids, log, native_env, installed_env, replay):
+    """Runs each regression of the parallel part again: alone, then after what its worker ran before it
+    (one replay per worker, through its last regression), natively and installed. Returns report lines."""
+    by_key = {"::".join(n.split("::")[1:]): n for n in ids}
+    before = worker_orders(log)
+    lines, sequences = [], {}
+    for k in regressions:
+        node = by_key[k]
+        if node in before:  # a parallel-part test: keep the longest prefix per worker
+            seq = before[node] + [node]
+            first = seq[0]
+            if len(seq) > len(sequences.get(first, [])):
+                sequences[first] = seq
+    alone = {"native": {}, "installed": {}}
+    for k in regressions:
+        for name, env in (("native", native_env), ("installed", installed_env)):
+            alone[name].update(replay(f"{name}_alone", env, [by_key[k]]))
+    ordered = {"native": {}, "installed": {}}
+    for seq in sequences.values():
+        for name, env in (("native", native_env), ("installed", installed_env)):
+            ordered[name].update(replay(f"{name}_ordered", env, seq))
+    lines.append("rechecked in one process per allocator (alone | after its worker's earlier tests, in order):")
+    for k in regressions:
+        a = "/".join(alone[n].get(k, ("not run", ""))[0] for n in ("native", "installed"))
+        node = by_key[k]
+        if node not in before:
+            lines.append(f"  {k}: alone native/installed {a}; serial part: same order both ways")
+            continue
+        o = "/".join(ordered[n].get(k, ("not run", ""))[0] for n in ("native", "installed"))
+        verdict = ("order-dependent in torch's suite: fails natively in the same order"
+                   if ordered["native"].get(k, ("",))[0] == "failed" else
+                   "REGRESSION" if ordered["installed"].get(k, ("",))[0] != "passed" or
+                   alone["installed"].get(k, ("",))[0] != "passed" else "passes both ways when rerun")
+        lines.append(f"  {k}: alone native/installed {a}; after {len(before[node])} earlier tests of its worker "
+                     f"native/installed {o} -> {verdict}")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tests", default=".torch_tests/test_cuda.py")
@@ -145,7 +208,7 @@ def main():
         print("".join(f"  {n}\n" for n in ids), end="")
         return
 
-    opts = ["-q", "-rfE"] + (["--timeout", str(args.timeout)] if importlib.util.find_spec("pytest_timeout") else [])
+    opts = ["-v", "-rfE"] + (["--timeout", str(args.timeout)] if importlib.util.find_spec("pytest_timeout") else [])
     parallel = ["-n", str(args.workers)] if args.workers > 1 and importlib.util.find_spec("xdist") else []
 
     def run_pass(name, env):
@@ -156,6 +219,15 @@ def main():
             rc = run(base + opts + extra + ["-m", marker, "--junitxml", junits[-1]] + ids, env, log, args.run_timeout)
             print(f"{name} {part}: pytest rc={rc}, log {log}")
         return outcomes(junits)
+
+    def replay(name, env, node_ids):
+        """Outcomes of node_ids run in one process, in this order."""
+        junit = os.path.join(out, f"replay_{name}.xml")
+        if os.path.exists(junit):
+            os.remove(junit)
+        run(base + opts + ["-p", "no:xdist", "--junitxml", junit] + node_ids, env,
+            os.path.join(out, f"replay_{name}.log"), args.run_timeout)
+        return outcomes([junit])
 
     native = run_pass("native", native_env)
     previous = existing_sitecustomize(site_dir)
@@ -177,6 +249,8 @@ def main():
     native_pass = [k for k in keys if status[k][0] == "passed"]
     regressions = [k for k in native_pass if status[k][1][0] != "passed"]
     lines = [f"{k}: {status[k][1][0].upper()}: {status[k][1][1]}" for k in regressions]
+    if regressions and installed:
+        lines += recheck(regressions, ids, os.path.join(out, "installed_parallel.log"), native_env, installed_env, replay)
     report = [f"selection: {len(keys)} tests of {tests}" + (f" (-k {args.k})" if args.k else ""),
               "native: " + ", ".join(f"{v} {s}" for s, v in count.items()),
               f"installed: {len(native_pass) - len(regressions)} of the {len(native_pass)} native passes pass",
@@ -186,7 +260,7 @@ def main():
         f.write("".join(f"  {k}: {status[k][0]} | {status[k][1][0]} {status[k][1][1]}\n" for k in keys))
     print("\n".join(report))
     print(f"torch_tests native_pass={len(native_pass)} installed_pass={len(native_pass) - len(regressions)} "
-          f"regressions={len(regressions)}{note}")
+          f"regressions={len(regressions)} order_dependent={sum('order-dependent' in l for l in lines)}{note}")
 
 
 if __name__ == "__main__":
