@@ -5,7 +5,7 @@
 # $OUT when it is set.
 #
 # Steps can be chosen with STEPS (default: "build tests torch bench sanitize demo"); TESTS,
-# PYTEST_ARGS (split on spaces), TEST_JOBS and BENCHES narrow them.
+# PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES, SANITIZE_TESTS and SANITIZE_K narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -59,7 +59,8 @@ if has sanitize; then
   echo "== compute-sanitizer memcheck over the allocator's GPU tests"
   start=$(date +%s)
   timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
-    $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n ${SANITIZE_JOBS:-6} tests/test_allocator_gpu.py -k "not eight_threads" \
+    $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n ${SANITIZE_JOBS:-6} ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} \
+    -k "${SANITIZE_K:-not eight_threads}" \
     >"$OUT/sanitize.log" 2>&1
   rc=$?
   tail -15 "$OUT/sanitize.log"
