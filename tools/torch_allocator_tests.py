@@ -19,7 +19,9 @@ A test that passes natively and fails installed in the parallel part may only fa
 before it (torch's tests leave graphs, pools and generator states behind). Each such test is run again, in
 one process per allocator: alone, and after exactly the tests its worker ran before it, in that order (read
 from pytest's verbose log). Failing natively in that same order makes it an order-dependent test of torch's
-suite, reported as such; the serial part already runs in one order for both allocators.
+suite, reported as such; the serial part already runs in one order for both allocators. A test that fails
+natively in the suite is run alone, natively and installed (a few processes at a time): where it passes
+natively alone, it joins the comparison.
 
 From the repo root on a GPU machine, after the build:
   python3 tools/torch_allocator_tests.py --out /tmp/torch_tests [--workers 8] [--timeout 120] [-k EXPR]
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import traceback
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULES = {  # class: (keep when the test name matches, then drop when it matches this)
@@ -133,30 +136,26 @@ def worker_orders(log):
     return before
 
 
-def recheck(regressions, ids, log, native_env, installed_env, replay):
+def recheck(regressions, ids, log, alone, replay):
     """Runs each regression of the parallel part again: alone, then after what its worker ran before it
     (one replay per worker, through its last regression), natively and installed. Returns report lines."""
     by_key = {"::".join(n.split("::")[1:]): n for n in ids}
     before = worker_orders(log)
-    lines, sequences = [], {}
+    sequences = {}
     for k in regressions:
         node = by_key[k]
         if node in before:  # a parallel-part test: keep the longest prefix per worker
             seq = before[node] + [node]
-            first = seq[0]
-            if len(seq) > len(sequences.get(first, [])):
-                sequences[first] = seq
-    alone = {"native": {}, "installed": {}}
-    for k in regressions:
-        for name, env in (("native", native_env), ("installed", installed_env)):
-            alone[name].update(replay(f"{name}_alone", env, [by_key[k]]))
+            if len(seq) > len(sequences.get(seq[0], [])):
+                sequences[seq[0]] = seq
+    single = alone([by_key[k] for k in regressions])
     ordered = {"native": {}, "installed": {}}
     for seq in sequences.values():
-        for name, env in (("native", native_env), ("installed", installed_env)):
-            ordered[name].update(replay(f"{name}_ordered", env, seq))
-    lines.append("rechecked in one process per allocator (alone | after its worker's earlier tests, in order):")
+        for name in ordered:
+            ordered[name].update(replay(name, seq))
+    lines = ["rechecked in one process per allocator (alone | after its worker's earlier tests, in order):"]
     for k in regressions:
-        a = "/".join(alone[n].get(k, ("not run", ""))[0] for n in ("native", "installed"))
+        a = "/".join(single[n].get(k, ("not run", ""))[0] for n in ("native", "installed"))
         node = by_key[k]
         if node not in before:
             lines.append(f"  {k}: alone native/installed {a}; serial part: same order both ways")
@@ -165,7 +164,7 @@ def recheck(regressions, ids, log, native_env, installed_env, replay):
         verdict = ("order-dependent in torch's suite: fails natively in the same order"
                    if ordered["native"].get(k, ("",))[0] == "failed" else
                    "REGRESSION" if ordered["installed"].get(k, ("",))[0] != "passed" or
-                   alone["installed"].get(k, ("",))[0] != "passed" else "passes both ways when rerun")
+                   single["installed"].get(k, ("",))[0] != "passed" else "passes both ways when rerun")
         lines.append(f"  {k}: alone native/installed {a}; after {len(before[node])} earlier tests of its worker "
                      f"native/installed {o} -> {verdict}")
     return lines
@@ -220,15 +219,36 @@ def main():
             print(f"{name} {part}: pytest rc={rc}, log {log}")
         return outcomes(junits)
 
-    def replay(name, env, node_ids):
+    envs = {}  # filled below: "native", "installed"
+
+    def replay(name, node_ids):
         """Outcomes of node_ids run in one process, in this order."""
         junit = os.path.join(out, f"replay_{name}.xml")
         if os.path.exists(junit):
             os.remove(junit)
-        run(base + opts + ["-p", "no:xdist", "--junitxml", junit] + node_ids, env,
+        run(base + opts + ["-p", "no:xdist", "--junitxml", junit] + node_ids, envs[name],
             os.path.join(out, f"replay_{name}.log"), args.run_timeout)
         return outcomes([junit])
 
+    def alone(node_ids, at_once=4):
+        """{"native": outcomes, "installed": outcomes} of each node id run alone in a fresh pytest process,
+        at_once processes at a time; logs and junit files under OUT/alone/."""
+        folder = os.path.join(out, "alone")
+        os.makedirs(folder, exist_ok=True)
+        jobs = [(name, n, i) for i, n in enumerate(node_ids) for name in ("native", "installed")]
+        found = {"native": {}, "installed": {}}
+        with ThreadPoolExecutor(at_once) as pool:
+            def one(job):
+                name, node, i = job
+                junit = os.path.join(folder, f"{name}_{i}.xml")
+                run(base + opts + ["-p", "no:xdist", "--junitxml", junit, node], envs[name],
+                    os.path.join(folder, f"{name}_{i}.log"), args.run_timeout)
+                return name, outcomes([junit])
+            for name, res in pool.map(one, jobs):
+                found[name].update(res)
+        return found
+
+    envs["native"] = native_env
     native = run_pass("native", native_env)
     previous = existing_sitecustomize(site_dir)
     print(f"sitecustomize: chaining to {previous}" if previous else "sitecustomize: none to chain to")
@@ -238,6 +258,7 @@ def main():
                          PYTHONPATH=os.pathsep.join(filter(None, [site_dir, ROOT, old_path])))
     probe = subprocess.run([sys.executable, "-c", "import sys, torch_budget; sys.exit(0 if torch_budget.installed() else 3)"],
                            cwd=ROOT, env=installed_env, capture_output=True, text=True, timeout=300)
+    envs["installed"] = installed_env
     installed, note = (run_pass("installed", installed_env), "") if probe.returncode == 0 else ({}, " error=install")
     if note:
         print(f"installed pass not run: a fresh process did not get torch_budget installed (rc={probe.returncode}):\n"
@@ -250,17 +271,33 @@ def main():
     regressions = [k for k in native_pass if status[k][1][0] != "passed"]
     lines = [f"{k}: {status[k][1][0].upper()}: {status[k][1][1]}" for k in regressions]
     if regressions and installed:
-        lines += recheck(regressions, ids, os.path.join(out, "installed_parallel.log"), native_env, installed_env, replay)
+        lines += recheck(regressions, ids, os.path.join(out, "installed_parallel.log"), alone, replay)
+    # A test that fails natively in the suite may fail only after what ran before it: alone, it can
+    # still be compared.
+    native_failed = [k for k in keys if status[k][0] == "failed"]
+    by_key = {"::".join(n.split("::")[1:]): n for n in ids}
+    single = alone([by_key[k] for k in native_failed]) if native_failed and installed else {}
+    alone_pass = [k for k in native_failed if single and single["native"].get(k, ("",))[0] == "passed"]
+    alone_regressions = [k for k in alone_pass if single["installed"].get(k, ("",))[0] != "passed"]
+    alone_lines = [f"  {k}: alone native/installed "
+                   + "/".join(single[n].get(k, ("not run", ""))[0] for n in ("native", "installed"))
+                   + (f" ({single['installed'][k][1]})" if k in alone_regressions else "")
+                   for k in native_failed if single]
     report = [f"selection: {len(keys)} tests of {tests}" + (f" (-k {args.k})" if args.k else ""),
               "native: " + ", ".join(f"{v} {s}" for s, v in count.items()),
               f"installed: {len(native_pass) - len(regressions)} of the {len(native_pass)} native passes pass",
               f"pass natively, not installed ({len(regressions)}):"] + [f"  {l}" for l in lines]
+    if alone_lines:
+        report += [f"fail natively in the suite, each run alone ({len(alone_pass)} pass natively alone, "
+                   f"{len(alone_pass) - len(alone_regressions)} of them installed):"] + alone_lines
     with open(os.path.join(out, "torch_tests.txt"), "w") as f:
         f.write("\n".join(report) + "\n\nall (native | installed):\n")
         f.write("".join(f"  {k}: {status[k][0]} | {status[k][1][0]} {status[k][1][1]}\n" for k in keys))
     print("\n".join(report))
     print(f"torch_tests native_pass={len(native_pass)} installed_pass={len(native_pass) - len(regressions)} "
-          f"regressions={len(regressions)} order_dependent={sum('order-dependent' in l for l in lines)}{note}")
+          f"regressions={len(regressions)} order_dependent={sum('order-dependent' in l for l in lines)} "
+          f"alone_native_pass={len(alone_pass)} alone_installed_pass={len(alone_pass) - len(alone_regressions)}"
+          f"{note}")
 
 
 if __name__ == "__main__":
