@@ -85,6 +85,46 @@ print("pools", sum(1 for s in torch.cuda.memory_snapshot() if s["segment_pool_id
     assert "pools" in out
 
 
+def test_reduce_overhead_training_matches_eager_and_leaves_no_live_blocks_in_graph_pools(fresh):
+    # Forward and backward graphs in one tree, two batch sizes (two recordings), an eager
+    # optimizer between steps: the tree checkpoints and restores its pool every step.
+    out = fresh(PRELUDE + """
+import copy, gc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 1)).cuda()
+ref = copy.deepcopy(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+compiled = torch.compile(model, mode="reduce-overhead")
+for step in range(12):
+    n = (16, 32)[step % 2]
+    gen = torch.Generator("cuda").manual_seed(step)
+    x = torch.randn(n, 64, device="cuda", generator=gen)
+    y = torch.randn(n, 1, device="cuda", generator=gen)
+    losses = []
+    for m, o in ((compiled, opt), (ref, ref_opt)):
+        o.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-4 * max(1.0, abs(losses[1])), (step, losses)
+for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == torch_budget.stats()["allocated"]
+opt.zero_grad(set_to_none=True)
+ref_opt.zero_grad(set_to_none=True)
+del loss, x, y, compiled
+torch._dynamo.reset()
+gc.collect()
+torch.cuda.empty_cache()
+private = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] != (0, 0)]
+assert sum(s["active_size"] for s in private) == 0, [(s["segment_pool_id"], s["active_size"]) for s in private]
+print("trained", 12, "private segments left", len(private))
+""", timeout=600)
+    assert "trained 12" in out
+
+
 HISTORY = PRELUDE + """
 import os, pickle, tempfile
 from torch.cuda import _memory_viz
