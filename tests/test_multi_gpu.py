@@ -1,4 +1,5 @@
-"""Two GPUs in one process under install(): current device, peer access, NCCL.
+"""Two GPUs under install(): current device, peer access, NCCL, sharing tensors of the second
+device, memory history per device and torch.compile on the second device.
 
 Each test runs in a fresh process and skips when fewer than two devices are visible.
 """
@@ -114,3 +115,95 @@ assert torch.cuda.get_allocator_backend() == "torch_budget"
 print("rank", rank, "ok")
 """, 2, timeout=300)
     assert all(f"rank {r} ok" in out for r, out in enumerate(outs)), outs
+
+
+@needs_two
+def test_tensors_on_the_second_device_are_shared_with_a_consumer_process(fresh, tmp_path):
+    from test_torch_surface_gpu import CONSUMER
+
+    (tmp_path / "ipc_consumer.py").write_text(CONSUMER)
+    out = fresh(PRELUDE + f"""
+import gc, sys
+sys.path.insert(0, {str(tmp_path)!r})
+import ipc_consumer
+import torch.multiprocessing as mp
+torch_budget.install()
+ctx = mp.get_context("spawn")
+q_in, q_out = ctx.Queue(), ctx.Queue()
+p = ctx.Process(target=ipc_consumer.main, args=(True, q_in, q_out))
+p.start()
+base = torch.cuda.memory_allocated(1)
+tensors = {{"vmm": torch.full((5 * MiB + 3,), 4, dtype=torch.uint8, device="cuda:1")}}
+with torch_budget.route("sync"):
+    tensors["sync"] = torch.full((4096,), 6, dtype=torch.int32, device="cuda:1")
+fills = {{"vmm": 4, "sync": 6}}
+for name, t in tensors.items():
+    q_in.put((name, t, fills[name]))
+got = dict(q_out.get(timeout=120)[:2] for _ in tensors)
+assert got == {{"vmm": True, "sync": True}}, got
+for name, t in tensors.items():
+    assert bool((t == fills[name] + 1).all().item()), name    # the consumer's write arrived
+    assert t.device.index == 1
+assert torch.cuda.current_device() == 0
+q_in.put(None)
+assert q_out.get(timeout=120)[0] == "done"
+p.join(60)
+assert p.exitcode == 0, p.exitcode
+del tensors, t
+torch.cuda.ipc_collect()
+gc.collect()
+torch.cuda.synchronize(1)
+assert torch.cuda.memory_allocated(1) <= base + 4096, (torch.cuda.memory_allocated(1), base)
+print("ipc on cuda:1 ok")
+""", timeout=600)
+    assert "ipc on cuda:1 ok" in out
+
+
+@needs_two
+def test_history_keeps_a_trace_per_device_and_the_snapshot_names_each_segments_device(fresh):
+    out = fresh(PRELUDE + """
+torch_budget.install()
+torch.cuda.memory._record_memory_history(max_entries=10000)
+a = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
+b = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda:1")
+c = torch.empty(7 * MiB, dtype=torch.uint8, device="cuda:1")
+del c
+snap = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+traces = snap["device_traces"]
+assert len(traces) >= 2, len(traces)
+allocs = [{e["size"] for e in traces[d] if e["action"] == "alloc"} for d in (0, 1)]
+assert 3 * MiB in allocs[0] and 3 * MiB not in allocs[1], allocs
+assert {5 * MiB, 7 * MiB} <= allocs[1] and 5 * MiB not in allocs[0], allocs
+assert any(e["action"] == "free_completed" and e["size"] == 7 * MiB for e in traces[1])
+live = {(s["device"], blk["size"]) for s in snap["segments"] for blk in s["blocks"]
+        if blk["state"] == "active_allocated"}
+assert (0, 3 * MiB) in live and (1, 5 * MiB) in live, live
+frames = [blk.get("frames") for s in snap["segments"] if s["device"] == 1 for blk in s["blocks"]
+          if blk["state"] == "active_allocated" and blk["size"] == 5 * MiB]
+assert frames and frames[0], "the cuda:1 block has no stack"
+print("history per device ok")
+""")
+    assert "history per device ok" in out
+
+
+@needs_two
+def test_reduce_overhead_on_the_second_device_matches_eager(fresh):
+    out = fresh(PRELUDE + """
+torch_budget.install()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)).to("cuda:1")
+compiled = torch.compile(model, mode="reduce-overhead")
+with torch.no_grad():
+    for step in range(12):
+        n = (8, 24)[step % 2]
+        x = torch.randn(n, 128, device="cuda:1", generator=torch.Generator("cuda:1").manual_seed(step))
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+        assert out.device.index == 1 and torch.cuda.current_device() == 0
+        out = out.clone()
+pools = {s["device"] for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] != (0, 0)}
+assert pools == {1}, pools                          # the tree's pool lives on the model's device
+print("compile on cuda:1 ok")
+""", timeout=600)
+    assert "compile on cuda:1 ok" in out
