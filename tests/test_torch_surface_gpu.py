@@ -178,6 +178,13 @@ oom = [e for e in snap["device_traces"][0] if e["action"] == "oom"][0]
 assert oom["size"] >= 1 << 50 and 0 < oom["device_free"] <= torch.cuda.mem_get_info()[1], oom
 pending = [e for e in snap["device_traces"][0] if e["action"] == "free_completed" and e["size"] == 1 * MiB]
 assert pending, "the record_stream block's free never completed in the trace"
+def entry(action, size):
+    return [e for e in snap["device_traces"][0] if e["action"] == action and e["size"] == size][0]
+# As torch's allocator: a block freed at once completes with the free's stack, one that
+# waited for another stream with its allocation's.
+assert entry("free_completed", 40 * MiB)["frames"] == entry("free_requested", 40 * MiB)["frames"]
+assert entry("free_completed", 40 * MiB)["frames"] != entry("alloc", 40 * MiB)["frames"]
+assert pending[0]["frames"] == entry("alloc", 1 * MiB)["frames"]
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "snap.pickle")
     torch.cuda.memory._dump_snapshot(path)

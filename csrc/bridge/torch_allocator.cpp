@@ -89,7 +89,7 @@ constexpr uintptr_t kDeviceBits = 0xff;
 void block_deleter(void* ctx) {
   if (ctx == nullptr) return;
   const auto v = reinterpret_cast<uintptr_t>(ctx);
-  if (History::get().enabled()) History::get().before_free();
+  History::Scope stack(History::get(), c10::CachingDeviceAllocator::RecordContext::ALL);  // the free's stack
   const bool ok = (v & kDeviceBits) != 0
                       ? tb::Allocator::get().free_at(static_cast<int>(v & kDeviceBits) - 1, v & ~kDeviceBits)
                       : tb::Allocator::get().free_ptr(ctx);
@@ -171,7 +171,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
-    if (History::get().enabled()) History::get().before_free();
+    History::Scope stack(History::get(), c10::CachingDeviceAllocator::RecordContext::ALL);  // the free's stack
     if (!tb::Allocator::get().free_ptr(ptr)) raise_last_error("free failed");
   }
 
