@@ -11,7 +11,7 @@ process; each figure is the fastest of five timed loops in its process.
     allocations a step makes (memory_stats' allocation.all.allocated over the timed loops).
   - torch.empty + del round trip with memory history recording on
     (torch.cuda.memory._record_memory_history, stacks of every allocation), µs:
-    HISTORY_ROUNDS light processes each (BENCH_TORCH_HISTORY_ROUNDS, default 21).
+    HISTORY_ROUNDS light processes each (BENCH_TORCH_HISTORY_ROUNDS, default 15).
 Per figure: the medians, their ratio, the median of the per-round ratios (each round's two
 processes ran back to back) and in how many rounds torch_budget was not slower. Each process
 also times a loop of plain Python on its timing core: the same figures over that reference
@@ -29,7 +29,7 @@ from _bench import cuda_torch  # tools/ is the script's own folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_ROUNDS = int(os.environ.get("BENCH_TORCH_ROUNDS", "7"))
-HISTORY_ROUNDS = int(os.environ.get("BENCH_TORCH_HISTORY_ROUNDS", "21"))
+HISTORY_ROUNDS = int(os.environ.get("BENCH_TORCH_HISTORY_ROUNDS", "15"))
 
 CHILD = r"""
 import json, os, sys, time
