@@ -1,7 +1,7 @@
 // The only code that includes torch headers (with history.* and ipc.* beside it): a
 // subclass of torch's CUDAPluggableAllocator that serves torch from the core and
 // answers torch's statistics, snapshot, history, cache, graph-pool, checkpoint and
-// IPC calls from the core's ledger.
+// IPC calls from the core's ledger, and tells torch's profiler of each allocation.
 //
 // Overriding allocate() and raw_deleter() skips the base class's mutex and pointer
 // map on every allocation (Note [One deleter]). Allocation failures become c10
