@@ -40,7 +40,7 @@ def _recheck(tmp_path, regressions, outcome):
     def keys(nodes):
         return ["::".join(n.split("::")[1:]) for n in nodes]
 
-    def alone(nodes):
+    def alone(nodes, at_once=4):
         return {a: {k: (outcome(a, "alone", k, [k]), "") for k in keys(nodes)} for a in ("native", "installed")}
 
     def replay(allocator, nodes):

@@ -17,8 +17,8 @@ Outcomes come from --junitxml. Always exits 0: it is a report (full list in OUT/
 
 A test that passes natively and fails installed in the parallel part may only fail after what its worker ran
 before it (torch's tests leave graphs, pools and generator states behind). Each such test is run again, in
-one process per allocator: alone, and after exactly the tests its worker ran before it, in that order (read
-from pytest's verbose log). Failing natively in that same order makes it an order-dependent test of torch's
+one process per allocator: alone (one process at a time), and after exactly the tests its worker ran before
+it, in that order (read from pytest's verbose log). Failing natively in that same order makes it an order-dependent test of torch's
 suite, reported as such; the serial part already runs in one order for both allocators. A test that fails
 natively in the suite is run alone, natively and installed (a few processes at a time): where it passes
 natively alone, it joins the comparison.
@@ -148,7 +148,7 @@ def recheck(regressions, ids, log, alone, replay):
             seq = before[node] + [node]
             if len(seq) > len(sequences.get(seq[0], [])):
                 sequences[seq[0]] = seq
-    single = alone([by_key[k] for k in regressions])
+    single = alone([by_key[k] for k in regressions], at_once=1)  # one at a time: nothing else on the device
     ordered = {"native": {}, "installed": {}}
     for seq in sequences.values():
         for name in ordered:
