@@ -405,55 +405,66 @@ def main(install, q_in, q_out):
 '''
 
 
-@pytest.mark.parametrize("consumer_installed", [True, False])
-def test_tensors_shared_from_each_route_are_read_and_written_by_a_consumer(fresh, tmp_path, consumer_installed):
+def producer_script(tmp_path, device: int, consumer_installed: bool, make: str, extra: str = "") -> str:
+    """The producer's half of a sharing test (its prelude installs torch_budget): `make` builds
+    `tensors` {name: tensor on `device`} and `fills` {name: value}; each goes to a consumer
+    process (CONSUMER, installed or not) through a torch.multiprocessing queue, which checks it
+    and adds 1 through the shared mapping. The producer checks the answers and the writes, runs
+    `extra`, stops the consumer, and checks that `device`'s allocated memory is back. Prints
+    "ipc ok"."""
     (tmp_path / "ipc_consumer.py").write_text(CONSUMER)
-    out = fresh(PRELUDE + f"""
-import sys
+    return f"""
+import gc, sys
 sys.path.insert(0, {str(tmp_path)!r})
 import ipc_consumer
 import torch.multiprocessing as mp
 ctx = mp.get_context("spawn")
 q_in, q_out = ctx.Queue(), ctx.Queue()
-installed = {consumer_installed}
-p = ctx.Process(target=ipc_consumer.main, args=(installed, q_in, q_out))
+p = ctx.Process(target=ipc_consumer.main, args=({consumer_installed}, q_in, q_out))
 p.start()
-base = torch.cuda.memory_allocated()
-tensors = {{}}
-tensors["vmm"] = torch.full((3 * MiB + 5,), 7, dtype=torch.uint8, device="cuda")
-with torch_budget.route("sync"):
-    tensors["sync"] = torch.full((1000,), 9, dtype=torch.int32, device="cuda")
-if not installed:
-    tensors.pop("vmm")                      # torch's own allocator opens only its own formats
-fills = {{"vmm": 7, "sync": 9}}
+base = torch.cuda.memory_allocated({device})
+""" + textwrap.dedent(make) + f"""
 for name, t in tensors.items():
     q_in.put((name, t, fills[name]))
-got = {{}}
-for _ in tensors:
-    name, ok, n = q_out.get(timeout=120)
-    got[name] = ok
-assert all(got.values()) and set(got) == set(tensors), got
+got = dict(q_out.get(timeout=120)[:2] for _ in tensors)
+assert got == dict.fromkeys(tensors, True), got
 for name, t in tensors.items():
-    assert bool((t == fills[name] + 1).all().item()), name
-try:
-    with torch_budget.route("pool"):
-        pooled = torch.ones(100, device="cuda")
-    if torch_budget.stats()["by_route"]["pool"]["count"] > 0:
-        pooled.untyped_storage()._share_cuda_()
-        raise SystemExit("a pool-route tensor was shared")
-except RuntimeError as e:
-    assert "route" in str(e), e
+    assert bool((t == fills[name] + 1).all().item()), name    # the consumer's write arrived
+    assert t.device.index == {device}, (name, t.device)
+""" + textwrap.dedent(extra) + f"""
 q_in.put(None)
 assert q_out.get(timeout=120)[0] == "done"
 p.join(60)
 assert p.exitcode == 0, p.exitcode
 del tensors, t
 torch.cuda.ipc_collect()
-import gc; gc.collect()
-torch.cuda.synchronize()
-assert torch.cuda.memory_allocated() <= base + 4096, (torch.cuda.memory_allocated(), base)
+gc.collect()
+torch.cuda.synchronize({device})
+assert torch.cuda.memory_allocated({device}) <= base + 4096, (torch.cuda.memory_allocated({device}), base)
 print("ipc ok", sorted(got))
-""", timeout=600)
+"""
+
+
+@pytest.mark.parametrize("consumer_installed", [True, False])
+def test_tensors_shared_from_each_route_are_read_and_written_by_a_consumer(fresh, tmp_path, consumer_installed):
+    out = fresh(PRELUDE + producer_script(tmp_path, 0, consumer_installed, f"""
+        tensors = {{}}
+        tensors["vmm"] = torch.full((3 * MiB + 5,), 7, dtype=torch.uint8, device="cuda")
+        with torch_budget.route("sync"):
+            tensors["sync"] = torch.full((1000,), 9, dtype=torch.int32, device="cuda")
+        if not {consumer_installed}:
+            tensors.pop("vmm")                      # torch's own allocator opens only its own formats
+        fills = {{"vmm": 7, "sync": 9}}
+        """, """
+        try:
+            with torch_budget.route("pool"):
+                pooled = torch.ones(100, device="cuda")
+            if torch_budget.stats()["by_route"]["pool"]["count"] > 0:
+                pooled.untyped_storage()._share_cuda_()
+                raise SystemExit("a pool-route tensor was shared")
+        except RuntimeError as e:
+            assert "route" in str(e), e
+        """), timeout=600)
     assert "ipc ok" in out
 
 
