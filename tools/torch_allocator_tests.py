@@ -136,10 +136,10 @@ def worker_orders(log):
     return before
 
 
-def recheck(regressions, ids, log, alone, replay):
+def recheck(regressions, by_key, log, alone, replay):
     """Runs each regression of the parallel part again: alone, then after what its worker ran before it
-    (one replay per worker, through its last regression), natively and installed. Returns report lines."""
-    by_key = {"::".join(n.split("::")[1:]): n for n in ids}
+    (one replay per worker, through its last regression), natively and installed. by_key: {"Class::test":
+    node id}. Returns report lines."""
     before = worker_orders(log)
     sequences = {}
     for k in regressions:
@@ -219,36 +219,6 @@ def main():
             print(f"{name} {part}: pytest rc={rc}, log {log}")
         return outcomes(junits)
 
-    envs = {}  # filled below: "native", "installed"
-
-    def replay(name, node_ids):
-        """Outcomes of node_ids run in one process, in this order."""
-        junit = os.path.join(out, f"replay_{name}.xml")
-        if os.path.exists(junit):
-            os.remove(junit)
-        run(base + opts + ["-p", "no:xdist", "--junitxml", junit] + node_ids, envs[name],
-            os.path.join(out, f"replay_{name}.log"), args.run_timeout)
-        return outcomes([junit])
-
-    def alone(node_ids, at_once=4):
-        """{"native": outcomes, "installed": outcomes} of each node id run alone in a fresh pytest process,
-        at_once processes at a time; logs and junit files under OUT/alone/."""
-        folder = os.path.join(out, "alone")
-        os.makedirs(folder, exist_ok=True)
-        jobs = [(name, n, i) for i, n in enumerate(node_ids) for name in ("native", "installed")]
-        found = {"native": {}, "installed": {}}
-        with ThreadPoolExecutor(at_once) as pool:
-            def one(job):
-                name, node, i = job
-                junit = os.path.join(folder, f"{name}_{i}.xml")
-                run(base + opts + ["-p", "no:xdist", "--junitxml", junit, node], envs[name],
-                    os.path.join(folder, f"{name}_{i}.log"), args.run_timeout)
-                return name, outcomes([junit])
-            for name, res in pool.map(one, jobs):
-                found[name].update(res)
-        return found
-
-    envs["native"] = native_env
     native = run_pass("native", native_env)
     previous = existing_sitecustomize(site_dir)
     print(f"sitecustomize: chaining to {previous}" if previous else "sitecustomize: none to chain to")
@@ -258,24 +228,50 @@ def main():
                          PYTHONPATH=os.pathsep.join(filter(None, [site_dir, ROOT, old_path])))
     probe = subprocess.run([sys.executable, "-c", "import sys, torch_budget; sys.exit(0 if torch_budget.installed() else 3)"],
                            cwd=ROOT, env=installed_env, capture_output=True, text=True, timeout=300)
-    envs["installed"] = installed_env
     installed, note = (run_pass("installed", installed_env), "") if probe.returncode == 0 else ({}, " error=install")
     if note:
         print(f"installed pass not run: a fresh process did not get torch_budget installed (rc={probe.returncode}):\n"
               + probe.stderr[-2000:])
 
-    keys = ["::".join(n.split("::")[1:]) for n in ids]
+    envs = {"native": native_env, "installed": installed_env}
+
+    def in_one_process(allocator, node_ids, stem):
+        """Outcomes of node_ids run in this order in one fresh pytest process (log and junit: OUT/stem.*)."""
+        junit = os.path.join(out, stem + ".xml")
+        if os.path.exists(junit):
+            os.remove(junit)
+        run(base + opts + ["-p", "no:xdist", "--junitxml", junit] + node_ids, envs[allocator],
+            os.path.join(out, stem + ".log"), args.run_timeout)
+        return outcomes([junit])
+
+    def replay(allocator, node_ids):
+        return in_one_process(allocator, node_ids, f"replay_{allocator}")
+
+    def alone(node_ids, at_once=4):
+        """{"native": outcomes, "installed": outcomes} of each node id run alone in a fresh pytest process,
+        at_once processes at a time; logs and junit files under OUT/alone/."""
+        os.makedirs(os.path.join(out, "alone"), exist_ok=True)
+        jobs = [(allocator, node) for node in node_ids for allocator in ("native", "installed")]
+        found = {"native": {}, "installed": {}}
+        with ThreadPoolExecutor(at_once) as pool:
+            results = pool.map(lambda job: in_one_process(job[0], [job[1]], os.path.join(
+                "alone", job[0] + "_" + "_".join(job[1].split("::")[1:]))), jobs)
+            for (allocator, _), res in zip(jobs, results):
+                found[allocator].update(res)
+        return found
+
+    by_key = {"::".join(n.split("::")[1:]): n for n in ids}
+    keys = list(by_key)
     status = {k: (native.get(k, ("not run", ""))[0], installed.get(k, ("not run", ""))) for k in keys}
     count = {s: sum(1 for k in keys if status[k][0] == s) for s in ("passed", "failed", "skipped", "not run")}
     native_pass = [k for k in keys if status[k][0] == "passed"]
     regressions = [k for k in native_pass if status[k][1][0] != "passed"]
     lines = [f"{k}: {status[k][1][0].upper()}: {status[k][1][1]}" for k in regressions]
     if regressions and installed:
-        lines += recheck(regressions, ids, os.path.join(out, "installed_parallel.log"), alone, replay)
+        lines += recheck(regressions, by_key, os.path.join(out, "installed_parallel.log"), alone, replay)
     # A test that fails natively in the suite may fail only after what ran before it: alone, it can
     # still be compared.
     native_failed = [k for k in keys if status[k][0] == "failed"]
-    by_key = {"::".join(n.split("::")[1:]): n for n in ids}
     single = alone([by_key[k] for k in native_failed]) if native_failed and installed else {}
     alone_pass = [k for k in native_failed if single and single["native"].get(k, ("",))[0] == "passed"]
     alone_regressions = [k for k in alone_pass if single["installed"].get(k, ("",))[0] != "passed"]
