@@ -47,13 +47,11 @@ def gpu_local_cpus() -> set:
     return local or allowed
 
 
-def pin_near_gpu() -> set:
+def pin_near_gpu():
     """Keeps this process (and what it forks) on the GPU's NUMA node, so the memory it touches
-    first lands there; call before importing torch. Returns the cores."""
-    cpus = gpu_local_cpus()
+    first lands there; call before importing torch."""
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
-    return cpus
+        os.sched_setaffinity(0, gpu_local_cpus())
 
 
 def pin_to_one_core():
