@@ -1,6 +1,7 @@
 """torch's own allocator tools under install(): torch.compile's CUDA graph trees, memory
-history and the memory visualiser, out-of-memory observers and trace trackers, sharing
-CUDA tensors between processes, and torch's memory-fraction semantics.
+history and the memory visualiser, the profiler's memory records, out-of-memory observers
+and trace trackers, sharing CUDA tensors between processes, and torch's memory-fraction
+semantics.
 
 Each test runs in a fresh process: install() must precede the first CUDA allocation.
 """
@@ -179,6 +180,13 @@ oom = [e for e in snap["device_traces"][0] if e["action"] == "oom"][0]
 assert oom["size"] >= 1 << 50 and 0 < oom["device_free"] <= torch.cuda.mem_get_info()[1], oom
 pending = [e for e in snap["device_traces"][0] if e["action"] == "free_completed" and e["size"] == 1 * MiB]
 assert pending, "the record_stream block's free never completed in the trace"
+def entry(action, size):
+    return [e for e in snap["device_traces"][0] if e["action"] == action and e["size"] == size][0]
+# As torch's allocator: a block freed at once completes with the free's stack, one that
+# waited for another stream with its allocation's.
+assert entry("free_completed", 40 * MiB)["frames"] == entry("free_requested", 40 * MiB)["frames"]
+assert entry("free_completed", 40 * MiB)["frames"] != entry("alloc", 40 * MiB)["frames"]
+assert pending[0]["frames"] == entry("alloc", 1 * MiB)["frames"]
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "snap.pickle")
     torch.cuda.memory._dump_snapshot(path)
@@ -295,6 +303,30 @@ assert limit == total and abs(free - free_now) < 256 * MiB, (calls, free_now, to
 print("observer ok")
 """)
     assert "observer ok" in out
+
+
+def test_profiler_memory_records_see_allocations_frees_and_an_oom(fresh):
+    out = fresh(PRELUDE + """
+from torch.profiler import profile, ProfilerActivity
+torch.zeros(1, device="cuda")
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    del x                                             # outside any op: a top-level [memory] event
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        raise SystemExit("no out-of-memory error")
+    except torch.cuda.OutOfMemoryError:
+        pass
+events = prof.events()
+empties = [e.device_memory_usage for e in events if e.name == "aten::empty"]
+assert 8 * MiB in empties, empties
+frees = [e.device_memory_usage for e in events if e.name == "[memory]"]
+assert -8 * MiB in frees, frees
+ooms = [e for e in events if e.name == "[OutOfMemory]"]
+assert len(ooms) == 1, [e.name for e in events]
+print("profiler ok")
+""")
+    assert "profiler ok" in out
 
 
 def test_record_stream_reuse_in_capture_follows_torchs_setting_and_replays_right(fresh):

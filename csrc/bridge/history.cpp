@@ -10,6 +10,13 @@ namespace {
 
 // The stack gathered for the next event this thread causes (Note [History]).
 thread_local std::shared_ptr<c10::GatheredContext> t_pending;
+// The stack of the free this thread's call is making, for its free_completed entry.
+struct FreeStack {
+  int device = -1;
+  uintptr_t addr = 0;
+  std::shared_ptr<c10::GatheredContext> ctx;
+};
+thread_local FreeStack t_free;
 thread_local std::string t_user_metadata;
 thread_local std::vector<std::string> t_compile_context;
 
@@ -52,7 +59,10 @@ void History::gather() {
   if (cda::CreateContextFn recorder = recorder_.load(std::memory_order_acquire)) t_pending = recorder();
 }
 
-void History::forget() { t_pending.reset(); }
+void History::forget() {
+  t_pending.reset();
+  t_free.ctx.reset();
+}
 
 void History::set_user_metadata(const std::string& md) { t_user_metadata = md; }
 
@@ -134,6 +144,11 @@ void History::on_event(const TraceEvent& e) {
       if (e.action == TraceAction::kFreeRequested && t_pending) {
         ctx = std::move(t_pending);
         t_pending.reset();
+        t_free = {e.device, e.addr, ctx};
+      } else if (e.action == TraceAction::kFreeCompleted && t_free.ctx && t_free.addr == e.addr &&
+                 t_free.device == e.device) {
+        ctx = std::move(t_free.ctx);  // freed at once: the free's own stack
+        t_free.ctx.reset();
       } else if (it != stacks.end()) {
         ctx = it->second;
       }

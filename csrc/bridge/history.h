@@ -13,6 +13,11 @@
 // address for the snapshot's blocks. Trace trackers see every entry, history on or
 // off, skip list or not, as torch's own allocator calls them.
 //
+// A free gathers its stack (when recording "all") for its free_requested entry and, when
+// the block is free at once, for its free_completed entry too; a free that waits for
+// other streams completes later with the allocation's stack. torch's allocator does
+// the same. The free's stack is dropped when the free call returns.
+//
 // A block keeps its stack until it is freed, also after recording stops (torch's
 // blocks hold theirs): a snapshot taken later still names where live memory came
 // from. So the sink stays on while any stack is kept, to drop each with its block.
@@ -50,14 +55,11 @@ class History {
               bool clear, const std::vector<std::string>& skip_actions);
   bool enabled() const { return enabled_.load(std::memory_order_acquire); }
 
-  // Before an allocation / a free on this thread: gathers the stack the event will carry.
+  // Before an allocation on this thread: gathers the stack the event will carry.
   void before_alloc() {
     if (when_.load(std::memory_order_relaxed) >= static_cast<int>(cda::RecordContext::STATE)) gather();
   }
-  void before_free() {
-    if (when_.load(std::memory_order_relaxed) >= static_cast<int>(cda::RecordContext::ALL)) gather();
-  }
-  // Drops a stack the event did not use (a failed call).
+  // Drops the stacks this thread's call gathered and did not use, or used for a free.
   static void forget();
   // Gathers this thread's stack for the events of a call when recording at least
   // `level`, and forgets it when the call is over.

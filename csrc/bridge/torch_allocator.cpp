@@ -1,7 +1,7 @@
 // The only code that includes torch headers (with history.* and ipc.* beside it): a
 // subclass of torch's CUDAPluggableAllocator that serves torch from the core and
 // answers torch's statistics, snapshot, history, cache, graph-pool, checkpoint and
-// IPC calls from the core's ledger.
+// IPC calls from the core's ledger, and tells torch's profiler of each allocation.
 //
 // Overriding allocate() and raw_deleter() skips the base class's mutex and pointer
 // map on every allocation (Note [One deleter]). Allocation failures become c10
@@ -51,6 +51,34 @@ bool capture_reuse_setting() {
 
 using bridge::History;
 
+// torch.profiler(profile_memory=True) hears of each allocation and free from the
+// allocator, as torch's own reports them: the block's size (negative for a free), then
+// the device's allocated and reserved totals after the call. Nothing is read unless
+// the profiler is recording memory.
+void report_to_profiler(int device, uintptr_t ptr, int64_t delta) {
+  tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
+  if (d == nullptr) return;
+  c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(ptr), delta,
+                                   static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+                                   static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
+                                   c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+// A free the profiler is told of: the block's device and size are read before it goes.
+class ProfiledFree {
+ public:
+  explicit ProfiledFree(void* ptr) {
+    if (c10::memoryProfilingEnabled() && !tb::Allocator::get().lookup(ptr, &device_, &info_)) device_ = -1;
+  }
+  void done() const {
+    if (device_ >= 0) report_to_profiler(device_, info_.base, -static_cast<int64_t>(info_.size));
+  }
+
+ private:
+  int device_ = -1;
+  BlockInfo info_{};
+};
+
 }  // namespace
 
 // Out of memory: torch's observers first (with the numbers torch gives them), then
@@ -66,6 +94,10 @@ void bridge::raise_last_error(const char* what, int device, size_t size) {
         History::get().notify_rejection(device, size, static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
                                         static_cast<size_t>(limit));
       History::get().notify_oom(device, size, static_cast<size_t>(limit), free_b);
+      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size),
+                                       static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+                                       static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
+                                       c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
@@ -89,11 +121,16 @@ constexpr uintptr_t kDeviceBits = 0xff;
 void block_deleter(void* ctx) {
   if (ctx == nullptr) return;
   const auto v = reinterpret_cast<uintptr_t>(ctx);
-  if (History::get().enabled()) History::get().before_free();
+  History::Scope stack(History::get(), c10::CachingDeviceAllocator::RecordContext::ALL);  // the free's stack
+  const ProfiledFree profiled(reinterpret_cast<void*>(v & ~kDeviceBits));
   const bool ok = (v & kDeviceBits) != 0
                       ? tb::Allocator::get().free_at(static_cast<int>(v & kDeviceBits) - 1, v & ~kDeviceBits)
                       : tb::Allocator::get().free_ptr(ctx);
-  if (!ok) TORCH_WARN("torch_budget: free failed: ", last_error_message());
+  if (!ok) {
+    TORCH_WARN("torch_budget: free failed: ", last_error_message());
+    return;
+  }
+  profiled.done();
 }
 
 void* block_context(const Block* b) {
@@ -171,8 +208,10 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
-    if (History::get().enabled()) History::get().before_free();
+    History::Scope stack(History::get(), c10::CachingDeviceAllocator::RecordContext::ALL);  // the free's stack
+    const ProfiledFree profiled(ptr);
     if (!tb::Allocator::get().free_ptr(ptr)) raise_last_error("free failed");
+    profiled.done();
   }
 
   void init(int /*device_count*/) override { initialized_ = true; }
@@ -461,6 +500,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (recording) History::forget();
       raise_last_error("allocation failed", device, size);
     }
+    if (c10::memoryProfilingEnabled()) report_to_profiler(device, b->ptr, static_cast<int64_t>(b->size));
     return b;
   }
 };
