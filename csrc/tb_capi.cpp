@@ -47,12 +47,14 @@ extern "C" {
 const char* tb_last_error(void) { return last_error_message(); }
 int tb_last_error_code(void) { return last_error_code(); }
 
-int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow) {
+int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow,
+                 int64_t map_run_bytes) {
   clear_error();
   Settings s;
   s.budget_bytes = budget_bytes;
   s.budget_fraction = budget_fraction;
   s.reuse_before_grow = reuse_before_grow != 0;
+  s.map_run_bytes = map_run_bytes;
   return Allocator::get().configure(s, default_route) ? 0 : code();
 }
 
@@ -144,6 +146,17 @@ int tb_empty_cache(int device) {
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
   if (d == nullptr) return 0;  // nothing was ever allocated there
   return d->empty_cache() ? 0 : code();
+}
+
+int tb_cache_info(int device, int64_t* largest) {
+  clear_error();
+  *largest = 0;
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  size_t out = 0;
+  if (!d->cache_info(&out)) return code();
+  *largest = static_cast<int64_t>(out);
+  return 0;
 }
 
 int tb_grant_peer(int device, int peer) {

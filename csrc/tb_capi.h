@@ -22,7 +22,9 @@ TB_API int tb_last_error_code(void);
 // --- setup
 // Settings for every device; fails once allocations were served.
 // budget_bytes < 0 and budget_fraction <= 0: no budget (the whole card).
-TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow);
+// map_run_bytes: the longest VMM mapping an allocation makes (0: 64 MiB).
+TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow,
+                        int64_t map_run_bytes);
 TB_API int tb_device_count(void);
 // Capabilities of a device: out[0] vmm, out[1] pools, out[2] granularity, out[3] total bytes.
 TB_API int tb_capabilities(int device, int64_t out[4]);
@@ -49,6 +51,8 @@ TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on
 // bytes >= 0, or (bytes < 0) a fraction in (0, 1] of the card.
 TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
 TB_API int tb_empty_cache(int device);
+// torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
+TB_API int tb_cache_info(int device, int64_t* largest);
 // Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).
 TB_API int tb_grant_peer(int device, int peer);
 

@@ -60,16 +60,16 @@ COUNTERS = ["maps", "unmaps", "syncs", "handles", "mappings", "reservations", "i
 
 class Host:
     def __init__(self, capacity=4 * GiB, vmm=True, pools=True, budget=-1, route="sync", reuse_before_grow=True,
-                 devices=1, pool_chunk=0, library="_host_core", configure=True, missing=()):
+                 devices=1, pool_chunk=0, library="_host_core", configure=True, missing=(), map_run=0):
         self.lib = lib = _native.load(library)
         assert lib.tb_host_use(devices, capacity, int(vmm), int(pools), pool_chunk) == 0
         for name in missing:
             assert lib.tb_host_remove_entry(name.encode()) == 0, name
         if configure:
-            self.configure(budget, route, reuse_before_grow)
+            self.configure(budget, route, reuse_before_grow, map_run)
 
-    def configure(self, budget=-1, route="sync", reuse_before_grow=True):
-        _native.check(self.lib, self.lib.tb_configure(budget, -1.0, ROUTES[route], int(reuse_before_grow)))
+    def configure(self, budget=-1, route="sync", reuse_before_grow=True, map_run=0):
+        _native.check(self.lib, self.lib.tb_configure(budget, -1.0, ROUTES[route], int(reuse_before_grow), map_run))
 
     def malloc(self, size, stream=S1, device=0):
         p = self.lib.tb_malloc(size, device, stream)
@@ -114,6 +114,11 @@ class Host:
 
     def empty_cache(self, device=0):
         _native.check(self.lib, self.lib.tb_empty_cache(device))
+
+    def cache_info(self, device=0):
+        out = ctypes.c_int64()
+        _native.check(self.lib, self.lib.tb_cache_info(device, ctypes.byref(out)))
+        return out.value
 
     def set_budget(self, n, device=0):
         _native.check(self.lib, self.lib.tb_set_budget(device, n, -1.0))

@@ -43,12 +43,14 @@ def test_errors_from_the_environment_variable_say_they_came_from_it():
         config.parse_conf("reuse_before_grow:maybe")
     with pytest.raises(ValueError, match="TORCH_BUDGET_CONF host_pool"):
         config.parse_conf("host_pool:lots")
+    with pytest.raises(ValueError, match="TORCH_BUDGET_CONF map_run must be at least 2MiB"):
+        config.parse_conf("map_run:1MiB")
 
 
 def test_the_environment_variable_gives_install_its_arguments(monkeypatch):
-    monkeypatch.setenv(config.ENV_VAR, "budget:0.8, route:pool ,reuse_before_grow:off, host_pool:8GiB")
+    monkeypatch.setenv(config.ENV_VAR, "budget:0.8, route:pool ,reuse_before_grow:off, host_pool:8GiB, map_run:16MiB")
     assert config.from_environment() == {"budget": "0.8", "route": "pool", "reuse_before_grow": False,
-                                         "host_pool": 8 << 30}
+                                         "host_pool": 8 << 30, "map_run": 16 << 20}
 
 
 def test_units_read_binary_and_decimal_sizes_and_print_sizes_the_way_people_read_them():

@@ -262,13 +262,14 @@ def test_a_restore_maps_runs_with_one_handle_each_and_they_go_back_only_whole():
     h.restore("weights")
     # Freeing part of a run keeps the run mapped; freeing all of it gives it back whole.
     used = h.device_used()
-    h.free(blocks[3][0])  # 40 MiB; most of it shares a run with the 150 MiB block
+    h.free(blocks[3][0])  # 40 MiB; its granules share a run with the 150 MiB block
     h.empty_cache()
-    assert used - 40 * MiB < h.device_used() < used
+    assert h.device_used() == used
+    assert h.peek(blocks[1][0], len(blocks[1][1])) == blocks[1][1]
     h.free(blocks[1][0])  # now whole runs are free
     h.empty_cache()
-    # Left: the 64 MiB run holding the 3 MiB block, and the small block's granule.
-    assert h.device_used() == 64 * MiB + 2 * MiB
+    # Left: the run holding the 3 MiB block, and the small block's granule.
+    assert h.device_used() <= used - 120 * MiB
     for p, data in (blocks[0], blocks[2]):
         assert h.peek(p, len(data)) == data
     h.free(blocks[0][0])

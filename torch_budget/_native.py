@@ -32,7 +32,7 @@ def _declare(lib, host):
     sigs = {
         "tb_last_error": (cp, []),
         "tb_last_error_code": (i, []),
-        "tb_configure": (i, [i64, d, i, i]),
+        "tb_configure": (i, [i64, d, i, i, i64]),
         "tb_device_count": (i, []),
         "tb_capabilities": (i, [i, _c_i64_4]),
         "tb_route_for": (i, [i, i]),
@@ -45,6 +45,7 @@ def _declare(lib, host):
         "tb_tag_id": (i, [cp]),
         "tb_set_budget": (i, [i, i64, d]),
         "tb_empty_cache": (i, [i]),
+        "tb_cache_info": (i, [i, ctypes.POINTER(i64)]),
         "tb_grant_peer": (i, [i, i]),
         "tb_tag_find": (i, [cp]),
         "tb_device_ready": (i, [i]),

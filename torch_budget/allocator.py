@@ -39,13 +39,15 @@ def route_for(route: str = "vmm", device=0) -> str:
     return {v: k for k, v in config.ROUTES.items()}[got]
 
 
-def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> dict:
+def install(budget=None, route=None, reuse_before_grow=None, host_pool=None, map_run=None) -> dict:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
     route: "vmm", "pool", "sync" or None/"auto" (VMM > pool > sync by what each device supports).
     host_pool: bytes (int or "8GiB") of pinned host memory to pin now for sleep backups
     (torch_budget.reserve_host_pool), so that no release has to pin; None = none yet.
+    map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
+    makes; None = 64 MiB. Shorter packs tighter, longer maps with fewer driver calls.
     Arguments left None come from TORCH_BUDGET_CONF. Must run before the first CUDA allocation;
     raises RuntimeError otherwise. Returns the settings in force.
     """
@@ -57,7 +59,8 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> 
     route = config.check_route(env.get("route") if route is None else route)
     reuse = env.get("reuse_before_grow", True) if reuse_before_grow is None else bool(reuse_before_grow)
     host_bytes = env.get("host_pool", 0) if host_pool is None else config.parse_host_pool(host_pool)
-    requested = (budget, route, reuse, host_bytes)
+    run_bytes = env.get("map_run", 0) if map_run is None else config.parse_map_run(map_run)
+    requested = (budget, route, reuse, host_bytes, run_bytes)
     with _lock:
         if _state["installed"]:
             if _state["settings"]["requested"] != requested:
@@ -76,7 +79,7 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> 
         if parsed is not None:
             kind, value = parsed
             budget_bytes, fraction = (value, -1.0) if kind == "bytes" else (-1, value)
-        _native.check(lib, lib.tb_configure(budget_bytes, fraction, config.ROUTES[asked], int(reuse)))
+        _native.check(lib, lib.tb_configure(budget_bytes, fraction, config.ROUTES[asked], int(reuse), run_bytes))
         _native.check(lib, lib.tb_torch_install())
         _state["installed"] = True
         if host_bytes > 0:
@@ -84,6 +87,7 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None) -> 
         _state["settings"] = {"route": route_for(asked, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                               "budget_fraction": fraction if fraction > 0 else None,
                               "reuse_before_grow": reuse, "host_pool": host_bytes,
+                              "map_run": run_bytes or (64 << 20),
                               "capabilities": capabilities(0), "requested": requested}
         return dict(_state["settings"])
 

@@ -8,9 +8,10 @@ variable TORCH_BUDGET_CONF, written like PYTORCH_CUDA_ALLOC_CONF:
 
 Keys: budget (bytes with an optional unit -- B, KiB, MiB, GiB, TiB, or decimal KB,
 MB, GB, TB -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
-reuse_before_grow (true | false), host_pool (bytes of pinned host memory that install()
-pins for sleep backups, so that no release pins). An error in the variable says it came
-from there.
+reuse_before_grow (true | false), map_run (bytes: the longest VMM mapping an allocation
+makes, 64MiB by default; shorter packs tighter, longer maps faster), host_pool (bytes of
+pinned host memory that install() pins for sleep backups, so that no release pins). An
+error in the variable says it came from there.
 
 A budget is one of two things, decided here and nowhere else in Python: ("bytes", n)
 or ("fraction", f). The compiled core turns a fraction into bytes of each card.
@@ -58,6 +59,18 @@ def parse_host_pool(value, source: str = "host_pool") -> int:
     return non_negative_int(value, source)
 
 
+MAP_RUN_MIN = 2 << 20
+
+
+def parse_map_run(value, source: str = "map_run") -> int:
+    """Bytes (an int or a str with a unit, "16MiB") of the longest VMM mapping an allocation
+    makes; at least 2 MiB (a granule; longer values are rounded down to the device's)."""
+    n = parse_bytes(value, source) if isinstance(value, str) else non_negative_int(value, source)
+    if n < MAP_RUN_MIN:
+        raise ValueError(f"{source} must be at least 2MiB (one VMM granule), got {n} bytes")
+    return n
+
+
 def check_route(route, source: str = "route") -> str:
     """The route name, "auto" for None; ValueError naming `source` for an unknown one."""
     if route is None:
@@ -92,8 +105,11 @@ def parse_conf(text: str | None) -> dict:
             out["reuse_before_grow"] = _parse_bool(key, value)
         elif key == "host_pool":
             out["host_pool"] = parse_host_pool(value, f"{ENV_VAR} host_pool")
+        elif key == "map_run":
+            out["map_run"] = parse_map_run(value, f"{ENV_VAR} map_run")
         else:
-            raise ValueError(f"{ENV_VAR}: unknown key {key!r} (known: budget, route, reuse_before_grow, host_pool)")
+            raise ValueError(f"{ENV_VAR}: unknown key {key!r} "
+                             "(known: budget, route, reuse_before_grow, map_run, host_pool)")
     return out
 
 

@@ -247,14 +247,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
     tb::DeviceAllocator* d = ready(device, "cacheInfo");
-    *largest = d->largest_free();
-    if (*largest == 0) {
-      // Nothing cached yet: what could still be had, within the budget.
-      size_t free_b = 0, total_b = 0;
-      if (!d->mem_info(&free_b, &total_b)) raise_last_error("cacheInfo");
-      const int64_t room = d->budget() - d->ledger().reserved_bytes.s[kAggregate].get();
-      *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
-    }
+    if (!d->cache_info(largest)) raise_last_error("cacheInfo");
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {

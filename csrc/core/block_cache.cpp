@@ -107,6 +107,56 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   return rest;
 }
 
+Block* BlockPool::split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node) {
+  Block* tail = store_->make();
+  tail->size = rounded;
+  tail->ptr = block->ptr + block->size - rounded;
+  tail->stream = block->stream;
+  tail->segment = block->segment;
+  tail->route = route_;
+  tail->freed_at = block->freed_at;
+  tail->requested = block->requested;
+  tail->prev = block;
+  tail->next = block->next;
+  if (block->next) block->next->prev = tail;
+  block->next = tail;
+  block->size -= rounded;
+  node.value() = block;  // the front stays free, in the node that held the whole block
+  fs.insert(std::move(node));
+  return tail;
+}
+
+FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end) const {
+  *at_end = false;
+  // What handing out the front of `b` covers: all of it when it is too small to split.
+  auto span = [&](const Block* b) {
+    return !no_split_ && b->size - rounded >= min_split_remainder(b->segment->small) ? rounded : b->size;
+  };
+  // Fully backed: the hot path, no driver call and no further look.
+  if (backing_->unbacked(*(*it)->segment, (*it)->ptr, span(*it)) == 0) return it;
+  constexpr int kCandidates = 16;
+  const CUstream stream = (*it)->stream;
+  FreeSet::iterator best = fs.end();
+  size_t best_missing = SIZE_MAX;
+  int looked = 0;
+  for (auto c = it; c != fs.end() && (*c)->stream == stream && looked < kCandidates; ++c, ++looked) {
+    const Block* b = *c;
+    const Segment& seg = *b->segment;
+    const size_t front = backing_->unbacked(seg, b->ptr, span(b));
+    // A block too small to split is handed out whole: only its front is a placement.
+    const bool splits = span(b) == rounded && b->size > rounded;
+    const size_t back = splits ? backing_->unbacked(seg, b->ptr + b->size - rounded, rounded) : SIZE_MAX;
+    const size_t missing = std::min(front, back);
+    if (missing < best_missing) {
+      best = c;
+      best_missing = missing;
+      *at_end = back < front;
+      if (missing == 0) break;
+    }
+  }
+  return best;
+}
+
 Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   const size_t rounded = round_size(size);
   const bool small = rounded <= kSmallSize;
@@ -125,8 +175,11 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
       return nullptr;
     }
   }
+  bool at_end = false;
+  it = place(fs, it, rounded, &at_end);
   Block* block = *it;
   FreeSet::node_type node = fs.extract(it);
+  if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size);
   if (!no_split_ && block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
   return activate(block, size);
 }
@@ -210,10 +263,8 @@ void BlockPool::free(Block* block) {
 
 size_t BlockPool::largest_free() const {
   size_t best = 0;
-  if (!small_free_.empty() || !large_free_.empty()) {
-    for (const Block* b : small_free_) best = std::max(best, b->size);
-    for (const Block* b : large_free_) best = std::max(best, b->size);
-  }
+  for (const FreeSet* fs : {&small_free_, &large_free_})
+    for (const Block* b : *fs) best = std::max(best, backing_->usable(*b));
   return best;
 }
 

@@ -13,12 +13,21 @@
 //
 // A BlockPool does not know where memory comes from: a Backing (VMM, stream-ordered
 // pool or synchronous route) creates segments and makes address ranges usable.
+//
+// Note [Placement by mapped memory]
+// On the VMM route a free block may lie partly over unmapped address range (an arena is
+// mostly unmapped; memory handed back leaves holes). Mapping costs tens of µs per
+// mapping (create, map, access; unmap and release later), a cache hit nothing, so a
+// request that the best-fit block cannot serve without new memory looks at the next
+// few fitting blocks for one that can, and otherwise places itself, at the start or the
+// end of one of them, where the fewest granules are missing.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <set>
 #include <vector>
@@ -57,6 +66,10 @@ struct Segment {
   // VMM only: at the first granule of each mapping, how many granules it spans (one
   // handle, one cuMemMap); 0 elsewhere. See Note [Run mappings] (route_vmm.h).
   std::vector<uint32_t> span;
+  // VMM only: the same mappings in address order (first granule -> granules), so a
+  // range's mappings are found without walking its granules (an arena's unmapped
+  // tail is most of the card). Changed only with `granules` and `span` (route_vmm.cpp).
+  std::map<size_t, size_t> maps;
   size_t mapped = 0;     // granules mapped
 };
 
@@ -125,6 +138,12 @@ class Backing {
   // The driver caches for this backing (the pool route): a block's memory goes
   // back as soon as the block is freed.
   virtual bool release_on_free() const { return false; }
+  // Granules [ptr, ptr+size) of `seg` still lacks: what handing it out would map
+  // (0 where all memory is backed; see Note [Placement by mapped memory]).
+  virtual size_t unbacked(const Segment& /*seg*/, uintptr_t /*ptr*/, size_t /*size*/) const { return 0; }
+  // The longest usable stretch of free block `b` (torch's cacheInfo: cuDNN sizes its
+  // workspaces from it): the block itself where all memory is backed.
+  virtual size_t usable(const Block& b) const { return b.size; }
   // Lets device `peer` read and write every mapping of this backing, present and
   // future.
   virtual bool grant_peer(int /*peer*/) { return true; }
@@ -186,11 +205,17 @@ class BlockPool {
   // Segments without live blocks whose last free is clean (Note [Clean blocks]): what a
   // backing may give back.
   std::vector<Segment*> idle_clean_segments() const;
-  // Largest free block (for torch's cacheInfo).
+  // The longest free stretch that needs no new memory (torch's cacheInfo).
   size_t largest_free() const;
 
  private:
   Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
+  // Takes the last `rounded` bytes of free block `block` (out of the free set as `node`),
+  // leaving its front free.
+  Block* split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
+  // Note [Placement by mapped memory]: the block at `it` or a later fitting one, and
+  // whether to serve from its end.
+  FreeSet::iterator place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end) const;
   // A block out of the free set becomes allocated and backed; nullptr + error (the
   // block freed again) when backing it failed.
   Block* activate(Block* block, size_t requested);

@@ -19,7 +19,8 @@ constexpr int kSyncRounds = 3;
 std::atomic<int> DeviceAllocator::open_captures_{0};
 std::atomic<bool> DeviceAllocator::capture_reuse_{false};
 
-DeviceAllocator::DeviceAllocator(int device) : budget_(device, ledger_), store_(device) { ctx_.device = device; }
+DeviceAllocator::DeviceAllocator(int device)
+    : ctx_{device, nullptr}, budget_(device, ledger_), clock_(device, open_captures_), store_(device) {}
 
 bool probe_device(int device, Capabilities* caps) {
   const DriverApi* d = driver();
@@ -55,7 +56,7 @@ bool DeviceAllocator::init(const Settings& settings) {
     size_t granule = 2 << 20;
     granule = (std::max(granule, caps_.granularity) + caps_.granularity - 1) / caps_.granularity * caps_.granularity;
     const size_t arena = (caps_.total_bytes + granule - 1) / granule * granule;
-    vmm_ = std::make_unique<VmmRoute>(ctx_, budget_, ledger_, granule, arena, settings.reuse_before_grow);
+    vmm_ = std::make_unique<VmmRoute>(ctx_, budget_, ledger_, clock_, granule, arena, settings.reuse_before_grow);
     vmm_pool_ = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
     vmm_->add_reuse_source(vmm_pool_.get());
     mover_ = std::make_unique<TagMover>(ctx_, *vmm_);
@@ -79,7 +80,11 @@ bool DeviceAllocator::init(const Settings& settings) {
 void DeviceAllocator::apply(const Settings& settings) {
   std::lock_guard<std::mutex> lock(mu_);
   budget_.set_limit(Budget::resolve(settings.budget_bytes, settings.budget_fraction, caps_.total_bytes));
-  if (vmm_) vmm_->set_reuse_before_grow(settings.reuse_before_grow);
+  if (vmm_) {
+    vmm_->set_reuse_before_grow(settings.reuse_before_grow);
+    vmm_->set_max_run(settings.map_run_bytes > 0 ? static_cast<size_t>(settings.map_run_bytes)
+                                                 : VmmRoute::kDefaultRunBytes);
+  }
 }
 
 int resolve_route(const Capabilities& caps, int route) {
@@ -152,6 +157,7 @@ void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std
   }
   lock.lock();
   for (CUstream s : done) clock_.stream_synced(s, upto);
+  bump(ledger_.num_stream_syncs, static_cast<int64_t>(done.size()));
 }
 
 void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
@@ -328,7 +334,7 @@ bool DeviceAllocator::free(Block* b) {
   TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
              "free of a block that is not allocated (double free?)", false);
   free_locked(b);
-  if (!dead_.empty()) destroy_dead_pools(lock);
+  if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
 
@@ -338,7 +344,7 @@ bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
   *found = b != nullptr;
   if (b == nullptr) return false;
   free_locked(b);
-  if (!dead_.empty()) destroy_dead_pools(lock);
+  if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
 
@@ -373,7 +379,9 @@ void DeviceAllocator::retire(Block* b) {
   trace_block(TraceAction::kFreeCompleted, b);
   account_inactive(b);
   BlockPool* pool = b->segment->pool;
+  const CUstream stream = b->stream;
   pool->free(b);
+  clock_.note_free(stream);
   if (pool->graph_pool()) note_if_dead(pool);
 }
 
@@ -411,7 +419,7 @@ void DeviceAllocator::process_events() {
         ++k;
         continue;
       }
-      pending_.push_back(Pending{b, e, rec[k].device});
+      pending_.push_back(Pending{b, e, rec[k].device, rec[k].stream});
       b->pending++;
       rec.erase(rec.begin() + static_cast<long>(k));
     }
@@ -423,8 +431,17 @@ void DeviceAllocator::process_events() {
     deferred_.pop_back();
     if (--b->pending == 0) retire(b);
   }
+  // Events of one stream complete in the order they were recorded: once one is not
+  // ready, the later ones of its stream are not queried.
+  std::vector<std::pair<CUstream, int>> waiting;
   for (auto it = pending_.begin(); it != pending_.end();) {
+    const std::pair<CUstream, int> key{it->stream, it->device};
+    if (std::find(waiting.begin(), waiting.end(), key) != waiting.end()) {
+      ++it;
+      continue;
+    }
     if (events.query(it->event) != CUDA_SUCCESS) {  // not ready, or the query failed: later
+      waiting.push_back(key);
       ++it;
       continue;
     }
@@ -496,6 +513,16 @@ size_t DeviceAllocator::largest_free() {
   return best;
 }
 
+bool DeviceAllocator::cache_info(size_t* largest) {
+  *largest = largest_free();
+  if (*largest > 0) return true;
+  size_t free_b = 0, total_b = 0;
+  if (!mem_info(&free_b, &total_b)) return false;
+  const int64_t room = budget_.limit() - budget_.reserved();
+  *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
+  return true;
+}
+
 void DeviceAllocator::reset_peaks() {
   std::lock_guard<std::mutex> lock(mu_);
   ledger_.reset_peaks();
@@ -524,11 +551,10 @@ std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
       v.mapped = seg->route == kRouteVmm ? seg->mapped * vmm_->granule() : seg->size;
       if (runs && seg->route == kRouteVmm) {
         const size_t g = vmm_->granule();
-        for (size_t i = 0; i < seg->granules.size(); ++i) {
-          if (seg->granules[i] == 0) continue;
-          const uintptr_t at = seg->base + i * g;
-          if (!v.runs.empty() && v.runs.back().first + v.runs.back().second == at) v.runs.back().second += g;
-          else v.runs.emplace_back(at, g);
+        for (const auto& [head, count] : seg->maps) {
+          const uintptr_t at = seg->base + head * g;
+          if (!v.runs.empty() && v.runs.back().first + v.runs.back().second == at) v.runs.back().second += count * g;
+          else v.runs.emplace_back(at, count * g);
         }
       }
       for (const Block* b = seg->head; b; b = b->next) {

@@ -57,7 +57,9 @@ int resolve_route(const Capabilities& caps, int route);
 struct Settings {
   int64_t budget_bytes = -1;     // < 0: none (the whole card)
   double budget_fraction = -1;   // used when budget_bytes < 0 and fraction > 0
-  bool reuse_before_grow = true; // see Note [Granule reuse before growth]
+  bool reuse_before_grow = true; // see Note [Packing: reclaim before growth]
+  // The longest mapping the allocation path makes (Note [Run mappings]); 0: the default.
+  int64_t map_run_bytes = 0;
 };
 
 struct SegmentView {
@@ -141,6 +143,9 @@ class DeviceAllocator {
   bool grant_peer(int peer);
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
   size_t largest_free();
+  // torch's cacheInfo (cuDNN sizes its benchmark workspaces from it): the longest free
+  // stretch that is backed now, else what could still be had within the budget.
+  bool cache_info(size_t* largest);
   void reset_peaks();
   void reset_accumulated();
 
@@ -212,6 +217,7 @@ class DeviceAllocator {
     Block* block;
     CUevent event;
     int device;  // the event's device
+    CUstream stream;
   };
   struct DeadPool {
     PoolId id;
@@ -257,7 +263,9 @@ class DeviceAllocator {
   bool sync_device(std::unique_lock<std::mutex>& lock);
   void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
   void release_cached(std::unique_lock<std::mutex>& lock);
-  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false);
+  // `may_wait`: synchronise the device for pools that died after its last synchronisation
+  // (never on the free path: there only pools already clean go).
+  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true);
   // The route of a new private pool (Note [Private pool routes]).
   int private_route(int tag) const;
   Backing* private_backing(int tag);
@@ -270,7 +278,7 @@ class DeviceAllocator {
   Budget budget_;
 
   std::mutex mu_;
-  StreamClock clock_;
+  StreamClock clock_{ctx_.device, open_captures_};
   BlockStore store_;
   std::unique_ptr<VmmRoute> vmm_;
   std::unique_ptr<SyncRoute> sync_;

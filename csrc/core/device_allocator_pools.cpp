@@ -142,12 +142,13 @@ void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
 }
 
-void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all) {
+void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all, bool may_wait) {
   if (dead_.empty() || open_captures() > 0) return;
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
   for (const DeadPool& d : dead_) need_sync |= (all || !d.during_capture) && !clock_.device_clean(d.died_at);
-  if (need_sync && !sync_device(lock)) return;
+  // Without waiting, only the pools already clean go.
+  if (need_sync && may_wait && !sync_device(lock)) return;
   std::vector<DeadPool> dead;
   dead.swap(dead_);
   for (const DeadPool& d : dead) {

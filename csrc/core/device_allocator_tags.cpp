@@ -190,7 +190,7 @@ bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
   if (!dirty.empty()) sync_streams(lock, dirty);
   if (!tag_pools_[tag]) return true;
   const int64_t before = budget_.reserved();
-  vmm_->unmap_clean_granules(*tag_pools_[tag], SIZE_MAX);
+  vmm_->release_clean(*tag_pools_[tag]);
   vmm_->release_free_handles();
   *returned = before - budget_.reserved();
   return true;

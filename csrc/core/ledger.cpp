@@ -37,6 +37,8 @@ void Ledger::reset_accumulated() {
   num_device_alloc.store(0, std::memory_order_relaxed);
   num_device_free.store(0, std::memory_order_relaxed);
   num_sync_all_streams.store(0, std::memory_order_relaxed);
+  num_stream_syncs.store(0, std::memory_order_relaxed);
+  num_reclaims.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace tb

@@ -114,6 +114,8 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("num_device_alloc", l.num_device_alloc.load());
     j.field("num_device_free", l.num_device_free.load());
     j.field("num_sync_all_streams", l.num_sync_all_streams.load());
+    j.field("num_stream_syncs", l.num_stream_syncs.load());
+    j.field("num_reclaims", l.num_reclaims.load());
     j.key("routes").open('{');
     for (int r = 0; r < kRouteCount; ++r) {
       j.key(route_name(r)).open('{');

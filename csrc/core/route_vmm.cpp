@@ -3,15 +3,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 
 #include "error.h"
 
 namespace tb {
 
-VmmRoute::VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, size_t granule, size_t arena_bytes,
-                   bool reuse_before_grow)
-    : ctx_(ctx), budget_(budget), ledger_(ledger), granule_(granule), arena_bytes_(arena_bytes),
+VmmRoute::VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, StreamClock& clock, size_t granule,
+                   size_t arena_bytes, bool reuse_before_grow)
+    : ctx_(ctx), budget_(budget), ledger_(ledger), clock_(clock), granule_(granule), arena_bytes_(arena_bytes),
       reuse_(reuse_before_grow) {
+  set_max_run(kDefaultRunBytes);
   prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop_.location.id = ctx.device;
@@ -84,20 +86,122 @@ bool VmmRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
   return true;
 }
 
+void VmmRoute::note_map(Segment& seg, size_t head, size_t count) {
+  seg.span[head] = static_cast<uint32_t>(count);
+  seg.maps[head] = count;
+  seg.mapped += count;
+}
+
+void VmmRoute::note_unmap(Segment& seg, size_t head) {
+  const size_t count = seg.span[head];
+  for (size_t i = head; i < head + count; ++i) seg.granules[i] = 0;
+  seg.span[head] = 0;
+  seg.maps.erase(head);
+  seg.mapped -= count;
+}
+
+namespace {
+
+// The mapping covering or following granule `first` of `seg`, in address order.
+std::map<size_t, size_t>::const_iterator first_mapping(const Segment& seg, size_t first) {
+  auto it = seg.maps.upper_bound(first);
+  if (it != seg.maps.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second > first) return prev;
+  }
+  return it;
+}
+
+}  // namespace
+
+size_t VmmRoute::unbacked(const Segment& seg, uintptr_t ptr, size_t size) const {
+  const size_t first = (ptr - seg.base) / granule_, last = (ptr + size - 1 - seg.base) / granule_;
+  size_t covered = 0;
+  for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it)
+    covered += std::min(it->first + it->second - 1, last) - std::max(it->first, first) + 1;
+  return last - first + 1 - covered;
+}
+
+size_t VmmRoute::usable(const Block& b) const {
+  const Segment& seg = *b.segment;
+  const uintptr_t lo = b.ptr, hi = b.ptr + b.size;
+  size_t best = 0;
+  uintptr_t run_lo = 0, run_hi = 0;
+  auto close_run = [&] {
+    if (run_hi > run_lo) best = std::max<size_t>(best, std::min(run_hi, hi) - std::max(run_lo, lo));
+  };
+  for (auto it = first_mapping(seg, (lo - seg.base) / granule_); it != seg.maps.end(); ++it) {
+    const uintptr_t m_lo = seg.base + it->first * granule_, m_hi = m_lo + it->second * granule_;
+    if (m_lo >= hi) break;
+    if (m_lo != run_hi) {
+      close_run();
+      run_lo = m_lo;
+    }
+    run_hi = m_hi;
+  }
+  close_run();
+  return best;
+}
+
 bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   const size_t first = (ptr - seg.base) / granule_;
   const size_t last = (ptr + size - 1 - seg.base) / granule_;
-  std::vector<size_t> need;
-  for (size_t i = first; i <= last; ++i)
-    if (seg.granules[i] == 0) need.push_back(i);
-  return need.empty() || map_granules(seg, need);
+  std::vector<std::pair<size_t, size_t>> gaps;  // runs of missing granules: (first, count)
+  size_t at = first, missing = 0;
+  for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it) {
+    if (it->first > at) gaps.emplace_back(at, it->first - at);
+    at = std::max(at, it->first + it->second);
+  }
+  if (at <= last) gaps.emplace_back(at, last + 1 - at);
+  if (gaps.empty()) return true;
+  for (const auto& g : gaps) missing += g.second;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  // Note [Packing: reclaim before growth]
+  const size_t live = static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)) + size;
+  high_water_ = std::max(high_water_, live);
+  const int64_t over = budget_.reserved() + static_cast<int64_t>(missing * granule_) - allowance();
+  if (reuse_ && over > 0) reclaim(static_cast<size_t>(over));
+  for (const auto& [start, count] : gaps)
+    if (!map_missing(seg, start, count)) return false;
+  return true;
+}
+
+bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
+  for (size_t at = first; at < first + count;) {
+    const size_t n = std::min(max_run_, first + count - at);
+    // A single granule takes a cached handle when there is one; longer runs get one new handle.
+    if (n == 1 && !free_handles_.empty()) {
+      if (!map_granules(seg, {at})) return false;
+      at += n;
+      continue;
+    }
+    budget_.clear_refusal();
+    bool ok = map_run(seg, at, n);
+    if (!ok && budget_.refused() && reclaim(n * granule_) > 0) {
+      budget_.clear_refusal();
+      ok = map_run(seg, at, n);
+    }
+    if (!ok) {
+      if (budget_.refused() && reuse_ && clock_.requests_allowed()) {
+        for (BlockPool* source : reuse_sources_) {
+          if (!request_sync(*source, seg.stream)) continue;
+          set_error(kNeedSync, "streams to synchronise before their free memory can be given back");
+          break;
+        }
+      }
+      return false;
+    }
+    at += n;
+  }
+  return true;
 }
 
 bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   std::vector<CUmemGenericAllocationHandle> handles;
-  if (!take_handles(need.size(), seg.stream, &handles)) return false;
+  if (!take_handles(need.size(), &handles)) return false;
 
   const DriverApi* d = driver();
   size_t mapped = 0;
@@ -122,9 +226,8 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   // on failure it is unmapped again, and what cannot be unmapped stays mapped.
   for (size_t k = 0; k < mapped; ++k) {
     seg.granules[need[k]] = handles[k];
-    seg.span[need[k]] = 1;
+    note_map(seg, need[k], 1);
   }
-  seg.mapped += mapped;
   budget_.move(mapped * granule_, kCached, placement(seg));
   if (r == CUDA_SUCCESS) {
     size_t run = 0;
@@ -146,8 +249,8 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
 }
 
 size_t VmmRoute::mapping_head(const Segment& seg, size_t index) {
-  while (seg.span[index] == 0 && index > 0) --index;
-  return index;
+  auto it = first_mapping(seg, index);
+  return it != seg.maps.end() && it->first <= index ? it->first : index;
 }
 
 bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
@@ -166,8 +269,7 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
   const char* call = "cuMemMap";
   if (r == CUDA_SUCCESS) {
     for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
-    seg.span[first] = static_cast<uint32_t>(count);
-    seg.mapped += count;
+    note_map(seg, first, count);
     r = d->memSetAccess(va, bytes, access_.data(), access_.size());
     if (r == CUDA_SUCCESS) {
       traced(TraceAction::kSegmentMap, seg, va, bytes);
@@ -195,9 +297,7 @@ bool VmmRoute::release_run(Segment& seg, size_t head) {
   if (!unmap_range(seg.base + head * granule_, count * granule_)) return false;
   traced(TraceAction::kSegmentUnmap, seg, seg.base + head * granule_, count * granule_);
   const CUmemGenericAllocationHandle h = seg.granules[head];
-  for (size_t i = head; i < head + count; ++i) seg.granules[i] = 0;
-  seg.span[head] = 0;
-  seg.mapped -= count;
+  note_unmap(seg, head);
   if (release_handle(h) != CUDA_SUCCESS) {
     stuck_runs_.emplace_back(h, count * granule_);  // still charged: retried later
     budget_.move(count * granule_, placement(seg), kCached);
@@ -216,9 +316,7 @@ bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
   traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
   const CUmemGenericAllocationHandle h = seg.granules[index];
-  seg.granules[index] = 0;
-  seg.span[index] = 0;
-  seg.mapped--;
+  note_unmap(seg, index);
   if (release_handle(h) != CUDA_SUCCESS) {
     free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
     budget_.move(granule_, placement(seg), kCached);
@@ -229,36 +327,21 @@ bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   return true;
 }
 
-bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out) {
-  auto drain = [&] {
-    while (out->size() < n && !free_handles_.empty()) {
-      out->push_back(free_handles_.back());
-      free_handles_.pop_back();
-    }
-  };
-  auto give_back = [&] {
-    free_handles_.insert(free_handles_.end(), out->begin(), out->end());
-    out->clear();
-  };
-  drain();
-  if (out->size() < n && reuse_ && !reuse_sources_.empty()) {
-    for (BlockPool* source : reuse_sources_) {
-      if (out->size() >= n) break;
-      unmap_clean_granules(*source, n - out->size());
-      drain();
-    }
-    if (out->size() < n && reuse_sources_[0]->clock().requests_allowed()) {
-      for (BlockPool* source : reuse_sources_) {
-        if (!request_sync(*source, stream)) continue;
-        give_back();
-        set_error(kNeedSync, "streams to synchronise before granules can be reused");
-        return false;
-      }
-    }
+bool VmmRoute::take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out) {
+  while (out->size() < n && !free_handles_.empty()) {
+    out->push_back(free_handles_.back());
+    free_handles_.pop_back();
   }
+  bool reclaimed = false;
   while (out->size() < n) {
     Charge charge(budget_, granule_, kCached);
-    if (!charge.ok()) break;
+    if (!charge.ok()) {
+      // Clean free memory elsewhere goes back first (Note [Packing: reclaim before growth]).
+      if (reclaimed || reclaim((n - out->size()) * granule_) == 0) break;
+      reclaimed = true;
+      budget_.clear_refusal();
+      continue;
+    }
     CUmemGenericAllocationHandle h = 0;
     CUresult r = driver()->memCreate(&h, granule_, &prop_, 0);
     if (r != CUDA_SUCCESS) {
@@ -270,58 +353,99 @@ bool VmmRoute::take_handles(size_t n, CUstream stream, std::vector<CUmemGenericA
     out->push_back(h);
   }
   if (out->size() == n) return true;
-  give_back();
+  free_handles_.insert(free_handles_.end(), out->begin(), out->end());
+  out->clear();
   return false;
 }
 
-size_t VmmRoute::unmap_clean_granules(BlockPool& pool, size_t limit) {
+namespace {
+
+// Calls fn(block) for every free block of `pool` of at least `min` bytes, per stream
+// from the largest down: the free sets order by (stream, size), so the many small free
+// blocks are never visited.
+template <typename Fn>
+void for_each_large_free(const BlockPool& pool, size_t min, Fn fn) {
+  for (bool small : {false, true}) {
+    const FreeSet& fs = pool.free_set(small);
+    Block key;
+    for (auto it = fs.begin(); it != fs.end();) {
+      key.stream = (*it)->stream;
+      key.size = SIZE_MAX;
+      key.ptr = UINTPTR_MAX;
+      const auto stream_end = fs.upper_bound(&key);
+      key.size = min;
+      key.ptr = 0;
+      const auto from = fs.lower_bound(&key);
+      for (auto b = stream_end; b != from;) fn(*--b);
+      it = stream_end;
+    }
+  }
+}
+
+}  // namespace
+
+size_t VmmRoute::drop_inside(const Block& b) {
+  Segment& s = *b.segment;
+  const size_t lo = (b.ptr - s.base + granule_ - 1) / granule_;
+  const size_t hi = (b.ptr + b.size - s.base) / granule_;
+  std::vector<size_t> heads;
+  for (auto it = first_mapping(s, lo); it != s.maps.end() && it->first < hi; ++it)
+    if (it->first >= lo && it->first + it->second <= hi) heads.push_back(it->first);
+  size_t bytes = 0;
+  for (size_t head : heads) {
+    const int64_t before = budget_.reserved();
+    if (drop_granule(s, head)) bytes += static_cast<size_t>(before - budget_.reserved());
+  }
+  return bytes;
+}
+
+size_t VmmRoute::reclaim(size_t want) {
+  if (reuse_sources_.empty()) return 0;
+  clock_.refresh();
+  std::vector<const Block*> blocks;
+  for (BlockPool* source : reuse_sources_)
+    for_each_large_free(*source, granule_, [&](const Block* b) {
+      if (clock_.clean(b->stream, b->freed_at)) blocks.push_back(b);
+    });
+  std::sort(blocks.begin(), blocks.end(), [](const Block* a, const Block* b) { return a->size > b->size; });
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return 0;
   size_t got = 0;
-  for (bool small : {false, true}) {
-    const FreeSet& fs = pool.free_set(small);
-    for (auto it = fs.begin(); it != fs.end() && got < limit; ++it) {
-      const Block* b = *it;
-      if (b->size < granule_ || !pool.clock().clean(b->stream, b->freed_at)) continue;
-      Segment& s = *b->segment;
-      const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
-      const size_t hi = (b->ptr + b->size - s.base) / granule_;
-      for (size_t i = lo; i < hi && got < limit;) {
-        if (s.granules[i] == 0) {
-          ++i;
-          continue;
-        }
-        const size_t head = mapping_head(s, i), end = head + s.span[head];
-        // A run mapping goes only as a whole (Note [Run mappings]); it frees budget, not handles.
-        if (s.span[head] > 1) {
-          if (head >= lo && end <= hi) release_run(s, head);
-          i = end;
-          continue;
-        }
-        if (unmap_granule(s, i)) ++got;
-        ++i;
-      }
-    }
+  for (const Block* b : blocks) {
+    if (got >= want) break;
+    got += drop_inside(*b);
   }
+  if (got > 0) bump(ledger_.num_reclaims);
+  return got;
+}
+
+size_t VmmRoute::release_clean(BlockPool& pool) {
+  clock_.refresh();
+  std::vector<const Block*> blocks;
+  for_each_large_free(pool, granule_, [&](const Block* b) {
+    if (clock_.clean(b->stream, b->freed_at)) blocks.push_back(b);
+  });
+  size_t got = 0;
+  for (const Block* b : blocks) got += drop_inside(*b);
   return got;
 }
 
 bool VmmRoute::request_sync(BlockPool& pool, CUstream stream) {
-  for (bool small : {false, true}) {
-    for (const Block* b : pool.free_set(small)) {
-      if (b->stream != stream || b->size < granule_ || pool.clock().clean(b->stream, b->freed_at)) continue;
-      const Segment& s = *b->segment;
-      const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
-      const size_t hi = (b->ptr + b->size - s.base) / granule_;
-      for (size_t i = lo; i < hi; ++i) {
-        if (s.granules[i] != 0) {
-          pool.clock().request(stream);
-          return true;
-        }
+  bool asked = false;
+  for_each_large_free(pool, granule_, [&](const Block* b) {
+    if (asked || b->stream != stream || clock_.clean(b->stream, b->freed_at)) return;
+    const Segment& s = *b->segment;
+    const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
+    const size_t hi = (b->ptr + b->size - s.base) / granule_;
+    for (auto it = first_mapping(s, lo); it != s.maps.end() && it->first < hi; ++it) {
+      if (it->first >= lo && it->first + it->second <= hi) {
+        clock_.request(stream);
+        asked = true;
+        return;
       }
     }
-  }
-  return false;
+  });
+  return asked;
 }
 
 void VmmRoute::traced(TraceAction action, const Segment& seg, uintptr_t va, size_t bytes) const {
@@ -341,9 +465,7 @@ bool VmmRoute::unmap_granule(Segment& seg, size_t index) {
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
   traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
   free_handles_.push_back(seg.granules[index]);
-  seg.granules[index] = 0;
-  seg.span[index] = 0;
-  seg.mapped--;
+  note_unmap(seg, index);
   budget_.move(granule_, placement(seg), kCached);
   return true;
 }
@@ -375,7 +497,7 @@ void VmmRoute::release_free_handles() {
 void VmmRoute::release_cached(BlockPool& pool) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return;
-  unmap_clean_granules(pool, SIZE_MAX);
+  release_clean(pool);
   release_free_handles();
   // Arenas left without live blocks and mappings give their address range back.
   std::vector<Segment*> empty;
@@ -388,8 +510,10 @@ bool VmmRoute::destroy_segment(Segment& seg) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   bool all_unmapped = true;
-  for (size_t i = 0; i < seg.granules.size(); ++i)
-    if (seg.granules[i] != 0 && !unmap_granule(seg, i)) all_unmapped = false;
+  std::vector<size_t> heads;
+  for (const auto& m : seg.maps) heads.push_back(m.first);
+  for (size_t head : heads)
+    if (!unmap_granule(seg, head)) all_unmapped = false;
   release_free_handles();
   if (!all_unmapped) return false;
   TB_DRIVER_CHECK(driver()->memAddressFree(seg.base, seg.size), false);
@@ -406,16 +530,12 @@ bool VmmRoute::grant_peer(int peer) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   for (Segment* seg : arenas_) {
-    size_t i = 0;
-    while (i < seg->granules.size()) {
-      if (seg->granules[i] == 0) {
-        ++i;
-        continue;
-      }
-      size_t j = i;
-      while (j < seg->granules.size() && seg->granules[j] != 0) ++j;
-      TB_DRIVER_CHECK(driver()->memSetAccess(seg->base + i * granule_, (j - i) * granule_, &desc, 1), false);
-      i = j;
+    // One call per run of adjacent mappings.
+    for (auto it = seg->maps.begin(); it != seg->maps.end();) {
+      const size_t lo = it->first;
+      size_t hi = it->first + it->second;
+      for (++it; it != seg->maps.end() && it->first == hi; ++it) hi += it->second;
+      TB_DRIVER_CHECK(driver()->memSetAccess(seg->base + lo * granule_, (hi - lo) * granule_, &desc, 1), false);
     }
   }
   access_.push_back(desc);

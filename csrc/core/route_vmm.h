@@ -1,21 +1,30 @@
 // VMM route: per-stream arenas of reserved virtual addresses, backed granule by
 // granule with physical handles (cuMemCreate / cuMemMap / cuMemSetAccess).
 //
-// Note [Granule reuse before growth]
+// Note [Packing: reclaim before growth]
 // Physical memory is what the budget counts, virtual addresses are nearly free. So
 // an arena is one large reserved range per (pool, stream, small/large); blocks are
 // carved from it by best fit and only the granules a live block touches need to be
-// mapped. When a mapping needs physical handles and none are cached, granules lying
-// wholly inside clean free blocks of the default pool (Note [Clean blocks]) are
-// unmapped and their handles moved before any new physical memory is created. When
-// free blocks of the allocating stream itself hold such granules but its queued work
-// may still use them, the route asks for that stream to be synchronised (outside the
-// lock; a cudaMalloc would wait for the device too) and the allocation is retried.
-// It never waits for other streams: their cached granules come back under budget
-// pressure, when the out-of-memory retry synchronises the device. Reserved memory
-// then tracks live memory closely instead of the historical peak of each range.
-// Graph pools are never a source: their free blocks may still be addressed by a
-// captured graph.
+// mapped (Note [Placement by mapped memory], block_cache.h). Mapping costs per
+// mapping, not per byte (Note [Run mappings]), so missing granules are mapped in runs
+// of up to map_run bytes with one handle each. The price: a run goes back only whole,
+// so one whose memory is partly live and partly free holds the free part until its
+// live blocks go. Longer runs map faster and pack less tightly (measured on the
+// serving-like mix over the host stand-in, peak reserved over peak live: 1.025 with
+// 16 MiB runs, 1.04 with 64 MiB; see tools/bench_alloc.py for the time).
+// Reserved memory is kept within 2 % of the highest live total the device has seen
+// (its high-water mark, which torch's reset_peak_memory_stats does not lower): an
+// allocation whose new mappings would pass that line first gives back mappings lying
+// wholly inside clean free blocks of the default and tag pools, whole free blocks at a
+// time, the largest first (few, large unmaps; the memory goes back to the driver and
+// comes again as one new run). Only clean blocks count (Note [Clean blocks]): the clock
+// learns which are clean from events it records as frees happen, never by waiting, so
+// when none is clean the allocation grows past the line instead. It waits for a
+// stream only when the budget itself refuses the new memory: then clean memory goes
+// back first, and if that is not enough, the allocating stream is synchronised when
+// its free blocks hold mappings, and the allocation retried. Graph pools are never a
+// source: their free blocks may still be addressed by a captured graph.
+// With reuse_before_grow off, nothing is given back before the budget refuses.
 //
 // Note [Peer access to VMM memory]
 // A mapping is accessible only to the devices named in cuMemSetAccess. Every
@@ -25,15 +34,15 @@
 //
 // Note [Run mappings]
 // The driver's VMM calls cost per mapping, not per byte (measured on an H200, µs per
-// 2 MiB): with 2 MiB handles, create 15 + map 4 + first cuMemSetAccess 41, unmap 26 +
-// release 17; with one 64 MiB handle per mapping, about 3 µs per 2 MiB for all of it.
-// Granule-sized handles are what lets any granule be reused on its own, so the
-// allocation path keeps them; a restore (tag_sleep.h) maps each run of granules it
-// needs with one handle, which makes it (and the next release) an order of magnitude
-// cheaper. Such a run mapping is unmapped only as a whole: when reuse or trimming finds
-// it entirely inside clean free blocks, when its tag is released, or when its segment
-// is destroyed; its handle then goes straight back to the driver (a run handle is not
-// granule-sized, so it is never cached).
+// call with 2 MiB handles: create 8.6, map 2.1, cuMemSetAccess 22 -- 20 per mapping
+// when one call covers many --, unmap 14, release 10; with one 64 MiB handle per
+// mapping about 3 µs per 2 MiB for all of it; cuMemMap cannot map part of a handle).
+// So the allocation path maps each run of missing granules with one handle of up to
+// map_run bytes (64 MiB by default), and a restore (tag_sleep.h) maps each run it needs with
+// one handle. A run mapping is unmapped only as a whole: when packing or trimming
+// finds it entirely inside clean free blocks, when its tag is released, or when its
+// segment is destroyed; its handle then goes straight back to the driver (a run handle
+// is not granule-sized, so it is never cached).
 //
 // Accounting: a cached (unmapped) handle is charged to the large pool; mapping it
 // into a small arena or a graph pool moves its bytes there (Budget::move).
@@ -51,19 +60,26 @@ namespace tb {
 
 class VmmRoute final : public Backing {
  public:
-  VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, size_t granule, size_t arena_bytes,
-           bool reuse_before_grow);
+  // Bytes a new mapping of the allocation path spans at most, by default (Note [Run mappings]).
+  static constexpr size_t kDefaultRunBytes = 64 << 20;
 
-  // Pools whose clean free granules may be remapped (the default VMM pool and the
-  // tag pools; never a graph pool).
+  VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, StreamClock& clock, size_t granule,
+           size_t arena_bytes, bool reuse_before_grow);
+
+  // Pools whose clean free mappings may be given back for packing (the default VMM
+  // pool and the tag pools; never a graph pool).
   void add_reuse_source(BlockPool* pool) { reuse_sources_.push_back(pool); }
   void set_reuse_before_grow(bool on) { reuse_ = on; }
+  // At least one granule.
+  void set_max_run(size_t bytes) { max_run_ = std::max<size_t>(1, bytes / granule_); }
 
   bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
   bool ensure_backed(Segment& seg, uintptr_t ptr, size_t size) override;
   void release_cached(BlockPool& pool) override;
   bool destroy_segment(Segment& seg) override;
   bool grant_peer(int peer) override;
+  size_t unbacked(const Segment& seg, uintptr_t ptr, size_t size) const override;
+  size_t usable(const Block& b) const override;
 
   size_t granule() const { return granule_; }
   // The mappings under [ptr, ptr + size) of `seg` as file descriptors, whole mappings:
@@ -82,21 +98,35 @@ class VmmRoute final : public Backing {
   // Unmaps granule `index` and gives its memory back to the driver at once. false when
   // the unmap failed (still mapped); a refused release keeps the handle cached.
   bool drop_granule(Segment& seg, size_t index);
-  // Unmaps up to `limit` granules lying wholly inside clean free blocks of `pool`
-  // (kept as cached handles); returns how many.
-  size_t unmap_clean_granules(BlockPool& pool, size_t limit);
+  // Gives back every mapping lying wholly inside clean free blocks of `pool`; returns
+  // the bytes that went back to the driver.
+  size_t release_clean(BlockPool& pool);
   // Gives every cached handle back to the driver.
   void release_free_handles();
 
  private:
   static constexpr Placement kCached{kRouteVmm, false, false};
   Placement placement(const Segment& seg) const;
-  // Handles for a mapping on `stream`: cached ones, then clean granules of free
-  // blocks, then (once the allocating stream is synchronised) its own dirty ones,
-  // then new memory within the budget.
-  bool take_handles(size_t n, CUstream stream, std::vector<CUmemGenericAllocationHandle>* out);
-  // Asks for `stream` to be synchronised when its free blocks hold mapped granules.
+  // Handles for a mapping: cached ones, then new memory within the budget (after
+  // giving clean free mappings back when the budget refuses).
+  bool take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out);
+  // Note [Packing: reclaim before growth]: the reserved bytes the device may hold
+  // before new mappings first give clean free ones back.
+  int64_t allowance() const { return static_cast<int64_t>(high_water_ + high_water_ / 50); }
+  // Gives back clean free mappings of the reuse sources, the largest free blocks first,
+  // whole blocks at a time, until at least `want` bytes went back or none is left;
+  // returns the bytes.
+  size_t reclaim(size_t want);
+  // Maps granules [first, first + count) of `seg` (each unmapped) in runs; under budget
+  // refusal gives clean memory back and retries, then asks for the allocating stream.
+  bool map_missing(Segment& seg, size_t first, size_t count);
+  // Asks for `stream` to be synchronised when its free blocks hold mappings.
   bool request_sync(BlockPool& pool, CUstream stream);
+  // Gives back the mappings lying wholly inside free block `b`; returns the bytes.
+  size_t drop_inside(const Block& b);
+  // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
+  void note_map(Segment& seg, size_t head, size_t count);
+  void note_unmap(Segment& seg, size_t head);
   bool unmap_granule(Segment& seg, size_t index);
   // Unmaps the run mapping starting at `head` and releases its handle.
   bool release_run(Segment& seg, size_t head);
@@ -108,6 +138,7 @@ class VmmRoute final : public Backing {
   const DeviceContext& ctx_;
   Budget& budget_;
   Ledger& ledger_;
+  StreamClock& clock_;
   const size_t granule_;
   const size_t arena_bytes_;
   bool reuse_;
@@ -119,6 +150,8 @@ class VmmRoute final : public Backing {
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck_runs_;
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs
   std::vector<BlockPool*> reuse_sources_;
+  size_t max_run_ = 1;     // granules
+  size_t high_water_ = 0;  // the most bytes allocated at once on the device (Note [Packing: ...])
 };
 
 }  // namespace tb

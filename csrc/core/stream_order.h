@@ -12,13 +12,21 @@
 // "clean". Paths that release or remap memory take only clean blocks. When they
 // need more, they ask for synchronisations (request()); the device allocator runs
 // them with its lock released and retries.
+// Waiting is the last resort: as frees happen, the clock records an event on the
+// freeing stream now and then (at most one outstanding per stream; a new one after
+// kMarkFrees frees or kMarkInterval since the last), and an event found complete makes
+// that stream clean up to the stamp it was recorded at. So memory freed a while ago is
+// clean without anyone waiting for the device.
 //
-// Lock rule: used only under the owning DeviceAllocator's mutex.
+// Lock rule: used only under the owning DeviceAllocator's mutex (events come from the
+// EventCache, whose own mutex nests inside it).
 #pragma once
 
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -27,6 +35,15 @@ namespace tb {
 
 class StreamClock {
  public:
+  // `device`: whose streams these are; `open_captures`: while any capture is open,
+  // events are neither recorded nor queried.
+  StreamClock(int device, const std::atomic<int>& open_captures) : device_(device), open_captures_(open_captures) {}
+  StreamClock(const StreamClock&) = delete;
+  StreamClock& operator=(const StreamClock&) = delete;
+
+  static constexpr std::chrono::microseconds kMarkInterval{500};
+  static constexpr int kMarkFrees = 32;
+
   uint64_t stamp() { return ++now_; }
   uint64_t now() const { return now_; }
 
@@ -59,6 +76,13 @@ class StreamClock {
     if (upto > device_clean_) stream_clean_.emplace_back(stream, upto);
   }
 
+  // A block of `stream` was just freed (stamped): records a marking event now and then.
+  void note_free(CUstream stream);
+  // Queries the outstanding marking events; those complete make their stream clean.
+  // Then records one on each stream with frees since its last and none outstanding, so
+  // that the next look finds memory freed until now clean once the device got there.
+  void refresh();
+
   // Requests, valid for the current attempt only.
   void allow_requests(bool allow) {
     allow_ = allow;
@@ -80,6 +104,20 @@ class StreamClock {
   std::vector<std::pair<CUstream, uint64_t>> stream_clean_;
   std::vector<CUstream> requests_;
   bool allow_ = false;
+
+  struct Mark {
+    CUstream stream;
+    uint64_t upto;             // stamp when the event was recorded (0: none outstanding)
+    CUevent event;
+    std::chrono::steady_clock::time_point at;
+    int frees;                 // since the last record
+  };
+  // Queries `m`'s event; true when it completed (the stream is then clean up to it).
+  bool settle(Mark& m);
+  void record(Mark& m, std::chrono::steady_clock::time_point now);
+  const int device_;
+  const std::atomic<int>& open_captures_;
+  std::vector<Mark> marks_;
 };
 
 }  // namespace tb

@@ -1,0 +1,55 @@
+#include "stream_order.h"
+
+#include "error.h"
+#include "events.h"
+
+namespace tb {
+
+bool StreamClock::settle(Mark& m) {
+  if (m.event == nullptr) return false;
+  if (EventCache::get().query(m.event) != CUDA_SUCCESS) return false;
+  stream_synced(m.stream, m.upto);
+  EventCache::get().put(device_, m.event);
+  m.event = nullptr;
+  return true;
+}
+
+void StreamClock::record(Mark& m, std::chrono::steady_clock::time_point now) {
+  m.at = now;
+  m.frees = 0;
+  m.upto = now_;
+  m.event = EventCache::get().record(device_, m.stream);
+  if (m.event == nullptr) clear_error();  // a failed record only delays cleanliness
+}
+
+void StreamClock::note_free(CUstream stream) {
+  if (open_captures_.load(std::memory_order_acquire) > 0) return;
+  Mark* m = nullptr;
+  for (Mark& x : marks_)
+    if (x.stream == stream) m = &x;
+  if (m != nullptr && ++m->frees < kMarkFrees) {
+    if ((m->frees & 7) != 0) return;  // the clock is read every eighth free only
+    if (std::chrono::steady_clock::now() - m->at < kMarkInterval) return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (m == nullptr) {
+    marks_.push_back(Mark{stream, 0, nullptr, now, 0});
+    m = &marks_.back();
+  }
+  if (m->event != nullptr && !settle(*m)) return;  // the last one is still outstanding
+  record(*m, now);
+}
+
+void StreamClock::refresh() {
+  if (open_captures_.load(std::memory_order_acquire) > 0) return;
+  const auto now = std::chrono::steady_clock::now();
+  for (Mark& m : marks_) {
+    settle(m);
+    if (m.event == nullptr && m.frees > 0) {
+      record(m, now);
+      settle(m);  // an idle stream is there already
+    }
+  }
+}
+
+}  // namespace tb
