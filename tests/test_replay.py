@@ -1,0 +1,112 @@
+"""Allocation traces without a GPU: both file formats, torch's memory history, the built-in
+mixes, bad files named with what is wrong, and `torch-budget replay` saying why it stops."""
+import gzip
+import pickle
+
+import pytest
+
+from torch_budget import cli
+from torch_budget.replay import TraceError, from_snapshot, load
+from torch_budget.replay.mixes import SERVING_CLASSES, mix
+from torch_budget.replay.trace import Trace
+
+MiB = 1 << 20
+
+
+def history(events):
+    return {"segments": [], "device_traces": [events]}
+
+
+def test_memory_history_becomes_operations_on_tensor_ids():
+    snap = history([
+        {"action": "free_requested", "addr": 4096, "size": 512, "stream": 0},  # allocated before recording
+        {"action": "alloc", "addr": 1 << 20, "size": 1000, "stream": 7},
+        {"action": "alloc", "addr": 2 << 20, "size": 3 * MiB, "stream": 9},
+        {"action": "free_requested", "addr": 1 << 20, "size": 1000, "stream": 7},
+        {"action": "free_completed", "addr": 1 << 20, "size": 1000, "stream": 7},
+        {"action": "alloc", "addr": 1 << 20, "size": 2000, "stream": 7},  # the address again: a new tensor
+        {"action": "segment_alloc", "addr": 0, "size": 20 * MiB, "stream": 7},
+    ])
+    t = from_snapshot(snap, "h").check()
+    assert list(t.ids) == [0, 1, 0, 2]
+    assert list(t.sizes) == [1000, 3 * MiB, 0, 2000]
+    assert list(t.streams) == [0, 1, 0, 0]  # streams renumbered in order of first use
+    assert t.peak_live() == 3 * MiB + 2048  # tensor 0 was freed first; sizes rounded up to 512 bytes
+    assert any("dropped" in c for c in t.comments)
+
+
+def test_a_history_with_only_completed_frees_uses_them():
+    snap = history([{"action": "alloc", "addr": 10, "size": 8, "stream": 0},
+                    {"action": "free_completed", "addr": 10, "size": 8, "stream": 0}])
+    assert list(from_snapshot(snap).sizes) == [8, 0]
+
+
+def test_both_files_round_trip(tmp_path):
+    t = mix("serving:3000:5")
+    for name in ("a.tbtrace", "a.tbtrace.gz"):
+        t.save(str(tmp_path / name))
+        back = load(str(tmp_path / name))
+        assert (list(back.ids), list(back.sizes), list(back.streams)) == (list(t.ids), list(t.sizes), list(t.streams))
+    pkl = tmp_path / "snap.pickle"
+    pkl.write_bytes(pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5, "stream": 0}])))
+    assert list(load(str(pkl)).sizes) == [5]
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"hello", "neither a memory snapshot"),
+    (b"# torch_budget trace 1\na 0 10 0\nf 1\n", "free of tensor 1, which is not live"),
+    (b"# torch_budget trace 1\na 0 10 0\na 0 10 0\n", "allocated while still live"),
+    (b"# torch_budget trace 1\nx 0\n", "line 2: expected"),
+    (b"# torch_budget trace 1\na 0 -5 0\n", "sizes must be positive"),
+    (pickle.dumps({"no": "traces"}), "not a memory snapshot"),
+    (pickle.dumps(history([])), "no allocation history"),
+    (gzip.compress(b"# torch_budget trace 1\n")[:-6], "damaged gzip"),
+])
+def test_bad_trace_files_are_refused_with_the_reason(tmp_path, content, match):
+    p = tmp_path / "bad"
+    p.write_bytes(content)
+    with pytest.raises(TraceError, match=match):
+        load(str(p))
+
+
+def test_a_pickle_with_objects_is_not_unpickled(tmp_path):
+    p = tmp_path / "evil.pickle"
+    p.write_bytes(pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5, "stream": 0, "x": Trace("t")}])))
+    with pytest.raises(TraceError, match="refusing to build"):
+        load(str(p))
+
+
+def test_the_serving_mix_has_the_sizes_and_live_set_it_describes():
+    t = mix("serving:40000")
+    sizes = [s for s in t.sizes if s]
+    small = sum(1 for s in sizes if s <= SERVING_CLASSES[0][2]) / len(sizes)
+    huge = sum(1 for s in sizes if s >= SERVING_CLASSES[2][1]) / len(sizes)
+    assert 0.78 < small < 0.82 and 0.002 < huge < 0.01
+    live, most = set(), 0
+    for tid, size in zip(t.ids, t.sizes):
+        (live.add if size else live.discard)(tid)
+        most = max(most, len(live))
+    assert 550 <= most <= 620
+    assert mix("serving:40000").sizes == t.sizes  # deterministic
+    t.check()
+
+
+@pytest.mark.parametrize("spec", ["nope", "serving:0", "1MiB:x", "0B"])
+def test_unknown_mixes_are_refused(spec):
+    with pytest.raises((TraceError, ValueError)):
+        mix(spec)
+
+
+def test_replay_without_a_gpu_reads_the_traces_and_says_why_it_stops(capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["replay", "mix:small:2000", "--rounds", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "mix:small:2000: " in err and " operations" in err and "needs a GPU" in err
+
+
+def test_replay_names_a_bad_trace_and_exits_2(capsys, tmp_path):
+    assert cli.main(["replay", str(tmp_path / "missing.pickle")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+    assert cli.main(["replay", "mix:small", "--configs", "native,tb-quick"]) == 2
+    assert "unknown configuration 'tb-quick'" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""Replays traces under one allocator configuration, in this process (which must not have
+started CUDA yet: the configuration decides the allocator), and prints one `REPLAY {json}` line
+per trace, in order; each trace starts from an emptied cache.
+
+    python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch]
+
+TRACE is a file (replay.trace) or `mix:<spec>` (replay.mixes). The trace runs `passes` times
+over the same allocator; each pass is timed alone. The first pass also measures memory: peak
+reserved bytes over the trace's own peak live bytes (requested sizes rounded up to 512 bytes,
+the same denominator for every allocator), from torch's counters, which every configuration keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from torch_budget.replay.configs import CONFIGS, apply_config
+from torch_budget.replay.machine import pin_to_one_core
+from torch_budget.replay.mixes import mix
+from torch_budget.replay.trace import load
+
+
+def read_trace(spec: str):
+    return mix(spec[4:]) if spec.startswith("mix:") else load(spec)
+
+
+def replay(trace, passes: int = 3, touch: bool = False) -> dict:
+    import torch
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(max(trace.num_streams - 1, 0))]
+    ops = list(zip(trace.ids, trace.sizes, trace.streams))
+    slots = [None] * trace.num_tensors
+    empty, uint8 = torch.empty, torch.uint8
+    # Warm-up outside the timed passes: CUDA's context, the first kernels and the streams.
+    torch.zeros(1, device=dev).add_(1)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base_reserved = torch.cuda.memory_reserved()
+    times = []
+    peak_reserved = None
+    for p in range(passes):
+        current = 0
+        torch.cuda.set_stream(streams[0])
+        t0 = time.perf_counter()
+        if touch:
+            for tid, size, s in ops:
+                if s != current:
+                    torch.cuda.set_stream(streams[s])
+                    current = s
+                if size:
+                    t = slots[tid] = empty(size, dtype=uint8, device=dev)
+                    t[:1].fill_(1)
+                else:
+                    slots[tid] = None
+        else:
+            for tid, size, s in ops:
+                if s != current:
+                    torch.cuda.set_stream(streams[s])
+                    current = s
+                if size:
+                    slots[tid] = empty(size, dtype=uint8, device=dev)
+                else:
+                    slots[tid] = None
+        elapsed = time.perf_counter() - t0
+        torch.cuda.set_stream(streams[0])
+        times.append(elapsed / len(ops) * 1e6)
+        if p == 0:
+            torch.cuda.synchronize()
+            peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
+        slots = [None] * trace.num_tensors  # what the trace leaves live (weights, say) goes between passes
+    torch.cuda.synchronize()
+    peak_live = trace.peak_live()
+    return {"us_per_op": times, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
+            "reserved_over_live": peak_reserved / peak_live if peak_live else float("nan")}
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m torch_budget.replay.child")
+    ap.add_argument("config", choices=sorted(CONFIGS))
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--pin", action="store_true", help="pin this process to one CPU core beside the GPU")
+    ap.add_argument("--touch", action="store_true", help="write the first byte of every tensor")
+    args = ap.parse_args(argv)
+    if args.pin:
+        pin_to_one_core()
+    traces = [read_trace(spec) for spec in args.traces]
+    apply_config(args.config)
+    for spec, trace in zip(args.traces, traces):
+        out = replay(trace, args.passes, args.touch)
+        out.update(config=args.config, trace=spec, pid=os.getpid())
+        print("REPLAY " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

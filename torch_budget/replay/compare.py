@@ -1,0 +1,133 @@
+"""Replays traces under several allocator configurations side by side and prints what each
+costs and saves: time per operation as a paired ratio against torch's native allocator, and
+peak reserved bytes over the trace's peak live bytes.
+
+Timing moves by up to 2x between processes on one machine, so every figure comes from rounds:
+each round runs every (trace, configuration, pinning) once, in its own process, in an order
+that rotates from round to round; a configuration's ratio is the median over rounds of its
+time divided by native's time in the same round and pinning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from torch_budget.replay.configs import BASELINE, CONFIGS, environment
+
+
+@dataclass
+class Run:
+    trace: str
+    config: str
+    pinned: bool
+    rounds: list = field(default_factory=list)  # one child's result per round (None: it failed)
+    errors: list = field(default_factory=list)
+
+
+def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool, timeout: float) -> list:
+    """One process of `config` replaying every trace; a result (or {"error": ...}) per trace."""
+    cmd = [sys.executable, "-m", "torch_budget.replay.child", config, *traces, "--passes", str(passes)]
+    if pinned:
+        cmd.append("--pin")
+    if touch:
+        cmd.append("--touch")
+    env = {**os.environ, **environment(config)}
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("REPLAY ")]
+        why = f"exit {proc.returncode}: " + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    except subprocess.TimeoutExpired:
+        out, why = [], f"timed out after {timeout:.0f} s"
+    by_trace = {r["trace"]: r for r in out}
+    return [by_trace.get(t, {"error": why}) for t in traces]
+
+
+def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes: int = 3, touch: bool = False,
+            progress=None, timeout: float = 900.0, unpinned_configs=None) -> list:
+    """Every (trace, config, pinning) over `rounds` interleaved rounds; one process per
+    (config, pinning) and round replays every trace. `unpinned_configs` limits which
+    configurations also run unpinned (default: all). Returns the Runs."""
+    configs = list(configs or CONFIGS)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(CONFIGS)}")
+    if BASELINE not in configs:
+        configs.insert(0, BASELINE)
+    plan = [(c, p) for p in pinning for c in configs
+            if p or unpinned_configs is None or c in unpinned_configs or c == BASELINE]
+    runs = {(t, c, p): Run(t, c, p) for c, p in plan for t in traces}
+    total = rounds * len(plan)
+    done = 0
+    for r in range(rounds):
+        shift = (r * max(len(plan) // 3, 1)) % len(plan)
+        for config, pinned in plan[shift:] + plan[:shift]:
+            results = run_child(config, list(traces), pinned, passes, touch, timeout)
+            done += 1
+            for trace, res in zip(traces, results):
+                run = runs[(trace, config, pinned)]
+                if "error" in res:
+                    run.rounds.append(None)
+                    run.errors.append(res["error"])
+                else:
+                    run.rounds.append(res)
+            if progress:
+                ok = [x for x in results if "error" not in x]
+                what = (f"{len(ok)}/{len(results)} traces, median {statistics.median(_time(x) for x in ok):.2f} us/op"
+                        if ok else "FAILED: " + results[0]["error"])
+                progress(f"[{done}/{total}] round {r + 1} {config}{' pinned' if pinned else ''}: {what}")
+    return list(runs.values())
+
+
+def _time(res: dict) -> float:
+    return statistics.median(res["us_per_op"])
+
+
+def summarise(runs: list) -> list:
+    """One row per (trace, config, pinning): median µs/op, paired median ratio against native,
+    rounds it was at or under native, and its memory ratio."""
+    base = {(r.trace, r.pinned): r for r in runs if r.config == BASELINE}
+    traces = list(dict.fromkeys(r.trace for r in runs))
+    configs = list(dict.fromkeys(r.config for r in runs))
+    rows = []
+    for run in sorted(runs, key=lambda r: (traces.index(r.trace), not r.pinned, configs.index(r.config))):
+        ok = [x for x in run.rounds if x is not None]
+        row = {"trace": run.trace, "config": run.config, "pinned": run.pinned, "rounds": len(ok),
+               "errors": run.errors}
+        if ok:
+            row["us_per_op"] = statistics.median(_time(x) for x in ok)
+            row["reserved_over_live"] = statistics.median(x["reserved_over_live"] for x in ok)
+            row["peak_live"] = ok[0]["peak_live"]
+            row["ops"] = ok[0]["ops"]
+            nat = base.get((run.trace, run.pinned))
+            pairs = [(x, n) for x, n in zip(run.rounds, nat.rounds if nat else []) if x is not None and n is not None]
+            if pairs:
+                ratios = [_time(x) / _time(n) for x, n in pairs]
+                row["x_native"] = statistics.median(ratios)
+                row["wins"] = sum(1 for q in ratios if q <= 1.0)
+                row["pairs"] = len(ratios)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list) -> str:
+    """The rows as a fixed-width text table, grouped by trace."""
+    lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
+             f"{'rsv/live':>9}"]
+    for row in rows:
+        name = os.path.basename(row["trace"])[:28]
+        if "us_per_op" not in row:
+            lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} FAILED: "
+                         + (row["errors"][0] if row["errors"] else "no result"))
+            continue
+        ratio = f"{row['x_native']:.2f}x" if "x_native" in row else "-"
+        wins = f"{row['wins']}/{row['pairs']}" if "wins" in row else "-"
+        lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
+                     f"{ratio:>9} {wins:>7} {row['reserved_over_live']:9.3f}")
+    return "\n".join(lines)

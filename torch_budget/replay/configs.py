@@ -1,0 +1,36 @@
+"""The allocator configurations a trace is replayed under: torch's own allocator in its three
+forms and torch_budget on each route. Each runs in a process of its own, since the allocator is
+chosen before CUDA starts: `env` is set when that process is started, `install` (when not None)
+is passed to torch_budget.install() before the first allocation."""
+
+from __future__ import annotations
+
+CONFIGS = {
+    "native": ({}, None),
+    "expandable": ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
+    "cudaMallocAsync": ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, None),
+    "tb-vmm": ({}, {"route": "vmm"}),
+    "tb-vmm-noreuse": ({}, {"route": "vmm", "reuse_before_grow": False}),
+    "tb-vmm-run16MiB": ({}, {"route": "vmm", "map_run": 16 << 20}),
+    "tb-pool": ({}, {"route": "pool"}),
+    "tb-sync": ({}, {"route": "sync"}),
+}
+DEFAULT = ("native", "expandable", "cudaMallocAsync", "tb-vmm", "tb-pool", "tb-sync")
+BASELINE = "native"
+
+
+def environment(name: str) -> dict:
+    """The environment variables that process is started with."""
+    env, _ = CONFIGS[name]
+    # torch_budget's own settings come from install(): one left in the caller's environment
+    # would make every tb- configuration something else than its name says.
+    return {"TORCH_BUDGET_CONF": "", **env}
+
+
+def apply_config(name: str) -> None:
+    """In the replaying process, before CUDA starts."""
+    _, install = CONFIGS[name]
+    if install is not None:
+        import torch_budget
+
+        torch_budget.install(**install)

@@ -1,0 +1,213 @@
+"""Allocation traces: what a workload asked of the allocator, in order, replayable anywhere.
+
+A trace is a list of operations on tensor ids: allocate `size` bytes on stream `s`, or free
+tensor `id`. Addresses are not kept (they belong to the allocator that served the recording);
+streams are renumbered 0, 1, ... in order of first use, 0 being the first stream seen.
+
+Two sources:
+  - torch's memory history: the pickle `torch.cuda.memory._dump_snapshot()` writes (or the
+    dict `_snapshot()` returns). Its `alloc` and `free_requested` events become operations
+    (a `free_completed` later than its request is the allocator honouring record_stream, not
+    the workload); `free_completed` without a request (torch versions that record only that)
+    counts as the free. Frees of blocks allocated before recording started are dropped.
+  - our own text format, optionally gzip-compressed:
+
+        # torch_budget trace 1
+        # any comment line
+        a <id> <bytes> <stream>
+        f <id>
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+from array import array
+from dataclasses import dataclass, field
+
+HEADER = "# torch_budget trace 1"
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read: the message names the file and what is wrong."""
+
+
+@dataclass
+class Trace:
+    """Operations in order: `sizes[i] > 0` allocates tensor `ids[i]` on `streams[i]`,
+    `sizes[i] == 0` frees tensor `ids[i]`."""
+
+    name: str
+    ids: array = field(default_factory=lambda: array("q"))
+    sizes: array = field(default_factory=lambda: array("q"))
+    streams: array = field(default_factory=lambda: array("b"))
+    comments: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def alloc(self, tid: int, size: int, stream: int = 0) -> None:
+        if size <= 0:
+            raise TraceError(f"{self.name}: allocation {tid} of {size} bytes (sizes must be positive)")
+        self.ids.append(tid)
+        self.sizes.append(size)
+        self.streams.append(stream)
+
+    def free(self, tid: int) -> None:
+        self.ids.append(tid)
+        self.sizes.append(0)
+        self.streams.append(0)
+
+    @property
+    def num_streams(self) -> int:
+        return (max(self.streams) + 1) if len(self) else 0
+
+    @property
+    def num_tensors(self) -> int:
+        return (max(self.ids) + 1) if len(self) else 0
+
+    def check(self) -> "Trace":
+        """Every free names a live tensor and no id is allocated twice while live."""
+        live = set()
+        for i, (tid, size) in enumerate(zip(self.ids, self.sizes)):
+            if tid < 0:
+                raise TraceError(f"{self.name}: operation {i}: negative tensor id {tid}")
+            if size:
+                if tid in live:
+                    raise TraceError(f"{self.name}: operation {i}: tensor {tid} allocated while still live")
+                live.add(tid)
+            else:
+                if tid not in live:
+                    raise TraceError(f"{self.name}: operation {i}: free of tensor {tid}, which is not live")
+                live.discard(tid)
+        return self
+
+    def peak_live(self, granule: int = 512) -> int:
+        """The largest sum of live bytes at once, each request rounded up to `granule` bytes
+        (512: the least any CUDA caching allocator hands out, torch's and ours alike)."""
+        live, cur, peak = {}, 0, 0
+        for tid, size in zip(self.ids, self.sizes):
+            if size:
+                size = -(-size // granule) * granule
+                live[tid] = size
+                cur += size
+                peak = max(peak, cur)
+            else:
+                cur -= live.pop(tid)
+        return peak
+
+    def allocations(self) -> int:
+        return sum(1 for s in self.sizes if s)
+
+    def save(self, path: str) -> None:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wt") as f:
+            f.write(HEADER + "\n")
+            for c in self.comments:
+                f.write(f"# {c}\n")
+            for tid, size, s in zip(self.ids, self.sizes, self.streams):
+                f.write(f"a {tid} {size} {s}\n" if size else f"f {tid}\n")
+
+
+def _parse_text(name: str, text: io.TextIOBase) -> Trace:
+    trace = Trace(name)
+    for lineno, line in enumerate(text, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            if lineno > 1:
+                trace.comments.append(line[1:].strip())
+            continue
+        parts = line.split()
+        try:
+            if parts[0] == "a" and len(parts) == 4:
+                trace.alloc(int(parts[1]), int(parts[2]), int(parts[3]))
+            elif parts[0] == "f" and len(parts) == 2:
+                trace.free(int(parts[1]))
+            else:
+                raise ValueError
+        except TraceError:
+            raise
+        except (ValueError, IndexError, OverflowError):
+            raise TraceError(f"{name}: line {lineno}: expected 'a <id> <bytes> <stream>' or 'f <id>', "
+                             f"got {line[:60]!r}") from None
+    return trace
+
+
+def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = None) -> Trace:
+    """A trace of one device's history in a memory snapshot (the busiest device unless given)."""
+    traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
+    if not isinstance(traces, list):
+        raise TraceError(f"{name}: not a memory snapshot with 'device_traces' (torch.cuda.memory._snapshot())")
+    if device is None:
+        device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
+    if device >= len(traces) or not traces[device]:
+        raise TraceError(f"{name}: no allocation history for device {device}: record it with "
+                         "torch.cuda.memory._record_memory_history() before the workload runs")
+    events = traces[device]
+    has_requests = any(e.get("action") == "free_requested" for e in events)
+    free_action = "free_requested" if has_requests else "free_completed"
+    trace = Trace(name)
+    trace.comments.append(f"from torch's memory history, device {device}, {len(events)} events")
+    streams: dict = {}
+    by_addr: dict = {}
+    next_id = 0
+    dropped = 0
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            addr = e["addr"]
+            if addr in by_addr:  # its free was not recorded (a wrapped ring buffer): treat as freed
+                trace.free(by_addr.pop(addr))
+            s = streams.setdefault(e.get("stream", 0), len(streams))
+            if s > 127:
+                raise TraceError(f"{name}: more than 128 streams")
+            trace.alloc(next_id, int(e["size"]), s)
+            by_addr[addr] = next_id
+            next_id += 1
+        elif action == free_action:
+            tid = by_addr.pop(e["addr"], None)
+            if tid is None:
+                dropped += 1
+            else:
+                trace.free(tid)
+    if dropped:
+        trace.comments.append(f"{dropped} frees of blocks allocated before recording started were dropped")
+    if not trace.allocations():
+        raise TraceError(f"{name}: the history of device {device} holds no allocations")
+    return trace
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """A snapshot holds only dicts, lists, strings and numbers: nothing else is built."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to build {module}.{name}: a memory snapshot has no objects")
+
+
+def load(path: str) -> Trace:
+    """A trace from a file of either format (see the module's docstring)."""
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read it ({e.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise TraceError(f"{path}: a damaged gzip file ({e})") from None
+    if raw.startswith(HEADER.encode()):
+        return _parse_text(name, io.StringIO(raw.decode("utf-8", errors="replace"))).check()
+    if raw[:1] == b"\x80":  # a pickle
+        try:
+            snap = _PlainUnpickler(io.BytesIO(raw)).load()
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise TraceError(f"{path}: a pickle that is not a memory snapshot ({type(e).__name__}: {e})") from None
+        return from_snapshot(snap, name).check()
+    raise TraceError(f"{path}: neither a memory snapshot pickle (torch.cuda.memory._dump_snapshot) nor a "
+                     f"torch_budget trace (first line {HEADER!r})")
