@@ -104,6 +104,11 @@ else:
     print(f"torch {torch.__version__} is a CPU-only build: torch_budget._C (the allocator torch uses) needs a "
           "CUDA build of torch and is skipped; the host-core test libraries are built.", file=sys.stderr)
 
+# TORCH_BUDGET_BUILD=_C (comma-separated short names) builds only those: a GPU machine needs no test cores.
+_only = {n.strip() for n in os.environ.get("TORCH_BUDGET_BUILD", "").split(",") if n.strip()}
+if _only:
+    extensions = [e for e in extensions if e.name.rsplit(".", 1)[-1] in _only]
+
 setup(
     name="torch_budget",
     version="0.1.0",

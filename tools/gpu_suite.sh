@@ -18,7 +18,7 @@ summary=()
 if has build || [ ! -e torch_budget/_C*.so ]; then
   echo "== build"
   start=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  TORCH_BUDGET_BUILD=${TORCH_BUDGET_BUILD:-_C} MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   summary+=("build        $(( $(date +%s) - start )) s")
 fi
 
@@ -48,7 +48,7 @@ if has torch; then
 fi
 
 if has bench; then
-  for bench in ${BENCHES:-bench_alloc bench_graphs bench_workspace bench_sleep bench_torch_surface}; do
+  for bench in ${BENCHES:-bench_alloc bench_e2e bench_graphs bench_workspace bench_sleep bench_torch_surface}; do
     [ -f "tools/$bench.py" ] || continue
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
