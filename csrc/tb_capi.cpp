@@ -17,7 +17,13 @@ using namespace tb;
 
 namespace {
 
-int code() { return last_error_code() == kOk ? kDriverError : last_error_code(); }
+// The code of the failure just recorded; never kOk, and never the core's internal kNeedSync
+// (a request the device allocator answers itself), whatever path it came from.
+int code() {
+  const ErrorCode c = last_error_code();
+  if (c == kNeedSync) return kOutOfMemory;
+  return c == kOk ? kDriverError : c;
+}
 
 int64_t hand_over(const std::string& text, char* buffer, int64_t capacity) {
   const auto n = static_cast<int64_t>(text.size());
@@ -146,6 +152,24 @@ int tb_empty_cache(int device) {
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
   if (d == nullptr) return 0;  // nothing was ever allocated there
   return d->empty_cache() ? 0 : code();
+}
+
+int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
+  clear_error();
+  int device = -1;
+  BlockInfo info{};
+  if (!Allocator::get().lookup(ptr, &device, &info)) return -1;
+  DeviceAllocator* d = Allocator::get().device_if_ready(device);
+  std::string handle;
+  size_t off = 0;
+  if (d == nullptr || !d->share(reinterpret_cast<uintptr_t>(ptr), &handle, &off)) return -1;
+  if (static_cast<int64_t>(handle.size()) > cap) {
+    set_error(kInvalidArgument, "tb_share: a buffer of " + std::to_string(cap) + " bytes is too small for the handle");
+    return -1;
+  }
+  std::memcpy(buf, handle.data(), handle.size());
+  *offset = static_cast<int64_t>(off);
+  return static_cast<int64_t>(handle.size());
 }
 
 int tb_cache_info(int device, int64_t* largest) {

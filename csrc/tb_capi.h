@@ -51,6 +51,9 @@ TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on
 // bytes >= 0, or (bytes < 0) a fraction in (0, 1] of the card.
 TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
 TB_API int tb_empty_cache(int device);
+// The IPC handle of the live block at `ptr` (torch's shareIpcHandle) into buf[0, cap):
+// its length, or -1 with the error kept (cap too small included); *offset: ptr's offset in it.
+TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);
 // torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
 TB_API int tb_cache_info(int device, int64_t* largest);
 // Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).

@@ -115,6 +115,14 @@ class Host:
     def empty_cache(self, device=0):
         _native.check(self.lib, self.lib.tb_empty_cache(device))
 
+    def share(self, ptr):
+        buf = ctypes.create_string_buffer(4096)
+        off = ctypes.c_int64()
+        n = self.lib.tb_share(ptr, buf, len(buf), ctypes.byref(off))
+        if n < 0:
+            raise _native.error(self.lib)
+        return buf.raw[:n], off.value
+
     def cache_info(self, device=0):
         out = ctypes.c_int64()
         _native.check(self.lib, self.lib.tb_cache_info(device, ctypes.byref(out)))

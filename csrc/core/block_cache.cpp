@@ -34,6 +34,7 @@ void BlockStore::recycle(Block* b) {
   b->prev = b->next = nullptr;
   b->allocated = false;
   b->pending = 0;
+  b->shared = false;
   b->tag = 0;
   b->route = 0;
   b->freed_at = 0;
@@ -77,11 +78,15 @@ Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstrea
 }
 
 void BlockPool::remove_segment(Segment* seg) {
-  // A segment without live blocks is a single free block: its head.
   if (seg->granules.empty())
     trace(TraceAction::kSegmentFree, device(), seg->base, seg->size, seg->stream, id_, tag_, route_);
-  free_set(seg->small).erase(seg->head);
-  store_->recycle(seg->head);
+  // Without live blocks a segment is one free block; every block goes, whatever the layout.
+  for (Block* b = seg->head; b != nullptr;) {
+    Block* next = b->next;
+    free_set(seg->small).erase(b);
+    store_->recycle(b);
+    b = next;
+  }
   segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
                                  [seg](const std::unique_ptr<Segment>& s) { return s.get() == seg; }),
                   segments_.end());
@@ -102,8 +107,12 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   block->next = rest;
   block->size = rounded;
   // The tree node that held `block` now holds `rest`: no allocation on the hot path.
-  node.value() = rest;
-  fs.insert(std::move(node));
+  if (node.empty()) {
+    fs.insert(rest);
+  } else {
+    node.value() = rest;
+    fs.insert(std::move(node));
+  }
   return rest;
 }
 
@@ -200,15 +209,14 @@ Block* BlockPool::activate(Block* block, size_t requested) {
   return block;
 }
 
-Block* BlockPool::claim(Block* block, size_t size, bool allocate) {
+Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size) {
   FreeSet& fs = free_set(block->segment->small);
   FreeSet::node_type node = fs.extract(block);
-  if (block->size > size) split(block, size, fs, std::move(node));
-  if (!allocate) {
-    if (node.empty()) fs.insert(block);
-    else fs.insert(std::move(node));
-    return block;
+  if (ptr > block->ptr) {  // the front stays free, in the node
+    block = split_tail(block, block->ptr + block->size - ptr, fs, std::move(node));
+    node = FreeSet::node_type();
   }
+  if (block->size > size) split(block, size, fs, std::move(node));
   return activate(block, size);
 }
 
@@ -226,13 +234,18 @@ void BlockPool::free(Block* block) {
   block->freed_at = clock_->stamp();
   block->segment->live--;
   live_--;
+  coalesce(block, FreeSet::node_type());
+  // A refusal leaves the segment cached; release_cached retries it.
+  if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
+}
+
+void BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   FreeSet& fs = free_set(block->segment->small);
-  // Merge with free neighbours (same segment, so same stream), reusing a neighbour's
-  // tree node for the merged block.
-  FreeSet::node_type node;
+  // Merge with free neighbours (same segment, so same stream), reusing a tree node.
   if (block->prev && block->prev->is_free()) {
     Block* p = block->prev;
-    node = fs.extract(p);
+    if (node.empty()) node = fs.extract(p);
+    else fs.erase(p);
     p->size += block->size;
     p->next = block->next;
     p->freed_at = std::max(p->freed_at, block->freed_at);
@@ -257,8 +270,6 @@ void BlockPool::free(Block* block) {
     node.value() = block;
     fs.insert(std::move(node));
   }
-  // A refusal leaves the segment cached; release_cached retries it.
-  if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
 }
 
 size_t BlockPool::largest_free() const {

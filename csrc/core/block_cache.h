@@ -89,6 +89,7 @@ struct Block {
   Block* next = nullptr;
   bool allocated = false;
   int pending = 0;        // recorded-stream events outstanding after free
+  bool shared = false;    // handed to another process (Note [Sharing memory between processes]) since allocated
   int tag = 0;
   int route = 0;          // route charged in the ledger
   int device = 0;         // immutable: set by the BlockStore that owns the object
@@ -175,7 +176,7 @@ class BlockPool {
   // Registers a new segment of `size` bytes at `base`, covered by one free block (used by
   // backings); VMM arenas start with `granules` unmapped granule slots.
   Segment* add_segment(uintptr_t base, size_t size, bool small, CUstream stream, size_t granules = 0);
-  // Removes a segment with no live blocks and its single free block (used by backings).
+  // Removes a segment with no live blocks and its blocks (used by backings).
   void remove_segment(Segment* seg);
 
   FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
@@ -196,12 +197,11 @@ class BlockPool {
   }
   bool release_on_free() const { return release_on_free_; }
   size_t live_blocks() const { return live_; }
-  // Takes the free block `block` out of the free set, first splitting off what lies
-  // beyond `size` (a free block), whatever the split rules: the layout a pool
-  // checkpoint recorded comes back exactly (Note [Pool checkpoints]). With `allocate`
-  // the block becomes allocated and backed, else it goes back to the free set.
-  // nullptr + error when backing it failed (nothing changed then but the split).
-  Block* claim(Block* block, size_t size, bool allocate);
+  // Allocates exactly [ptr, ptr + size) out of the free block `block`, which holds it,
+  // whatever the split rules: what lies before and after stays free. So the layout a
+  // pool checkpoint recorded comes back exactly (Note [Pool checkpoints]). nullptr +
+  // error when backing it failed (nothing changed then but the splits).
+  Block* carve(Block* block, uintptr_t ptr, size_t size);
   // Segments without live blocks whose last free is clean (Note [Clean blocks]): what a
   // backing may give back.
   std::vector<Segment*> idle_clean_segments() const;
@@ -210,6 +210,9 @@ class BlockPool {
 
  private:
   Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
+  // Merges free `block` (out of the free set, its node in `node` or empty) with its free
+  // neighbours and files the result: a segment never holds two adjacent free blocks.
+  void coalesce(Block* block, FreeSet::node_type node);
   // Takes the last `rounded` bytes of free block `block` (out of the free set as `node`),
   // leaving its front free.
   Block* split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);

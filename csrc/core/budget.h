@@ -56,8 +56,9 @@ class Budget {
   void move(size_t bytes, const Placement& from, const Placement& to);
 
   // Why the last failed charge failed: the budget (true) or something else.
-  bool refused() const { return refused_; }
-  void clear_refusal() { refused_ = false; }
+  // Atomic: the bridge reads it after the allocation returned, without the device lock.
+  bool refused() const { return refused_.load(std::memory_order_relaxed); }
+  void clear_refusal() { refused_.store(false, std::memory_order_relaxed); }
 
   std::string describe() const;
   // torch's own first sentence, then ours: what was asked, why it failed, the
@@ -71,7 +72,7 @@ class Budget {
   const int device_;
   Ledger& ledger_;
   std::atomic<int64_t> limit_{kNone};
-  bool refused_ = false;
+  std::atomic<bool> refused_{false};
 };
 
 // A charge that rolls back unless committed.

@@ -172,12 +172,13 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
 }
 
 void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
-  sync_device(lock);
+  // Refused while a capture is open anywhere: then nothing is known of queued replays.
+  bool synced = sync_device(lock);
   const size_t waiting = pending_.size() + deferred_.size();
   process_events();
   // Blocks whose recorded streams just completed were freed after that sync (their
   // free stamp is now): one more makes them clean, so this call gives them back too.
-  if (pending_.size() + deferred_.size() < waiting) sync_device(lock);
+  if (synced && pending_.size() + deferred_.size() < waiting) synced = sync_device(lock);
   {
     // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
     RelaxedCaptureMode relaxed(open_captures() > 0);
@@ -187,9 +188,12 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
     sync_->release_cached(*sync_pool_);
     if (pool_pool_) pool_->release_cached(*pool_pool_);
     // A private pool no graph holds any more keeps only what its live blocks need
-    // (its outputs may outlive the graph), as torch's allocator does.
-    for (auto& [id, p] : graphs_.pools())
-      if (p.use_count == 0 && tag_live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
+    // (its outputs may outlive the graph), as torch's allocator does. Its free blocks are
+    // written by every replay of the graphs it served, so free stamps say nothing of
+    // them: only after a synchronisation of the whole device.
+    if (synced)
+      for (auto& [id, p] : graphs_.pools())
+        if (p.use_count == 0 && tag_live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
   }
   destroy_dead_pools(lock, /*all=*/true);
   free_detached(lock);
@@ -353,6 +357,7 @@ void DeviceAllocator::free_locked(Block* b) {
   live_.erase(b->ptr);
   account_release(b);
   b->allocated = false;  // `requested` stays: the trace reports it
+  b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it
   // A stream-ordered free is a stream operation: none while a capture is open.
   const bool ordered_free = b->segment->pool->release_on_free();
   if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {

@@ -48,6 +48,9 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
   };
   std::map<uintptr_t, Segment*> segs;
   PrivatePool* p = find_segments(&segs);
+  // Re-created blocks take cached or clean memory only: a restore never asks for a stream
+  // synchronisation half-way (the internal "needs sync" code must not escape).
+  clock_.allow_requests(false);
   TB_REQUIRE(p != nullptr, kInvalidArgument, "no " + where + " to restore a checkpoint into", false);
   for (const CheckpointSegment& cs : cp.segments)
     TB_REQUIRE(segs.count(cs.base) != 0, kInvalidArgument,
@@ -97,26 +100,29 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
     set_error(code, msg);
     return false;
   };
+  // Free ranges of the checkpoint (blocks then free, or waiting on a recorded stream) stay
+  // free, merged as the pool merges them; each allocated block is carved at its address.
   for (const CheckpointSegment& cs : cp.segments) {
     Block* cur = segs[cs.base]->head;
-    for (size_t i = 0; i < cs.blocks.size(); ++i) {
-      const CheckpointBlock& cb = cs.blocks[i];
-      const bool last = i + 1 == cs.blocks.size();
-      if (cur == nullptr || cur->ptr != cb.ptr || cur->size < cb.size || (last && cur->size != cb.size)) {
+    for (const CheckpointBlock& cb : cs.blocks) {
+      if (!cb.allocated) continue;
+      while (cur != nullptr && cur->ptr + cur->size <= cb.ptr) cur = cur->next;
+      if (cur == nullptr || !cur->is_free() || cur->ptr > cb.ptr || cb.ptr + cb.size > cur->ptr + cur->size) {
         set_error(kState, "the checkpoint of " + where + " does not fit segment " + hex(cs.base) +
                               " at block " + hex(cb.ptr));
         return undo();
       }
-      Block* b = pool->claim(cur, cb.size, cb.allocated);
-      if (b == nullptr) return undo();
-      if (cb.allocated) {
-        b->requested = cb.requested;
-        b->tag = p->tag;
-        account_alloc(b);
-        live_.insert(b->ptr, b);
-        trace_block(TraceAction::kAlloc, b);
-        created->push_back(b);
+      Block* b = pool->carve(cur, cb.ptr, cb.size);
+      if (b == nullptr) {
+        if (last_error_code() == kNeedSync) set_error(kOutOfMemory, "no memory for the checkpoint's blocks");
+        return undo();
       }
+      b->requested = cb.requested;
+      b->tag = p->tag;
+      account_alloc(b);
+      live_.insert(b->ptr, b);
+      trace_block(TraceAction::kAlloc, b);
+      created->push_back(b);
       cur = b->next;
     }
   }

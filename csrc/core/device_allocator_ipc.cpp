@@ -40,6 +40,7 @@ bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset) 
       return false;
   }
   *handle = encode_share(h);
+  b->shared = true;
   return true;
 }
 

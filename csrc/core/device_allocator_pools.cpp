@@ -46,6 +46,9 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
 
 void DeviceAllocator::mark_capture_free(Block* b) {
   if (!capture_reuse_.load(std::memory_order_relaxed) || b->recorded.empty()) return;
+  // A block of a backing whose frees are stream-ordered (the pool route) would be freed
+  // by cuMemFreeAsync on the capturing stream: it waits for the end of capture instead.
+  if (b->segment->pool->release_on_free()) return;
   std::vector<CUstream> streams{b->stream};
   for (const StreamRef& r : b->recorded) streams.push_back(r.stream);
   std::vector<CUgraphNode> markers;
@@ -137,8 +140,13 @@ void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   PoolId id;
   PrivatePool* p = graphs_.find(blocks, &id);
   if (p == nullptr || !p->dead()) return;
-  for (const DeadPool& d : dead_)
-    if (d.id == id) return;
+  // A pool that came back and died again dies anew: replays of its new graphs count.
+  for (DeadPool& d : dead_) {
+    if (d.id != id) continue;
+    d.died_at = clock_.stamp();
+    d.during_capture = d.during_capture || open_captures() > 0;
+    return;
+  }
   dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
 }
 

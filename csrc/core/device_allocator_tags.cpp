@@ -61,15 +61,29 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   if (!check_tag(tag, "release")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
   TB_REQUIRE(tag_live(tag), kState, name + " is already released: restore it first", false);
+  // The tag's queued work must be done before its memory is copied or unmapped.
+  TB_REQUIRE(sync_device(lock), kState, "release of " + name + ": the device could not be synchronised", false);
+  process_events();
+  TB_REQUIRE(tag_live(tag), kState, name + " was released by another thread meanwhile", false);
+  // Checked after the synchronisation: other threads may have allocated under the tag meanwhile.
+  // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
+  // released and restored, the producer would read and write new memory the consumer never sees.
+  int shared = 0;
+  for (BlockPool* pool : pools_of(tag))
+    for (const auto& seg : pool->segments())
+      for (const Block* b = seg->head; b != nullptr; b = b->next) shared += b->allocated && b->shared;
+  TB_REQUIRE(shared == 0, kState,
+             name + " holds " + std::to_string(shared) +
+                 " live allocation(s) shared with another process, whose mappings would keep the old memory "
+                 "while this process restores new memory at the same addresses: release it once the consumers "
+                 "dropped those tensors (the producer frees them then)",
+             false);
   TB_REQUIRE(off_route_[tag] == 0, kState,
              name + " holds " + std::to_string(off_route_[tag]) +
                  " live allocation(s) on the pool or sync route, which cannot be released at fixed addresses; "
                  "allocate the tag's memory on the vmm route",
              false);
-  // The tag's queued work must be done before its memory is copied or unmapped.
-  TB_REQUIRE(sync_device(lock), kState, "release of " + name + ": the device could not be synchronised", false);
-  process_events();
-  TB_REQUIRE(tag_live(tag), kState, name + " was released by another thread meanwhile", false);
+
   RelaxedCaptureMode relaxed(open_captures() > 0);
 
   const size_t g = vmm_->granule();
@@ -100,6 +114,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   vmm_->release_free_handles();
   TagState& st = tags_[tag];
   bool recovered = false;
+  clock_.allow_requests(false);  // a recovery restore takes cached or clean memory, never asks for a sync
   if (!mover_->release(std::move(pieces), static_cast<Backup>(backup), &st, &recovered)) {
     if (!recovered) st.life = kTagReleased;
     const std::string why = last_error_message();

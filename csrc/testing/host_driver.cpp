@@ -15,6 +15,8 @@
 // - A fault injector fails any entry point on its Nth call from now, or at a rate,
 //   with a chosen result (tb_host_fail).
 #include <cuda.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -122,6 +124,7 @@ const char* const kEntryPoints[] = {
     "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
     "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
+    "cuMemExportToShareableHandle",
 };
 
 bool known_entry(const std::string& name) {
@@ -228,6 +231,7 @@ CUresult h_attr(int* v, CUdevice_attribute a, CUdevice d) {
   HOST_ENTRY("cuDeviceGetAttribute");
   if (a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) *v = g->devices[d].vmm;
   else if (a == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) *v = g->devices[d].pools;
+  else if (a == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) *v = g->devices[d].vmm;
   else *v = 0;
   return CUDA_SUCCESS;
 }
@@ -400,6 +404,17 @@ CUresult h_create(CUmemGenericAllocationHandle* h, size_t size, const CUmemAlloc
   dev.used += size;
   *h = g->next_handle++;
   g->handles[*h] = Handle{d, size};
+  return CUDA_SUCCESS;
+}
+// A descriptor of the handle's memory, as the real driver gives one (here: /dev/null; the
+// core only passes it on and closes it).
+CUresult h_export(void* shareable, CUmemGenericAllocationHandle h, CUmemAllocationHandleType type,
+                  unsigned long long) {
+  HOST_ENTRY("cuMemExportToShareableHandle");
+  if (g->handles.count(h) == 0 || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
+  const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  *static_cast<int*>(shareable) = fd;
   return CUDA_SUCCESS;
 }
 CUresult h_release(CUmemGenericAllocationHandle h) {
@@ -637,6 +652,7 @@ tb::DriverApi make_api() {
   a.memAddressFree = h_addr_free;
   a.memCreate = h_create;
   a.memRelease = h_release;
+  a.memExportToShareableHandle = h_export;
   a.memMap = h_map;
   a.memUnmap = h_unmap;
   a.memSetAccess = h_access;

@@ -1,0 +1,148 @@
+"""Defects a review found under the happy path, each reproduced over the host stand-in: memory
+used after it went back, memory unmapped under a queued replay, a stream-ordered free inside a
+capture, an internal code leaking out of the C ABI, and a shared tag released behind its
+consumer's back."""
+import pytest
+
+from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
+from torch_budget import _native
+
+pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+
+KiB = 1 << 10
+POOL = (0, 7)
+
+
+def inside_a_segment(h, ptr, size):
+    return any(s["address"] <= ptr and ptr + size <= s["address"] + s["total_size"] for s in h.segments())
+
+
+@pytest.mark.parametrize("library", ["_host_core", "_host_core_asan"])
+def test_a_checkpoint_restored_over_a_waiting_block_never_hands_out_freed_memory(library):
+    if not _native.is_built(library):
+        pytest.skip(f"{library} is not built")
+
+    @isolated
+    def body():
+        h = Host(route="sync", library=library)
+        h.begin_pool(POOL, S2)
+        a = h.malloc(64 * KiB, S2)
+        b = h.malloc(64 * KiB, S2)  # a and b share one 2 MiB segment
+        c = h.malloc(4 * MiB, S2)   # another segment keeps the pool alive
+        h.end_pool(POOL)
+        h.record_stream(b, S3)
+        h.submit(S3)
+        h.free(b)                   # waits on S3
+        cp = h.checkpoint(POOL)
+        h.restore_checkpoint(cp)
+        # The restored segment holds a, then one free range: never two adjacent free blocks.
+        seg = next(s for s in h.segments() if s["address"] <= a < s["address"] + s["total_size"])
+        states = [blk[2] for blk in seg["blocks"]]  # 0 free, 1 allocated, 2 waiting
+        assert all(x == 1 or y == 1 for x, y in zip(states, states[1:])), states
+        h.free(a)
+        h.release_pool(POOL)        # still alive through c
+        h.empty_cache()             # the small segment goes back to the driver
+        h.begin_pool(POOL, S2)
+        d = h.malloc(64 * KiB, S2)
+        h.end_pool(POOL)
+        assert inside_a_segment(h, d, 64 * KiB)
+        for p in (c, d):
+            h.free(p)
+    body()
+
+
+@isolated
+def test_graph_pools_are_not_trimmed_while_a_capture_elsewhere_forbids_waiting():
+    h = Host(route="vmm", devices=2)
+    h.push(tag="graphs")
+    h.begin_pool(POOL, S2)
+    out = h.malloc(8 * MiB, S2)
+    scratch = h.malloc(8 * MiB, S2)
+    h.end_pool(POOL)
+    h.pop()
+    h.free(scratch)                 # free in the pool: every replay of the graph still writes it
+    h.release_pool(POOL)            # the graph is gone (a replay may be queued), its output lives on
+    unmaps = h.counters()["unmaps"]
+    other = h.stream(1)
+    h.begin_pool((0, 9), other, device=1)  # a capture on the other device: no device may be waited for
+    h.empty_cache(0)
+    assert h.counters()["unmaps"] == unmaps
+    h.end_pool((0, 9), device=1)
+    h.empty_cache(0)                # nothing captures now: the scratch memory goes back
+    assert h.counters()["unmaps"] > unmaps
+    h.free(out)
+
+
+def captured_read(h, sequence, streams_nodes):
+    """Each (stream, node, parents): `stream` queues graph node `node` after `parents`."""
+    for stream, node, parents in streams_nodes:
+        h.node(node, parents)
+        h.capture(stream, sequence, [node])
+
+
+@isolated
+def test_capture_reuse_never_frees_pool_route_memory_on_the_capturing_stream():
+    h = Host(route="pool")
+    h.capture_reuse(True)
+    x = h.malloc(1 * MiB, S1)        # the stream-ordered pool route, before the capture
+    h.capture(S1, 1)
+    h.capture(S2, 1)
+    h.begin_pool(POOL, S1)
+    captured_read(h, 1, [(S2, 10, [])])  # s2 reads x
+    h.record_stream(x, S2)
+    h.free(x)
+    captured_read(h, 1, [(S1, 11, [10])])  # s1 joins s2
+    h.malloc(512, S1)                # looks for blocks the capture may reuse now
+    # x's memory would go back through cuMemFreeAsync on the capturing stream: it waits.
+    assert h.stats()["routes"]["pool"]["reserved"]["current"] >= 1 * MiB
+    h.end_pool(POOL)
+    h.capture(S1, 0)
+    h.capture(S2, 0)
+    h.complete(S2)
+    h.empty_cache()
+    assert h.stats()["routes"]["pool"]["reserved"]["current"] == 0
+
+
+@isolated
+def test_a_restore_out_of_memory_says_so_and_never_leaks_the_internal_code():
+    h = Host(route="vmm", budget=64 * MiB)
+    h.push(tag="graphs")
+    h.begin_pool(POOL, S2)
+    a = h.malloc(20 * MiB, S2)
+    b = h.malloc(4 * MiB, S2)        # keeps the pool's arena
+    h.end_pool(POOL)
+    h.pop()
+    cp = h.checkpoint(POOL)
+    h.free(a)
+    h.release_pool(POOL)             # no graph holds it: empty_cache trims a's memory
+    h.empty_cache()
+    x = h.malloc(30 * MiB, S2)       # dirty memory of the pool's stream...
+    h.submit(S2)
+    h.free(x)
+    y = h.malloc(30 * MiB, S1)       # ...and live memory fill the budget
+    with pytest.raises(OOM):
+        h.restore_checkpoint(cp)     # a's memory is refused: an out-of-memory error, never code 100
+    assert h.lib.tb_last_error_code() != 100
+    h.free(y)
+    del b
+
+
+@isolated
+def test_a_tag_shared_with_another_process_is_not_released_behind_its_back():
+    h = Host(route="vmm")
+    h.push("vmm", "weights")
+    w = h.malloc(8 * MiB)
+    h.pop()
+    handle, offset = h.share(w)
+    assert handle and offset == 0
+    live = h.tag_info("weights")["life"]
+    with pytest.raises(_native.TorchBudgetError, match="shared with another process"):
+        h.release("weights", "pinned")
+    assert h.tag_info("weights")["life"] == live
+    h.free(w)                        # the consumers are done: torch frees the producer's tensor
+    h.push("vmm", "weights")
+    v = h.malloc(8 * MiB)
+    h.pop()
+    h.release("weights", "pinned")
+    h.restore("weights")
+    h.free(v)
