@@ -172,6 +172,12 @@ int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
   return static_cast<int64_t>(handle.size());
 }
 
+int64_t tb_inject_driver_faults(double rate, uint64_t seed) {
+  clear_error();
+  if (!Allocator::get().load_driver() || !inject_driver_faults(rate, seed)) return -1;
+  return injected_driver_faults();
+}
+
 int tb_cache_info(int device, int64_t* largest) {
   clear_error();
   *largest = 0;

@@ -56,6 +56,9 @@ TB_API int tb_empty_cache(int device);
 TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);
 // torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
 TB_API int tb_cache_info(int device, int64_t* largest);
+// Testing: the driver entry points that take memory fail at `rate` from now on (see
+// Note [Injected driver failures]); returns the failures injected so far, -1 without a driver.
+TB_API int64_t tb_inject_driver_faults(double rate, uint64_t seed);
 // Memory of `device` becomes accessible from `peer` (torch's enablePeerAccess(peer, device)).
 TB_API int tb_grant_peer(int device, int peer);
 

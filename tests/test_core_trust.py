@@ -2,6 +2,10 @@
 used after it went back, memory unmapped under a queued replay, a stream-ordered free inside a
 capture, an internal code leaking out of the C ABI, and a shared tag released behind its
 consumer's back."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
@@ -17,38 +21,51 @@ def inside_a_segment(h, ptr, size):
     return any(s["address"] <= ptr and ptr + size <= s["address"] + s["total_size"] for s in h.segments())
 
 
-@pytest.mark.parametrize("library", ["_host_core", "_host_core_asan"])
-def test_a_checkpoint_restored_over_a_waiting_block_never_hands_out_freed_memory(library):
-    if not _native.is_built(library):
-        pytest.skip(f"{library} is not built")
+def restored_over_a_waiting_block(library="_host_core"):
+    h = Host(route="sync", library=library)
+    h.begin_pool(POOL, S2)
+    a = h.malloc(64 * KiB, S2)
+    b = h.malloc(64 * KiB, S2)  # a and b share one 2 MiB segment
+    c = h.malloc(4 * MiB, S2)   # another segment keeps the pool alive
+    h.end_pool(POOL)
+    h.record_stream(b, S3)
+    h.submit(S3)
+    h.free(b)                   # waits on S3
+    cp = h.checkpoint(POOL)
+    h.restore_checkpoint(cp)
+    # The restored segment holds a, then one free range: never two adjacent free blocks.
+    seg = next(s for s in h.segments() if s["address"] <= a < s["address"] + s["total_size"])
+    states = [blk[2] for blk in seg["blocks"]]  # 0 free, 1 allocated, 2 waiting
+    assert all(x == 1 or y == 1 for x, y in zip(states, states[1:])), states
+    h.free(a)
+    h.release_pool(POOL)        # still alive through c
+    h.empty_cache()             # the small segment goes back to the driver
+    h.begin_pool(POOL, S2)
+    d = h.malloc(64 * KiB, S2)
+    h.end_pool(POOL)
+    assert inside_a_segment(h, d, 64 * KiB)
+    for p in (c, d):
+        h.free(p)
 
-    @isolated
-    def body():
-        h = Host(route="sync", library=library)
-        h.begin_pool(POOL, S2)
-        a = h.malloc(64 * KiB, S2)
-        b = h.malloc(64 * KiB, S2)  # a and b share one 2 MiB segment
-        c = h.malloc(4 * MiB, S2)   # another segment keeps the pool alive
-        h.end_pool(POOL)
-        h.record_stream(b, S3)
-        h.submit(S3)
-        h.free(b)                   # waits on S3
-        cp = h.checkpoint(POOL)
-        h.restore_checkpoint(cp)
-        # The restored segment holds a, then one free range: never two adjacent free blocks.
-        seg = next(s for s in h.segments() if s["address"] <= a < s["address"] + s["total_size"])
-        states = [blk[2] for blk in seg["blocks"]]  # 0 free, 1 allocated, 2 waiting
-        assert all(x == 1 or y == 1 for x, y in zip(states, states[1:])), states
-        h.free(a)
-        h.release_pool(POOL)        # still alive through c
-        h.empty_cache()             # the small segment goes back to the driver
-        h.begin_pool(POOL, S2)
-        d = h.malloc(64 * KiB, S2)
-        h.end_pool(POOL)
-        assert inside_a_segment(h, d, 64 * KiB)
-        for p in (c, d):
-            h.free(p)
-    body()
+
+@isolated
+def test_a_checkpoint_restored_over_a_waiting_block_never_hands_out_freed_memory():
+    restored_over_a_waiting_block()
+
+
+def test_the_same_restore_is_clean_under_address_sanitizer():
+    from test_core_faults import _asan_runtime
+
+    runtime = _asan_runtime()
+    if runtime is None or not _native.is_built("_host_core_asan"):
+        pytest.skip("AddressSanitizer runtime or the sanitized core is not available")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); from test_core_trust import restored_over_a_waiting_block; "
+            "restored_over_a_waiting_block('_host_core_asan')")
+    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ERROR: AddressSanitizer" not in report, report[-4000:]
 
 
 @isolated

@@ -47,6 +47,7 @@ def _declare(lib, host):
         "tb_empty_cache": (i, [i]),
         "tb_cache_info": (i, [i, ctypes.POINTER(i64)]),
         "tb_share": (i64, [vp, ctypes.c_char_p, i64, ctypes.POINTER(i64)]),
+        "tb_inject_driver_faults": (i64, [d, u64]),
         "tb_grant_peer": (i, [i, i]),
         "tb_tag_find": (i, [cp]),
         "tb_device_ready": (i, [i]),

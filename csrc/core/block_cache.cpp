@@ -234,12 +234,12 @@ void BlockPool::free(Block* block) {
   block->freed_at = clock_->stamp();
   block->segment->live--;
   live_--;
-  coalesce(block, FreeSet::node_type());
+  block = coalesce(block, FreeSet::node_type());
   // A refusal leaves the segment cached; release_cached retries it.
   if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
 }
 
-void BlockPool::coalesce(Block* block, FreeSet::node_type node) {
+Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   FreeSet& fs = free_set(block->segment->small);
   // Merge with free neighbours (same segment, so same stream), reusing a tree node.
   if (block->prev && block->prev->is_free()) {
@@ -270,6 +270,7 @@ void BlockPool::coalesce(Block* block, FreeSet::node_type node) {
     node.value() = block;
     fs.insert(std::move(node));
   }
+  return block;
 }
 
 size_t BlockPool::largest_free() const {

@@ -212,7 +212,8 @@ class BlockPool {
   Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
   // Merges free `block` (out of the free set, its node in `node` or empty) with its free
   // neighbours and files the result: a segment never holds two adjacent free blocks.
-  void coalesce(Block* block, FreeSet::node_type node);
+  // Returns the merged block (`block` itself may be recycled).
+  Block* coalesce(Block* block, FreeSet::node_type node);
   // Takes the last `rounded` bytes of free block `block` (out of the free set as `node`),
   // leaving its front free.
   Block* split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);

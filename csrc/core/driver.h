@@ -12,6 +12,7 @@
 
 #include <cuda.h>
 
+#include <cstdint>
 #include <string>
 
 namespace tb {
@@ -96,6 +97,11 @@ bool load_cuda_driver(std::string* why);
 // Replaces the table (the host stand-in of the tests). Not thread-safe: call
 // before any allocation.
 void set_driver(const DriverApi* api);
+
+// Note [Injected driver failures] (driver_faults.cpp): the entry points that take memory
+// fail at `rate` (seeded); false when no driver is loaded yet.
+bool inject_driver_faults(double rate, uint64_t seed);
+int64_t injected_driver_faults();
 
 // "CUDA_ERROR_OUT_OF_MEMORY" style name of a driver result.
 std::string driver_error_name(CUresult r);

@@ -1,0 +1,38 @@
+"""The GPU differential fuzzer, short: seeded programs of allocation, cross-stream use, graphs,
+compiled steps, MemPool, sleep and budget changes read the same bytes installed as natively,
+the ledger equal to the live blocks; and with the driver refusing 1 % of its memory calls,
+every refusal is an out-of-memory error or a retry that succeeded (tools/fuzz_gpu.py has the
+long run)."""
+import importlib.util
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+
+_spec = importlib.util.spec_from_file_location(
+    "fuzz_gpu", pathlib.Path(__file__).resolve().parent.parent / "tools" / "fuzz_gpu.py")
+fuzz = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzz)
+
+
+def test_the_program_is_the_same_for_a_seed_and_covers_every_operation():
+    ops = fuzz.program(3, 4000)
+    assert ops == fuzz.program(3, 4000)
+    kinds = {op[0] for op in ops}
+    assert kinds >= {"alloc", "free", "check", "cross", "graph", "compiled", "mempool", "empty_cache", "sleep",
+                     "budget"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_installed_reads_the_same_bytes_as_native(seed):
+    r = fuzz.differential(seed, 3000, share=seed == 0)
+    assert r["ok"], r
+
+
+@pytest.mark.gpu
+def test_injected_driver_failures_are_out_of_memory_errors_or_retries():
+    r = fuzz.differential(5, 3000, faults=0.01)
+    assert r["ok"], r
+    assert r["injected"] > 0

@@ -1,0 +1,332 @@
+"""GPU differential fuzzer: seeded random programs run under torch_budget.install() and under
+torch's native allocator, each in its own process; the two must read the same bytes.
+
+A program allocates int32 tensors on several streams and fills each with a pattern derived
+from its id, frees them, reads them back (every read checks the pattern), uses them on other
+streams (an event, a kernel, record_stream, then a free while that kernel may still run),
+captures and replays CUDA graphs (private pools, a pool shared by two graphs, a pool under a
+tag), runs torch.compile(mode="reduce-overhead") steps (CUDA graph trees and their pool
+checkpoints), allocates inside a torch.cuda.MemPool, empties the cache, and, installed only,
+changes the budget and releases and restores a tag with every backup mode (contents checked
+after pinned / cpu backups, zeros after memset). After every operation the device's mismatch
+counter is read every few steps, and installed, the ledger must equal the live blocks and the
+budget must hold. With --faults RATE the driver refuses memory at that rate: every refusal must
+be an OutOfMemoryError (the tensor is then skipped in both runs) or a retry that succeeded.
+
+    python tools/fuzz_gpu.py --seeds 0-3 --ops 20000 [--faults 0.01] [--share]
+
+prints one line per seed and `RESULT fuzz_gpu ...` last.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MAX_LIVE = 64
+SIZES = [1, 100, 1000, 64 << 10, 1 << 20, 3 << 20, 16 << 20]  # int32 elements
+
+
+def program(seed, n):
+    """The operations, as plain tuples; drawn without torch, the same in both processes."""
+    rng = random.Random(seed)
+    ops, live, next_id = [], [], 0
+    for _ in range(n):
+        r = rng.random()
+        if (r < 0.35 and len(live) < MAX_LIVE) or not live:
+            ops.append(("alloc", next_id, rng.choice(SIZES) + rng.randrange(7), rng.randrange(3),
+                        rng.random() < 0.25))
+            live.append(next_id)
+            next_id += 1
+        elif r < 0.6:
+            ops.append(("free", live.pop(rng.randrange(len(live)))))
+        elif r < 0.8:
+            ops.append(("check", rng.choice(live), rng.randrange(3)))
+        elif r < 0.9:
+            ops.append(("cross", rng.choice(live), rng.randrange(3), rng.random() < 0.5))
+        elif r < 0.93:
+            ops.append(("graph", rng.choice(live), rng.choice(["private", "shared", "tagged"])))
+        elif r < 0.95:
+            ops.append(("compiled", rng.choice(live)))
+        elif r < 0.96:
+            ops.append(("mempool", rng.choice(SIZES)))
+        elif r < 0.97:
+            ops.append(("empty_cache",))
+        elif r < 0.985:
+            ops.append(("sleep", rng.choice(["none", "memset", "cpu", "pinned"])))
+        else:
+            ops.append(("budget", rng.choice([1.0, 0.5, 0.25])))
+    return ops
+
+
+def run(seed, n, installed, faults, skip, share):
+    import torch
+
+    tb = None
+    if installed:
+        import torch_budget as tb
+
+        tb.install()
+    dev = torch.device("cuda")
+    streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(2)]
+    bad = torch.zeros((), dtype=torch.int64, device=dev)  # mismatches seen by reads
+    tensors, tagged = {}, set()
+    digests, ooms = [], []
+    graphs = {}
+    compiled = torch.compile(lambda x: x * 3 + 1, mode="reduce-overhead")
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def pattern(tid, n_el):
+        return ((torch.arange(n_el, device=dev, dtype=torch.int64) * 7 + tid * 2654435761) & 0x7FFFFFFF).to(
+            torch.int32)
+
+    def check(t, tid):
+        bad.add_((t != pattern(tid, t.numel())).sum())
+
+    def ledger_ok():
+        if not installed:
+            return
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory_snapshot()
+        live = sum(b["size"] for s in snap for b in s["blocks"] if b["state"] == "active_allocated")
+        assert live == torch.cuda.memory_allocated(), (live, torch.cuda.memory_allocated())
+        budget = tb.stats()["budget"]
+        if budget:
+            assert torch.cuda.memory_reserved() <= budget, (torch.cuda.memory_reserved(), budget)
+
+    lib = None
+    if installed and faults > 0:
+        from torch_budget import _native
+
+        lib = _native.load()
+    for i, op in enumerate(ops_of(seed, n)):
+        kind = op[0]
+        # Captures and compiled steps run without injected failures: a failure there ends the
+        # capture, which is torch's business; the allocation paths are what is under test.
+        if lib is not None:
+            lib.tb_inject_driver_faults(0.0 if kind in ("graph", "compiled", "sleep") else faults, seed + i)
+        try:
+            if kind == "alloc":
+                _, tid, n_el, s, under_tag = op
+                if tid in skip:
+                    continue
+                with torch.cuda.stream(streams[s]):
+                    if installed and under_tag:
+                        with tb.route("vmm", tag="fuzz"):
+                            t = torch.empty(n_el, dtype=torch.int32, device=dev)
+                        tagged.add(tid)
+                    else:
+                        t = torch.empty(n_el, dtype=torch.int32, device=dev)
+                    t.copy_(pattern(tid, n_el))
+                tensors[tid] = (t, s)
+            elif kind == "free":
+                tensors.pop(op[1], None)
+                tagged.discard(op[1])
+            elif kind == "check" and op[1] in tensors:
+                t, s = tensors[op[1]]
+                streams[op[2]].wait_stream(streams[s])
+                with torch.cuda.stream(streams[op[2]]):
+                    check(t, op[1])
+                    digests.append(int(t[: min(t.numel(), 64)].sum().item()) if i % 17 == 0 else 0)
+            elif kind == "cross" and op[1] in tensors:
+                t, s = tensors[op[1]]
+                other = streams[op[2]]
+                other.wait_stream(streams[s])
+                with torch.cuda.stream(other):
+                    torch.cuda._sleep(2000)
+                    check(t, op[1])
+                    t.add_(0)
+                t.record_stream(other)
+                if op[3]:
+                    tensors.pop(op[1])  # freed while `other` may still run: record_stream holds it
+                    tagged.discard(op[1])
+            elif kind == "graph" and op[1] in tensors:
+                t, s = tensors[op[1]]
+                torch.cuda.synchronize()
+                kw = {}
+                if op[2] == "shared" and "shared" in graphs:
+                    kw["pool"] = graphs["shared"].pool()
+                ctx = tb.route("vmm", tag="fuzz_graphs") if installed and op[2] == "tagged" else _Null()
+                g = torch.cuda.CUDAGraph()
+                with ctx, torch.cuda.graph(g, **kw):
+                    out = t * 2 + 5
+                for _ in range(3):
+                    g.replay()
+                bad.add_((out != pattern(op[1], t.numel()) * 2 + 5).sum())
+                if op[2] == "shared":
+                    graphs["shared"] = g
+                del out, g
+            elif kind == "compiled" and op[1] in tensors and tensors[op[1]][0].numel() >= 1024:
+                t, s = tensors[op[1]]  # one shape, so the step compiles once
+                with torch.cuda.stream(streams[0]):
+                    streams[0].wait_stream(streams[s])
+                    y = compiled(t[:1024]).clone()
+                    bad.add_((y != pattern(op[1], 1024) * 3 + 1).sum())
+            elif kind == "mempool":
+                pool = torch.cuda.MemPool()
+                with torch.cuda.use_mem_pool(pool):
+                    m = torch.empty(op[1], dtype=torch.int32, device=dev)
+                    m.copy_(pattern(7, op[1]))
+                check(m, 7)
+                del m, pool
+            elif kind == "empty_cache":
+                torch.cuda.empty_cache()
+            elif kind == "sleep" and installed and tagged:
+                tb.release("fuzz", backup=op[1])
+                tb.restore("fuzz")
+                for tid in tagged:
+                    t, s = tensors[tid]
+                    if op[1] in ("cpu", "pinned"):
+                        check(t, tid)
+                    else:
+                        if op[1] == "memset":
+                            bad.add_((t != 0).sum())
+                        with torch.cuda.stream(streams[s]):
+                            t.copy_(pattern(tid, t.numel()))
+            elif kind == "budget" and installed:
+                used = torch.cuda.memory_reserved()
+                try:
+                    tb.set_budget(max(op[1], used / total + 0.01) if op[1] < 1 else 1.0)
+                except (ValueError, RuntimeError):
+                    pass  # below what is allocated now: refused, nothing changed
+        except torch.cuda.OutOfMemoryError:
+            ooms.append(op[1] if kind == "alloc" else -1)
+        if i % 64 == 0:
+            assert int(bad.item()) == 0, f"operation {i} {op}: {int(bad.item())} mismatching elements"
+            if i % 512 == 0:
+                ledger_ok()
+    torch.cuda.synchronize()
+    mismatches = int(bad.item())
+    ledger_ok()
+    shared_ok = None
+    if share and tensors:
+        shared_ok = share_with_child(torch, tensors, pattern)
+    out = {"mismatches": mismatches, "digests": digests, "ooms": ooms, "ops": n, "shared": shared_ok}
+    if installed and faults > 0:
+        from torch_budget import _native
+
+        out["injected"] = int(_native.load().tb_inject_driver_faults(0.0, 0))
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def share_with_child(torch, tensors, pattern):
+    """One tensor to a spawned consumer on torch's native allocator, which checks and changes it."""
+    import torch.multiprocessing as mp
+
+    tid, (t, _) = next(iter(tensors.items()))
+    ctx = mp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_consumer, args=(q, back))
+    p.start()
+    torch.cuda.synchronize()
+    q.put((tid, t))
+    ok = back.get(timeout=120)
+    p.join(120)
+    torch.cuda.synchronize()
+    return bool(ok) and bool((t == pattern(tid, t.numel()) + 1).all().item())
+
+
+def _consumer(q, back):
+    import torch
+
+    tid, t = q.get()
+    want = ((torch.arange(t.numel(), device=t.device, dtype=torch.int64) * 7 + tid * 2654435761) & 0x7FFFFFFF).to(
+        torch.int32)
+    ok = bool((t == want).all().item())
+    t.add_(1)
+    torch.cuda.synchronize()
+    back.put(ok)
+
+
+_PROGRAMS = {}
+
+
+def ops_of(seed, n):
+    if (seed, n) not in _PROGRAMS:
+        _PROGRAMS[(seed, n)] = program(seed, n)
+    return _PROGRAMS[(seed, n)]
+
+
+def child(args):
+    skip = set(json.loads(args.skip)) if args.skip else set()
+    out = run(args.seed, args.ops, args.installed, args.faults, skip, args.share)
+    print("FUZZ " + json.dumps(out), flush=True)
+
+
+def one(seed, ops, installed, faults=0.0, skip=(), share=False, timeout=900):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seed", str(seed), "--ops", str(ops),
+           "--faults", str(faults), "--skip", json.dumps(sorted(skip))]
+    cmd += ["--installed"] if installed else []
+    cmd += ["--share"] if share else []
+    env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FUZZ ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout).strip()[-3000:]}
+    return json.loads(lines[-1][5:])
+
+
+def differential(seed, ops, faults=0.0, share=False):
+    """Installed (with faults), then native skipping what the installed run could not allocate."""
+    mine = one(seed, ops, True, faults, share=share)
+    if "error" in mine:
+        return {"seed": seed, "ok": False, "why": "installed: " + mine["error"]}
+    skip = [x for x in mine["ooms"] if x >= 0]
+    ref = one(seed, ops, False, 0.0, skip=skip)
+    if "error" in ref:
+        return {"seed": seed, "ok": False, "why": "native: " + ref["error"]}
+    # An operation refused midway (not an allocation) reads nothing: digests then differ in
+    # length, and only the absence of wrong bytes is compared.
+    same = mine["digests"] == ref["digests"] or -1 in mine["ooms"]
+    ok = same and mine["mismatches"] == 0 and ref["mismatches"] == 0 and mine["shared"] in (None, True)
+    return {"seed": seed, "ok": ok, "same_digests": same, "mismatches": mine["mismatches"],
+            "ooms": len(mine["ooms"]), "injected": mine.get("injected", 0), "shared": mine["shared"],
+            "why": "" if ok else "digests differ from native" if not same else "mismatch or sharing failed"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0-3")
+    ap.add_argument("--ops", type=int, default=20000)
+    ap.add_argument("--faults", type=float, default=0.0)
+    ap.add_argument("--installed", action="store_true")
+    ap.add_argument("--share", action="store_true")
+    ap.add_argument("--skip", default="")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    from _bench import cuda_torch
+
+    if cuda_torch("fuzz_gpu", "allocator behaviour on a GPU") is None:
+        return 0
+    lo, _, hi = args.seeds.partition("-")
+    seeds = range(int(lo), int(hi or lo) + 1)
+    t0 = time.time()
+    results = [differential(s, args.ops, args.faults, args.share) for s in seeds]
+    for r in results:
+        print(json.dumps(r))
+    total = len(results) * args.ops
+    failed = [r["seed"] for r in results if not r["ok"]]
+    print(f"RESULT fuzz_gpu ops={total} seeds={len(results)} faults={args.faults} failed={failed or 0} "
+          f"ooms={sum(r.get('ooms', 0) for r in results)} injected={sum(r.get('injected', 0) for r in results)} "
+          f"[{time.time() - t0:.0f} s]")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
