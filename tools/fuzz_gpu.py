@@ -87,6 +87,11 @@ def run(seed, n, installed, faults, skip, share):
     def check(t, tid):
         bad.add_((t != pattern(tid, t.numel())).sum())
 
+    def used_on(t, own, s):
+        # Read or written on another stream than its own: its memory waits for that stream.
+        if s != own:
+            t.record_stream(streams[s])
+
     def ledger_ok():
         if not installed:
             return
@@ -118,11 +123,12 @@ def run(seed, n, installed, faults, skip, share):
                     if installed and under_tag:
                         with tb.route("vmm", tag="fuzz"):
                             t = torch.empty(n_el, dtype=torch.int32, device=dev)
-                        tagged.add(tid)
                     else:
                         t = torch.empty(n_el, dtype=torch.int32, device=dev)
                     t.copy_(pattern(tid, n_el))
                 tensors[tid] = (t, s)
+                if installed and under_tag:
+                    tagged.add(tid)
             elif kind == "free":
                 tensors.pop(op[1], None)
                 tagged.discard(op[1])
@@ -132,6 +138,7 @@ def run(seed, n, installed, faults, skip, share):
                 with torch.cuda.stream(streams[op[2]]):
                     check(t, op[1])
                     digests.append(int(t[: min(t.numel(), 64)].sum().item()) if i % 17 == 0 else 0)
+                used_on(t, s, op[2])
             elif kind == "cross" and op[1] in tensors:
                 t, s = tensors[op[1]]
                 other = streams[op[2]]
@@ -156,6 +163,7 @@ def run(seed, n, installed, faults, skip, share):
                     out = t * 2 + 5
                 for _ in range(3):
                     g.replay()
+                used_on(t, s, 0)
                 bad.add_((out != pattern(op[1], t.numel()) * 2 + 5).sum())
                 if op[2] == "shared":
                     graphs["shared"] = g
@@ -166,6 +174,7 @@ def run(seed, n, installed, faults, skip, share):
                     streams[0].wait_stream(streams[s])
                     y = compiled(t[:1024]).clone()
                     bad.add_((y != pattern(op[1], 1024) * 3 + 1).sum())
+                used_on(t, s, 0)
             elif kind == "mempool":
                 pool = torch.cuda.MemPool()
                 with torch.cuda.use_mem_pool(pool):
@@ -182,6 +191,7 @@ def run(seed, n, installed, faults, skip, share):
                     t, s = tensors[tid]
                     if op[1] in ("cpu", "pinned"):
                         check(t, tid)
+                        used_on(t, s, 0)
                     else:
                         if op[1] == "memset":
                             bad.add_((t != 0).sum())

@@ -47,7 +47,7 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None, map
     host_pool: bytes (int or "8GiB") of pinned host memory to pin now for sleep backups
     (torch_budget.reserve_host_pool), so that no release has to pin; None = none yet.
     map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
-    makes; None = 64 MiB. Shorter packs tighter, longer maps with fewer driver calls.
+    makes; None = 16 MiB. Shorter packs tighter, longer maps with fewer driver calls.
     Arguments left None come from TORCH_BUDGET_CONF. Must run before the first CUDA allocation;
     raises RuntimeError otherwise. Returns the settings in force.
     """
@@ -87,7 +87,7 @@ def install(budget=None, route=None, reuse_before_grow=None, host_pool=None, map
         _state["settings"] = {"route": route_for(asked, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                               "budget_fraction": fraction if fraction > 0 else None,
                               "reuse_before_grow": reuse, "host_pool": host_bytes,
-                              "map_run": run_bytes or (64 << 20),
+                              "map_run": run_bytes or (16 << 20),
                               "capabilities": capabilities(0), "requested": requested}
         return dict(_state["settings"])
 

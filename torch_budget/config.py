@@ -9,7 +9,7 @@ variable TORCH_BUDGET_CONF, written like PYTORCH_CUDA_ALLOC_CONF:
 Keys: budget (bytes with an optional unit -- B, KiB, MiB, GiB, TiB, or decimal KB,
 MB, GB, TB -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
 reuse_before_grow (true | false), map_run (bytes: the longest VMM mapping an allocation
-makes, 64MiB by default; shorter packs tighter, longer maps faster), host_pool (bytes of
+makes, 16MiB by default; shorter packs tighter, longer maps faster), host_pool (bytes of
 pinned host memory that install() pins for sleep backups, so that no release pins). An
 error in the variable says it came from there.
 

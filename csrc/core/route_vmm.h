@@ -9,9 +9,10 @@
 // mapping, not per byte (Note [Run mappings]), so missing granules are mapped in runs
 // of up to map_run bytes with one handle each. The price: a run goes back only whole,
 // so one whose memory is partly live and partly free holds the free part until its
-// live blocks go. Longer runs map faster and pack less tightly (measured on the
-// serving-like mix over the host stand-in, peak reserved over peak live: 1.025 with
-// 16 MiB runs, 1.04 with 64 MiB; see tools/bench_alloc.py for the time).
+// live blocks go. Longer runs map faster and pack less tightly (peak reserved over peak
+// live on the serving-like mix over the host stand-in: 1.025 with 16 MiB runs, 1.04 with
+// 64 MiB; 16 MiB also keeps what a shrinking workspace strands under 5 %). How often a
+// mix needs runs moved decides the time: tools/bench_alloc.py measures it.
 // Reserved memory is kept within 2 % of the highest live total the device has seen
 // (its high-water mark, which torch's reset_peak_memory_stats does not lower): an
 // allocation whose new mappings would pass that line first gives back mappings lying
@@ -38,7 +39,7 @@
 // when one call covers many --, unmap 14, release 10; with one 64 MiB handle per
 // mapping about 3 µs per 2 MiB for all of it; cuMemMap cannot map part of a handle).
 // So the allocation path maps each run of missing granules with one handle of up to
-// map_run bytes (64 MiB by default), and a restore (tag_sleep.h) maps each run it needs with
+// map_run bytes (16 MiB by default), and a restore (tag_sleep.h) maps each run it needs with
 // one handle. A run mapping is unmapped only as a whole: when packing or trimming
 // finds it entirely inside clean free blocks, when its tag is released, or when its
 // segment is destroyed; its handle then goes straight back to the driver (a run handle
@@ -61,7 +62,7 @@ namespace tb {
 class VmmRoute final : public Backing {
  public:
   // Bytes a new mapping of the allocation path spans at most, by default (Note [Run mappings]).
-  static constexpr size_t kDefaultRunBytes = 64 << 20;
+  static constexpr size_t kDefaultRunBytes = 16 << 20;
 
   VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, StreamClock& clock, size_t granule,
            size_t arena_bytes, bool reuse_before_grow);

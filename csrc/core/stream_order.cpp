@@ -47,7 +47,10 @@ void StreamClock::refresh() {
     settle(m);
     if (m.event == nullptr && m.frees > 0) {
       record(m, now);
-      settle(m);  // an idle stream is there already
+      // An idle stream gets there within microseconds; one with work queued does not, and
+      // is not waited for: the look gives up after kSettlePoll.
+      while (!settle(m) && m.event != nullptr && std::chrono::steady_clock::now() - now < kSettlePoll) {
+      }
     }
   }
 }
