@@ -47,10 +47,10 @@ void StreamClock::refresh() {
     settle(m);
     if (m.event == nullptr && m.frees > 0) {
       record(m, now);
-      // An idle stream gets there within microseconds; one with work queued does not, and
-      // is not waited for: the look gives up after kSettlePoll.
-      while (!settle(m) && m.event != nullptr && std::chrono::steady_clock::now() - now < kSettlePoll) {
-      }
+      // Not polled: on an H200, waiting up to 30 us here for an idle stream's mark made
+      // lognormal churn pack at 1.04 instead of 1.25 but run 5.4x native instead of 0.73x
+      // (every reclaim then moves runs); the next look finds the mark complete.
+      settle(m);
     }
   }
 }

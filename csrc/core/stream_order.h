@@ -43,7 +43,6 @@ class StreamClock {
 
   static constexpr std::chrono::microseconds kMarkInterval{500};
   static constexpr int kMarkFrees = 32;
-  static constexpr std::chrono::microseconds kSettlePoll{30};
 
   uint64_t stamp() { return ++now_; }
   uint64_t now() const { return now_; }
