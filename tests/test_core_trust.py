@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
+from test_core_pools import captured_read
 from torch_budget import _native
 
 pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
@@ -90,13 +91,6 @@ def test_graph_pools_are_not_trimmed_while_a_capture_elsewhere_forbids_waiting()
     h.empty_cache(0)                # nothing captures now: the scratch memory goes back
     assert h.counters()["unmaps"] > unmaps
     h.free(out)
-
-
-def captured_read(h, sequence, streams_nodes):
-    """Each (stream, node, parents): `stream` queues graph node `node` after `parents`."""
-    for stream, node, parents in streams_nodes:
-        h.node(node, parents)
-        h.capture(stream, sequence, [node])
 
 
 @isolated

@@ -3,17 +3,17 @@ compiled steps, MemPool, sleep and budget changes read the same bytes installed 
 the ledger equal to the live blocks; and with the driver refusing 1 % of its memory calls,
 every refusal is an out-of-memory error or a retry that succeeded (tools/fuzz_gpu.py has the
 long run)."""
-import importlib.util
 import pathlib
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.timeout(900)
 
-_spec = importlib.util.spec_from_file_location(
-    "fuzz_gpu", pathlib.Path(__file__).resolve().parent.parent / "tools" / "fuzz_gpu.py")
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+# Imported by name from tools/ on sys.path: the consumer a program shares with is spawned, and
+# the spawned process finds the module through the same path.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+import fuzz_gpu as fuzz  # noqa: E402
 
 
 def test_the_program_is_the_same_for_a_seed_and_covers_every_operation():

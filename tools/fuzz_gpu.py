@@ -63,6 +63,12 @@ def program(seed, n):
     return ops
 
 
+def pattern_of(torch, tid, n_el, device):
+    """What tensor `tid` of `n_el` int32 elements holds: derived from its id and each index."""
+    return ((torch.arange(n_el, device=device, dtype=torch.int64) * 7 + tid * 2654435761) & 0x7FFFFFFF).to(
+        torch.int32)
+
+
 def run(seed, n, installed, faults, skip, share):
     import torch
 
@@ -81,8 +87,7 @@ def run(seed, n, installed, faults, skip, share):
     total = torch.cuda.get_device_properties(0).total_memory
 
     def pattern(tid, n_el):
-        return ((torch.arange(n_el, device=dev, dtype=torch.int64) * 7 + tid * 2654435761) & 0x7FFFFFFF).to(
-            torch.int32)
+        return pattern_of(torch, tid, n_el, dev)
 
     def check(t, tid):
         bad.add_((t != pattern(tid, t.numel())).sum())
@@ -252,9 +257,7 @@ def _consumer(q, back):
     import torch
 
     tid, t = q.get()
-    want = ((torch.arange(t.numel(), device=t.device, dtype=torch.int64) * 7 + tid * 2654435761) & 0x7FFFFFFF).to(
-        torch.int32)
-    ok = bool((t == want).all().item())
+    ok = bool((t == pattern_of(torch, tid, t.numel(), t.device)).all().item())
     t.add_(1)
     torch.cuda.synchronize()
     back.put(ok)

@@ -384,29 +384,36 @@ void for_each_large_free(const BlockPool& pool, size_t min, Fn fn) {
 
 }  // namespace
 
-size_t VmmRoute::drop_inside(const Block& b) {
-  Segment& s = *b.segment;
+std::vector<size_t> VmmRoute::inside(const Block& b) const {
+  const Segment& s = *b.segment;
   const size_t lo = (b.ptr - s.base + granule_ - 1) / granule_;
   const size_t hi = (b.ptr + b.size - s.base) / granule_;
   std::vector<size_t> heads;
   for (auto it = first_mapping(s, lo); it != s.maps.end() && it->first < hi; ++it)
     if (it->first >= lo && it->first + it->second <= hi) heads.push_back(it->first);
+  return heads;
+}
+
+size_t VmmRoute::drop_inside(const Block& b) {
   size_t bytes = 0;
-  for (size_t head : heads) {
+  for (size_t head : inside(b)) {
     const int64_t before = budget_.reserved();
-    if (drop_granule(s, head)) bytes += static_cast<size_t>(before - budget_.reserved());
+    if (drop_granule(*b.segment, head)) bytes += static_cast<size_t>(before - budget_.reserved());
   }
   return bytes;
+}
+
+void VmmRoute::clean_free(const BlockPool& pool, std::vector<const Block*>* out) const {
+  for_each_large_free(pool, granule_, [&](const Block* b) {
+    if (clock_.clean(b->stream, b->freed_at)) out->push_back(b);
+  });
 }
 
 size_t VmmRoute::reclaim(size_t want) {
   if (reuse_sources_.empty()) return 0;
   clock_.refresh();
   std::vector<const Block*> blocks;
-  for (BlockPool* source : reuse_sources_)
-    for_each_large_free(*source, granule_, [&](const Block* b) {
-      if (clock_.clean(b->stream, b->freed_at)) blocks.push_back(b);
-    });
+  for (BlockPool* source : reuse_sources_) clean_free(*source, &blocks);
   std::sort(blocks.begin(), blocks.end(), [](const Block* a, const Block* b) { return a->size > b->size; });
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return 0;
@@ -422,9 +429,7 @@ size_t VmmRoute::reclaim(size_t want) {
 size_t VmmRoute::release_clean(BlockPool& pool) {
   clock_.refresh();
   std::vector<const Block*> blocks;
-  for_each_large_free(pool, granule_, [&](const Block* b) {
-    if (clock_.clean(b->stream, b->freed_at)) blocks.push_back(b);
-  });
+  clean_free(pool, &blocks);
   size_t got = 0;
   for (const Block* b : blocks) got += drop_inside(*b);
   return got;
@@ -433,17 +438,9 @@ size_t VmmRoute::release_clean(BlockPool& pool) {
 bool VmmRoute::request_sync(BlockPool& pool, CUstream stream) {
   bool asked = false;
   for_each_large_free(pool, granule_, [&](const Block* b) {
-    if (asked || b->stream != stream || clock_.clean(b->stream, b->freed_at)) return;
-    const Segment& s = *b->segment;
-    const size_t lo = (b->ptr - s.base + granule_ - 1) / granule_;
-    const size_t hi = (b->ptr + b->size - s.base) / granule_;
-    for (auto it = first_mapping(s, lo); it != s.maps.end() && it->first < hi; ++it) {
-      if (it->first >= lo && it->first + it->second <= hi) {
-        clock_.request(stream);
-        asked = true;
-        return;
-      }
-    }
+    if (asked || b->stream != stream || clock_.clean(b->stream, b->freed_at) || inside(*b).empty()) return;
+    clock_.request(stream);
+    asked = true;
   });
   return asked;
 }

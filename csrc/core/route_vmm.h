@@ -123,8 +123,12 @@ class VmmRoute final : public Backing {
   bool map_missing(Segment& seg, size_t first, size_t count);
   // Asks for `stream` to be synchronised when its free blocks hold mappings.
   bool request_sync(BlockPool& pool, CUstream stream);
+  // The first granules of the mappings lying wholly inside free block `b`.
+  std::vector<size_t> inside(const Block& b) const;
   // Gives back the mappings lying wholly inside free block `b`; returns the bytes.
   size_t drop_inside(const Block& b);
+  // Appends the clean free blocks of `pool` that can hold a whole granule.
+  void clean_free(const BlockPool& pool, std::vector<const Block*>* out) const;
   // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
   void note_map(Segment& seg, size_t head, size_t count);
   void note_unmap(Segment& seg, size_t head);
