@@ -13,11 +13,16 @@ counter is read every few steps, and installed, the ledger must equal the live b
 budget must hold. With --faults RATE the driver refuses memory at that rate: every refusal must
 be an OutOfMemoryError (the tensor is then skipped in both runs) or a retry that succeeded.
 
-    python tools/fuzz_gpu.py --seeds 0-3 --ops 20000 [--faults 0.01] [--share]
+    python tools/fuzz_gpu.py --seeds 0-3 --ops 20000 [--faults 0.01] [--share] [--jobs 4]
+                             [--without sleep,budget] [--conf route:pool]
+
+A failing read names the operation, the tensor, its wrong bytes and every allocation of the
+program that overlapped it.
 
 prints one line per seed and `RESULT fuzz_gpu ...` last.
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -69,7 +74,7 @@ def pattern_of(torch, tid, n_el, device):
         torch.int32)
 
 
-def run(seed, n, installed, faults, skip, share):
+def run(seed, n, installed, faults, skip, share, without=()):
     import torch
 
     tb = None
@@ -79,7 +84,11 @@ def run(seed, n, installed, faults, skip, share):
         tb.install()
     dev = torch.device("cuda")
     streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(2)]
-    bad = torch.zeros((), dtype=torch.int64, device=dev)  # mismatches seen by reads
+    ops = ops_of(seed, n, without)
+    # Mismatches seen by the reads of each operation: one slot per operation, so the first
+    # failing read is known without a synchronisation that would change the timing.
+    bad = torch.zeros(len(ops), dtype=torch.int64, device=dev)
+    log = []  # (operation, tensor id, address, bytes): every allocation the program holds
     tensors, tagged = {}, set()
     digests, ooms = [], []
     graphs = {}
@@ -90,7 +99,14 @@ def run(seed, n, installed, faults, skip, share):
         return pattern_of(torch, tid, n_el, dev)
 
     def check(t, tid):
-        bad.add_((t != pattern(tid, t.numel())).sum())
+        bad[i].add_((t != pattern(tid, t.numel())).sum())
+
+    def held(tid, t):
+        log.append((i, tid, t.data_ptr(), t.numel() * t.element_size()))
+
+    def first_bad():
+        slots = torch.nonzero(bad).flatten()
+        return int(slots[0]) if slots.numel() else None
 
     def used_on(t, own, s):
         # Read or written on another stream than its own: its memory waits for that stream.
@@ -113,7 +129,7 @@ def run(seed, n, installed, faults, skip, share):
         from torch_budget import _native
 
         lib = _native.load()
-    for i, op in enumerate(ops_of(seed, n)):
+    for i, op in enumerate(ops):
         kind = op[0]
         # Captures and compiled steps run without injected failures: a failure there ends the
         # capture, which is torch's business; the allocation paths are what is under test.
@@ -132,6 +148,7 @@ def run(seed, n, installed, faults, skip, share):
                         t = torch.empty(n_el, dtype=torch.int32, device=dev)
                     t.copy_(pattern(tid, n_el))
                 tensors[tid] = (t, s)
+                held(tid, t)
                 if installed and under_tag:
                     tagged.add(tid)
             elif kind == "free":
@@ -166,10 +183,11 @@ def run(seed, n, installed, faults, skip, share):
                 g = torch.cuda.CUDAGraph()
                 with ctx, torch.cuda.graph(g, **kw):
                     out = t * 2 + 5
+                held(-1 - i, out)
                 for _ in range(3):
                     g.replay()
                 used_on(t, s, 0)
-                bad.add_((out != pattern(op[1], t.numel()) * 2 + 5).sum())
+                bad[i].add_((out != pattern(op[1], t.numel()) * 2 + 5).sum())
                 if op[2] == "shared":
                     graphs["shared"] = g
                 del out, g
@@ -178,13 +196,15 @@ def run(seed, n, installed, faults, skip, share):
                 with torch.cuda.stream(streams[0]):
                     streams[0].wait_stream(streams[s])
                     y = compiled(t[:1024]).clone()
-                    bad.add_((y != pattern(op[1], 1024) * 3 + 1).sum())
+                    held(-1 - i, y)
+                    bad[i].add_((y != pattern(op[1], 1024) * 3 + 1).sum())
                 used_on(t, s, 0)
             elif kind == "mempool":
                 pool = torch.cuda.MemPool()
                 with torch.cuda.use_mem_pool(pool):
                     m = torch.empty(op[1], dtype=torch.int32, device=dev)
                     m.copy_(pattern(7, op[1]))
+                held(-1 - i, m)
                 check(m, 7)
                 del m, pool
             elif kind == "empty_cache":
@@ -198,9 +218,11 @@ def run(seed, n, installed, faults, skip, share):
                         check(t, tid)
                         used_on(t, s, 0)
                     else:
-                        if op[1] == "memset":
-                            bad.add_((t != 0).sum())
+                        # Read and refilled on its own stream: a read on another stream
+                        # would race the refill.
                         with torch.cuda.stream(streams[s]):
+                            if op[1] == "memset":
+                                bad[i].add_((t != 0).sum())
                             t.copy_(pattern(tid, t.numel()))
             elif kind == "budget" and installed:
                 used = torch.cuda.memory_reserved()
@@ -211,11 +233,16 @@ def run(seed, n, installed, faults, skip, share):
         except torch.cuda.OutOfMemoryError:
             ooms.append(op[1] if kind == "alloc" else -1)
         if i % 64 == 0:
-            assert int(bad.item()) == 0, f"operation {i} {op}: {int(bad.item())} mismatching elements"
+            j = first_bad()
+            if j is not None:
+                raise AssertionError(diagnose(torch, ops, j, int(bad[j]), tensors, log, pattern))
             if i % 512 == 0:
                 ledger_ok()
     torch.cuda.synchronize()
-    mismatches = int(bad.item())
+    mismatches = int(bad.sum().item())
+    j = first_bad()
+    if j is not None:
+        raise AssertionError(diagnose(torch, ops, j, int(bad[j]), tensors, log, pattern))
     ledger_ok()
     shared_ok = None
     if share and tensors:
@@ -226,6 +253,45 @@ def run(seed, n, installed, faults, skip, share):
 
         out["injected"] = int(_native.load().tb_inject_driver_faults(0.0, 0))
     return out
+
+
+def diagnose(torch, ops, j, count, tensors, log, pattern):
+    """What the first failing read saw: the operation, the tensor, the wrong elements, and every
+    other allocation of the program that overlapped its memory, with whose pattern the wrong
+    elements hold."""
+    torch.cuda.synchronize()
+    op = ops[j]
+    lines = [f"operation {j} {op}: {count} mismatching elements"]
+    tid = op[1] if len(op) > 1 and isinstance(op[1], int) and op[0] != "mempool" else None
+    mine = [e for e in log if e[1] == tid]
+    if tid is None or not mine or tid not in tensors:
+        return "\n".join(lines)
+    at, _, ptr, nbytes = mine[-1]
+    t = tensors[tid][0]
+    wrong = torch.nonzero(t != pattern(tid, t.numel())).flatten()
+    lines.append(f"tensor {tid}: allocated at operation {at}, [{ptr:#x}, +{nbytes}) on stream {tensors[tid][1]}; "
+                 f"now {wrong.numel()} wrong elements" +
+                 (f", bytes {int(wrong[0]) * 4}..{int(wrong[-1]) * 4 + 3}" if wrong.numel() else ""))
+    since = [f"{k}:{ops[k][0]}" + (f"({ops[k][1]})" if ops[k][0] in ("sleep", "budget") else "")
+             for k in range(at, j + 1) if ops[k][0] in ("sleep", "budget", "empty_cache", "graph", "compiled",
+                                                         "mempool")]
+    lines.append("since its allocation: " + (", ".join(since[-40:]) or "allocations, frees, reads only"))
+    if wrong.numel():
+        values = t[wrong]
+        for k, other, optr, onb in log:
+            if other == tid or optr >= ptr + nbytes or optr + onb <= ptr:
+                continue
+            freed = next((m for m in range(k + 1, len(ops)) if ops[m][:2] == ("free", other)), None)
+            line = (f"  overlapped by {'tensor ' + str(other) if other >= 0 else 'a result'} of operation {k} "
+                    f"[{optr:#x}, +{onb}) freed at {freed}")
+            if other >= 0:
+                idx = wrong + (ptr - optr) // 4
+                inside = (idx >= 0) & (idx < onb // 4)
+                theirs = pattern(other, onb // 4)
+                hits = int((theirs[idx[inside]] == values[inside]).sum()) if bool(inside.any()) else 0
+                line += f": {hits} of the wrong elements hold its pattern"
+            lines.append(line)
+    return "\n".join(lines[:60])
 
 
 class _Null:
@@ -266,24 +332,28 @@ def _consumer(q, back):
 _PROGRAMS = {}
 
 
-def ops_of(seed, n):
-    if (seed, n) not in _PROGRAMS:
-        _PROGRAMS[(seed, n)] = program(seed, n)
-    return _PROGRAMS[(seed, n)]
+def ops_of(seed, n, without=()):
+    """The program of `seed`, with the operations of the kinds in `without` left out (to narrow
+    down a finding: the rest of the program is drawn the same)."""
+    key = (seed, n, tuple(sorted(without)))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = [op for op in program(seed, n) if op[0] not in without]
+    return _PROGRAMS[key]
 
 
 def child(args):
     skip = set(json.loads(args.skip)) if args.skip else set()
-    out = run(args.seed, args.ops, args.installed, args.faults, skip, args.share)
+    without = set(filter(None, args.without.split(",")))
+    out = run(args.seed, args.ops, args.installed, args.faults, skip, args.share, without)
     print("FUZZ " + json.dumps(out), flush=True)
 
 
-def one(seed, ops, installed, faults=0.0, skip=(), share=False, timeout=900):
+def one(seed, ops, installed, faults=0.0, skip=(), share=False, timeout=900, without=(), conf=""):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seed", str(seed), "--ops", str(ops),
-           "--faults", str(faults), "--skip", json.dumps(sorted(skip))]
+           "--faults", str(faults), "--skip", json.dumps(sorted(skip)), "--without", ",".join(sorted(without))]
     cmd += ["--installed"] if installed else []
     cmd += ["--share"] if share else []
-    env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
+    env = {**os.environ, "TORCH_BUDGET_CONF": conf if installed else "", "PYTORCH_CUDA_ALLOC_CONF": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("FUZZ ")]
     if proc.returncode != 0 or not lines:
@@ -291,13 +361,13 @@ def one(seed, ops, installed, faults=0.0, skip=(), share=False, timeout=900):
     return json.loads(lines[-1][5:])
 
 
-def differential(seed, ops, faults=0.0, share=False):
+def differential(seed, ops, faults=0.0, share=False, without=(), conf=""):
     """Installed (with faults), then native skipping what the installed run could not allocate."""
-    mine = one(seed, ops, True, faults, share=share)
+    mine = one(seed, ops, True, faults, share=share, without=without, conf=conf)
     if "error" in mine:
         return {"seed": seed, "ok": False, "why": "installed: " + mine["error"]}
     skip = [x for x in mine["ooms"] if x >= 0]
-    ref = one(seed, ops, False, 0.0, skip=skip)
+    ref = one(seed, ops, False, 0.0, skip=skip, without=without)
     if "error" in ref:
         return {"seed": seed, "ok": False, "why": "native: " + ref["error"]}
     # An operation refused midway (not an allocation) reads nothing: digests then differ in
@@ -319,6 +389,9 @@ def main():
     ap.add_argument("--installed", action="store_true")
     ap.add_argument("--share", action="store_true")
     ap.add_argument("--skip", default="")
+    ap.add_argument("--without", default="", help="operation kinds left out, comma-separated")
+    ap.add_argument("--conf", default="", help="TORCH_BUDGET_CONF for the installed run")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds run at once (each in its own processes)")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -330,7 +403,10 @@ def main():
     lo, _, hi = args.seeds.partition("-")
     seeds = range(int(lo), int(hi or lo) + 1)
     t0 = time.time()
-    results = [differential(s, args.ops, args.faults, args.share) for s in seeds]
+    without = set(filter(None, args.without.split(",")))
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda s: differential(s, args.ops, args.faults, args.share, without, args.conf),
+                                seeds))
     for r in results:
         print(json.dumps(r))
     total = len(results) * args.ops
