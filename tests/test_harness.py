@@ -1,0 +1,150 @@
+"""The fresh-process harness itself, without CUDA: bodies run in a child that imports their
+module by path, get their arguments and environment, send back stdout and a return value,
+and fail the test with a traceback into this file."""
+import faulthandler
+import inspect
+import os
+import sys
+import time
+
+import pytest
+
+from _harness import run_fresh, run_ranks
+
+
+def test_a_body_returns_its_stdout_and_its_value(fresh):
+    out = fresh(prints_and_returns, 3, {"k": (1, 2)})
+    assert out == "line 1\nline 2\nline 3\n"
+    assert out.splitlines()[-1] == "line 3"
+    assert out.value == {"n": 3, "got": {"k": (1, 2)}}
+
+
+def prints_and_returns(n, obj):
+    for i in range(n):
+        print("line", i + 1)
+    return {"n": n, "got": obj}
+
+
+def test_the_child_imports_the_module_without_torch_and_runs_under_faulthandler(fresh):
+    seen = fresh(what_the_child_sees).value
+    assert seen["torch imported"] is False, "importing the body's module pulled in torch"
+    assert seen["faulthandler"] is True
+    assert seen["argv"] == ["-c"]
+    assert seen["module"] == __name__ and seen["file"] == __file__
+    assert os.path.dirname(__file__) in seen["path"]
+
+
+def what_the_child_sees():
+    return {"torch imported": "torch" in sys.modules, "faulthandler": faulthandler.is_enabled(),
+            "argv": sys.argv, "module": __name__, "file": __file__, "path": sys.path}
+
+
+def fails_an_assertion(limit):
+    value = limit + 1
+    assert value <= limit, f"{value} is over {limit}"
+
+
+def test_a_failing_body_fails_the_test_with_the_childs_traceback_into_this_file():
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_fresh(fails_an_assertion, 7)
+    message = str(failed.value)
+    line = inspect.getsourcelines(fails_an_assertion)[1] + 2
+    assert f'File "{__file__}", line {line}, in fails_an_assertion' in message, message
+    assert "AssertionError: 8 is over 7" in message, message
+    assert "child process failed (rc=1): test_harness.fails_an_assertion" in message, message
+    assert "/_harness.py" not in message.split("Traceback")[1], "the harness's own frames are shown"
+
+
+def test_env_reaches_the_child(fresh):
+    assert fresh(environment, "TB_HARNESS_CHECK", env={"TB_HARNESS_CHECK": "on"}).value == "on"
+
+
+def environment(name):
+    return os.environ.get(name)
+
+
+def test_a_body_that_exits_zero_passes_with_no_value(fresh):
+    out = fresh(exits, 0)
+    assert out == "leaving\n" and out.value is None
+
+
+def test_a_body_that_exits_nonzero_fails_the_test():
+    with pytest.raises(pytest.fail.Exception, match=r"rc=3"):
+        run_fresh(exits, 3)
+
+
+def exits(code):
+    print("leaving")
+    sys.exit(code)
+
+
+def test_a_body_past_its_timeout_is_killed_and_fails_the_test_with_its_output():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_fresh(sleeps, 60, timeout=2)
+    assert time.monotonic() - start < 30
+    assert "timed out after 2 s" in str(failed.value) and "sleeping" in str(failed.value), str(failed.value)
+
+
+def sleeps(seconds):
+    print("sleeping", flush=True)
+    time.sleep(seconds)
+
+
+def test_a_nested_function_is_refused_before_any_child_starts():
+    def nested():
+        pass
+
+    with pytest.raises(TypeError, match="module-level function"):
+        run_fresh(nested)
+    with pytest.raises(TypeError, match="module-level function"):
+        run_fresh(lambda: None)
+
+
+def test_a_value_that_does_not_pickle_fails_the_test():
+    with pytest.raises(pytest.fail.Exception, match="returned a generator, which does not pickle"):
+        run_fresh(returns_a_generator)
+
+
+def returns_a_generator():
+    return (i for i in range(3))
+
+
+def test_ranks_see_their_rank_the_world_size_a_rendezvous_their_args_and_env(ranks):
+    outs = ranks(rank_report, 3, env={"TB_HARNESS_CHECK": "all"}, args=("shared",),
+                 rank_args=[[0, "a"], [1, "b"], [2, "c"]])
+    assert [out.value for out in outs] == [
+        {"rank": str(r), "world": "3", "args": ("shared", r, "abc"[r]), "env": "all", "file init": True}
+        for r in range(3)]
+    assert [out.splitlines() for out in outs] == [["rank 0"], ["rank 1"], ["rank 2"]]
+    assert len({out.value["rank"] for out in outs}) == 3
+
+
+def rank_report(*args):
+    print("rank", os.environ["RANK"])
+    return {"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "args": args,
+            "env": os.environ.get("TB_HARNESS_CHECK"), "file init": os.environ["TB_INIT_METHOD"].startswith("file://")}
+
+
+def test_a_failing_rank_fails_the_test_and_shows_every_ranks_output(ranks):
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_ranks(fails_on_rank_one, 2)
+    message = str(failed.value)
+    assert "rank(s) [1] failed" in message and "rank 0 says hello" in message, message
+    assert "RuntimeError: rank 1 gives up" in message, message
+
+
+def fails_on_rank_one():
+    print("rank", os.environ["RANK"], "says hello")
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 gives up")
+
+
+def test_code_strings_still_run_as_scripts(fresh, ranks):
+    assert fresh("""
+        import sys
+        print(sys.argv[1:])
+    """) == "[]\n"
+    outs = ranks("import os, sys; print(os.environ['RANK'], sys.argv[1:])", 2, rank_args=[[5], [6]])
+    assert outs == ["0 ['5']\n", "1 ['6']\n"]
+    assert outs[0].value is None
