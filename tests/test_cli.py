@@ -159,11 +159,41 @@ def test_bench_help_describes_the_benchmark_instead_of_running_it(capsys):
     assert "round trips" in capsys.readouterr().out
 
 
-def test_doctor_reports_a_bad_torch_budget_conf_naming_the_variable(capsys, monkeypatch):
-    monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:12 parsecs")
+def test_doctor_prints_the_parsed_settings_and_the_defaults_of_the_rest(capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:40GiB,route:vmm")
     assert cli.main(["doctor"]) == 0
-    out = capsys.readouterr().out
-    assert "TORCH_BUDGET_CONF" in out and "invalid" in out and "parsecs" in out
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert lines["budget"].split(None, 1)[1] == f"40.00 GiB ({40 << 30} bytes)"
+    assert lines["route"].split(None, 1)[1] == "vmm"
+    assert lines["map_run"].split(None, 1)[1] == "16.0 MiB (default)"
+    assert lines["host_pool"].split(None, 1)[1] == "none (default)"
+    monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:0.85")
+    assert cli.main(["doctor"]) == 0
+    assert "0.85 of the card" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("conf,message", [
+    ("budget:12 parsecs", "unknown unit 'parsecs' in TORCH_BUDGET_CONF budget '12 parsecs'"),
+    ("budget:1", "TORCH_BUDGET_CONF budget '1' has no unit, and a bare number is bytes only from 1 MiB up"),
+    ("budget:0", "TORCH_BUDGET_CONF budget must be more than 0 bytes or a fraction of the card in (0, 1]"),
+    ("budget:1.5", "TORCH_BUDGET_CONF budget 1.5 is read as a fraction of the card, which must be in (0, 1]"),
+    ("route:fastest", "TORCH_BUDGET_CONF route: unknown route 'fastest'"),
+    ("budget:1GiB,budget:2GiB", "TORCH_BUDGET_CONF: budget is given twice"),
+])
+def test_doctor_exits_2_on_an_invalid_setting_naming_the_variable_once(capsys, monkeypatch, conf, message):
+    monkeypatch.setenv("TORCH_BUDGET_CONF", conf)
+    assert cli.main(["doctor"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"torch-budget doctor: {message}"), err
+    assert err.count("TORCH_BUDGET_CONF") == 1 and len(err.splitlines()) == 1, err
+    assert out == ""
+
+
+def test_demo_refuses_an_invalid_setting_before_it_plans(capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:1")
+    monkeypatch.setattr(demo, "run", lambda settings: pytest.fail("the demo ran with an invalid setting"))
+    assert cli.main(["demo", "--quick"]) == 2
+    assert capsys.readouterr().err.startswith("torch-budget demo: TORCH_BUDGET_CONF budget '1' has no unit")
 
 
 # --- demo --sleep -------------------------------------------------------------------------------

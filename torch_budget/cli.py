@@ -87,23 +87,32 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]):
 # --- doctor ---------------------------------------------------------------------------------------
 
 
-def doctor_text() -> str:
-    """Versions, the settings TORCH_BUDGET_CONF asks for, each device's capabilities and the route
-    install() would choose there."""
+def environment_settings(command: str):
+    """(TORCH_BUDGET_CONF parsed, None), or (None, 2) once the error is printed: a command that
+    install() would read the variable for stops on an invalid one, naming what is wrong once."""
+    from torch_budget import config
+
+    try:
+        return config.from_environment(), None
+    except (ValueError, TypeError) as e:
+        print(f"{PROG} {command}: {e}", file=sys.stderr)
+        return None, 2
+
+
+def doctor_text(settings: dict) -> str:
+    """Versions, the settings install() would use (`settings`: TORCH_BUDGET_CONF parsed), each
+    device's capabilities and the route install() would choose there."""
     import platform
 
     from torch_budget import _native, config
 
     lines = [f"python        {platform.python_version()}"]
     conf = os.environ.get(config.ENV_VAR)
-    if conf:
-        try:
-            settings = config.parse_conf(conf)
-            lines.append(f"{config.ENV_VAR} {conf!r}: {settings}")
-        except (ValueError, TypeError) as e:
-            lines.append(f"{config.ENV_VAR} {conf!r} is invalid: {e}")
-    else:
-        lines.append(f"{config.ENV_VAR} not set: install() uses the whole card and the best route")
+    source = f"{config.ENV_VAR}={conf!r}" if conf else f"{config.ENV_VAR} not set"
+    lines.append(f"settings      {source}; install() arguments override these")
+    described = config.describe(settings)
+    width = max(len(key) for key, _ in described)
+    lines += [f"  {key:<{width}}  {value}" for key, value in described]
     try:
         import torch
     except ImportError:
@@ -134,18 +143,22 @@ def doctor_text() -> str:
 
 def _doctor_parser() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=f"{PROG} doctor", description=(
-        "Print versions, the settings TORCH_BUDGET_CONF asks for, the visible devices, their capabilities "
-        "and the route torch_budget.install() would choose."))
+        "Print versions, the settings torch_budget.install() would use (TORCH_BUDGET_CONF parsed, and the "
+        "default of every key it does not set), the visible devices, their capabilities and the route install() "
+        "would choose. Exits 2 when TORCH_BUDGET_CONF is invalid, saying what is wrong."))
 
 
 def _doctor(argv: list[str]) -> int:
     _, rc = _parse(_doctor_parser(), argv)
     if rc is not None:
         return rc
+    settings, rc = environment_settings("doctor")
+    if rc is not None:
+        return rc
     from torch_budget import _native
 
     try:
-        print(doctor_text())
+        print(doctor_text(settings))
     except (OSError, _native.TorchBudgetError) as e:
         # OSError: the extension exists but cannot be loaded, e.g. built against another torch.
         print(f"{PROG} doctor: the compiled extension could not answer: {e}", file=sys.stderr)
@@ -179,6 +192,9 @@ def _demo_parser() -> argparse.ArgumentParser:
 
 def _demo(argv: list[str]) -> int:
     args, rc = _parse(_demo_parser(), argv)
+    if rc is not None:
+        return rc
+    _, rc = environment_settings("demo")
     if rc is not None:
         return rc
     from torch_budget import demo

@@ -6,12 +6,12 @@ variable TORCH_BUDGET_CONF, written like PYTORCH_CUDA_ALLOC_CONF:
     TORCH_BUDGET_CONF="budget:40GiB,route:vmm"
     TORCH_BUDGET_CONF="budget:0.85"            (a fraction of the card)
 
-Keys: budget (bytes with an optional unit -- B, KiB, MiB, GiB, TiB, or decimal KB,
-MB, GB, TB -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
+Keys: budget (bytes with a unit -- B, KiB, MiB, GiB, TiB, or decimal KB, MB, GB, TB;
+a bare number is bytes only from 1 MiB up -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
 reuse_before_grow (true | false), map_run (bytes: the longest VMM mapping an allocation
 makes, 16MiB by default; shorter packs tighter, longer maps faster), host_pool (bytes of
 pinned host memory that install() pins for sleep backups, so that no release pins). An
-error in the variable says it came from there.
+error in the variable says it came from there; a key given twice is an error.
 
 A budget is one of two things, decided here and nowhere else in Python: ("bytes", n)
 or ("fraction", f). The compiled core turns a fraction into bytes of each card.
@@ -21,35 +21,71 @@ from __future__ import annotations
 import os
 
 from ._validate import is_int, non_negative_int
-from .units import UNITS, parse_bytes, parse_size
+from .units import BARE_BYTES_MIN, bare_number_message, format_bytes, memory_bytes, parse_bytes, parse_size
 
 ENV_VAR = "TORCH_BUDGET_CONF"
 ROUTES = {"vmm": 0, "pool": 1, "sync": 2}  # csrc/core/ledger.h
 AUTO = "auto"
 
 
+def _not_positive(source: str, value) -> str:
+    return (f"{source} must be more than 0 bytes or a fraction of the card in (0, 1], got {value!r} "
+            "(leave it unset for the whole card)")
+
+
 def parse_budget(value, source: str = "budget"):
-    """Bytes (int, or str with a unit) -> ("bytes", n); a fraction in (0, 1] -> ("fraction", f);
-    None -> None. `source` names where the value came from in error messages."""
+    """A budget as ("bytes", n) or ("fraction", f); None -> None. `source` names where the
+    value came from in error messages. One rule wherever a budget is given (install, set_budget,
+    TORCH_BUDGET_CONF):
+
+    - bytes: an int, or a str with a unit ("40GiB", "512 MiB", "60GB"); a bare number (an int,
+      or a str without a unit) is bytes only from 1 MiB up, since `1` would be one byte;
+    - a fraction of the card: a float, or a str with a decimal point ("0.9"), in (0, 1];
+    - never 0 or negative: leave the budget unset for the whole card.
+
+    A value this returns may be passed again and comes back unchanged.
+    """
     if value is None:
         return None
     if isinstance(value, bool):
         raise TypeError(f"{source} must be a number of bytes or a fraction of the card, got {value!r}")
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in ("bytes", "fraction"):
+        kind, amount = value
+        if kind == "bytes":
+            if not is_int(amount) or amount <= 0:
+                raise ValueError(_not_positive(source, value))
+            return ("bytes", amount.__index__())
+        return parse_budget(amount, source) if isinstance(amount, float) else parse_budget(float(amount), source)
     if is_int(value):
         value = value.__index__()
-        if value < 0:
-            raise ValueError(f"{source} must be >= 0 bytes, got {value}")
+        if value <= 0:
+            raise ValueError(_not_positive(source, value))
+        if value < BARE_BYTES_MIN:
+            raise ValueError(bare_number_message(source, str(value), fraction=True))
         return ("bytes", value)
     if isinstance(value, float):
         if not 0 < value <= 1:
-            raise ValueError(f"{source}: a fractional budget must be in (0, 1], got {value}")
+            raise ValueError(f"{source} {value!r} is read as a fraction of the card, which must be in (0, 1]; for "
+                             "bytes give an int or a size with a unit, e.g. \"40GiB\"")
         return ("fraction", value)
     if isinstance(value, str):
         number, unit = parse_size(value, source)
         if unit == "" and "." in value:
             return parse_budget(number, source)
-        return parse_budget(int(number * UNITS[unit]), source)
+        if number <= 0:
+            raise ValueError(_not_positive(source, value))
+        return ("bytes", memory_bytes(value, source, fraction_hint=True))
     raise TypeError(f"{source} must be an int, float or str, got {type(value).__name__}")
+
+
+def format_budget(parsed) -> str:
+    """A parsed budget as people read it; None is the whole card."""
+    if parsed is None:
+        return "the whole card"
+    kind, value = parsed
+    if kind == "fraction":
+        return f"{value:g} of the card"
+    return f"{format_bytes(value)} ({value} bytes)"
 
 
 def parse_host_pool(value, source: str = "host_pool") -> int:
@@ -60,6 +96,7 @@ def parse_host_pool(value, source: str = "host_pool") -> int:
 
 
 MAP_RUN_MIN = 2 << 20
+MAP_RUN_DEFAULT = 16 << 20
 
 
 def parse_map_run(value, source: str = "map_run") -> int:
@@ -90,15 +127,17 @@ def _parse_bool(key: str, text: str) -> bool:
 
 
 def parse_conf(text: str | None) -> dict:
-    """A TORCH_BUDGET_CONF string as install() keyword arguments, each value checked."""
+    """A TORCH_BUDGET_CONF string as install() keyword arguments, each value parsed (the budget
+    as parse_budget returns it)."""
     out = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         if ":" not in item:
             raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
         key, value = (s.strip() for s in item.split(":", 1))
+        if key in out:
+            raise ValueError(f"{ENV_VAR}: {key} is given twice")
         if key == "budget":
-            parse_budget(value, f"{ENV_VAR} budget")
-            out["budget"] = value
+            out["budget"] = parse_budget(value, f"{ENV_VAR} budget")
         elif key == "route":
             out["route"] = check_route(value, f"{ENV_VAR} route")
         elif key == "reuse_before_grow":
@@ -115,3 +154,20 @@ def parse_conf(text: str | None) -> dict:
 
 def from_environment() -> dict:
     return parse_conf(os.environ.get(ENV_VAR, ""))
+
+
+def describe(settings: dict) -> list[tuple[str, str]]:
+    """(key, value) for every key of TORCH_BUDGET_CONF, as parse_conf returned it; a key it
+    lacks shows the value install() uses without it, marked "(default)"."""
+    def shown(key, text):
+        return (key, text if key in settings else f"{text} (default)")
+
+    host = settings.get("host_pool", 0)
+    return [
+        shown("budget", format_budget(settings.get("budget"))),
+        shown("route", settings.get("route", AUTO) + ("" if settings.get("route", AUTO) != AUTO else
+                                                       ": VMM, else pool, else sync, by what each device supports")),
+        shown("reuse_before_grow", "true" if settings.get("reuse_before_grow", True) else "false"),
+        shown("map_run", format_bytes(settings.get("map_run", MAP_RUN_DEFAULT))),
+        shown("host_pool", format_bytes(host) if host else "none"),
+    ]
