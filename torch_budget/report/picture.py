@@ -8,8 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch_budget.report.ledger import CATEGORIES, LedgerLine
+from torch_budget.planner.ledger import LedgerLine
 from torch_budget.units import GiB, format_bytes
+
+# One colour per ledger category (planner/ledger.py), from a colour-blind-safe palette.
+COLOURS = {
+    "weights": "#0072B2",
+    "kv_pool": "#009E73",
+    "activations": "#D55E00",
+    "eager_workspace": "#E69F00",
+    "graph_workspace": "#CC79A7",
+    "graph_pools": "#882255",
+    "non_torch": "#56B4E9",
+    "reserve": "#999933",
+    "headroom": "#DDDDDD",
+}
 
 
 def _matplotlib():
@@ -30,7 +43,7 @@ def _shades(lines: list[LedgerLine]) -> list:
     for line in lines:
         i = seen.get(line.category, 0)
         seen[line.category] = i + 1
-        base = to_rgb(CATEGORIES[line.category][1])
+        base = to_rgb(COLOURS[line.category])
         mix = min(0.2 * i, 0.6)
         colours.append(tuple(c + (1.0 - c) * mix for c in base))
     return colours

@@ -1,0 +1,92 @@
+"""The ledger of one card: its lines and their text table.
+
+A ledger is a list of `LedgerLine`s whose bytes add up to the card: weights, KV pool,
+activations, eager and graph workspaces, graph pools, memory outside torch, reserves, and the
+headroom that is left. `plan()` produces one; `torch_budget.report` builds one from numbers read
+off a running process, reads one from JSON and draws one. Both render the same way, so a plan
+and a measurement can be compared side by side.
+
+A line whose memory is released (a tag put to sleep, torch_budget.sleep) carries a `state`
+such as "released 1.20 GiB, backup pinned"; its bytes are what is still resident, the only
+bytes that count toward the card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch_budget.units import format_bytes
+
+# Ledger categories and their display labels, in the order they are stacked on the bar: what is
+# resident first, what is left last.
+CATEGORIES = {
+    "weights": "weights",
+    "kv_pool": "KV pool",
+    "activations": "activations",
+    "eager_workspace": "eager workspace",
+    "graph_workspace": "graph workspace",
+    "graph_pools": "graph pools",
+    "non_torch": "non-torch",
+    "reserve": "reserves",
+    "headroom": "headroom",
+}
+
+
+@dataclass(frozen=True)
+class LedgerLine:
+    """One line of the ledger. `bytes` may be negative only for headroom, meaning the other
+    lines over-commit the card by that much. `state` is empty for resident memory, else what is
+    not resident (released bytes and their backup); `bytes` then counts only what is."""
+
+    name: str
+    category: str
+    bytes: int
+    reason: str
+    state: str = ""
+
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"ledger category {self.category!r} is not one of {list(CATEGORIES)}")
+        if self.bytes < 0 and self.category != "headroom":
+            raise ValueError(f"ledger line {self.name!r} has negative bytes ({self.bytes}); only headroom may")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LedgerLine":
+        try:
+            return cls(name=str(d["name"]), category=str(d["category"]), bytes=int(d["bytes"]),
+                       reason=str(d.get("reason", "")), state=str(d.get("state") or ""))
+        except KeyError as e:
+            raise ValueError(f"ledger line {d!r} lacks the key {e.args[0]!r}") from None
+
+
+def format_table(lines: list[LedgerLine], total: int, title: str | None = None) -> str:
+    """Aligned text table: line, category, size, share of the card, and why; a state column
+    (released bytes and backup) when some line is not all resident. Sizes are resident bytes."""
+    if total <= 0:
+        raise ValueError(f"total card bytes must be positive, got {total}")
+    stated = any(line.state for line in lines)
+    rows = [
+        (line.name, CATEGORIES[line.category], format_bytes(line.bytes), f"{100.0 * line.bytes / total:.1f}%",
+         *([line.state] if stated else []), line.reason)
+        for line in lines
+    ]
+    accounted = sum(line.bytes for line in lines)
+    blank = [""] if stated else []
+    footer = [("sum of lines", "", format_bytes(accounted), f"{100.0 * accounted / total:.1f}%", *blank, ""),
+              ("card", "", format_bytes(total), "100.0%", *blank, f"{total} bytes")]
+    header = ("line", "category", "size", "% card", *(["state"] if stated else []), "why")
+    widths = [max(len(r[i]) for r in [header, *rows, *footer]) for i in range(len(header) - 1)]
+
+    def fmt(r):
+        cells = [f"{r[0]:<{widths[0]}}", f"{r[1]:<{widths[1]}}", f"{r[2]:>{widths[2]}}", f"{r[3]:>{widths[3]}}"]
+        cells += [f"{c:<{w}}" for c, w in zip(r[4:-1], widths[4:])]
+        return "  ".join([*cells, r[-1]]).rstrip()
+
+    body = [fmt(r) for r in rows]
+    rule = "-" * max(len(r) for r in [fmt(header), *body])
+    out = [title] if title else []
+    out += [fmt(header), rule, *body, rule, *map(fmt, footer)]
+    return "\n".join(out)
