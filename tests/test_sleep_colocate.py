@@ -8,49 +8,57 @@ A's release could have made room), writes and reads it, frees it and signals A. 
 and must produce bitwise-identical outputs. The processes meet through files in a temporary
 directory; every wait has a deadline, so a hang fails instead of hanging.
 """
+import json
+import os
+import time
+
 import pytest
+import torch  # importing touches no device: A installs before it allocates, B makes its context first
+
+from torch_budget.units import GiB, MiB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.exclusive]
 
 WAIT_S = 300  # the longest either process waits for the other
-
-COLOCATE = """
-import json, os, sys, time
-import torch
-
-RANK = int(os.environ["RANK"])
-DIR, WAIT_S, B_INSTALLS = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
-ME, PEER = ("A", "B") if RANK == 0 else ("B", "A")
-MiB, GiB = 1 << 20, 1 << 30
 HEADROOM = 4 * GiB       # left free by A: B's context, A's temporaries
 CHUNK = 2 * GiB
 
-def post(name, **values):
-    tmp = os.path.join(DIR, name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(values, f)
-    os.replace(tmp, os.path.join(DIR, name))
 
-def wait(name):
-    # Bounded polling for the peer's file; gives up when the peer failed or the deadline passed.
-    path, failed = os.path.join(DIR, name), os.path.join(DIR, PEER + ".failed")
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.exists(path):
-        if os.path.exists(failed):
-            raise SystemExit(f"{ME}: process {PEER} failed while {ME} waited for {name!r}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{ME}: no {name!r} from process {PEER} within {WAIT_S:.0f} s")
-        time.sleep(0.02)
-    with open(path) as f:
-        return json.load(f)
+class Meeting:
+    """The files in `dir` through which this process (`me`) and its peer signal each other."""
+
+    def __init__(self, dir, me, peer, wait_s):
+        self.dir, self.me, self.peer, self.wait_s = dir, me, peer, wait_s
+
+    def post(self, name, **values):
+        tmp = os.path.join(self.dir, name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(values, f)
+        os.replace(tmp, os.path.join(self.dir, name))
+
+    def wait(self, name):
+        # Bounded polling for the peer's file; gives up when the peer failed or the deadline passed.
+        path, failed = os.path.join(self.dir, name), os.path.join(self.dir, self.peer + ".failed")
+        deadline = time.monotonic() + self.wait_s
+        while not os.path.exists(path):
+            if os.path.exists(failed):
+                raise SystemExit(f"{self.me}: process {self.peer} failed while {self.me} waited for {name!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.me}: no {name!r} from process {self.peer} within {self.wait_s:.0f} s")
+            time.sleep(0.02)
+        with open(path) as f:
+            return json.load(f)
+
 
 def free_bytes():
     return torch.cuda.mem_get_info()[0]
 
+
 def same_bits(a, b):
     return torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
 
-def process_a():
+
+def process_a(meet):
     import torch_budget
     torch_budget.install()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -77,14 +85,14 @@ def process_a():
 
     ref = outputs()
     ref_weights, ref_kv = [w.cpu() for w in weights], kv.cpu()
-    post("a_filled", free=free_bytes())
-    wait("b_ready")
+    meet.post("a_filled", free=free_bytes())
+    meet.wait("b_ready")
     released = 0
     for tag, backup in (("weights", "pinned"), ("kv", "cpu"), ("spare", "memset")):
         released += torch_budget.release(tag, backup=backup)["bytes"]
     assert released >= spare_bytes + 2 * GiB, (released, spare_bytes)
-    post("a_released", bytes=released)
-    wait("b_done")
+    meet.post("a_released", bytes=released)
+    meet.wait("b_done")
     torch_budget.restore(["weights", "kv", "spare"])
     out = outputs()
     assert same_bits(out, ref), "outputs differ after the restore"
@@ -97,16 +105,17 @@ def process_a():
     assert torch_budget.host_pool_stats()["pinned_at_release"] == 0, torch_budget.host_pool_stats()
     print(f"A restored {released / GiB:.1f} GiB: outputs identical")
 
-def process_b():
-    if B_INSTALLS:
+
+def process_b(meet, b_installs):
+    if b_installs:
         import torch_budget
         torch_budget.install()
     torch.zeros(1, device="cuda")                       # this process's context exists
-    wait("a_filled")
+    meet.wait("a_filled")
     torch.cuda.synchronize()
     free0 = free_bytes()
-    post("b_ready", free=free0)
-    released = wait("a_released")["bytes"]
+    meet.post("b_ready", free=free0)
+    released = meet.wait("a_released")["bytes"]
     free1 = free_bytes()
     assert free1 - free0 >= 0.99 * released, \
         f"B sees {(free1 - free0) / GiB:.2f} GiB more free memory, A released {released / GiB:.2f} GiB"
@@ -131,22 +140,27 @@ def process_b():
     torch.cuda.empty_cache()
     back = free_bytes()
     assert back >= free1 - 64 * MiB, f"B kept {(free1 - back) / MiB:.0f} MiB after empty_cache"
-    post("b_done")
+    meet.post("b_done")
     print(f"B used {taken / GiB:.1f} GiB of the {released / GiB:.1f} GiB A released "
           f"(free before the release: {free0 / GiB:.1f} GiB)")
 
-try:
-    process_a() if RANK == 0 else process_b()
-except BaseException:
-    post(ME + ".failed")
-    raise
-"""
+
+def colocate(dir, wait_s, b_installs):
+    """Rank 0 is process A, rank 1 process B."""
+    rank = int(os.environ["RANK"])
+    me, peer = ("A", "B") if rank == 0 else ("B", "A")
+    meet = Meeting(dir, me, peer, wait_s)
+    try:
+        process_a(meet) if rank == 0 else process_b(meet, b_installs)
+    except BaseException:
+        meet.post(me + ".failed")
+        raise
 
 
 @pytest.mark.parametrize("b_installs", [False, True], ids=["b-plain-torch", "b-installed"])
 def test_memory_released_by_one_process_serves_another_and_comes_back_identical(ranks, tmp_path, b_installs):
-    args = [str(tmp_path), str(WAIT_S), str(int(b_installs))]
-    out_a, out_b = ranks(COLOCATE, world_size=2, timeout=2 * WAIT_S + 120, rank_args=[args, args])
+    out_a, out_b = ranks(colocate, world_size=2, timeout=2 * WAIT_S + 120,
+                         args=(str(tmp_path), float(WAIT_S), b_installs))
     assert "outputs identical" in out_a, out_a
     assert "B used" in out_b, out_b
     print(out_a, out_b)
