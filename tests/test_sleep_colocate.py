@@ -25,20 +25,20 @@ CHUNK = 2 * GiB
 
 
 class Meeting:
-    """The files in `dir` through which this process (`me`) and its peer signal each other."""
+    """The files in `folder` through which this process (`me`) and its peer signal each other."""
 
-    def __init__(self, dir, me, peer, wait_s):
-        self.dir, self.me, self.peer, self.wait_s = dir, me, peer, wait_s
+    def __init__(self, folder, me, peer, wait_s):
+        self.folder, self.me, self.peer, self.wait_s = folder, me, peer, wait_s
 
     def post(self, name, **values):
-        tmp = os.path.join(self.dir, name + ".tmp")
+        tmp = os.path.join(self.folder, name + ".tmp")
         with open(tmp, "w") as f:
             json.dump(values, f)
-        os.replace(tmp, os.path.join(self.dir, name))
+        os.replace(tmp, os.path.join(self.folder, name))
 
     def wait(self, name):
         # Bounded polling for the peer's file; gives up when the peer failed or the deadline passed.
-        path, failed = os.path.join(self.dir, name), os.path.join(self.dir, self.peer + ".failed")
+        path, failed = os.path.join(self.folder, name), os.path.join(self.folder, self.peer + ".failed")
         deadline = time.monotonic() + self.wait_s
         while not os.path.exists(path):
             if os.path.exists(failed):
@@ -145,11 +145,11 @@ def process_b(meet, b_installs):
           f"(free before the release: {free0 / GiB:.1f} GiB)")
 
 
-def colocate(dir, wait_s, b_installs):
+def colocate(folder, wait_s, b_installs):
     """Rank 0 is process A, rank 1 process B."""
     rank = int(os.environ["RANK"])
     me, peer = ("A", "B") if rank == 0 else ("B", "A")
-    meet = Meeting(dir, me, peer, wait_s)
+    meet = Meeting(folder, me, peer, wait_s)
     try:
         process_a(meet) if rank == 0 else process_b(meet, b_installs)
     except BaseException:
