@@ -20,10 +20,12 @@ from torch_budget import cli, demo
 from torch_budget.demo.requests import make_requests, run_requests
 from torch_budget.demo.serve import decode_runner
 from torch_budget.graphs import GraphPoolManager
-from torch_budget.model import DemoModel, ModelConfig, PagedKVCache, decode, prefill, prefill_workspace_bytes
+from torch_budget.demo.model import DemoModel, PagedKVCache, decode, prefill, prefill_workspace_bytes
+from torch_budget.planner.shape import ModelShape
 from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
 
-TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=97, max_seq_len=32, dtype="float32")
+TINY = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=256, vocab=97, head_dim=16, max_seq_len=32,
+                  dtype="float32")
 
 
 def test_doctor_runs_and_names_torchs_version(capsys):

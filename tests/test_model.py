@@ -1,20 +1,14 @@
+"""The demo's model and its paged KV cache (torch_budget.demo.model), on CPU unless marked."""
 import pytest
 import torch
 
 from conftest import MiB
-from torch_budget.model import (
-    DemoModel,
-    ModelConfig,
-    PagedKVCache,
-    decode,
-    estimate_activation_bytes,
-    kv_cache_cost,
-    parameter_count,
-    prefill,
-    weight_bytes,
-)
+from torch_budget.demo.model import DemoModel, PagedKVCache, decode, prefill
+from torch_budget.demo.settings import MODEL
+from torch_budget.planner.shape import ModelShape, kv_cache_cost, parameter_count, weight_bytes
 
-TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=97, max_seq_len=40, dtype="float32")
+TINY = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=256, vocab=97, head_dim=16, max_seq_len=40,
+                  dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +20,17 @@ def tokens(batch, length, seed=0):
     return torch.randint(0, TINY.vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_weight_bytes_match_the_module_parameters():
-    cfg = ModelConfig(layers=3, hidden=48, heads=6, kv_heads=3, head_dim=8, vocab=50, max_seq_len=16,
-                      dtype="bfloat16", intermediate=100)
+def test_the_planners_weight_bytes_match_the_demo_modules_parameters():
+    cfg = ModelShape(layers=3, hidden=48, heads=6, kv_heads=3, intermediate=100, vocab=50, head_dim=8, max_seq_len=16,
+                     dtype="bfloat16")
     module = DemoModel(cfg)
     assert parameter_count(cfg) == sum(p.numel() for p in module.parameters())
     assert weight_bytes(cfg) == sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_the_built_in_model_has_about_63_million_parameters():
+    module = DemoModel(MODEL)
+    assert sum(p.numel() for p in module.parameters()) == parameter_count(MODEL) == 63_185_408
 
 
 def test_kv_cost_per_token_matches_the_cache_tensors():
@@ -110,33 +109,21 @@ def test_decode_rejects_mismatched_shapes(model):
         decode(model, torch.tensor([1, 2]), torch.tensor([0]), cache)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(heads=6, kv_heads=4), "multiple of kv_heads"),
-    (dict(dtype="int3"), "int3"),
-    (dict(layers=0), "layers"),
-    (dict(head_dim=15), "even"),
+@pytest.mark.parametrize("changes,message", [
+    (dict(head_dim=15), "even head_dim"),
+    (dict(max_seq_len=None), "needs max_seq_len"),
 ])
-def test_config_rejects_bad_values_by_name(kwargs, message):
+def test_the_demo_model_refuses_a_shape_it_cannot_run(changes, message):
+    import dataclasses
+
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**kwargs)
-
-
-def test_config_from_dict_rejects_unknown_keys():
-    with pytest.raises(ValueError, match="hiddn"):
-        ModelConfig.from_dict({"hiddn": 4})
-
-
-def test_activation_estimate_grows_with_tokens():
-    small = estimate_activation_bytes(TINY, 64, 4)
-    large = estimate_activation_bytes(TINY, 256, 4)
-    assert 0 < small < large
-    with pytest.raises(ValueError):
-        estimate_activation_bytes(TINY, 0)
+        DemoModel(dataclasses.replace(TINY, **changes))
 
 
 @pytest.mark.gpu
 def test_decode_step_replays_from_a_cuda_graph():
-    cfg = ModelConfig(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256, max_seq_len=64, dtype="float16")
+    cfg = ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=512, vocab=256, head_dim=32, max_seq_len=64,
+                     dtype="float16")
     m = DemoModel(cfg, device="cuda")
     cache = PagedKVCache(cfg, num_blocks=16, max_batch=4, block_size=8, device="cuda")
     ids = torch.randint(0, cfg.vocab, (2, 10), device="cuda")

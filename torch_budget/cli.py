@@ -259,7 +259,8 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def _model_config(args):
-    from torch_budget.model import ModelConfig
+    from torch_budget.demo.settings import MODEL
+    from torch_budget.planner.shape import ModelShape
 
     values: dict = {}
     if args.config:
@@ -273,7 +274,11 @@ def _model_config(args):
         if not isinstance(values, dict):
             raise ValueError(f"config file {args.config!r} must hold a JSON object")
     values.update({k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None})
-    return ModelConfig.from_dict(values)
+    if ModelShape.unknown(values):
+        return ModelShape.from_dict(values)  # raises, naming the unknown keys
+    # What is not given is the built-in model's, the MLP width 4 * hidden.
+    values.setdefault("intermediate", 4 * values.get("hidden", MODEL.hidden))
+    return ModelShape.from_dict({**MODEL.to_dict(), **values})
 
 
 def _card_bytes(args) -> tuple[int, str]:
@@ -300,7 +305,7 @@ def _plan(argv: list[str]) -> int:
     if rc is not None:
         return rc
     from torch_budget import planner
-    from torch_budget.model import described_profile, kv_cache_cost
+    from torch_budget.planner.shape import described_profile, kv_cache_cost
 
     try:
         cfg = _model_config(args)

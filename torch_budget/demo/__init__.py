@@ -12,24 +12,25 @@ device or computed from measurements; the one exception, the no-GPU path, plans 
 card and says so.
 
 Prefill puts its attention scratch (the GQA-expanded K and V) in the eager workspace, so
-`torch_budget.workspace` manages it. `model.decode` runs cache rows 0..B-1 and `PagedKVCache`
-cannot move a row's blocks, so the scheduler keeps finished rows as holes (their tables point at
-the null block) and a step covers rows up to the highest live one; holes and bucket padding
-write only the null block. The command line lives in cli.py.
+`torch_budget.workspace` manages it. `model.decode` (demo/model.py) runs cache rows 0..B-1 and
+`PagedKVCache` cannot move a row's blocks, so the scheduler keeps finished rows as holes (their
+tables point at the null block) and a step covers rows up to the highest live one; holes and
+bucket padding write only the null block. The command line lives in cli.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-from torch_budget.demo.settings import (ASSUMED_CARD, ASSUMED_CARD_GIB, FRACTION, DemoError, Settings,
+from torch_budget.demo.settings import (ASSUMED_CARD, ASSUMED_CARD_GIB, FRACTION, MODEL, DemoError, Settings,
                                         make_settings)
 from torch_budget.units import GiB, format_bytes as _fmt
 
 # The modules of the demo: this one (entry point, the plan-only run), settings.py (what a run
-# serves), serve.py (the nine steps of a serving run), requests.py (the request stream and the
-# scheduler), ledger.py (the measured ledger and its picture), sleep_wake.py (the tenth step
-# with --sleep: release and restore the served model's memory).
+# serves), model.py (the built-in model and its paged KV cache), serve.py (the nine steps of a
+# serving run), requests.py (the request stream and the scheduler), ledger.py (the measured
+# ledger and its picture), sleep_wake.py (the tenth step with --sleep: release and restore the
+# served model's memory).
 
 __all__ = ["DemoError", "Settings", "make_settings", "run"]
 
@@ -120,7 +121,7 @@ def _plan_only(settings: Settings, reason: str) -> int:
     import torch
 
     from torch_budget import planner
-    from torch_budget.model import ModelConfig, described_profile, kv_cache_cost
+    from torch_budget.planner.shape import described_profile, kv_cache_cost
 
     if torch.cuda.is_available():
         total = int(torch.cuda.mem_get_info()[1])
@@ -138,7 +139,7 @@ def _plan_only(settings: Settings, reason: str) -> int:
     print(f"Prefill runs one request at a time, so activations are estimated for one prompt of "
           f"{settings.max_prompt} tokens; the KV pool is capped at {settings.kv_cap_bytes / GiB:g} GiB as the "
           "serving run would cap it.\n")
-    cfg = ModelConfig()
+    cfg = MODEL
     prof, notes = described_profile(cfg, total=total, num_tokens=settings.max_prompt, num_sequences=1)
     result = planner.plan(prof, kv_cache_cost(cfg), fraction=FRACTION, max_kv_bytes=settings.kv_cap_bytes,
                           notes=notes, title=f"plan: built-in model on {card}")

@@ -88,7 +88,7 @@ def run_requests(torch, settings, model, cache, runner, meta, requests, watch, d
     runs out of KV mid-request.
     """
     from torch_budget.eager_workspace import workspace as workspace_scope
-    from torch_budget.model import prefill
+    from torch_budget.demo.model import prefill
 
     queue = collections.deque(requests)
     active: list = [None] * settings.max_batch

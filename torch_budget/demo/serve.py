@@ -7,8 +7,8 @@ from __future__ import annotations
 import gc
 import time
 
-from torch_budget.demo.settings import (BLOCK_SIZE, FRACTION, TAG_ACTIVATIONS, TAG_GRAPHS, TAG_KV, TAG_WEIGHTS, DemoError,
-                               Settings)
+from torch_budget.demo.settings import (BLOCK_SIZE, FRACTION, MODEL, TAG_ACTIVATIONS, TAG_GRAPHS, TAG_KV, TAG_WEIGHTS,
+                                        DemoError, Settings)
 from torch_budget.demo.ledger import measured_lines, write_picture
 from torch_budget.demo.requests import make_requests, run_requests
 from torch_budget.demo.sleep_wake import sleep_wake
@@ -25,7 +25,7 @@ def decode_runner(manager, name, model, cache, buckets):
     import torch
 
     from torch_budget.graphs import StaticInput
-    from torch_budget.model import decode
+    from torch_budget.demo.model import decode
 
     def decode_step(buffers):
         return {"next": decode(model, buffers["ids"], buffers["pos"], cache).argmax(dim=-1)}
@@ -44,8 +44,8 @@ def serve(torch, settings: Settings, mode: str) -> None:
     from torch_budget import planner, report
     from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
     from torch_budget.graphs import GraphPoolManager
-    from torch_budget.model import (DemoModel, ModelConfig, PagedKVCache, kv_cache_cost, parameter_count,
-                                    prefill, prefill_workspace_bytes)
+    from torch_budget.demo.model import DemoModel, PagedKVCache, prefill, prefill_workspace_bytes
+    from torch_budget.planner.shape import kv_cache_cost, parameter_count
     from torch_budget.report import measure
 
     route = torch_budget.route
@@ -56,7 +56,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
         _print_step(i, steps, text)
 
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = ModelConfig()
+    cfg = MODEL
     if settings.max_prompt + settings.max_new > cfg.max_seq_len:
         raise DemoError(f"prompts of up to {settings.max_prompt} tokens plus {settings.max_new} new tokens exceed "
                          f"the model's max_seq_len={cfg.max_seq_len}")

@@ -6,12 +6,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB  # noqa: F401  (the no-GPU path's card)
+from torch_budget.planner.shape import ModelShape
 from torch_budget.units import GiB
 
 
 TAG_WEIGHTS, TAG_KV, TAG_GRAPHS, TAG_ACTIVATIONS = "weights", "kv", "graphs", "activations"
 FRACTION = 0.9  # the planner's default share of what the peak leaves free
 BLOCK_SIZE = 16
+
+# The built-in model the demo serves (demo/model.py): about 63 M parameters, big enough that
+# weights, KV and activations are all visible on a ledger, small enough to start in seconds.
+MODEL = ModelShape(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=2048, vocab=32000, head_dim=64,
+                   max_seq_len=2048, dtype="bfloat16")
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,15 @@ of the ledger with the reason it has that size.
 - costs.py: what a KV cache, a per-token workspace and a reserve cost;
 - measure.py: what one profiling forward held (`Profile`, `profile()`);
 - steps.py: the seven steps of `plan` (see Note [Planner steps] there) and the `Plan`;
-- ledger.py: the ledger lines a plan is made of, and their text table.
+- ledger.py: the ledger lines a plan is made of, and their text table;
+- shape.py: a model described by its shape, for planning without a device.
 """
 
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine, format_table
 from torch_budget.planner.measure import Profile, profile
+from torch_budget.planner.shape import (ModelShape, described_profile, estimate_activation_bytes, kv_cache_cost,
+                                        parameter_count, weight_bytes)
 from torch_budget.planner.steps import Plan, PlanStep, plan
 
 # The card planned for when there is no device to measure and none was named: an assumption,
@@ -35,4 +38,10 @@ __all__ = [
     "CATEGORIES",
     "LedgerLine",
     "format_table",
+    "ModelShape",
+    "parameter_count",
+    "weight_bytes",
+    "kv_cache_cost",
+    "estimate_activation_bytes",
+    "described_profile",
 ]

@@ -1,23 +1,21 @@
-"""A small built-in decoder-only transformer, so the planner, the demo and the GPU tests
-have a real model to budget without downloading anything.
+"""The demo's model: a small decoder-only transformer with random weights, so the demo and the
+GPU tests have a real model to budget without downloading anything, and its paged KV cache.
 
-Random weights, Llama-shaped (RMSNorm, rotary positions, grouped-query attention, gated MLP,
-untied LM head). Its KV cache is paged and sized from a byte budget through the same
-`CacheCost` the planner uses, and its one-token decode step has static shapes and writes
-the cache in place, so the step can be captured in a CUDA graph.
+Llama-shaped (RMSNorm, rotary positions, grouped-query attention, gated MLP, untied LM head),
+so `torch_budget.planner.shape` counts its parameters and KV bytes exactly. Its KV cache is
+paged and sized from a byte budget through the same `CacheCost` the planner uses, and its
+one-token decode step has static shapes and writes the cache in place, so the step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from torch_budget._validate import positive_int
-from torch_budget.planner import CacheCost, Profile
+from torch_budget.planner.shape import ModelShape, kv_cache_cost
 
 DTYPES = {
     "float32": torch.float32,
@@ -26,131 +24,13 @@ DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the built-in model. The defaults make a ~63 M-parameter model: big enough that
-    weights, KV and activations are all visible on a ledger, small enough to start in seconds."""
-
-    layers: int = 8
-    hidden: int = 512
-    heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 64
-    vocab: int = 32000
-    max_seq_len: int = 2048
-    dtype: str = "bfloat16"
-    intermediate: int | None = None  # MLP width; None means 4 * hidden
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_seq_len"):
-            positive_int(getattr(self, name), f"ModelConfig.{name}")
-        if self.intermediate is not None:
-            positive_int(self.intermediate, "ModelConfig.intermediate")
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"ModelConfig.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}): "
-                "each KV head serves a whole group of query heads"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be even for rotary positions, got {self.head_dim}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-
-    @property
-    def ffn(self) -> int:
-        return self.intermediate if self.intermediate is not None else 4 * self.hidden
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
-        """Build from a JSON-style dict; unknown keys are an error rather than silently ignored,
-        because a misspelt key would otherwise plan for the default model."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; known keys are {sorted(known)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Exact number of parameters `DemoModel(cfg)` holds (checked against the module in tests)."""
-    q = cfg.hidden * cfg.heads * cfg.head_dim
-    kv = 2 * cfg.hidden * cfg.kv_heads * cfg.head_dim
-    o = cfg.heads * cfg.head_dim * cfg.hidden
-    mlp = 3 * cfg.hidden * cfg.ffn
-    norms = 2 * cfg.hidden
-    per_layer = q + kv + o + mlp + norms
-    return cfg.vocab * cfg.hidden + cfg.layers * per_layer + cfg.hidden + cfg.hidden * cfg.vocab
-
-
-def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes the weights occupy on the device: the first line of the ledger."""
-    return parameter_count(cfg) * cfg.itemsize
-
-
-def kv_cache_cost(cfg: ModelConfig) -> CacheCost:
-    """KV bytes per token: one K and one V vector per KV head per layer. No per-request state
-    that is independent of length, so the intercept is 0."""
-    slope = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * cfg.itemsize
-    return CacheCost(slope=slope, intercept=0, max_tokens_per_request=cfg.max_seq_len)
-
-
-def estimate_activation_bytes(cfg: ModelConfig, num_tokens: int, num_sequences: int = 1) -> int:
-    """Shape-based estimate of the peak activation bytes of one prefill of `num_tokens` tokens
-    split over `num_sequences` equal sequences, for planning without a device.
-
-    It follows this module's forward: the residual stream and its normalised copy stay live
-    while the larger of the attention block (q, k, v, GQA-expanded k and v, the attention output)
-    or the MLP block (gate, up, their product) is live; attention scores are counted as if
-    materialised (the math path), and logits are computed for the last token of each sequence.
-    A measured `profile()` replaces this whenever a device is available.
-    """
-    if num_tokens <= 0 or num_sequences <= 0:
-        raise ValueError(f"num_tokens and num_sequences must be positive, got {num_tokens} and {num_sequences}")
-    n = num_tokens
-    seq = -(-num_tokens // num_sequences)
-    qo = 2 * n * cfg.heads * cfg.head_dim
-    kv = 2 * n * cfg.kv_heads * cfg.head_dim + 2 * n * cfg.heads * cfg.head_dim
-    scores = num_sequences * cfg.heads * seq * seq
-    attention = qo + kv + scores
-    mlp = 3 * n * cfg.ffn
-    residual = 2 * n * cfg.hidden
-    logits = num_sequences * cfg.vocab
-    return (residual + max(attention, mlp) + logits) * cfg.itemsize
-
-
-def described_profile(cfg: ModelConfig, *, total: int, num_tokens: int, num_sequences: int = 1,
-                      weights: int | None = None, activations: int | None = None,
-                      non_torch: int = 0) -> tuple[Profile, dict]:
-    """What one worst-case prefill of this model would hold on a card of `total` bytes, for
-    planning without a device: weights computed from the shape and activations estimated from
-    shapes for `num_tokens` tokens in `num_sequences` sequences, unless given; memory outside
-    torch as given (0 when unknown). Returns the profile and, per ledger line, where its figure
-    came from (the `notes` of planner.plan)."""
-    w = weight_bytes(cfg) if weights is None else weights
-    if activations is None:
-        a = estimate_activation_bytes(cfg, num_tokens, num_sequences)
-        act_note = f"estimated from shapes for {num_tokens} tokens in {num_sequences} sequence(s)"
-    else:
-        a, act_note = activations, "given"
-    prof = Profile.from_measurements(torch_peak=w + a, torch_used=w + a, total_used=w + a + non_torch, total=total,
-                                     model_bytes=w, source="described model, no device")
-    notes = {
-        "weights": "computed from the shape" if weights is None else "given",
-        "activations": act_note,
-        "non-torch": "given" if non_torch else "not measured, taken as 0",
-    }
-    return prof, notes
+def _checked(cfg: ModelShape) -> ModelShape:
+    """What this module needs of a shape beyond what the planner does."""
+    if cfg.max_seq_len is None:
+        raise ValueError("the demo model needs max_seq_len: its rotary tables and block tables are sized by it")
+    if cfg.head_dim % 2:
+        raise ValueError(f"the demo model needs an even head_dim for rotary positions, got {cfg.head_dim}")
+    return cfg
 
 
 class PagedKVCache:
@@ -162,7 +42,7 @@ class PagedKVCache:
     captured graph that read it keeps seeing the current assignment.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, *, max_batch: int, block_size: int = 16, device=None):
+    def __init__(self, cfg: ModelShape, num_blocks: int, *, max_batch: int, block_size: int = 16, device=None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_batch <= 0:
@@ -171,21 +51,21 @@ class PagedKVCache:
             raise ValueError(
                 f"a paged KV cache needs at least 2 blocks (one is the null block), got num_blocks={num_blocks}"
             )
-        self.cfg = cfg
+        self.cfg = _checked(cfg)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_batch = max_batch
         self.blocks_per_seq = -(-cfg.max_seq_len // block_size)
         shape = (cfg.layers, num_blocks * block_size, cfg.kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
-        self.v = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
+        self.k = torch.zeros(shape, dtype=DTYPES[cfg.dtype], device=device)
+        self.v = torch.zeros(shape, dtype=DTYPES[cfg.dtype], device=device)
         self.block_tables = torch.zeros((max_batch, self.blocks_per_seq), dtype=torch.long, device=device)
         # Host-side mirror of which blocks each row owns; the device table is only written, never read back.
         self._owned: list[list[int]] = [[] for _ in range(max_batch)]
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
 
     @classmethod
-    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, *, max_batch: int, block_size: int = 16, device=None):
+    def from_budget(cls, cfg: ModelShape, budget_bytes: int, *, max_batch: int, block_size: int = 16, device=None):
         """Size the cache from a byte budget (e.g. `Plan.kv_bytes`) via `CacheCost.tokens_for_budget`,
         rounded down to whole blocks, so the cache never exceeds the budget."""
         if budget_bytes < 0:
@@ -269,11 +149,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DemoModel(torch.nn.Module):
     """The built-in decoder. Random weights from `seed`; use `prefill` and `decode` to run it."""
 
-    def __init__(self, cfg: ModelConfig, *, device=None, seed: int = 0):
+    def __init__(self, cfg: ModelShape, *, device=None, seed: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = _checked(cfg)
         gen = torch.Generator().manual_seed(seed)
-        dtype = cfg.torch_dtype
+        dtype = DTYPES[cfg.dtype]
 
         def param(*shape, std=0.02, ones=False):
             t = torch.ones(shape) if ones else torch.randn(shape, generator=gen) * std
@@ -290,9 +170,9 @@ class DemoModel(torch.nn.Module):
             layer.wv = param(kvd, cfg.hidden)
             layer.wo = param(cfg.hidden, qd)
             layer.mlp_norm = param(cfg.hidden, ones=True)
-            layer.w_gate = param(cfg.ffn, cfg.hidden)
-            layer.w_up = param(cfg.ffn, cfg.hidden)
-            layer.w_down = param(cfg.hidden, cfg.ffn)
+            layer.w_gate = param(cfg.intermediate, cfg.hidden)
+            layer.w_up = param(cfg.intermediate, cfg.hidden)
+            layer.w_down = param(cfg.hidden, cfg.intermediate)
             self.layers.append(layer)
         self.final_norm = param(cfg.hidden, ones=True)
         self.lm_head = param(cfg.vocab, cfg.hidden)
@@ -311,7 +191,7 @@ class DemoModel(torch.nn.Module):
         return F.linear(_rms_norm(x, self.final_norm), self.lm_head)
 
 
-def prefill_shape(cfg: ModelConfig, token_ids) -> tuple:
+def prefill_shape(cfg: ModelShape, token_ids) -> tuple:
     """(batch, length) of a prefill's token ids [B, T], checked against the model's limits."""
     if token_ids.dim() != 2:
         raise ValueError(f"prefill expects token_ids of shape [B, T], got {tuple(token_ids.shape)}")
@@ -321,7 +201,7 @@ def prefill_shape(cfg: ModelConfig, token_ids) -> tuple:
     return batch, length
 
 
-def prefill_workspace_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+def prefill_workspace_bytes(cfg: ModelShape, batch: int, length: int) -> int:
     """Bytes one layer of `prefill` asks its scratch for: the GQA-expanded K and V."""
     return 2 * batch * length * cfg.heads * cfg.head_dim * cfg.itemsize
 
@@ -367,7 +247,7 @@ def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows
             k_all, v_all = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         else:
             # Head h = kv * group + g: the order repeat_interleave(group, dim=2) gives.
-            buf = scratch.get(prefill_workspace_bytes(cfg, batch, length)).view(cfg.torch_dtype)
+            buf = scratch.get(prefill_workspace_bytes(cfg, batch, length)).view(DTYPES[cfg.dtype])
             k_all = buf[:expanded].view(batch, length, cfg.kv_heads, group, cfg.head_dim)
             v_all = buf[expanded:2 * expanded].view(batch, length, cfg.kv_heads, group, cfg.head_dim)
             k_all.copy_(k.unsqueeze(3).expand(-1, -1, -1, group, -1))
