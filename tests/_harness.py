@@ -60,6 +60,12 @@ def _fail(what, proc_or_outputs):
     pytest.fail(f"{what}\n{proc_or_outputs}", pytrace=False)
 
 
+def _last_line(stderr: str) -> str:
+    """The child's last word (an exception's type and message, mostly), for the failure's headline."""
+    lines = stderr.strip().splitlines()
+    return f": {lines[-1].strip()[:200]}" if lines else ""
+
+
 def _name(body) -> str:
     return body.strip().splitlines()[0] if isinstance(body, str) else f"{body.__module__}.{body.__qualname__}"
 
@@ -160,7 +166,8 @@ def run_fresh(body, *args, timeout: float = 300, env=None) -> Output:
         [(rc, stdout, stderr)], timed_out = _run([(command, repo_env(env))], timeout, tmp)
         if timed_out or rc != 0:
             why = f"timed out after {timeout:g} s" if timed_out else f"failed (rc={rc})"
-            _fail(f"child process {why}: {_name(body)}", f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
+            _fail(f"child process {why}: {_name(body)}{_last_line(stderr)}",
+                  f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
         return _output(stdout, result)
 
 
@@ -184,7 +191,8 @@ def run_ranks(body, world_size: int = 2, timeout: float = 300, env=None, rank_ar
         failed = [r for r, (rc, _, _) in enumerate(outputs) if rc != 0]
         if timed_out or failed:
             why = f"timed out after {timeout:g} s" if timed_out else f"rank(s) {failed} failed"
-            _fail(f"{why}: {_name(body)}",
+            last = "".join(_last_line(outputs[r][2]) for r in failed[:1])
+            _fail(f"{why}: {_name(body)}{last}",
                   "\n".join(f"--- rank {r} (rc={rc}) stdout\n{o}\n--- rank {r} stderr\n{e}"
                             for r, (rc, o, e) in enumerate(outputs)))
         return [_output(o, result) for (_, o, _), result in zip(outputs, results)]

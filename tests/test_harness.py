@@ -51,7 +51,8 @@ def test_a_failing_body_fails_the_test_with_the_childs_traceback_into_this_file(
     line = inspect.getsourcelines(fails_an_assertion)[1] + 2
     assert f'File "{__file__}", line {line}, in fails_an_assertion' in message, message
     assert "AssertionError: 8 is over 7" in message, message
-    assert "child process failed (rc=1): test_harness.fails_an_assertion" in message, message
+    assert message.splitlines()[0] == \
+        "child process failed (rc=1): test_harness.fails_an_assertion: AssertionError: 8 is over 7", message
     assert "/_harness.py" not in message.split("Traceback")[1], "the harness's own frames are shown"
 
 
@@ -108,6 +109,26 @@ def test_a_value_that_does_not_pickle_fails_the_test():
 
 def returns_a_generator():
     return (i for i in range(3))
+
+
+def test_a_process_spawned_by_a_body_finds_the_test_modules_functions_by_name(fresh):
+    assert fresh(spawns_a_process, 3).value == "pong 3"
+
+
+def spawns_a_process(n):
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    answers = ctx.Queue()
+    p = ctx.Process(target=answer, args=(answers, n))
+    p.start()
+    got = answers.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    return got
+
+
+def answer(answers, n):
+    answers.put(f"pong {n}")
 
 
 def test_ranks_see_their_rank_the_world_size_a_rendezvous_their_args_and_env(ranks):
