@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import GiB, MiB
-from torch_budget import cli
 from torch_budget.planner import (
     CacheCost,
     Plan,
@@ -18,10 +17,6 @@ from torch_budget.planner import (
     profile,
     workspace_reserve,
 )
-
-
-def cli_plan(args):
-    return cli.main(["plan", *args])
 
 # --- CacheCost ---------------------------------------------------------------------------------
 
@@ -362,55 +357,3 @@ def test_profile_measures_a_real_forward_on_the_device():
     assert p.total == total
     assert p.activation_bytes >= 32 * MiB
     assert p.peak >= p.torch_peak >= 96 * MiB
-
-
-# --- torch-budget plan ------------------------------------------------------------------------------------
-
-
-def test_cli_plan_plans_the_built_in_model_without_a_device(capsys, tmp_path):
-    out = tmp_path / "plan.json"
-    assert cli_plan(["--gpu-mem-gib", "80", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "KV pool" in text and "weights" in text
-    saved = Plan.from_json(out.read_text())
-    assert saved.total == 80 * GiB and saved.kv_bytes > 0
-
-
-def test_cli_plan_described_model_weights_follow_the_shape(capsys):
-    args = ["--gpu-mem-gib", "80", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
-            "--head-dim", "128", "--vocab", "128256", "--intermediate", "14336", "--dtype", "bfloat16",
-            "--activation-gib", "2", "--max-kv-tokens", "100000"]
-    assert cli_plan(args) == 0
-    text = capsys.readouterr().out
-    # Llama-3-8B shape: 8.03e9 parameters in bfloat16.
-    assert "14.96 GiB" in text
-    assert "100000 tokens at 131072 B/token" in text
-
-
-def test_cli_plan_reads_model_from_config_file(capsys, tmp_path):
-    cfg = tmp_path / "model.json"
-    cfg.write_text(json.dumps({"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 4, "head_dim": 32,
-                               "vocab": 1000, "max_seq_len": 256, "dtype": "float32"}))
-    assert cli_plan(["--config", str(cfg), "--gpu-mem-gib", "1"]) == 0
-    assert "2 layers, hidden 128" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--gpu-mem-gib", "-1"], "non-negative"),
-    (["--gpu-mem-gib", "8", "--dtype", "int3"], "int3"),
-    (["--gpu-mem-gib", "8", "--layers", "0"], "positive"),
-    (["--gpu-mem-gib", "8", "--config", "/does/not/exist.json"], "does not exist"),
-    (["--gpu-mem-gib", "8", "--heads", "7"], "kv_heads"),
-    (["--gpu-mem-gib", "8", "--fraction", "2"], "(0, 1]"),
-])
-def test_cli_plan_bad_input_exits_2_with_a_message_not_a_traceback(capsys, args, message):
-    assert cli_plan(args) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-
-
-def test_cli_plan_rejects_unknown_config_keys(capsys, tmp_path):
-    cfg = tmp_path / "model.json"
-    cfg.write_text(json.dumps({"layerz": 2}))
-    assert cli_plan(["--config", str(cfg), "--gpu-mem-gib", "8"]) == 2
-    assert "layerz" in capsys.readouterr().err

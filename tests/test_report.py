@@ -71,7 +71,7 @@ def test_png_is_written_and_is_a_valid_png(tmp_path):
     from PIL import Image
 
     p = sample_plan()
-    out = write_png(p.lines, p.total, tmp_path / "sub" / "ledger.png", title=p.title)
+    out = write_png(p.lines, p.total, tmp_path / "ledger.png", title=p.title)
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     with Image.open(out) as img:
         img.verify()
@@ -128,6 +128,46 @@ def test_cli_report_bad_input_exits_2_with_a_message(tmp_path, capsys, content, 
     assert cli_report([str(src)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def _saved_plan(tmp_path):
+    src = tmp_path / "plan.json"
+    src.write_text(sample_plan().to_json())
+    return src
+
+
+def test_cli_report_out_into_a_missing_folder_fails_before_the_table(tmp_path, capsys):
+    src = _saved_plan(tmp_path)
+    assert cli_report([str(src), "--out", str(tmp_path / "pictures" / "ledger.png")]) == 2
+    out, err = capsys.readouterr()
+    assert f"the folder '{tmp_path / 'pictures'}' does not exist; create it first (no folder is created)" in err
+    assert "KV pool" not in out and not (tmp_path / "pictures").exists()
+
+
+def test_cli_report_out_that_is_a_folder_says_so_without_an_errno(tmp_path, capsys):
+    src = _saved_plan(tmp_path)
+    assert cli_report([str(src), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path}' is a folder; give a file path" in err and "Errno" not in err
+
+
+def test_cli_report_of_a_folder_says_it_is_a_folder(tmp_path, capsys):
+    assert cli_report([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"ledger file '{tmp_path}' is a folder; give the JSON file in it" in err and "Errno" not in err
+
+
+def test_cli_report_without_matplotlib_prints_the_table_and_says_once_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    src = _saved_plan(tmp_path)
+    assert cli_report([str(src)]) == 1
+    out, err = capsys.readouterr()
+    assert "KV pool" in out
+    assert err == ("torch-budget report: the table is above; drawing the ledger needs matplotlib: "
+                   "pip install 'torch_budget[plot]' (or pip install matplotlib)\n")
+    assert not (tmp_path / "plan.png").exists()
 
 
 # --- released tags (torch_budget.sleep) ---------------------------------------------------------

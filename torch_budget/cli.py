@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from torch_budget.units import GiB, format_bytes
+from torch_budget.units import GiB, format_bytes, memory_bytes, parse_size
 
 PROG = "torch-budget"
 
@@ -53,27 +52,75 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _float(text: str, what: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-
-
-def gib(text: str) -> float:
-    """argparse type: a non-negative number of GiB."""
-    value = _float(text, "a number of GiB")
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number of GiB")
-    return value
-
-
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
-    value = _float(text, "a number")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
+
+
+def _memory(text: str, *, zero: bool, bare_gib: bool) -> int:
+    """Bytes of device memory: a size with a unit (torch_budget.units.memory_bytes: a bare number
+    is bytes only from 1 MiB up), or with `bare_gib` a bare number of GiB (the older *-gib flags).
+    One rule for the sign: more than 0, or 0 too with `zero`."""
+    try:
+        number, unit = parse_size(text, "")
+        if number < 0 or (number == 0 and not zero):
+            raise ValueError(f"must be {'0 or more' if zero else 'more than 0'}, got {text!r}")
+        if bare_gib and unit == "":
+            return int(number * GiB)
+        return memory_bytes(text, "", zero=zero)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def size(text: str) -> int:
+    """argparse type: bytes of memory, more than 0, written with a unit ("80GiB")."""
+    return _memory(text, zero=False, bare_gib=False)
+
+
+def size_or_zero(text: str) -> int:
+    """argparse type: bytes of memory, 0 or more, written with a unit ("2GiB")."""
+    return _memory(text, zero=True, bare_gib=False)
+
+
+def gib(text: str) -> int:
+    """argparse type of the older *-gib flags: a number of GiB, or a size with a unit; more than 0."""
+    return _memory(text, zero=False, bare_gib=True)
+
+
+def gib_or_zero(text: str) -> int:
+    """argparse type of the older *-gib flags: as `gib`, 0 allowed."""
+    return _memory(text, zero=True, bare_gib=True)
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a file the command will write. One rule for every output of the command
+    line: its folder must exist (nothing is created), and it must not be a folder itself;
+    checked when the arguments are read, before any work."""
+    path = Path(text)
+    problem = output_problem(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
+
+
+def output_problem(path: Path) -> str | None:
+    """Why `path` cannot be written as a new or replaced file, or None."""
+    if path.is_dir():
+        return f"{str(path)!r} is a folder; give a file path, e.g. {str(path / 'out.json')!r}"
+    folder = path.parent
+    if not folder.exists():
+        return f"the folder {str(folder)!r} does not exist; create it first (no folder is created)"
+    if not folder.is_dir():
+        return f"{str(folder)!r} is a file, not a folder, so {str(path)!r} cannot be written"
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{str(path)!r} cannot be written here: permission denied"
+    return None
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]):
@@ -177,9 +224,11 @@ def _demo_parser() -> argparse.ArgumentParser:
                     "ledger. Without a CUDA device (or without the compiled extension) it prints the plan for an "
                     "assumed card and says why it stops there.")
     parser.add_argument("--requests", type=positive_int, help="requests to serve (default 48, 16 with --quick)")
-    parser.add_argument("--seed", type=whole_number, default=0, help="seed for weights, prompt lengths and tokens")
-    parser.add_argument("--out", type=Path, default=Path("torch_budget_ledger.png"),
-                        help="where to write the measured ledger picture (default: ./torch_budget_ledger.png)")
+    parser.add_argument("--seed", type=whole_number, default=0,
+                        help="seed for weights, prompt lengths and tokens (default 0)")
+    parser.add_argument("--out", type=output_file, default=Path("torch_budget_ledger.png"),
+                        help="where to write the measured ledger picture; its folder must exist "
+                             "(default: ./torch_budget_ledger.png)")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests, fewer graphs, a smaller KV cap")
     parser.add_argument("--native", action="store_true",
                         help="serve on torch's own allocator instead of torch_budget's (for comparison)")
@@ -205,99 +254,158 @@ def _demo(argv: list[str]) -> int:
 
 # --- plan -----------------------------------------------------------------------------------------
 
-_MODEL_FLAGS = {
+_SHAPE_HELP = {
     "layers": "transformer layers",
     "hidden": "hidden size",
     "heads": "query heads",
-    "kv_heads": "key/value heads (grouped-query attention)",
-    "head_dim": "size of one head",
+    "kv_heads": "key/value heads (fewer than --heads under grouped-query attention)",
+    "intermediate": "MLP width (each of the gated MLP's three matrices is hidden x intermediate)",
     "vocab": "vocabulary size",
-    "max_seq_len": "longest sequence a request may hold",
-    "dtype": "float32, float16 or bfloat16",
-    "intermediate": "MLP width (default 4 * hidden)",
 }
+_SETTING_KEYS = ("head_dim", "max_seq_len", "dtype")
+
+
+def _flags(keys) -> str:
+    return ", ".join("--" + k.replace("_", "-") for k in keys)
 
 
 def _plan_parser() -> argparse.ArgumentParser:
     from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB
+    from torch_budget.planner.shape import DTYPE_BYTES, SHAPE_FIELDS
 
+    assumed = f"an assumed {ASSUMED_CARD} of {ASSUMED_CARD_GIB:g} GiB"
     p = argparse.ArgumentParser(
         prog=f"{PROG} plan",
-        description="Plan a card's budgets for a described model without touching a GPU. Without model flags the "
-                    "built-in demo model is planned; without --gpu-mem-gib the visible CUDA device's size is used, "
-                    f"and without a device an assumed {ASSUMED_CARD} ({ASSUMED_CARD_GIB:g} GiB), said so in the "
-                    "output. Exits 1 when the plan over-commits the card.")
-    m = p.add_argument_group("model (flags override --config)")
-    m.add_argument("--config", help="JSON file with model keys: " + ", ".join(_MODEL_FLAGS))
-    for name, text in _MODEL_FLAGS.items():
-        if name == "dtype":
-            m.add_argument("--dtype", help=text)
-        else:
-            m.add_argument("--" + name.replace("_", "-"), type=positive_int, dest=name, help=text)
-    m.add_argument("--weights-gib", type=gib, help="weight bytes of a real checkpoint (default: computed from the shape)")
+        description="Plan a card's budgets for a described model without touching a GPU. A model is its shape: "
+                    f"all of {_flags(SHAPE_FIELDS)} (flags, or keys of a --config file); with none of them the "
+                    "built-in demo model is planned. Sizes take a unit (80GiB, 512MiB, 141GB); a bare number is "
+                    "bytes only from 1 MiB up. Output files go into folders that exist; none is created. Exits 1 "
+                    "when the plan over-commits the card, 2 on bad input.")
+    m = p.add_argument_group("model shape: all of these or none (flags override --config)")
+    m.add_argument("--config", metavar="PATH", help="JSON object with any of the model keys " +
+                   ", ".join([*SHAPE_FIELDS, *_SETTING_KEYS]) + " (default: none)")
+    for name in SHAPE_FIELDS:
+        m.add_argument("--" + name.replace("_", "-"), type=positive_int, dest=name, metavar="N",
+                       help=f"{_SHAPE_HELP[name]} (no default: part of the shape)")
+    o = p.add_argument_group("model settings")
+    o.add_argument("--head-dim", type=positive_int, metavar="N", help="size of one head (default: --hidden / --heads)")
+    o.add_argument("--max-seq-len", type=positive_int, metavar="N",
+                   help="longest sequence one request may hold; needed by --workspace-bytes-per-token (default: "
+                        "not stated for a described model, 2048 for the built-in one)")
+    o.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="dtype of weights and KV cache (default bfloat16)")
+    w = o.add_mutually_exclusive_group()
+    w.add_argument("--weights", type=size, metavar="SIZE",
+                   help="weight bytes of a real checkpoint, or of one rank's share under tensor parallelism "
+                        "(default: parameters x dtype bytes, computed from the shape)")
+    w.add_argument("--weights-gib", type=gib, dest="weights", metavar="GIB", help="--weights in GiB when no unit is given")
     d = p.add_argument_group("device and measurements")
-    d.add_argument("--gpu-mem-gib", type=gib, help="card size in GiB (default: the visible CUDA device's, else "
-                                                   f"an assumed {ASSUMED_CARD})")
-    d.add_argument("--activation-gib", type=gib,
-                   help="measured activation peak (default: estimated from the model's shapes)")
-    d.add_argument("--non-torch-gib", type=gib, default=0.0,
+    g = d.add_mutually_exclusive_group()
+    g.add_argument("--gpu-mem", type=size, metavar="SIZE",
+                   help=f"card size, e.g. 80GiB or 141GB (default: the visible CUDA device's, else {assumed})")
+    g.add_argument("--gpu-mem-gib", type=gib, dest="gpu_mem", metavar="GIB", help="--gpu-mem in GiB when no unit is given")
+    a = d.add_mutually_exclusive_group()
+    a.add_argument("--activations", type=size, metavar="SIZE",
+                   help="measured activation peak of one step (default: estimated from the shape for one step of "
+                        "--max-num-tokens tokens in min(--max-batch, --max-num-tokens) sequences)")
+    a.add_argument("--activation-gib", type=gib, dest="activations", metavar="GIB",
+                   help="--activations in GiB when no unit is given")
+    n = d.add_mutually_exclusive_group()
+    n.add_argument("--non-torch", type=size_or_zero, default=0, metavar="SIZE",
                    help="memory outside torch: context, NCCL (default 0, i.e. unknown)")
+    n.add_argument("--non-torch-gib", type=gib_or_zero, dest="non_torch", metavar="GIB",
+                   help="--non-torch in GiB when no unit is given")
     s = p.add_argument_group("scheduler and caps")
     s.add_argument("--fraction", type=fraction, default=0.9,
                    help="share of what the peak leaves free that the KV cache may take (default 0.9)")
-    s.add_argument("--max-batch", type=positive_int, default=256, help="sequences per step (default 256)")
-    s.add_argument("--max-num-tokens", type=positive_int, default=8192, help="tokens per step (default 8192)")
-    s.add_argument("--kv-shards", type=positive_int, default=1, help="tensor/context-parallel ways the KV is split")
-    s.add_argument("--workspace-bytes-per-token", type=positive_int,
-                   help="attention workspace bytes per attended token (reserved from the KV budget)")
-    s.add_argument("--attended-token-cap", type=positive_int,
-                   help="cap on tokens attended per step (default min(max batch, max tokens) * max_seq_len)")
-    s.add_argument("--max-kv-tokens", type=positive_int, help="hard cap on KV tokens (only lowers the budget)")
-    s.add_argument("--max-kv-gib", type=gib, help="hard cap on KV bytes, GiB (only lowers the budget)")
-    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (input for `torch-budget report`)")
+    s.add_argument("--max-batch", type=positive_int, metavar="N", default=256, help="sequences per step (default 256)")
+    s.add_argument("--max-num-tokens", type=positive_int, metavar="N", default=8192, help="tokens per step (default 8192)")
+    s.add_argument("--kv-shards", type=positive_int, metavar="N", default=1,
+                   help="ranks each token's KV is split over (tensor or context parallel): the plan is one rank's, "
+                        "and KV bytes per token are divided by this; weights and activations are not (default 1)")
+    s.add_argument("--workspace-bytes-per-token", type=positive_int, metavar="N",
+                   help="attention workspace bytes per attended token, reserved from the KV budget; needs "
+                        "--max-seq-len for a described model (default: none)")
+    s.add_argument("--attended-token-cap", type=positive_int, metavar="N",
+                   help="cap on tokens attended per step, with --workspace-bytes-per-token "
+                        "(default: min(--max-batch, --max-num-tokens) x --max-seq-len)")
+    s.add_argument("--max-kv-tokens", type=positive_int, metavar="N", help="hard cap on KV tokens, only lowers the budget "
+                                                              "(default: no cap)")
+    k = s.add_mutually_exclusive_group()
+    k.add_argument("--max-kv", type=size, metavar="SIZE", help="hard cap on KV bytes, only lowers the budget "
+                                                               "(default: no cap)")
+    k.add_argument("--max-kv-gib", type=gib, dest="max_kv", metavar="GIB", help="--max-kv in GiB when no unit is given")
+    p.add_argument("--json", metavar="PATH", type=output_file,
+                   help="also write the plan as JSON, input for `torch-budget report`; its folder must exist "
+                        "(default: not written)")
     return p
 
 
-def _model_config(args):
-    from torch_budget.demo.settings import MODEL
-    from torch_budget.planner.shape import ModelShape
+def _config_values(path: str) -> dict:
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"config file {path!r} is a folder; give the JSON file in it") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a JSON object")
+    return values
 
-    values: dict = {}
-    if args.config:
-        try:
-            with open(args.config) as f:
-                values = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {args.config!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {args.config!r} is not valid JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"config file {args.config!r} must hold a JSON object")
-    values.update({k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None})
-    if ModelShape.unknown(values):
-        return ModelShape.from_dict(values)  # raises, naming the unknown keys
-    # What is not given is the built-in model's, the MLP width 4 * hidden.
-    values.setdefault("intermediate", 4 * values.get("hidden", MODEL.hidden))
-    return ModelShape.from_dict({**MODEL.to_dict(), **values})
+
+def model_shape(args):
+    """(ModelShape, what it is) from --config and the model flags: the built-in demo model when
+    no shape field is given, else a shape that must be whole (only head_dim may be derived)."""
+    import dataclasses
+
+    from torch_budget.demo.settings import MODEL
+    from torch_budget.planner.shape import SHAPE_FIELDS, ModelShape
+
+    values = _config_values(args.config) if args.config else {}
+    unknown = ModelShape.unknown(values)
+    if unknown:
+        raise ValueError(f"config file {args.config!r} has unknown key(s) {unknown}; known keys are "
+                         f"{', '.join([*SHAPE_FIELDS, *_SETTING_KEYS])}")
+    values.update({k: getattr(args, k) for k in (*SHAPE_FIELDS, *_SETTING_KEYS) if getattr(args, k) is not None})
+    given = [k for k in (*SHAPE_FIELDS, "head_dim") if values.get(k) is not None]
+    if not given:
+        settings = {k: values[k] for k in ("max_seq_len", "dtype") if values.get(k) is not None}
+        return dataclasses.replace(MODEL, **settings), "the built-in demo model"
+    missing = ModelShape.missing(values)
+    if missing:
+        raise ValueError(f"a model shape needs all of {_flags(SHAPE_FIELDS)}; {_flags(given)} given, "
+                         f"{_flags(missing)} missing (or give none of them to plan the built-in demo model)")
+    return ModelShape.from_dict(values), "described model"
 
 
 def _card_bytes(args) -> tuple[int, str]:
     from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB
 
-    if args.gpu_mem_gib is not None:
-        if args.gpu_mem_gib <= 0:
-            raise ValueError(f"--gpu-mem-gib must be positive, got {args.gpu_mem_gib}")
-        total = int(args.gpu_mem_gib * GiB)
-        return total, f"card {format_bytes(total)} (--gpu-mem-gib)"
+    if args.gpu_mem is not None:
+        return args.gpu_mem, f"card {format_bytes(args.gpu_mem)} (--gpu-mem)"
     import torch
 
     if torch.cuda.is_available():
         total = int(torch.cuda.mem_get_info()[1])
         return total, f"card {format_bytes(total)} ({torch.cuda.get_device_name()}, read from the device)"
     total = int(ASSUMED_CARD_GIB * GiB)
-    print(f"no CUDA device here and no --gpu-mem-gib: planning for an assumed {ASSUMED_CARD} "
+    print(f"no CUDA device here and no --gpu-mem: planning for an assumed {ASSUMED_CARD} "
           f"({ASSUMED_CARD_GIB:g} GiB usable)")
     return total, f"assumed {ASSUMED_CARD} ({format_bytes(total)})"
+
+
+def _shard_notes(ways: int, shape, weights_given: bool) -> dict:
+    """What --kv-shards means for the ledger lines it touches."""
+    kv = f"one rank's share: each token's KV split {ways} ways (--kv-shards)"
+    if ways > shape.kv_heads:
+        kv += (f"; {ways} ways over {shape.kv_heads} KV heads holds when tokens are split (context parallel), "
+               f"not under tensor parallelism, which replicates KV heads: plan that with --kv-shards {shape.kv_heads}")
+    notes = {"KV pool": kv}
+    if not weights_given:
+        notes["weights"] = "the whole model's: under tensor parallelism give one rank's share with --weights"
+    return notes
 
 
 def _plan(argv: list[str]) -> int:
@@ -308,37 +416,47 @@ def _plan(argv: list[str]) -> int:
     from torch_budget.planner.shape import described_profile, kv_cache_cost
 
     try:
-        cfg = _model_config(args)
+        shape, which = model_shape(args)
+        if args.workspace_bytes_per_token and shape.max_seq_len is None:
+            raise ValueError("--workspace-bytes-per-token needs --max-seq-len: the workspace's attended tokens are "
+                             "bounded by min(--max-batch, --max-num-tokens) x the longest sequence")
+        if args.attended_token_cap is not None and not args.workspace_bytes_per_token:
+            raise ValueError("--attended-token-cap caps the per-token workspace, so it needs "
+                             "--workspace-bytes-per-token")
         total, card = _card_bytes(args)
-        seqs = min(args.max_batch, args.max_num_tokens)
         prof, notes = described_profile(
-            cfg, total=total, num_tokens=args.max_num_tokens, num_sequences=seqs,
-            weights=int(args.weights_gib * GiB) if args.weights_gib is not None else None,
-            activations=int(args.activation_gib * GiB) if args.activation_gib is not None else None,
-            non_torch=int(args.non_torch_gib * GiB))
+            shape, total=total, num_tokens=args.max_num_tokens, num_sequences=min(args.max_batch, args.max_num_tokens),
+            weights=args.weights, activations=args.activations, non_torch=args.non_torch)
+        if args.kv_shards > 1:
+            for line, text in _shard_notes(args.kv_shards, shape, args.weights is not None).items():
+                notes[line] = f"{notes[line]}; {text}" if line in notes else text
         result = planner.plan(
             prof,
-            kv_cache_cost(cfg).shard(args.kv_shards),
+            kv_cache_cost(shape).shard(args.kv_shards),
             fraction=args.fraction,
             workspace_bytes_per_token=args.workspace_bytes_per_token or 0,
             max_batch=args.max_batch,
             max_num_tokens=args.max_num_tokens,
-            max_seq_len=cfg.max_seq_len,
+            max_seq_len=shape.max_seq_len,
             attended_cap=args.attended_token_cap,
-            max_kv_bytes=int(args.max_kv_gib * GiB) if args.max_kv_gib is not None else None,
+            max_kv_bytes=args.max_kv,
             max_kv_tokens=args.max_kv_tokens,
+            kv_shards=args.kv_shards,
             notes=notes,
-            title=f"plan: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
-                  f"{cfg.dtype}, {card}",
+            title=f"plan: {which}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} "
+                  f"heads of {shape.head_dim}, {shape.dtype}, {card}",
         )
-        print(result.to_text())
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(result.to_json())
-            print(f"plan written to {args.json}")
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError) as e:
         print(f"{PROG} plan: error: {e}", file=sys.stderr)
         return 2
+    print(result.to_text())
+    if args.json:
+        try:
+            args.json.write_text(result.to_json())
+        except OSError as e:
+            print(f"{PROG} plan: cannot write {str(args.json)!r}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"plan written to {args.json}")
     headroom = result.line("headroom").bytes
     if headroom < 0:
         print(f"{PROG} plan: the card is over-committed by {format_bytes(-headroom)}: the peak and the reserves "
@@ -354,8 +472,9 @@ def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"{PROG} report",
                                      description="Render a plan or ledger JSON as a table and a PNG.")
     parser.add_argument("ledger", help="JSON written by `torch-budget plan --json` or Plan.to_json()")
-    parser.add_argument("--out", help="PNG path (default: the ledger path with .png)")
-    parser.add_argument("--title", help="title for the table and the picture")
+    parser.add_argument("--out", type=output_file,
+                        help="PNG path; its folder must exist (default: the ledger path with .png)")
+    parser.add_argument("--title", help="title for the table and the picture (default: the ledger's own)")
     return parser
 
 
@@ -365,18 +484,27 @@ def _report(argv: list[str]) -> int:
         return rc
     from torch_budget.report import format_table, load_ledger, write_png
 
+    out = args.out or Path(args.ledger).with_suffix(".png")
     try:
         title, total, lines = load_ledger(args.ledger)
-        title = args.title or title
-        out = Path(args.out) if args.out else Path(args.ledger).with_suffix(".png")
-        print(format_table(lines, total, title))
-        write_png(lines, total, out, title)
-    except ImportError as e:
-        print(f"{PROG} report: the table is above; the picture needs matplotlib: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         print(f"{PROG} report: error: {e}", file=sys.stderr)
         return 2
+    problem = output_problem(out)
+    if problem:
+        print(f"{PROG} report: error: the picture beside the ledger: {problem}; choose one with --out",
+              file=sys.stderr)
+        return 2
+    title = args.title or title
+    print(format_table(lines, total, title))
+    try:
+        write_png(lines, total, out, title)
+    except ImportError as e:
+        print(f"{PROG} report: the table is above; {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"{PROG} report: cannot write {str(out)!r}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"picture written to {out}")
     return 0
 
@@ -442,7 +570,8 @@ def _replay_parser() -> argparse.ArgumentParser:
                         help="run each process on one CPU core beside the GPU, unpinned, or both (default pinned)")
     parser.add_argument("--touch", action="store_true", help="write the first byte of every tensor (launches a kernel "
                                                              "per allocation)")
-    parser.add_argument("--json", metavar="PATH", help="also write every round's figures here")
+    parser.add_argument("--json", metavar="PATH", type=output_file,
+                        help="also write every round's figures here; its folder must exist (default: not written)")
     return parser
 
 
@@ -487,7 +616,7 @@ def _replay(argv: list[str]) -> int:
         try:
             Path(args.json).write_text(json.dumps({"rows": rows, "runs": [r.__dict__ for r in runs]}, indent=1))
         except OSError as e:
-            print(f"{PROG} replay: cannot write {args.json}: {e.strerror}", file=sys.stderr)
+            print(f"{PROG} replay: cannot write {str(args.json)!r}: {e.strerror or e}", file=sys.stderr)
             return 1
     return 1 if any(r["errors"] for r in rows) else 0
 

@@ -82,7 +82,6 @@ def write_picture(report, lines, total, out: Path, title: str) -> None:
     except ImportError as e:
         saved = out.with_suffix(".json")
         try:
-            saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps({"title": title, "total": total, "lines": [l.to_dict() for l in lines]},
                                         indent=2))
         except OSError as err:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch_budget._validate import fraction as _fraction, non_negative_int
+from torch_budget._validate import fraction as _fraction, integer, non_negative_int
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
 from torch_budget.planner.ledger import LedgerLine, format_table
 from torch_budget.planner.measure import Profile
@@ -41,6 +41,7 @@ class Plan:
     lines: list[LedgerLine]
     steps: list[PlanStep]
     title: str = "torch_budget plan"
+    kv_shards: int = 1  # ranks each token's KV is split over; the plan is one rank's
 
     def line(self, name: str) -> LedgerLine:
         for line in self.lines:
@@ -115,6 +116,7 @@ def plan(
     max_kv_bytes: int | None = None,
     max_kv_tokens: int | None = None,
     eager_workspace_in_peak: int = 0,
+    kv_shards: int = 1,
     group=None,
     notes: dict[str, str] | None = None,
     title: str = "torch_budget plan",
@@ -132,7 +134,9 @@ def plan(
        `workspace_reserve` with L from `attended_token_cap`.
     6. Hard caps (`max_kv_bytes`, `max_kv_tokens` via `kv_cost`) can only lower the budget.
     7. Across ranks the budget is the min, exchanged in bytes: ranks may have different KV costs
-       per token, but a byte budget means the same thing on every rank.
+       per token, but a byte budget means the same thing on every rank. `kv_shards` says how many
+       ranks each token's KV is split over (`kv_cost` is then one rank's, see CacheCost.shard);
+       it only explains: planned without a process group, the other ranks are assumed alike.
     A negative budget at any step is clamped to 0; the headroom line then goes negative and
     shows by how much the card is over-committed.
 
@@ -143,6 +147,7 @@ def plan(
     non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
     non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
     non_negative_int(eager_workspace_in_peak, "eager_workspace_in_peak")
+    integer(kv_shards, "kv_shards", minimum=1)
     if max_kv_bytes is not None:
         non_negative_int(max_kv_bytes, "max_kv_bytes")
     if max_kv_tokens is not None:
@@ -214,7 +219,14 @@ def plan(
     # 7. min over ranks, in bytes
     capped = budget
     budget, world = _min_over_ranks(budget, group)
-    steps.append(PlanStep(7, "ranks", budget, f"min over {world} rank(s)" if world > 1 else "single rank"))
+    if world > 1:
+        ranks = f"min over {world} ranks"
+    elif kv_shards > 1:
+        ranks = (f"one of {kv_shards} ranks sharing each token's KV, planned alone: no process group to take the "
+                 "min over, so every rank is assumed to have this card and this peak")
+    else:
+        ranks = "single rank"
+    steps.append(PlanStep(7, "ranks", budget, ranks))
 
     tokens = kv_cost.tokens_for_budget(budget)
     activations = profile.activation_bytes - estimation_kv_bytes - eager_workspace_in_peak
@@ -255,4 +267,5 @@ def plan(
         for i in matches:
             lines[i] = dataclasses.replace(lines[i], reason=f"{lines[i].reason}; {text}")
     return Plan(total=total, kv_bytes=budget, kv_tokens=tokens, kv_cost=kv_cost, workspace_tokens=ws.tokens,
-                fraction=float(fraction), world_size=world, lines=lines, steps=steps, title=title)
+                fraction=float(fraction), world_size=world, lines=lines, steps=steps, title=title,
+                kv_shards=kv_shards)

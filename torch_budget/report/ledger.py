@@ -59,6 +59,8 @@ def load_ledger(path) -> tuple[str | None, int, list[LedgerLine]]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"ledger file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"ledger file {str(path)!r} is a folder; give the JSON file in it") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"ledger file {str(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or "total" not in data or "lines" not in data:

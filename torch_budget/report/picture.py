@@ -100,6 +100,5 @@ def write_png(lines: list[LedgerLine], total: int, path, title: str | None = Non
             color="#B00000" if over else "#333333")
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=ncol,
               fontsize=9, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.2)
     return path
