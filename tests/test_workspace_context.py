@@ -1,4 +1,6 @@
-"""workspace(metadata): the rules of SPEC section 5 that do not depend on the device, on CPU tensors.
+"""workspace(metadata), the context manager around a forward, on CPU tensors: the rules that do not
+depend on the device (warm-up first, no overlapping forwards, graph metadata left alone,
+reclamation off for good after a stream change, shrinking by reallocation of pure scratch).
 
 Streams are simulated through the metadata's `stream_fn` hook, the documented way to tell
 streams apart on a device torch_budget cannot query; the allocator shim through a stand-in

@@ -1,4 +1,5 @@
-"""WorkspaceShrinkPolicy: the state machine of SPEC section 5, branch by branch."""
+"""WorkspaceShrinkPolicy: the grow-only workspace's shrink rule (three underfilled forwards in a
+window, reset by growth, a full or floor-sized workspace, or a shrink), branch by branch."""
 
 import pytest
 from hypothesis import given, settings

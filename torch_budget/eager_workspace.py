@@ -2,8 +2,9 @@
 
 Attention-style kernels share one scratch buffer per forward and each layer grows it to its
 own need, so its size is the largest layer's need, not the sum. Grow-only keeps it large
-after one long request; `WorkspaceShrinkPolicy` decides when to give the excess back and
-`workspace(metadata)` applies it around each forward (SPEC section 5).
+after one long request; `WorkspaceShrinkPolicy` decides when to give the excess back (after
+three underfilled forwards with no growth between them, down to the largest of their needs and
+never below the floor) and `workspace(metadata)` applies it around each forward.
 
 Metadata protocol
 -----------------
