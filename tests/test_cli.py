@@ -75,7 +75,7 @@ def test_demo_rejects_bad_options_with_exit_2(capsys):
 
 
 def test_bench_without_the_script_says_where_benchmarks_live(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "bench_script", lambda: tmp_path / "tools" / "bench_alloc.py")
+    monkeypatch.setattr(cli.bench, "bench_script", lambda: tmp_path / "tools" / "bench_alloc.py")
     assert cli.main(["bench"]) == 1
     assert "tools/bench_alloc.py" in capsys.readouterr().err
 

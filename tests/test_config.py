@@ -34,7 +34,8 @@ def test_a_parsed_budget_parses_to_itself(value):
 
 BARE = ("has no unit, and a bare number is bytes only from 1 MiB up: write a size with a unit "
         '("40GiB", "512MiB"; "1B" is one byte) or a fraction of the card in (0, 1] ("1.0" is the whole card)')
-NOT_POSITIVE = "must be more than 0 bytes or a fraction of the card in (0, 1], got {} (leave it unset for the whole card)"
+NOT_POSITIVE = ("must be more than 0 bytes or a fraction of the card in (0, 1], got {} "
+                "(leave it unset for the whole card)")
 FRACTION = ("is read as a fraction of the card, which must be in (0, 1]; for bytes give an int or a size with a unit, "
             'e.g. "40GiB"')
 
@@ -57,7 +58,8 @@ FRACTION = ("is read as a fraction of the card, which must be in (0, 1]; for byt
     ("1.5", f"budget 1.5 {FRACTION}"),
     ("0.0", f"budget 0.0 {FRACTION}"),
     (float("nan"), f"budget nan {FRACTION}"),
-    ("12 parsecs", "unknown unit 'parsecs' in budget '12 parsecs' (binary: B, KiB, MiB, GiB, TiB; decimal: KB, MB, GB, TB)"),
+    ("12 parsecs", "unknown unit 'parsecs' in budget '12 parsecs' "
+                   "(binary: B, KiB, MiB, GiB, TiB; decimal: KB, MB, GB, TB)"),
     ("lots", "cannot read budget 'lots': write a number with a unit, e.g. 40GiB"),
 ])
 def test_a_bad_budget_raises_a_value_error_saying_how_to_write_it(value, message):

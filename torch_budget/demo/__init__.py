@@ -15,7 +15,7 @@ Prefill puts its attention scratch (the GQA-expanded K and V) in the eager works
 `torch_budget.workspace` manages it. `model.decode` (demo/model.py) runs cache rows 0..B-1 and
 `PagedKVCache` cannot move a row's blocks, so the scheduler keeps finished rows as holes (their
 tables point at the null block) and a step covers rows up to the highest live one; holes and
-bucket padding write only the null block. The command line lives in cli.py.
+bucket padding write only the null block. The command line lives in cli/demo.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""`torch-budget replay`: allocation traces replayed under each allocator, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from torch_budget.cli.arguments import PROG, output_file, parse, positive_int
+from torch_budget.units import format_bytes
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch_budget.replay.configs import CONFIGS, DEFAULT
+    from torch_budget.replay.mixes import MIXES
+
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} replay",
+        description="Replay allocation traces under torch's native allocator, its expandable segments, "
+                    "cudaMallocAsync and torch_budget's routes, each in its own process, in interleaved rounds; "
+                    "print time per operation (a paired ratio against native) and peak reserved over peak live "
+                    "bytes side by side. A trace is a memory-history pickle from "
+                    "torch.cuda.memory._dump_snapshot(), a torch_budget trace (.tbtrace[.gz]), or "
+                    f"mix:<name> for a built-in mix ({', '.join(MIXES)}, or a size such as mix:1MiB).")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="a memory-history pickle, a .tbtrace[.gz] file, or mix:<name>")
+    p.add_argument("--configs", default=",".join(DEFAULT),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; native is always run)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--passes", type=positive_int, default=3,
+                   help="replays of the trace in each process, each timed (default 3)")
+    p.add_argument("--pinning", choices=("pinned", "unpinned", "both"), default="pinned",
+                   help="run each process on one CPU core beside the GPU, unpinned, or both (default pinned)")
+    p.add_argument("--touch", action="store_true", help="write the first byte of every tensor (launches a kernel "
+                                                        "per allocation)")
+    p.add_argument("--json", metavar="PATH", type=output_file,
+                   help="also write every round's figures here; its folder must exist (default: not written)")
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args, rc = parse(parser(), argv)
+    if rc is not None:
+        return rc
+    from torch_budget.replay import compare
+    from torch_budget.replay.child import read_trace
+    from torch_budget.replay.configs import CONFIGS
+    from torch_budget.replay.trace import TraceError
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"{PROG} replay: unknown configuration {unknown[0]!r}: choose from {', '.join(CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    for spec in args.traces:
+        try:
+            t = read_trace(spec)
+        except TraceError as e:
+            print(f"{PROG} replay: {e}", file=sys.stderr)
+            return 2
+        print(f"{spec}: {len(t)} operations, {t.allocations()} allocations on {t.num_streams} stream(s), "
+              f"peak live {format_bytes(t.peak_live())}", file=sys.stderr)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        why = "torch is not installed" if torch is None else "no CUDA device is visible"
+        print(f"{PROG} replay: the traces above read correctly, but replaying them needs a GPU and {why}.",
+              file=sys.stderr)
+        return 1
+    pinning = {"pinned": (True,), "unpinned": (False,), "both": (True, False)}[args.pinning]
+    runs = compare.compare(args.traces, configs, args.rounds, pinning, args.passes, args.touch,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = compare.summarise(runs)
+    print(compare.table(rows))
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps({"rows": rows, "runs": [r.__dict__ for r in runs]}, indent=1))
+        except OSError as e:
+            print(f"{PROG} replay: cannot write {str(args.json)!r}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    return 1 if any(r["errors"] for r in rows) else 0
