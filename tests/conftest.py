@@ -23,11 +23,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def fresh():
-    """Runs code in a fresh Python process (see _harness.run_fresh)."""
+    """Runs a test body (a module-level function) in a fresh Python process (see _harness.run_fresh)."""
     return run_fresh
 
 
 @pytest.fixture
 def ranks():
-    """Runs code as several ranks of a process group (see _harness.run_ranks)."""
+    """Runs a test body as several ranks of a process group (see _harness.run_ranks)."""
     return run_ranks
