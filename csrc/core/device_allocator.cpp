@@ -59,7 +59,7 @@ bool DeviceAllocator::init(const Settings& settings) {
     vmm_ = std::make_unique<VmmRoute>(ctx_, budget_, ledger_, clock_, granule, arena, settings.reuse_before_grow);
     vmm_pool_ = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
     vmm_->add_reuse_source(vmm_pool_.get());
-    mover_ = std::make_unique<TagMover>(ctx_, *vmm_);
+    tags_.init(ctx_, vmm_.get(), vmm_pool_.get());
   }
   sync_ = std::make_unique<SyncRoute>(ctx_, budget_, ledger_);
   sync_pool_ = std::make_unique<BlockPool>(sync_.get(), kRouteSync, false, &store_, &clock_);
@@ -97,25 +97,6 @@ BlockPool* DeviceAllocator::default_pool(int route) {
   if (route == kRouteVmm) return vmm_pool_.get();
   if (route == kRoutePool) return pool_pool_.get();
   return sync_pool_.get();
-}
-
-BlockPool* DeviceAllocator::tag_pool(int tag) {
-  if (tag == 0) return vmm_pool_.get();
-  std::unique_ptr<BlockPool>& p = tag_pools_[tag];
-  if (!p) {
-    p = std::make_unique<BlockPool>(vmm_.get(), kRouteVmm, false, &store_, &clock_);
-    p->set_owner({0, 0}, tag);
-    vmm_->add_reuse_source(p.get());
-  }
-  return p.get();
-}
-
-std::vector<BlockPool*> DeviceAllocator::pools_of(int tag) {
-  std::vector<BlockPool*> out;
-  if (tag_pools_[tag]) out.push_back(tag_pools_[tag].get());
-  for (auto& [id, p] : graphs_.pools())
-    if (p.tag == tag && p.blocks->route() == kRouteVmm) out.push_back(p.blocks.get());
-  return out;
 }
 
 bool DeviceAllocator::mem_info(size_t* free_bytes, size_t* total_bytes) {
@@ -174,17 +155,17 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
 void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
   // Refused while a capture is open anywhere: then nothing is known of queued replays.
   bool synced = sync_device(lock);
-  const size_t waiting = pending_.size() + deferred_.size();
-  process_events();
+  const size_t waiting = uses_.waiting();
+  uses_.settle();
   // Blocks whose recorded streams just completed were freed after that sync (their
   // free stamp is now): one more makes them clean, so this call gives them back too.
-  if (synced && pending_.size() + deferred_.size() < waiting) synced = sync_device(lock);
+  if (synced && uses_.waiting() < waiting) synced = sync_device(lock);
   {
     // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
     RelaxedCaptureMode relaxed(open_captures() > 0);
     if (vmm_pool_) vmm_->release_cached(*vmm_pool_);
-    for (int t = 1; t < kMaxTags; ++t)  // a released tag's segments are remembered by its pieces
-      if (tag_pools_[t] && tag_live(t)) vmm_->release_cached(*tag_pools_[t]);
+    for (BlockPool* tp : tags_.own_pools())  // a released tag's segments are remembered by its pieces
+      if (tags_.live(tp->tag())) vmm_->release_cached(*tp);
     sync_->release_cached(*sync_pool_);
     if (pool_pool_) pool_->release_cached(*pool_pool_);
     // A private pool no graph holds any more keeps only what its live blocks need
@@ -193,7 +174,7 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
     // them: only after a synchronisation of the whole device.
     if (synced)
       for (auto& [id, p] : graphs_.pools())
-        if (p.use_count == 0 && tag_live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
+        if (p.use_count == 0 && tags_.live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
   }
   destroy_dead_pools(lock, /*all=*/true);
   free_detached(lock);
@@ -204,22 +185,22 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
 Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync) {
   const bool capturing = graphs_.capturing();
   BlockPool* gp = capturing ? graphs_.route_for(stream) : nullptr;
-  if (!capture_frees_.empty()) reuse_in_capture(stream);
-  if (!capturing && (!pending_.empty() || !deferred_.empty())) process_events();
+  if (uses_.reusable_in_capture()) uses_.reuse_in_capture(stream);
+  if (!capturing && !uses_.idle()) uses_.settle();
   clock_.allow_requests(allow_sync && open_captures() == 0);
   budget_.clear_refusal();
   // Any capture in global mode, on any thread, forbids this thread's cuMemCreate etc.
   RelaxedCaptureMode relaxed(open_captures() > 0);
   if (gp != nullptr) {
     PrivatePool* p = graphs_.find(gp, nullptr);
-    TB_REQUIRE(p == nullptr || tag_live(p->tag), kState,
+    TB_REQUIRE(p == nullptr || tags_.live(p->tag), kState,
                "the graph pool being captured into belongs to tag '" + tag_name(p->tag) +
                    "', which is released: restore it before capturing",
                nullptr);
     return gp->malloc(size, stream);
   }
   const int used = resolve_route(caps_, route);
-  if (used == kRouteVmm) return tag_pool(tag)->malloc(size, stream);
+  if (used == kRouteVmm) return tags_.pool(tag)->malloc(size, stream);
   return default_pool(used)->malloc(size, stream);
 }
 
@@ -234,7 +215,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       set_error(kOutOfMemory, std::string("Tried to allocate more than 1EB memory. ") + last_error_message());
     return nullptr;
   }
-  TB_REQUIRE(tag_live(tag), kState,
+  TB_REQUIRE(tags_.live(tag), kState,
              "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
                  ": restore it (torch_budget.restore) before allocating under it",
              nullptr);
@@ -243,9 +224,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     Block* b = attempt(size, stream, route, tag, round < kSyncRounds);
     if (b != nullptr) {
       b->tag = tag;
-      account_alloc(b);
-      live_.insert(b->ptr, b);
-      trace_block(TraceAction::kAlloc, b);
+      adopt(b);
       return b;
     }
     if (last_error_code() == kNeedSync) {
@@ -262,9 +241,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     const std::string cause = last_error_message();
     if (!graphs_.capturing()) {
       if (Block* lent = borrow(size, stream)) {
-        account_alloc(lent);
-        live_.insert(lent->ptr, lent);
-        trace_block(TraceAction::kAlloc, lent);
+        adopt(lent);
         return lent;
       }
     }
@@ -294,6 +271,12 @@ std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std
   return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
 }
 
+void DeviceAllocator::adopt(Block* b) {
+  account_alloc(b);
+  live_.insert(b->ptr, b);
+  trace_block(TraceAction::kAlloc, b);
+}
+
 void DeviceAllocator::account_alloc(Block* b) {
   const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
@@ -308,7 +291,7 @@ void DeviceAllocator::account_alloc(Block* b) {
   ledger_.tag_allocated[b->tag].add(size);
   ledger_.tag_requested[b->tag].add(requested);
   bump(ledger_.tag_count[b->tag]);
-  if (b->route != kRouteVmm) off_route_[b->tag]++;
+  tags_.charge(*b);
 }
 
 void DeviceAllocator::account_release(Block* b) {
@@ -321,7 +304,7 @@ void DeviceAllocator::account_release(Block* b) {
   ledger_.route_allocated[b->route].sub(size);
   ledger_.tag_allocated[b->tag].sub(size);
   ledger_.tag_requested[b->tag].sub(requested);
-  if (b->route != kRouteVmm) off_route_[b->tag]--;
+  tags_.uncharge(*b);
 }
 
 void DeviceAllocator::account_inactive(Block* b) {
@@ -358,19 +341,11 @@ void DeviceAllocator::free_locked(Block* b) {
   account_release(b);
   b->allocated = false;  // `requested` stays: the trace reports it
   b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it
-  // A stream-ordered free is a stream operation: none while a capture is open.
-  const bool ordered_free = b->segment->pool->release_on_free();
-  if (b->recorded.empty() && !(ordered_free && open_captures() > 0)) {
+  if (!uses_.must_wait(b, b->segment->pool->release_on_free())) {
     retire(b);
     return;
   }
-  b->pending = 1;  // held until events were recorded on every recorded stream
-  deferred_.push_back(b);
-  if (open_captures() > 0) {
-    mark_capture_free(b);
-    return;
-  }
-  process_events();
+  uses_.hold(b, capture_reuse_.load(std::memory_order_relaxed));
 }
 
 void DeviceAllocator::trace_block(TraceAction action, const Block* b) {
@@ -403,58 +378,8 @@ bool DeviceAllocator::record_stream(uintptr_t ptr, CUstream stream, int stream_d
   Block* b = live_.find(ptr);
   *found = b != nullptr;
   if (b == nullptr) return false;
-  if (stream == b->stream && stream_device == ctx_.device) return true;
-  for (const StreamRef& r : b->recorded)
-    if (r.stream == stream && r.device == stream_device) return true;
-  b->recorded.push_back(StreamRef{stream, stream_device});
+  StreamUses::record(b, stream, stream_device, ctx_.device);
   return true;
-}
-
-// Records events for deferred frees, then retires every block whose recorded
-// streams all passed their event. See Note [Stream-ordered reuse].
-void DeviceAllocator::process_events() {
-  if (open_captures() > 0) return;  // no event record or query while a capture is open
-  EventCache& events = EventCache::get();
-  for (size_t i = 0; i < deferred_.size();) {
-    Block* b = deferred_[i];
-    auto& rec = b->recorded;
-    for (size_t k = 0; k < rec.size();) {
-      CUevent e = events.record(rec[k].device, rec[k].stream);
-      if (e == nullptr) {  // retried on the next pass
-        ++k;
-        continue;
-      }
-      pending_.push_back(Pending{b, e, rec[k].device, rec[k].stream});
-      b->pending++;
-      rec.erase(rec.begin() + static_cast<long>(k));
-    }
-    if (!rec.empty()) {
-      ++i;
-      continue;
-    }
-    deferred_[i] = deferred_.back();
-    deferred_.pop_back();
-    if (--b->pending == 0) retire(b);
-  }
-  // Events of one stream complete in the order they were recorded: once one is not
-  // ready, the later ones of its stream are not queried.
-  std::vector<std::pair<CUstream, int>> waiting;
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    const std::pair<CUstream, int> key{it->stream, it->device};
-    if (std::find(waiting.begin(), waiting.end(), key) != waiting.end()) {
-      ++it;
-      continue;
-    }
-    if (events.query(it->event) != CUDA_SUCCESS) {  // not ready, or the query failed: later
-      waiting.push_back(key);
-      ++it;
-      continue;
-    }
-    events.put(it->device, it->event);
-    Block* b = it->block;
-    it = pending_.erase(it);
-    if (--b->pending == 0) retire(b);
-  }
 }
 
 // ---------------------------------------------------------------- cache and budget
@@ -474,7 +399,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
   // Only resident memory counts: a released tag's blocks hold no device memory now.
   int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
   for (int t = 1; t < kMaxTags; ++t)
-    if (!tag_live(t)) allocated -= ledger_.tag_allocated[t].get();
+    if (!tags_.live(t)) allocated -= ledger_.tag_allocated[t].get();
   TB_REQUIRE(!strict || bytes >= allocated, kInvalidArgument,
              "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
                  " already has allocated (" + format_size(allocated) + "): free tensors first",
@@ -513,8 +438,7 @@ size_t DeviceAllocator::largest_free() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t best = sync_pool_->largest_free();
   if (vmm_pool_) best = std::max(best, vmm_pool_->largest_free());
-  for (const auto& p : tag_pools_)
-    if (p) best = std::max(best, p->largest_free());
+  for (const BlockPool* p : tags_.own_pools()) best = std::max(best, p->largest_free());
   return best;
 }
 
@@ -542,100 +466,21 @@ void DeviceAllocator::reset_accumulated() {
 
 std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<SegmentView> out;
-  auto visit = [&](const BlockPool* pool, const PoolId& id) {
-    if (pool == nullptr) return;
-    for (const auto& seg : pool->segments()) {
-      SegmentView v{};
-      v.base = seg->base;
-      v.size = seg->size;
-      v.stream = seg->stream;
-      v.small = seg->small;
-      v.route = seg->route;
-      v.pool = id;
-      v.mapped = seg->route == kRouteVmm ? seg->mapped * vmm_->granule() : seg->size;
-      if (runs && seg->route == kRouteVmm) {
-        const size_t g = vmm_->granule();
-        for (const auto& [head, count] : seg->maps) {
-          const uintptr_t at = seg->base + head * g;
-          if (!v.runs.empty() && v.runs.back().first + v.runs.back().second == at) v.runs.back().second += count * g;
-          else v.runs.emplace_back(at, count * g);
-        }
-      }
-      for (const Block* b = seg->head; b; b = b->next) {
-        const int state = b->allocated ? 1 : (b->pending > 0 ? 2 : 0);
-        if (b->allocated) {
-          v.allocated += b->size;
-          v.requested += b->requested;
-        }
-        if (state != 0) v.active += b->size;
-        v.blocks.push_back({b->size, b->requested, state, b->ptr, b->tag});
-      }
-      out.push_back(std::move(v));
-    }
-  };
-  visit(vmm_pool_.get(), PoolId{0, 0});
-  for (const auto& p : tag_pools_) visit(p.get(), PoolId{0, 0});
-  visit(sync_pool_.get(), PoolId{0, 0});
-  visit(pool_pool_.get(), PoolId{0, 0});
-  for (auto& [id, p] : graphs_.pools()) visit(p.blocks.get(), id);
-  return out;
+  std::vector<std::pair<const BlockPool*, PoolId>> pools{{vmm_pool_.get(), PoolId{0, 0}}};
+  for (const BlockPool* p : tags_.own_pools()) pools.emplace_back(p, PoolId{0, 0});
+  pools.emplace_back(sync_pool_.get(), PoolId{0, 0});
+  pools.emplace_back(pool_pool_.get(), PoolId{0, 0});
+  for (auto& [id, p] : graphs_.pools()) pools.emplace_back(p.blocks.get(), id);
+  return describe_segments(pools, vmm_ ? vmm_->granule() : 0, runs);
 }
 
-std::vector<SegmentView> DeviceAllocator::mapped_segments() {
-  std::vector<SegmentView> all = segments(/*runs=*/true);
-  std::vector<SegmentView> out;
-  for (SegmentView& v : all) {
-    if (v.route != kRouteVmm) {
-      out.push_back(std::move(v));
-      continue;
-    }
-    for (const auto& [start, bytes] : v.runs) {
-      SegmentView r = v;
-      r.base = start;
-      r.size = r.mapped = bytes;
-      r.allocated = r.requested = r.active = 0;
-      r.blocks.clear();
-      r.runs.clear();
-      for (const SegmentView::BlockView& b : v.blocks) {
-        const uintptr_t lo = std::max(b.ptr, start), hi = std::min(b.ptr + b.size, start + bytes);
-        if (lo >= hi) continue;
-        SegmentView::BlockView piece = b;
-        piece.ptr = lo;
-        piece.size = hi - lo;
-        if (b.state == 1) {
-          r.allocated += piece.size;
-          r.requested += b.requested;
-        }
-        if (b.state != 0) r.active += piece.size;
-        r.blocks.push_back(piece);
-      }
-      out.push_back(std::move(r));
-    }
-  }
-  return out;
-}
+std::vector<SegmentView> DeviceAllocator::mapped_segments() { return split_at_mappings(segments(/*runs=*/true)); }
 
 void DeviceAllocator::inactive_split(int64_t* count, int64_t* bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  inactive_split_locked(count, bytes);
-}
-
-void DeviceAllocator::inactive_split_locked(int64_t* count, int64_t* bytes) {
-  *count = 0;
-  *bytes = 0;
-  auto visit = [&](const BlockPool* pool) {
-    if (pool == nullptr) return;
-    for (bool small : {true, false})
-      for (const Block* b : pool->free_set(small))
-        if (b->segment->live > 0) {
-          ++*count;
-          *bytes += static_cast<int64_t>(b->size);
-        }
-  };
-  visit(vmm_pool_.get());
-  visit(sync_pool_.get());
-  for (const auto& p : tag_pools_) visit(p.get());
+  std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get()};
+  for (const BlockPool* p : tags_.own_pools()) pools.push_back(p);
+  count_inactive_split(pools, count, bytes);
 }
 
 }  // namespace tb

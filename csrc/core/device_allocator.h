@@ -1,5 +1,19 @@
-// One device's allocator: routes, budget, ledger, record_stream events and graph
-// pools behind one mutex.
+// One device's allocator: the lock, the routes and the malloc / free path, with the budget
+// and the ledger they charge.
+//
+// Note [The allocator and its collaborators]
+// Everything else a device's memory takes part in is a collaborator that keeps its own
+// state and runs under this allocator's lock, reached through a narrow interface:
+// - StreamUses (stream_uses.h): frees waiting for the streams record_stream named, their
+//   events, and reuse inside a capture;
+// - TagArenas (tag_arenas.h): each tag's pools and sleep state, release and restore;
+// - GraphPools (graph_pools.h): private pools of captures and MemPools, their uses;
+// - pool checkpoints (pool_checkpoint.h): record and restore a private pool's layout,
+//   asking the allocator (PoolOwner) to free, adopt and wait;
+// - sharing (ipc.h): export a block's handle, open and close another process's;
+// - segment views (segment_views.h): what snapshots and stats show of the segments.
+// The allocator decides when to wait for the device (the collaborators never do) and
+// owns every block's life: only it charges, indexes and retires blocks.
 //
 // Lock rule: mu_ guards every member except the ledger's counters (relaxed atomics,
 // readable without it, or consistently with read_locked), the budget's limit
@@ -17,7 +31,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,7 +48,10 @@
 #include "route_user.h"
 #include "pool_checkpoint.h"
 #include "route_vmm.h"
+#include "segment_views.h"
 #include "stream_order.h"
+#include "stream_uses.h"
+#include "tag_arenas.h"
 #include "tag_sleep.h"
 
 namespace tb {
@@ -60,39 +76,6 @@ struct Settings {
   bool reuse_before_grow = true; // see Note [Packing: reclaim before growth]
   // The longest mapping the allocation path makes (Note [Run mappings]); 0: the default.
   int64_t map_run_bytes = 0;
-};
-
-struct SegmentView {
-  uintptr_t base;
-  size_t size;
-  size_t allocated;
-  size_t requested;
-  size_t active;
-  size_t mapped;  // bytes actually backed (VMM); == size otherwise
-  CUstream stream;
-  bool small;
-  int route;
-  PoolId pool;  // {0,0} for the default pools
-  struct BlockView {
-    size_t size;
-    size_t requested;
-    int state;  // 0 free, 1 allocated, 2 waiting on recorded streams
-    uintptr_t ptr;
-    int tag;
-  };
-  std::vector<BlockView> blocks;
-  std::vector<std::pair<uintptr_t, size_t>> runs;  // VMM, when asked for: mapped address ranges, in order
-};
-
-// A tag's state on one device (Note [Tag arenas]).
-struct TagView {
-  int life;
-  int backup;
-  int64_t resident;      // device bytes mapped behind the tag, graph pools included
-  int64_t released;      // bytes waiting for a restore
-  int64_t backup_bytes;  // host bytes holding its backup
-  int64_t last_device;   // device bytes the last release / restore moved
-  int64_t last_backup;   // bytes it copied
 };
 
 // What a lookup by address tells about a live block.
@@ -213,12 +196,7 @@ class DeviceAllocator {
   static void set_capture_reuse(bool on) { capture_reuse_.store(on, std::memory_order_relaxed); }
 
  private:
-  struct Pending {
-    Block* block;
-    CUevent event;
-    int device;  // the event's device
-    CUstream stream;
-  };
+  class CheckpointHost;  // the allocator's side of a checkpoint restore (PoolOwner)
   struct DeadPool {
     PoolId id;
     uint64_t died_at;  // StreamClock stamp
@@ -229,16 +207,7 @@ class DeviceAllocator {
   };
 
   BlockPool* default_pool(int route);
-  // The VMM pool of `tag` (the default VMM pool for tag 0), created on first use.
-  BlockPool* tag_pool(int tag);
-  // Every pool holding the tag's VMM memory: its own pool and graph pools created under it.
-  std::vector<BlockPool*> pools_of(int tag);
-  bool tag_live(int tag) const { return tags_[tag].life == kTagLive; }
   bool check_tag(int tag, const char* what);
-  // For each granule of `seg`: whether an allocated or waiting block covers it (every
-  // granule of a graph pool; a run mapping whole when any of its granules).
-  std::vector<bool> covered(const Segment& seg) const;
-  std::vector<std::vector<bool>> still_needed(const TagState& st) const;
   Block* attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync);
   // torch's use_on_oom: a free block of a pool that lends its memory, or nullptr.
   Block* borrow(size_t size, CUstream stream);
@@ -246,17 +215,14 @@ class DeviceAllocator {
   void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
   // The quantified message; *device_free (when given) gets the free bytes it quotes.
   std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr);
+  // A block just taken from a pool becomes live: charged, indexed by address, traced.
+  void adopt(Block* b);
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
   void free_locked(Block* b);
   void retire(Block* b);            // active -> back to its pool
   void trace_block(TraceAction action, const Block* b);
-  void process_events();
-  // Note [Reuse during capture]: keeps the free markers of a block just deferred
-  // during capture, and frees those on `stream` the graph now orders after every use.
-  void mark_capture_free(Block* b);
-  void reuse_in_capture(CUstream stream);
   void note_if_dead(BlockPool* pool);
   // The three below take the lock held and return with it held, releasing it while
   // they wait for the device.
@@ -270,7 +236,6 @@ class DeviceAllocator {
   int private_route(int tag) const;
   Backing* private_backing(int tag);
   void free_detached(std::unique_lock<std::mutex>& lock);
-  void inactive_split_locked(int64_t* count, int64_t* bytes);
 
   DeviceContext ctx_;
   Capabilities caps_;
@@ -289,19 +254,9 @@ class DeviceAllocator {
   GraphPools graphs_;
   std::vector<DeadPool> dead_;
   PtrMap live_;                   // every allocated block, by address
-  std::deque<Pending> pending_;   // record_stream events outstanding
-  std::vector<Block*> deferred_;  // frees still to record events (or waiting for captures to end)
-  struct CaptureFree {
-    Block* block;  // in deferred_
-    std::vector<CUgraphNode> markers;
-  };
-  std::vector<CaptureFree> capture_frees_;  // deferred during this device's captures, with markers
-  CaptureWalks walks_;
+  StreamUses uses_{[this](Block* b) { retire(b); }, open_captures_};  // frees waiting for other streams
   std::vector<int> peers_;        // devices granted access to this one
-  std::unique_ptr<BlockPool> tag_pools_[kMaxTags];  // VMM pools of tags 1.. (Note [Tag arenas])
-  TagState tags_[kMaxTags];
-  int64_t off_route_[kMaxTags] = {};  // live tagged blocks on the pool / sync routes
-  std::unique_ptr<TagMover> mover_;
+  TagArenas tags_{graphs_, store_, clock_};  // each tag's pools and sleep state (Note [Tag arenas])
 
   static std::atomic<int> open_captures_;
   static std::atomic<bool> capture_reuse_;

@@ -34,54 +34,13 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
   if (!graphs_.end_capture(id)) return false;
   open_captures_.fetch_sub(1, std::memory_order_acq_rel);
   if (!graphs_.capturing()) {  // markers and walks name nodes of graphs no longer captured
-    capture_frees_.clear();
-    walks_.clear();
+    uses_.captures_ended();
   }
   if (open_captures() == 0) {
-    process_events();
+    uses_.settle();
     destroy_dead_pools(lock);
   }
   return true;
-}
-
-void DeviceAllocator::mark_capture_free(Block* b) {
-  if (!capture_reuse_.load(std::memory_order_relaxed) || b->recorded.empty()) return;
-  // A block of a backing whose frees are stream-ordered (the pool route) would be freed
-  // by cuMemFreeAsync on the capturing stream: it waits for the end of capture instead.
-  if (b->segment->pool->release_on_free()) return;
-  std::vector<CUstream> streams{b->stream};
-  for (const StreamRef& r : b->recorded) streams.push_back(r.stream);
-  std::vector<CUgraphNode> markers;
-  // No markers (a stream not capturing, or nothing queued yet): the end of capture frees it.
-  if (capture_tails(streams, &markers) && !markers.empty())
-    capture_frees_.push_back(CaptureFree{b, std::move(markers)});
-}
-
-void DeviceAllocator::reuse_in_capture(CUstream stream) {
-  const std::unordered_set<CUgraphNode>* reached = nullptr;
-  for (size_t i = 0; i < capture_frees_.size();) {
-    CaptureFree& f = capture_frees_[i];
-    if (f.block->stream != stream) {
-      ++i;
-      continue;
-    }
-    if (reached == nullptr && (reached = walks_.reached(stream)) == nullptr) return;
-    bool after_every_use = true;
-    for (CUgraphNode m : f.markers) after_every_use = after_every_use && reached->count(m) > 0;
-    if (!after_every_use) {
-      ++i;
-      continue;
-    }
-    Block* b = f.block;
-    if (i + 1 != capture_frees_.size()) f = std::move(capture_frees_.back());
-    capture_frees_.pop_back();
-    auto d = std::find(deferred_.begin(), deferred_.end(), b);
-    if (d == deferred_.end()) continue;  // not waiting any more (cannot happen while capturing)
-    deferred_.erase(d);
-    b->recorded.clear();  // the graph orders the reuse: no event needed
-    b->pending = 0;
-    retire(b);
-  }
 }
 
 void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {
@@ -131,7 +90,7 @@ bool DeviceAllocator::release_pool(const PoolId& id) {
 void DeviceAllocator::settle_pools() {
   std::unique_lock<std::mutex> lock(mu_);
   if (!dead_.empty() && open_captures() == 0) {
-    process_events();
+    uses_.settle();
     destroy_dead_pools(lock);
   }
 }
@@ -166,7 +125,7 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, boo
     }
     PrivatePool* p = graphs_.find(d.id);
     if (p == nullptr || !p->dead()) continue;  // revived while the lock was released
-    if (!clock_.device_clean(d.died_at) || !tag_live(p->tag)) {  // a released tag's pieces point into it
+    if (!clock_.device_clean(d.died_at) || !tags_.live(p->tag)) {  // a released tag's pieces point into it
       dead_.push_back(d);
       continue;
     }
@@ -182,7 +141,7 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, boo
 
 Block* DeviceAllocator::borrow(size_t size, CUstream stream) {
   for (auto& [id, p] : graphs_.pools()) {
-    if (!p.use_on_oom || !tag_live(p.tag)) continue;
+    if (!p.use_on_oom || !tags_.live(p.tag)) continue;
     Block* b = p.blocks->malloc(size, stream, /*grow=*/false);
     if (b != nullptr) {
       b->tag = p.tag;

@@ -61,6 +61,20 @@ struct OpenedShare {
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> handles;  // VMM: mapped in order from ptr
 };
 
+struct Block;
+struct DeviceContext;
+class VmmRoute;
+
+// The producer's side: the handle bytes of the live block `b` and its offset from what
+// the handle maps. false + error (kNotAvailable for the stream-ordered pool route).
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset);
+// The consumer's side, on the device of `ctx` (`vmm`: it can import VMM memory), granting
+// `peers` access too; close_share undoes it (`may_sync`: wait for work queued on the
+// mapping first, impossible while a capture is open).
+bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peers, const std::string& bytes,
+                OpenedShare* out);
+void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
+
 // Descriptors of another process (pidfd_open + pidfd_getfd); false + error.
 bool take_remote_fds(int32_t pid, const std::vector<SharedPiece>& pieces, std::vector<int>* out);
 

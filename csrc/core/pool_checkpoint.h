@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "trace.h"
@@ -44,5 +45,37 @@ struct PoolCheckpoint {
   PoolId pool;
   std::vector<CheckpointSegment> segments;
 };
+
+struct Block;
+struct PrivatePool;
+
+// What restoring a checkpoint asks of the allocator that owns the pool. Every call runs
+// under that allocator's lock, as do the functions below.
+class PoolOwner {
+ public:
+  // The pool, or nullptr once it is gone (looked up again after each wait).
+  virtual PrivatePool* find_pool(const PoolId& id) = 0;
+  // Frees a live block of the pool as torch's deleter would (record_stream respected).
+  virtual void free_live(Block* b) = 0;
+  // Retires the frees whose recorded streams completed.
+  virtual void settle() = 0;
+  // Waits for the whole device, the lock released meanwhile; false while a capture is open.
+  virtual bool wait_for_device() = 0;
+  // A block carved back at its address becomes live: charged, indexed and traced.
+  virtual void adopt(Block* b) = 0;
+
+ protected:
+  ~PoolOwner() = default;
+};
+
+// The layout of `pool` (settled frees first, by the caller).
+void record_checkpoint(const PoolId& id, const PrivatePool& pool, PoolCheckpoint* out);
+// Note [Pool checkpoints]: frees every block allocated in the pool (*freed) and re-creates
+// the checkpointed allocations at their addresses (*created). `where` names the pool for
+// messages. A failure part-way frees what it re-created, keeping the error.
+bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::string& where,
+                        std::vector<uintptr_t>* freed, std::vector<Block*>* created);
+// Whether the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
+bool live_allocations_match(const PrivatePool& pool, const std::vector<uintptr_t>& expected);
 
 }  // namespace tb

@@ -8,8 +8,8 @@
 // address ranges stay reserved: tensors, views and captured graphs keep pointing at
 // valid addresses, and a restore maps fresh memory behind the same addresses.
 //
-// Release (DeviceAllocator::release_tag): the device is synchronised (with the lock
-// released), then every mapped granule of the tag's segments is either dropped at
+// Release (DeviceAllocator::release_tag, then TagArenas::release): the device is
+// synchronised (with the lock released), then every mapped granule of the tag's segments is either dropped at
 // once (it lies only under free blocks) or belongs to a live block: those granules are
 // grouped into pieces of at most kPieceBytes, each piece is copied to its backup on a
 // private stream, and a piece's granules are unmapped and given back to the driver

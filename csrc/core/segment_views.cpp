@@ -1,0 +1,93 @@
+#include "segment_views.h"
+
+#include <algorithm>
+
+namespace tb {
+
+std::vector<SegmentView> describe_segments(const std::vector<std::pair<const BlockPool*, PoolId>>& pools,
+                                           size_t granule, bool runs) {
+  std::vector<SegmentView> out;
+  auto visit = [&](const BlockPool* pool, const PoolId& id) {
+    if (pool == nullptr) return;
+    for (const auto& seg : pool->segments()) {
+      SegmentView v{};
+      v.base = seg->base;
+      v.size = seg->size;
+      v.stream = seg->stream;
+      v.small = seg->small;
+      v.route = seg->route;
+      v.pool = id;
+      v.mapped = seg->route == kRouteVmm ? seg->mapped * granule : seg->size;
+      if (runs && seg->route == kRouteVmm) {
+        const size_t g = granule;
+        for (const auto& [head, count] : seg->maps) {
+          const uintptr_t at = seg->base + head * g;
+          if (!v.runs.empty() && v.runs.back().first + v.runs.back().second == at) v.runs.back().second += count * g;
+          else v.runs.emplace_back(at, count * g);
+        }
+      }
+      for (const Block* b = seg->head; b; b = b->next) {
+        const int state = b->allocated ? 1 : (b->pending > 0 ? 2 : 0);
+        if (b->allocated) {
+          v.allocated += b->size;
+          v.requested += b->requested;
+        }
+        if (state != 0) v.active += b->size;
+        v.blocks.push_back({b->size, b->requested, state, b->ptr, b->tag});
+      }
+      out.push_back(std::move(v));
+    }
+  };
+  for (const auto& [pool, id] : pools) visit(pool, id);
+  return out;
+}
+
+std::vector<SegmentView> split_at_mappings(std::vector<SegmentView> all) {
+  std::vector<SegmentView> out;
+  for (SegmentView& v : all) {
+    if (v.route != kRouteVmm) {
+      out.push_back(std::move(v));
+      continue;
+    }
+    for (const auto& [start, bytes] : v.runs) {
+      SegmentView r = v;
+      r.base = start;
+      r.size = r.mapped = bytes;
+      r.allocated = r.requested = r.active = 0;
+      r.blocks.clear();
+      r.runs.clear();
+      for (const SegmentView::BlockView& b : v.blocks) {
+        const uintptr_t lo = std::max(b.ptr, start), hi = std::min(b.ptr + b.size, start + bytes);
+        if (lo >= hi) continue;
+        SegmentView::BlockView piece = b;
+        piece.ptr = lo;
+        piece.size = hi - lo;
+        if (b.state == 1) {
+          r.allocated += piece.size;
+          r.requested += b.requested;
+        }
+        if (b.state != 0) r.active += piece.size;
+        r.blocks.push_back(piece);
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t* count, int64_t* bytes) {
+  *count = 0;
+  *bytes = 0;
+  auto visit = [&](const BlockPool* pool) {
+    if (pool == nullptr) return;
+    for (bool small : {true, false})
+      for (const Block* b : pool->free_set(small))
+        if (b->segment->live > 0) {
+          ++*count;
+          *bytes += static_cast<int64_t>(b->size);
+        }
+  };
+  for (const BlockPool* p : pools) visit(p);
+}
+
+}  // namespace tb

@@ -1,0 +1,195 @@
+#include "tag_arenas.h"
+
+#include <algorithm>
+
+#include "error.h"
+#include "route_vmm.h"
+
+namespace tb {
+
+void TagArenas::init(const DeviceContext& ctx, VmmRoute* vmm, BlockPool* untagged) {
+  vmm_ = vmm;
+  untagged_ = untagged;
+  mover_ = std::make_unique<TagMover>(ctx, *vmm);
+}
+
+BlockPool* TagArenas::pool(int tag) {
+  if (tag == 0) return untagged_;
+  std::unique_ptr<BlockPool>& p = pools_[tag];
+  if (!p) {
+    p = std::make_unique<BlockPool>(vmm_, kRouteVmm, false, &store_, &clock_);
+    p->set_owner({0, 0}, tag);
+    vmm_->add_reuse_source(p.get());
+  }
+  return p.get();
+}
+
+std::vector<BlockPool*> TagArenas::own_pools() const {
+  std::vector<BlockPool*> out;
+  for (const auto& p : pools_)
+    if (p) out.push_back(p.get());
+  return out;
+}
+
+std::vector<BlockPool*> TagArenas::pools_of(int tag) const {
+  std::vector<BlockPool*> out;
+  if (pools_[tag]) out.push_back(pools_[tag].get());
+  for (auto& [id, p] : graphs_.pools())
+    if (p.tag == tag && p.blocks->route() == kRouteVmm) out.push_back(p.blocks.get());
+  return out;
+}
+
+std::vector<bool> TagArenas::covered(const Segment& seg) const {
+  const size_t g = vmm_->granule();
+  // A captured graph may address any block of its pool, freed ones included.
+  std::vector<bool> out(seg.granules.size(), seg.pool->graph_pool());
+  if (seg.pool->graph_pool()) return out;
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+    if (b->is_free()) continue;
+    const size_t lo = (b->ptr - seg.base) / g, hi = (b->ptr + b->size - 1 - seg.base) / g;
+    for (size_t i = lo; i <= hi; ++i) out[i] = true;
+  }
+  // A run mapping goes only whole (Note [Run mappings]): needed whole when any part is.
+  for (size_t h = 0; h < seg.span.size(); ++h) {
+    if (seg.span[h] <= 1) continue;
+    const auto first = out.begin() + static_cast<long>(h), end = first + seg.span[h];
+    if (std::find(first, end, true) != end) std::fill(first, end, true);
+  }
+  return out;
+}
+
+std::vector<std::vector<bool>> TagArenas::still_needed(const TagState& st) const {
+  std::vector<std::vector<bool>> out;
+  const Segment* last = nullptr;
+  std::vector<bool> cov;
+  for (const Piece& p : st.pieces) {
+    if (p.seg != last) {
+      cov = covered(*p.seg);
+      last = p.seg;
+    }
+    out.emplace_back(cov.begin() + static_cast<long>(p.first), cov.begin() + static_cast<long>(p.first + p.count));
+  }
+  return out;
+}
+
+bool TagArenas::release(int tag, Backup backup, const std::string& name) {
+  // Checked after the owner's synchronisation: other threads may have allocated under the tag meanwhile.
+  // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
+  // released and restored, the producer would read and write new memory the consumer never sees.
+  int shared = 0;
+  for (BlockPool* pool : pools_of(tag))
+    for (const auto& seg : pool->segments())
+      for (const Block* b = seg->head; b != nullptr; b = b->next) shared += b->allocated && b->shared;
+  TB_REQUIRE(shared == 0, kState,
+             name + " holds " + std::to_string(shared) +
+                 " live allocation(s) shared with another process, whose mappings would keep the old memory "
+                 "while this process restores new memory at the same addresses: release it once the consumers "
+                 "dropped those tensors (the producer frees them then)",
+             false);
+  TB_REQUIRE(off_route_[tag] == 0, kState,
+             name + " holds " + std::to_string(off_route_[tag]) +
+                 " live allocation(s) on the pool or sync route, which cannot be released at fixed addresses; "
+                 "allocate the tag's memory on the vmm route",
+             false);
+
+  const size_t g = vmm_->granule();
+  const size_t per_piece = std::max<size_t>(1, TagMover::kPieceBytes / g);
+  std::vector<Piece> pieces;
+  int64_t dropped = 0;
+  for (BlockPool* pool : pools_of(tag)) {
+    for (const auto& seg : pool->segments()) {
+      const std::vector<bool> cov = covered(*seg);
+      for (size_t i = 0; i < seg->granules.size();) {
+        if (seg->granules[i] == 0) {
+          ++i;
+        } else if (!cov[i]) {
+          if (vmm_->drop_granule(*seg, i)) dropped += g;  // only free blocks here: nothing to keep
+          ++i;
+        } else {
+          // Pieces end at mapping boundaries: a piece is dropped once its copy is done.
+          size_t j = i;
+          while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] &&
+                 (j - i < per_piece || seg->span[j] == 0))
+            ++j;
+          pieces.push_back(Piece{seg.get(), i, j - i, 0});
+          i = j;
+        }
+      }
+    }
+  }
+  vmm_->release_free_handles();
+  TagState& st = state_[tag];
+  bool recovered = false;
+  clock_.allow_requests(false);  // a recovery restore takes cached or clean memory, never asks for a sync
+  if (!mover_->release(std::move(pieces), backup, &st, &recovered)) {
+    if (!recovered) st.life = kTagReleased;
+    const std::string why = last_error_message();
+    set_error(last_error_code() == kOk ? kDriverError : last_error_code(), "release of " + name + " failed: " + why);
+    return false;
+  }
+  st.life = kTagReleased;
+  st.last_device_bytes += dropped;
+  return true;
+}
+
+
+bool TagArenas::restore(int tag, const std::string& name, size_t* needed) {
+  TagState& st = state_[tag];
+  TB_REQUIRE(st.life == kTagReleased, kState, name + " is not released (it is " + tag_life_name(st.life) + ")",
+             false);
+  clock_.allow_requests(false);  // take cached or clean granules, never ask for a sync
+  st.life = kTagRestoring;
+  if (!mover_->restore(&st, still_needed(st))) {
+    st.life = kTagReleased;
+    const ErrorCode code = last_error_code() == kOk ? kDriverError : last_error_code();
+    const std::string why = last_error_message();
+    vmm_->release_free_handles();  // handles taken for the failed mappings go back too
+    *needed = 0;
+    for (const auto& v : still_needed(st))
+      *needed += static_cast<size_t>(std::count(v.begin(), v.end(), true)) * vmm_->granule();
+    set_error(code, why);
+    return false;
+  }
+  st.pieces.clear();
+  st.drop_backup();
+  st.life = kTagLive;
+  return true;
+}
+
+TagView TagArenas::view(int tag) const {
+  TagView v{};
+  if (tag < 0 || tag >= kMaxTags) return v;
+  const TagState& st = state_[tag];
+  v.life = st.life;
+  v.backup = st.life == kTagLive && st.last_device_bytes == 0 ? -1 : st.backup;
+  if (vmm_) {
+    const size_t g = vmm_->granule();
+    for (BlockPool* pool : pools_of(tag))
+      for (const auto& seg : pool->segments()) v.resident += static_cast<int64_t>(seg->mapped * g);
+    for (const Piece& p : st.pieces)
+      for (size_t i = p.first; i < p.first + p.count; ++i)
+        if (p.seg->granules[i] == 0) v.released += static_cast<int64_t>(g);
+  }
+  v.backup_bytes = static_cast<int64_t>(st.backup_bytes);
+  v.last_device = st.last_device_bytes;
+  v.last_backup = st.last_backup_bytes;
+  return v;
+}
+
+std::vector<CUstream> TagArenas::dirty_streams(int tag) const {
+  std::vector<CUstream> dirty;
+  if (!trimmable(tag)) return dirty;
+  for (bool small : {false, true})
+    for (const Block* b : pools_[tag]->free_set(small))
+      if (!clock_.clean(b->stream, b->freed_at) && std::find(dirty.begin(), dirty.end(), b->stream) == dirty.end())
+        dirty.push_back(b->stream);
+  return dirty;
+}
+
+void TagArenas::trim_clean(int tag) {
+  if (!trimmable(tag)) return;
+  vmm_->release_clean(*pools_[tag]);
+  vmm_->release_free_handles();
+}
+
+}  // namespace tb

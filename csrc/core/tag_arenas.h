@@ -1,0 +1,86 @@
+// The memory of each tag on one device: its own VMM pool, the graph pools created under
+// it, and its sleep state (Note [Tag arenas], tag_sleep.h).
+//
+// Lock rule: guarded by the owning device's lock (DeviceAllocator::mu_), as is everything
+// it points to. Nothing here waits for the device: release() expects the owner to have
+// synchronised it, and trim_clean() to have synchronised the streams dirty_streams() named.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "block_cache.h"
+#include "graph_pools.h"
+#include "ledger.h"
+#include "scope.h"
+#include "stream_order.h"
+#include "tag_sleep.h"
+
+namespace tb {
+
+class VmmRoute;
+
+// A tag's state on one device.
+struct TagView {
+  int life;
+  int backup;
+  int64_t resident;      // device bytes mapped behind the tag, graph pools included
+  int64_t released;      // bytes waiting for a restore
+  int64_t backup_bytes;  // host bytes holding its backup
+  int64_t last_device;   // device bytes the last release / restore moved
+  int64_t last_backup;   // bytes it copied
+};
+
+class TagArenas {
+ public:
+  TagArenas(GraphPools& graphs, BlockStore& store, StreamClock& clock) : graphs_(graphs), store_(store), clock_(clock) {}
+  // The device has VMM: `untagged` is its default VMM pool (tag 0's).
+  void init(const DeviceContext& ctx, VmmRoute* vmm, BlockPool* untagged);
+
+  bool live(int tag) const { return state_[tag].life == kTagLive; }
+  // The VMM pool of `tag` (the default VMM pool for tag 0), created on first use.
+  BlockPool* pool(int tag);
+  // Pools of tags 1.. that exist, live or not.
+  std::vector<BlockPool*> own_pools() const;
+  // Every pool holding the tag's VMM memory: its own pool and graph pools created under it.
+  std::vector<BlockPool*> pools_of(int tag) const;
+
+  // A live block of `tag` off the VMM route cannot be released: counted as it comes and goes.
+  void charge(const Block& b) { if (b.route != kRouteVmm) ++off_route_[b.tag]; }
+  void uncharge(const Block& b) { if (b.route != kRouteVmm) --off_route_[b.tag]; }
+
+  // Releases `tag` (live, the device idle) with `backup`; `name` says which tag where, for
+  // messages. kState when it cannot be released now.
+  bool release(int tag, Backup backup, const std::string& name);
+  // Restores a released `tag`. On failure the tag stays released with its backup;
+  // *needed gets the bytes the restore had to map.
+  bool restore(int tag, const std::string& name, size_t* needed);
+  TagView view(int tag) const;
+  // Streams of the tag's own free blocks that are not clean yet; then, once the owner
+  // synchronised them, gives the tag's clean cached memory back to the driver.
+  bool trimmable(int tag) const { return vmm_ != nullptr && tag != 0 && pools_[tag] && live(tag); }
+  std::vector<CUstream> dirty_streams(int tag) const;
+  void trim_clean(int tag);
+
+ private:
+  // For each granule of `seg`: whether an allocated or waiting block covers it (every
+  // granule of a graph pool; a run mapping whole when any of its granules).
+  std::vector<bool> covered(const Segment& seg) const;
+  std::vector<std::vector<bool>> still_needed(const TagState& st) const;
+
+  GraphPools& graphs_;
+  BlockStore& store_;
+  StreamClock& clock_;
+  VmmRoute* vmm_ = nullptr;  // nullptr: no VMM on this device, nothing to release
+  BlockPool* untagged_ = nullptr;
+  std::unique_ptr<TagMover> mover_;
+  std::unique_ptr<BlockPool> pools_[kMaxTags];  // VMM pools of tags 1..
+  TagState state_[kMaxTags];
+  int64_t off_route_[kMaxTags] = {};  // live tagged blocks on the pool / sync routes
+};
+
+}  // namespace tb
