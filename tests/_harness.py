@@ -1,12 +1,13 @@
 """Running test bodies in fresh processes: one process, or several ranks of a process group.
 
 Tests that swap torch's allocator or capture graphs need a process of their own; tests of
-rank agreement need several. A body is a module-level function of a test module:
+rank agreement need several. A body is a module-level function of a test module, named
+like its test without the `test_`:
 
-    def test_x(fresh):
-        out = fresh(x_body, 5 * MiB, "vmm")     # the child's stdout; out.value: what it returned
+    def test_every_route_serves_torch(fresh):
+        out = fresh(every_route_serves_torch, "vmm")   # the child's stdout; out.value: what it returned
 
-    def x_body(size, route):
+    def every_route_serves_torch(route):
         ...
 
 The child imports the body's module from its file (pytest does not run there, so the
@@ -22,6 +23,7 @@ code that is text by nature, such as the README's snippets.
 """
 import contextlib
 import importlib.util
+import inspect
 import os
 import pickle
 import subprocess
@@ -77,7 +79,7 @@ def _command(body, args, tmp: str, key: str):
         return [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(body), *map(str, args)], None
     module = sys.modules.get(getattr(body, "__module__", None))
     path = getattr(module, "__file__", None)
-    if not callable(body) or "<" in body.__qualname__ or path is None:
+    if not inspect.isfunction(body) or "<" in body.__qualname__ or path is None:
         raise TypeError(f"{body!r} is not a module-level function of a test module: the child imports it "
                         "from its module's file by name")
     call, result = os.path.join(tmp, key + ".call"), os.path.join(tmp, key + ".result")
