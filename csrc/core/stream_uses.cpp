@@ -27,7 +27,10 @@ void StreamUses::hold(Block* b, bool capture_reuse) {
   b->pending = 1;
   held_.push_back(b);
   if (!capturing()) {
-    settle();
+    // As torch's allocator: events now, their queries at a later allocation, so a free
+    // after record_stream never completes within its own call (its trace entry then
+    // carries the allocation's stack, whichever stream finished first).
+    record_events();
     return;
   }
   // A block of a backing whose frees are stream-ordered (the pool route) would be freed
@@ -42,6 +45,11 @@ void StreamUses::hold(Block* b, bool capture_reuse) {
 
 void StreamUses::settle() {
   if (capturing()) return;  // no event record or query while a capture is open
+  record_events();
+  query_events();
+}
+
+void StreamUses::record_events() {
   EventCache& events = EventCache::get();
   for (size_t i = 0; i < held_.size();) {
     Block* b = held_[i];
@@ -64,6 +72,10 @@ void StreamUses::settle() {
     held_.pop_back();
     finish_one(b);
   }
+}
+
+void StreamUses::query_events() {
+  EventCache& events = EventCache::get();
   // Events of one stream complete in the order they were recorded: once one is not
   // ready, the later ones of its stream are not queried.
   std::vector<std::pair<CUstream, int>> waiting;

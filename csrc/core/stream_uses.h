@@ -59,6 +59,8 @@ class StreamUses {
     std::vector<CUgraphNode> markers;
   };
   bool capturing() const { return open_captures_.load(std::memory_order_acquire) > 0; }
+  void record_events();  // on every recorded stream of held blocks
+  void query_events();   // retires blocks whose events all completed
   void finish_one(Block* b);
 
   Retire retire_;
