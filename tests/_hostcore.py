@@ -26,6 +26,38 @@ GiB = 1 << 30
 S1, S2, S3 = 0x1000, 0x2000, 0x3000  # stand-in stream handles of device 0
 
 
+def _host_signatures():
+    """The stand-in's own controls (csrc/testing/host_driver.cpp), beside the core's exports
+    that torch_budget._native declares."""
+    i, i64, vp, d, cp, u64 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_char_p, ctypes.c_uint64
+    return {
+        "tb_host_use": (i, [i, i64, i, i, i64]),
+        "tb_host_stream": (vp, [i]),
+        "tb_host_submit": (None, [vp]),
+        "tb_host_complete": (None, [vp]),
+        "tb_host_used": (i64, [i]),
+        "tb_host_counters": (None, [ctypes.c_int64 * 8]),
+        "tb_host_fail": (i, [cp, i64, d, i, u64]),
+        "tb_host_set_current": (i, [i]),
+        "tb_host_current": (i, []),
+        "tb_host_can_access": (i, [i, vp]),
+        "tb_host_hold_syncs": (i, [i, i]),
+        "tb_host_remove_entry": (i, [cp]),
+        "tb_host_free_at_exit": (None, [vp]),
+        "tb_host_trace": (None, [i, ctypes.c_int64 * 9]),
+        "tb_host_poke": (i, [vp, vp, i64]),
+        "tb_host_peek": (i, [vp, vp, i64]),
+        "tb_host_pinned": (i64, []),
+        "tb_host_capture": (None, [vp, u64, ctypes.POINTER(u64), i]),
+        "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
+    }
+
+
+def load(library="_host_core"):
+    """The core over the stand-in, every signature declared (the core's and the stand-in's)."""
+    return _native.declare(_native.load(library), _host_signatures())
+
+
 def isolated(fn, timeout=300):
     """Runs the test in a forked child; a child stuck for `timeout` s dumps its stacks and dies."""
     @functools.wraps(fn)
@@ -61,7 +93,7 @@ COUNTERS = ["maps", "unmaps", "syncs", "handles", "mappings", "reservations", "i
 class Host:
     def __init__(self, capacity=4 * GiB, vmm=True, pools=True, budget=-1, route="sync", reuse_before_grow=True,
                  devices=1, pool_chunk=0, library="_host_core", configure=True, missing=(), map_run=0):
-        self.lib = lib = _native.load(library)
+        self.lib = lib = load(library)
         assert lib.tb_host_use(devices, capacity, int(vmm), int(pools), pool_chunk) == 0
         for name in missing:
             assert lib.tb_host_remove_entry(name.encode()) == 0, name

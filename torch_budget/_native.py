@@ -1,8 +1,12 @@
-"""Loads the compiled libraries and declares every C signature in one place.
+"""Loads the compiled libraries and declares every signature of their C ABI in one place.
 
 The libraries export a plain C ABI (csrc/tb_capi.h): calls return 0 or an error
 code and never throw; `check()` turns a code into a Python exception carrying the
 message the library kept for this thread.
+
+Declared here: the core's exports, which every library has, and the torch bridge's,
+which only `_C` has. The host stand-in's own controls are the tests' business
+(tests/_hostcore.py declares them).
 """
 import ctypes
 import glob
@@ -26,7 +30,16 @@ _c_i64_4 = ctypes.c_int64 * 4
 _c_i64_8 = ctypes.c_int64 * 8
 
 
-def _declare(lib, host):
+def declare(lib, sigs):
+    """Sets restype and argtypes of each `name: (restype, argtypes)` of `sigs` on `lib`."""
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+def _core_signatures():
     i, i64, vp, d, cp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_char_p
     u64, ssz = ctypes.c_uint64, ctypes.c_ssize_t
     sigs = {
@@ -73,35 +86,11 @@ def _declare(lib, host):
         "tb_stats_json": (i64, [i, ctypes.c_char_p, i64]),
         "tb_segments_json": (i64, [i, ctypes.c_char_p, i64]),
     }
-    if host:
-        sigs.update({
-            "tb_host_use": (i, [i, i64, i, i, i64]),
-            "tb_host_stream": (vp, [i]),
-            "tb_host_submit": (None, [vp]),
-            "tb_host_complete": (None, [vp]),
-            "tb_host_used": (i64, [i]),
-            "tb_host_counters": (None, [_c_i64_8]),
-            "tb_host_fail": (i, [cp, i64, d, i, u64]),
-            "tb_host_set_current": (i, [i]),
-            "tb_host_current": (i, []),
-            "tb_host_can_access": (i, [i, vp]),
-            "tb_host_hold_syncs": (i, [i, i]),
-            "tb_host_remove_entry": (i, [cp]),
-            "tb_host_free_at_exit": (None, [vp]),
-            "tb_host_trace": (None, [i, ctypes.c_int64 * 9]),
-            "tb_host_poke": (i, [vp, vp, i64]),
-            "tb_host_peek": (i, [vp, vp, i64]),
-            "tb_host_pinned": (i64, []),
-            "tb_host_capture": (None, [vp, u64, ctypes.POINTER(u64), i]),
-            "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
-        })
-    else:
-        sigs.update({"tb_torch_install": (i, []), "tb_torch_installed": (i, [])})
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-    return lib
+    return sigs
+
+
+# The torch bridge's exports (csrc/bridge), only in _C.
+_BRIDGE = {"tb_torch_install": (ctypes.c_int, []), "tb_torch_installed": (ctypes.c_int, [])}
 
 
 def library_path(name):
@@ -118,14 +107,16 @@ _libs = {}
 
 
 def load(name="_C"):
-    """The library `name` ("_C" serves torch, "_host_core" is the CPU test stand-in)."""
+    """The library `name` ("_C" serves torch; "_host_core" is the core over the CPU tests' stand-in)."""
     lib = _libs.get(name)
     if lib is None:
         if name == "_C":
             import torch  # noqa: F401  (its libraries must be loaded first)
         # RTLD_LOCAL: the library's C++ runtime symbols must not interpose on other
         # libraries' (cuDNN resolved its iostreams into ours under RTLD_GLOBAL).
-        lib = _declare(ctypes.CDLL(library_path(name), mode=ctypes.RTLD_LOCAL), host=name != "_C")
+        lib = declare(ctypes.CDLL(library_path(name), mode=ctypes.RTLD_LOCAL), _core_signatures())
+        if name == "_C":
+            declare(lib, _BRIDGE)
         _libs[name] = lib
     return lib
 
