@@ -8,7 +8,7 @@ import random
 import threading
 
 from _hostcore import OOM, S1, S2, S3, MiB, Host
-from torch_budget._native import TorchBudgetError
+from torch_budget.errors import TorchBudgetError
 
 ROUTES = ("vmm", "pool", "sync")
 

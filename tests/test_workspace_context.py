@@ -19,6 +19,7 @@ import torch
 
 from conftest import MiB
 from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
+from torch_budget.errors import NotWarmedUpError, StateError
 
 LOGGER = "torch_budget.eager_workspace"
 
@@ -79,15 +80,16 @@ def shim(monkeypatch):
 # -- warm-up --------------------------------------------------------------------------------
 
 
-def test_forward_before_warm_up_raises_value_error():
+def test_forward_before_warm_up_raises_not_warmed_up_error_a_value_error():
     meta = WorkspaceMetadata("cpu", reclaimable=True)
-    with pytest.raises(ValueError, match="warm-up must create it"):
+    with pytest.raises(NotWarmedUpError, match="warm-up must create it") as raised:
         with workspace(meta):
             pass
+    assert isinstance(raised.value, ValueError)
 
 
-def test_get_before_warm_up_raises_value_error():
-    with pytest.raises(ValueError, match="warm-up must create it"):
+def test_get_before_warm_up_raises_not_warmed_up_error():
+    with pytest.raises(NotWarmedUpError, match="warm-up must create it"):
         WorkspaceMetadata("cpu").get(1 * MiB)
 
 
@@ -122,7 +124,7 @@ def test_warm_up_rejects_a_workspace_that_is_not_flat_owned_uint8(tensor, proble
 
 def test_second_warm_up_of_one_metadata_is_rejected():
     meta = warmed(1 * MiB)
-    with pytest.raises(RuntimeError, match=rf"already warmed up \(floor {MiB} bytes\)"):
+    with pytest.raises(StateError, match=rf"already warmed up \(floor {MiB} bytes\)"):
         meta.warm_up(2 * MiB)
 
 
@@ -145,7 +147,7 @@ def test_get_rejects_negative_or_non_integer_sizes():
 def test_nested_forward_on_one_workspace_raises_runtime_error():
     meta = warmed()
     with workspace(meta):
-        with pytest.raises(RuntimeError, match="overlapping forwards"):
+        with pytest.raises(StateError, match="overlapping forwards"):
             with workspace(meta):
                 pass
         assert meta.workspace_state.in_forward
@@ -166,7 +168,7 @@ def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
     thread.start()
     try:
         assert inside.wait(10)
-        with pytest.raises(RuntimeError, match="overlapping forwards"):
+        with pytest.raises(StateError, match="overlapping forwards"):
             with workspace(meta):
                 pass
     finally:
@@ -333,7 +335,7 @@ def test_eager_forwards_never_touch_the_graph_workspace():
 def test_rebinding_the_workspace_outside_the_manager_is_reported():
     meta = warmed(1 * MiB)
     meta.workspace = torch.empty(2 * MiB, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="was replaced outside the manager"):
+    with pytest.raises(StateError, match="was replaced outside the manager"):
         with workspace(meta):
             pass
     assert not meta.workspace_state.in_forward

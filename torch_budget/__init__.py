@@ -3,6 +3,7 @@
 A thin facade: names resolve lazily so that `import torch_budget` is cheap and works
 on machines without CUDA.
 """
+from .errors import __all__ as _ERRORS
 
 _EXPORTS = {
     # allocator shim
@@ -16,7 +17,6 @@ _EXPORTS = {
     "route_for": "allocator",
     "segments": "allocator",
     "trim_tag": "allocator",
-    "TorchBudgetError": "allocator",
     "memory_snapshot": "snapshot",
     "dump_snapshot": "snapshot",
     # sleep / wake
@@ -37,6 +37,8 @@ _EXPORTS = {
     "CacheCost": "planner",
     "profile": "planner",
     "plan": "planner",
+    # exceptions
+    **{name: "errors" for name in _ERRORS},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,29 +2,24 @@
 
 The libraries export a plain C ABI (csrc/tb_capi.h): calls return 0 or an error
 code and never throw; `check()` turns a code into a Python exception carrying the
-message the library kept for this thread.
+message the library kept for this thread (the classes of torch_budget.errors).
 
 Declared here: the core's exports, which every library has, and the torch bridge's,
 which only `_C` has. The host stand-in's own controls are the tests' business
 (tests/_hostcore.py declares them).
 """
+from __future__ import annotations
+
 import ctypes
 import glob
 import os
+
+from .errors import DriverError, InvalidArgumentError, NotBuiltError, StateError, TorchBudgetError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # csrc/core/error.h
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE = range(6)
-
-
-class TorchBudgetError(RuntimeError):
-    """A failure inside torch_budget's compiled allocator."""
-
-
-class NotBuiltError(ImportError):
-    """The compiled part was not built (pip install --no-build-isolation -e .)."""
-
 
 _c_i64_4 = ctypes.c_int64 * 4
 _c_i64_8 = ctypes.c_int64 * 8
@@ -129,12 +124,13 @@ def is_built(name="_C"):
     return True
 
 
-def error(lib, code=None):
-    """The exception for the library's last error on this thread."""
+def error(lib, code=None, state=StateError) -> Exception:
+    """The exception for the library's last error on this thread; `state` is the class for a
+    call refused in the current state (TagStateError where the call acts on tags)."""
     code = lib.tb_last_error_code() if code is None else code
     msg = (lib.tb_last_error() or b"").decode(errors="replace") or f"error code {code}"
     if code == INVALID_ARGUMENT:
-        return ValueError(msg)
+        return InvalidArgumentError(msg)
     if code == OUT_OF_MEMORY:
         try:
             import torch
@@ -142,6 +138,10 @@ def error(lib, code=None):
             return torch.cuda.OutOfMemoryError(msg)
         except (ImportError, AttributeError):
             return MemoryError(msg)
+    if code in (DRIVER_ERROR, NOT_AVAILABLE):
+        return DriverError(msg)
+    if code == STATE:
+        return state(msg)
     return TorchBudgetError(msg)
 
 
@@ -160,7 +160,8 @@ def read_json(lib, fn, device):
         size = n + 1
 
 
-def check(lib, rc):
+def check(lib, rc, state=StateError):
+    """Raises the library's error for a non-zero return code `rc` (see error())."""
     if rc != 0:
-        raise error(lib, rc)
+        raise error(lib, rc, state)
     return rc

@@ -1,10 +1,12 @@
 """Checks of user input, with one policy for the whole package.
 
-The wrong type raises TypeError, a value out of range raises ValueError; the message
-names the argument and shows what was given. bool is never accepted as an int.
-Never `assert` (stripped under -O).
+The wrong type raises TypeError, a value out of range raises InvalidArgumentError (a
+ValueError); the message names the argument and shows what was given. bool is never
+accepted as an int. Never `assert` (stripped under -O).
 """
 from __future__ import annotations
+
+from .errors import InvalidArgumentError
 
 
 def is_int(value: object) -> bool:
@@ -24,7 +26,7 @@ def integer(value: object, what: str, *, minimum: int | None = None) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__} ({value!r})")
     value = value.__index__()  # type: ignore[union-attr]
     if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{what} must be >= {minimum}, got {value}")
     return value
 
 
@@ -41,7 +43,7 @@ def number(value: object, what: str, *, minimum: float | None = None) -> float |
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number, got {type(value).__name__} ({value!r})")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{what} must be >= {minimum}, got {value}")
     return value
 
 
@@ -49,5 +51,6 @@ def fraction(value: object, what: str) -> float:
     """A number in (0, 1]."""
     value = number(value, what)
     if not 0 < value <= 1:
-        raise ValueError(f"{what} must be in (0, 1], got {value}")
+        raise InvalidArgumentError(f"{what} must be in (0, 1], got {value}")
     return float(value)
+

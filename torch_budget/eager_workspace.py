@@ -71,6 +71,7 @@ import weakref
 from contextlib import nullcontext
 
 from torch_budget._validate import non_negative_int
+from torch_budget.errors import InvalidArgumentError, NotWarmedUpError, StateError
 
 __all__ = [
     "WORKSPACE_TAG",
@@ -150,7 +151,7 @@ class WorkspaceShrinkPolicy:
         if required < 0:
             _as_bytes("required", required)  # raises, with the package's message
         if capacity < required or capacity < floor:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"capacity {capacity} is below max(required={required}, floor={floor}) bytes: "
                 "a workspace holds at least what its forward used and at least its floor"
             )
@@ -203,14 +204,14 @@ def _describe(meta):
 
 
 def _missing_warm_up(meta):
-    return ValueError(
+    return NotWarmedUpError(
         f"{_describe(meta)} has no eager workspace: warm-up must create it before forwards "
         "use it (call warm_up(meta, nbytes) or meta.warm_up(nbytes)); its capacity becomes the floor"
     )
 
 
 def _replaced(meta):
-    return RuntimeError(
+    return StateError(
         f"the workspace tensor of {_describe(meta)} was replaced outside the manager: grow it "
         "with get() or resize_() of the same tensor, or use a new metadata object for a new workspace"
     )
@@ -275,7 +276,7 @@ class WorkspaceState:
     def __enter__(self):
         if not self._lock.acquire(False):
             meta = self._meta()
-            raise RuntimeError(
+            raise StateError(
                 f"overlapping forwards share the workspace of {_describe(meta)}: a forward is already "
                 "running on it (nested, or in another thread); give each concurrent forward its own metadata"
             )
@@ -402,8 +403,8 @@ _GRAPH_NOOP = _NoWorkspace()
 def workspace(metadata):
     """Context manager around one eager forward: ``with torch_budget.workspace(meta): ...``.
 
-    Raises ValueError if warm-up has not created the eager workspace, RuntimeError when a
-    forward is already running on the same workspace. Does nothing for graph metadata or
+    Raises NotWarmedUpError (a ValueError) if warm-up has not created the eager workspace,
+    StateError (a RuntimeError) when a forward is already running on the same workspace. Does nothing for graph metadata or
     under graph capture. See Note [Eager workspace reclamation].
     """
     if metadata.is_graph_metadata:
@@ -429,7 +430,7 @@ def _check_workspace_tensor(tensor, meta):
     if tensor.requires_grad:
         problems.append("requires_grad=True")
     if problems:
-        raise ValueError(f"{_describe(meta)}.workspace cannot be managed: it has " + ", ".join(problems))
+        raise InvalidArgumentError(f"{_describe(meta)}.workspace cannot be managed: it has " + ", ".join(problems))
 
 
 def _device_hooks(device, meta):
@@ -461,20 +462,20 @@ def warm_up(meta, nbytes=None, device=None):
     import torch
 
     if getattr(meta, "workspace_state", None) is not None:
-        raise RuntimeError(
+        raise StateError(
             f"{_describe(meta)} is already warmed up (floor {meta.workspace_state.floor} bytes); "
             "use a new metadata object for a new workspace"
         )
     if nbytes is None:
         tensor = getattr(meta, "workspace", None)
         if tensor is None:
-            raise ValueError(f"{_describe(meta)} has no workspace to adopt: pass nbytes to allocate one")
+            raise InvalidArgumentError(f"{_describe(meta)} has no workspace to adopt: pass nbytes to allocate one")
     else:
         nbytes = _as_bytes("nbytes", nbytes)
         if device is None:
             device = getattr(meta, "device", None)
         if device is None:
-            raise ValueError(f"{_describe(meta)} has no device: pass device= to warm_up")
+            raise InvalidArgumentError(f"{_describe(meta)} has no device: pass device= to warm_up")
         with _allocation_scope():
             tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
     _check_workspace_tensor(tensor, meta)

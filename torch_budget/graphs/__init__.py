@@ -35,10 +35,11 @@ time (see Note [Static outputs make pool sharing safe]).
 from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .manager import GraphPoolManager
 from .pieces import EagerPiece
-from .pools import PoolInUseError, PoolLedger, PoolReleasedError
+from ..errors import PoolInUseError, PoolReleasedError, StaticBufferRebindError
+from .pools import PoolLedger
 from .runner import GraphRunner
 from .shadows import ShadowRing
-from .static import StaticBufferRebindError, StaticBuffers, StaticInput
+from .static import StaticBuffers, StaticInput
 
 _ShadowRing = ShadowRing  # the name tests/test_graphs_cpu.py imports
 

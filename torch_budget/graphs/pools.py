@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from .._validate import is_int
+from ..errors import PoolInUseError, PoolReleasedError
+
+__all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "pool_key"]
 
 PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() return
-
-
-class PoolInUseError(RuntimeError):
-    """A graph pool was released while graphs still hold it."""
-
-
-class PoolReleasedError(RuntimeError):
-    """A graph pool handle was used after it had been released."""
 
 
 # Note [Pool ownership]

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .._validate import integer, positive_int
+from ..errors import StateError, StaticBufferRebindError
 from .arguments import check_inputs, check_last_outputs, check_pieces, check_pool
 from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .capture import CapturedBucket, capture_bucket
@@ -25,7 +26,6 @@ from .pools import PoolHandle, PoolLedger, pool_key
 from .staging import StaticInputs
 from .static import (
     AxisSize,
-    StaticBufferRebindError,
     StaticBuffers,
     StaticInput,
     inputs_nbytes,
@@ -103,7 +103,7 @@ class GraphRunner:
 
     def _require_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{self._label} is closed")
+            raise StateError(f"{self._label} is closed")
 
     # -- public state -------------------------------------------------------------------
 
@@ -316,12 +316,12 @@ class GraphRunner:
         objects come back for the same (bucket, n), so do not change their shape in place.
         """
         if self._closed:
-            raise RuntimeError(f"{self._label} is closed")
+            raise StateError(f"{self._label} is closed")
         n = self._rows(n)
         chosen = self._choose_bucket(n, bucket)
         captured = self._captured_buckets.get(chosen)
         if captured is None:
-            raise RuntimeError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
+            raise StateError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
         asleep = sys.modules.get("torch_budget.sleep")
         if asleep is not None and asleep.released_tags():
             # A replay into released memory would fault the context: say which tag instead.

@@ -11,12 +11,9 @@ from typing import Union
 import torch
 
 from .._validate import integer, positive_int
+from ..errors import StaticBufferRebindError
 
 AxisSize = Union[int, Callable[[int], int]]
-
-
-class StaticBufferRebindError(TypeError):
-    """A graph-visible buffer was assigned a new tensor instead of being written in place."""
 
 
 # Note [Static buffer layout]

@@ -1,0 +1,53 @@
+"""torch_budget.errors: one root, each class also the builtin it replaced, and the core's error
+codes arriving as the tree's classes (over the host stand-in)."""
+import pytest
+
+import torch_budget
+from _hostcore import MiB, Host, isolated
+from torch_budget import _native, errors
+from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError
+
+BUILTINS = {"InvalidArgumentError": ValueError, "ConfigError": ValueError, "NotWarmedUpError": ValueError,
+            "NotInstalledError": RuntimeError, "InstallError": RuntimeError, "StateError": RuntimeError,
+            "TagStateError": RuntimeError, "PoolInUseError": RuntimeError, "PoolReleasedError": RuntimeError,
+            "DriverError": RuntimeError, "StaticBufferRebindError": TypeError, "NotBuiltError": ImportError}
+
+
+def test_every_exception_has_the_root_and_the_builtin_it_replaces():
+    assert set(errors.__all__) == set(BUILTINS) | {"TorchBudgetError"}
+    for name, builtin in BUILTINS.items():
+        cls = getattr(errors, name)
+        assert issubclass(cls, TorchBudgetError) and issubclass(cls, builtin), name
+    assert issubclass(TagStateError, StateError) and issubclass(errors.ConfigError, InvalidArgumentError)
+    assert not issubclass(TorchBudgetError, (RuntimeError, ValueError, TypeError))
+
+
+def test_the_graph_and_workspace_errors_are_the_trees():
+    from torch_budget import eager_workspace, graphs
+
+    assert graphs.PoolInUseError is errors.PoolInUseError and graphs.PoolReleasedError is errors.PoolReleasedError
+    assert graphs.StaticBufferRebindError is errors.StaticBufferRebindError
+    with pytest.raises(errors.NotWarmedUpError):
+        eager_workspace.WorkspaceMetadata("cpu").get(MiB)
+
+
+def test_the_top_level_exports_the_whole_tree():
+    for name in errors.__all__:
+        assert getattr(torch_budget, name) is getattr(errors, name) and name in torch_budget.__all__, name
+
+
+@pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+@isolated
+def test_core_error_codes_arrive_as_the_trees_classes():
+    host = Host(route="vmm")
+    lib = host.lib
+    with pytest.raises(InvalidArgumentError, match="not allocated by torch_budget"):
+        _native.check(lib, lib.tb_free_checked(0x1234))
+    with pytest.raises(StateError, match="empty route/tag scope"):
+        _native.check(lib, lib.tb_pop_scope())
+    host.push("vmm", "w")
+    host.malloc(MiB)
+    host.pop()
+    host.release("w")
+    with pytest.raises(TagStateError, match="already released"):
+        _native.check(lib, lib.tb_release_tag(0, host.tag("w"), 0), state=TagStateError)
