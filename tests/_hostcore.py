@@ -286,3 +286,38 @@ class Host:
         out = (ctypes.c_int64 * 8)()
         _native.check(self.lib, self.lib.tb_host_pool_stats(out))
         return {"bytes": out[0], "used": out[1], "chunks": out[2], "pinned_at_release": out[3]}
+
+
+class _AsTorchLibrary:
+    """The host core in the place of `_C`: every export of the core, and the torch bridge's
+    two, which the stand-in has no torch for (handing the allocator to torch succeeds)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self._served = False
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def tb_torch_install(self):
+        self._served = True
+        return 0
+
+    def tb_torch_installed(self):
+        return int(self._served)
+
+
+def python_api_over(host):
+    """Points torch_budget's Python layer (install, region, stats, release, ...) at `host`
+    instead of a GPU: `_runtime`'s library is the host core, the current device is the
+    stand-in's, and install() finds torch's allocator replaceable. Module state changes for
+    good, so call it only inside an `isolated` test."""
+    from torch_budget import _runtime
+
+    lib = _AsTorchLibrary(host.lib)
+    if host.current() < 0:  # no context yet: device 0 is current, as in a fresh CUDA process
+        host.set_current(0)
+    _runtime.library = lambda: lib
+    _runtime.current_device = host.current
+    _runtime.check_can_install = lambda: None
+    return lib

@@ -52,7 +52,7 @@ class StandInAllocator(types.ModuleType):
     def __init__(self, installed=True):
         super().__init__("torch_budget.allocator")
         self.is_installed = installed
-        self.scopes = []  # tag of every route() scope entered
+        self.scopes = []  # tag of every region() entered
         self.on_enter = None  # called when a scope is entered
         self.fail = None  # exception to raise when the next scope is entered
 
@@ -60,7 +60,7 @@ class StandInAllocator(types.ModuleType):
         return self.is_installed
 
     @contextlib.contextmanager
-    def route(self, route=None, tag=None):
+    def region(self, tag=None, route=None):
         self.scopes.append(tag)
         if self.on_enter is not None:
             self.on_enter()

@@ -54,3 +54,31 @@ def fraction(value: object, what: str) -> float:
         raise InvalidArgumentError(f"{what} must be in (0, 1], got {value}")
     return float(value)
 
+
+def tag_name(value: object, what: str = "tag") -> str:
+    """A tag name: a non-empty str."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} ({value!r})")
+    if not value:
+        raise InvalidArgumentError(f"{what} must be a non-empty str")
+    return value
+
+
+def tag_names(value: object, what: str = "tags") -> list[str] | None:
+    """None (every tag), a tag name, or an iterable of distinct names, as a list of names."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [tag_name(value, what)]
+    try:
+        names = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{what} must be None, a tag name or an iterable of names, "
+                        f"got {type(value).__name__}") from None
+    if not names:
+        raise InvalidArgumentError(f"{what} must name at least one tag (None means every tag)")
+    for name in names:
+        tag_name(name, f"a tag of {what}")
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"{what} repeat a name: {names!r}")
+    return names

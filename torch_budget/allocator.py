@@ -1,119 +1,222 @@
-"""The allocator front: install(), route/tag scopes, the ledger, torch compatibility.
+"""The allocator front: install(), region scopes, the ledger, the budget.
 
 `install()` swaps torch's CUDA allocator for torch_budget's compiled one. It must run
 before the first CUDA allocation of the process; afterwards torch's own calls
 (memory_stats, memory_allocated, empty_cache, set_per_process_memory_fraction,
 memory_snapshot, CUDA graph capture) answer from torch_budget's ledger. Settings are
-described in torch_budget.config.
+described in torch_budget.config; `device` arguments follow one rule (None: the current
+device; see torch_budget._runtime).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
-from . import _native, config
-from ._native import TorchBudgetError
+from . import _deprecation, _native, _runtime, config
+from ._validate import tag_name, tag_names
+from ._runtime import Device, Tags
+from .diagnostics import Capabilities, capabilities, route_for
+from .errors import ConfigError, InstallError, InvalidArgumentError
+from .units import format_bytes
 
-_lock = threading.Lock()
-_state = {"installed": False, "settings": None}
+__all__ = ["install", "installed", "region", "stats", "empty_cache", "set_budget", "Settings", "Stats",
+           "RouteStats", "TagStats"]
 
-__all__ = ["install", "installed", "route", "stats", "segments", "empty_cache", "trim_tag", "set_budget",
-           "capabilities", "route_for", "TorchBudgetError"]
-
-
-def capabilities(device=0) -> dict:
-    """What the driver offers on `device`: VMM, memory pools, VMM granularity, total bytes."""
-    lib = _native.load()
-    out = (_native.ctypes.c_int64 * 4)()
-    _native.check(lib, lib.tb_capabilities(int(device), out))
-    return {"vmm": bool(out[0]), "pools": bool(out[1]), "granularity": int(out[2]), "total_bytes": int(out[3])}
+_MAP_RUN_DEFAULT = 16 << 20  # the core's longest VMM mapping of one allocation when map_run is not set
 
 
-def route_for(route: str = "vmm", device=0) -> str:
-    """The route an allocation asking for `route` gets on `device` (the core's fallback rule:
-    VMM, else the stream-ordered pool, else synchronous)."""
-    lib = _native.load()
-    got = lib.tb_route_for(int(device), config.ROUTES[config.check_route(route)])
-    if got < 0:
-        raise _native.error(lib, -got)
-    return {v: k for k, v in config.ROUTES.items()}[got]
+class Settings(TypedDict):
+    """What install() put in force."""
+    route: str  # the route device 0 serves by default: vmm, pool or sync
+    budget_bytes: int | None  # a budget in bytes, or None
+    budget_fraction: float | None  # a budget as a fraction of each card, or None (None and None: the card)
+    reuse_before_grow: bool
+    host_pool: int  # bytes of pinned host memory reserved for sleep backups
+    map_run: int  # bytes of the longest VMM mapping one allocation makes
+    capabilities: Capabilities  # of device 0
 
 
-def install(budget=None, route=None, reuse_before_grow=None, host_pool=None, map_run=None) -> dict:
+class RouteStats(TypedDict):
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    count: int
+
+
+class TagStats(TypedDict):
+    allocated: int
+    requested: int
+    peak_allocated: int
+    count: int
+    state: str  # live | released | restoring
+    resident: int  # device bytes mapped behind the tag, graph pools included
+    released: int  # bytes waiting to be restored
+    backup: str | None  # backup mode of the last release
+    backup_bytes: int  # host bytes holding its backup
+
+
+class Stats(TypedDict):
+    """The ledger of one device (torch_budget.stats())."""
+    device: int
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    budget: int | None  # None: the whole card
+    total: int
+    graph_pools: int
+    by_route: dict[str, RouteStats]
+    by_tag: dict[str, TagStats]
+    raw: dict[str, Any]  # every counter the core keeps
+
+
+@dataclass(frozen=True)
+class _Requested:
+    """install()'s settings after parsing, so that two spellings of one setting compare equal."""
+    budget: tuple | None  # ("bytes", n), ("fraction", f) or None (the card); see config.parse_budget
+    route: str  # vmm | pool | sync | auto
+    reuse_before_grow: bool
+    host_pool: int
+    map_run: int
+
+    def shown(self, name: str) -> str:
+        value = getattr(self, name)
+        if name == "budget":
+            if value is None:
+                return "the whole card"
+            kind, amount = value
+            return f"{amount:g} of the card" if kind == "fraction" else f"{format_bytes(amount)} ({amount} bytes)"
+        if name in ("host_pool", "map_run"):
+            return f"{format_bytes(value)} ({value} bytes)"
+        return repr(value)
+
+
+_DEFAULTS = {"budget": None, "route": config.AUTO, "reuse_before_grow": True, "host_pool": 0,
+             "map_run": _MAP_RUN_DEFAULT}
+
+_lock = threading.Lock()  # guards _in_force and _settings: install() runs once
+_in_force: _Requested | None = None
+_settings: Settings | None = None
+
+
+@contextlib.contextmanager
+def _config_errors() -> Iterator[None]:
+    """config's parsers raise ValueError; torch_budget's own class for a refused setting is ConfigError."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _parse_setting(name: str, value, source: str | None = None):
+    """One install() setting, parsed by config's parser for it."""
+    source = source or name
+    with _config_errors():
+        if name == "budget":
+            return config.parse_budget(value, source)
+        if name == "route":
+            return config.check_route(value, source)
+        if name == "host_pool":
+            return config.parse_host_pool(value, source)
+        if name == "map_run":
+            return config.parse_map_run(value, source)
+        return bool(value)
+
+
+def _from_environment() -> dict:
+    with _config_errors():
+        env = config.from_environment()
+    return {name: _parse_setting(name, value, f"{config.ENV_VAR} {name}") for name, value in env.items()}
+
+
+def install(budget: int | float | str | None = None, route: str | None = None, reuse_before_grow: bool | None = None,
+            host_pool: int | str | None = None, map_run: int | str | None = None) -> Settings:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
-    route: "vmm", "pool", "sync" or None/"auto" (VMM > pool > sync by what each device supports).
+    route: "vmm", "pool", "sync" or "auto" (VMM > pool > sync by what each device supports).
     host_pool: bytes (int or "8GiB") of pinned host memory to pin now for sleep backups
-    (torch_budget.reserve_host_pool), so that no release has to pin; None = none yet.
+    (torch_budget.sleep.reserve_host_pool), so that no release has to pin; None = none yet.
     map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
     makes; None = 16 MiB. Shorter packs tighter, longer maps with fewer driver calls.
-    Arguments left None come from TORCH_BUDGET_CONF. Must run before the first CUDA allocation;
-    raises RuntimeError otherwise. Returns the settings in force.
-    """
-    import torch
 
-    env = config.from_environment()
-    budget = env.get("budget") if budget is None else budget
-    parsed = config.parse_budget(budget)
-    route = config.check_route(env.get("route") if route is None else route)
-    reuse = env.get("reuse_before_grow", True) if reuse_before_grow is None else bool(reuse_before_grow)
-    host_bytes = env.get("host_pool", 0) if host_pool is None else config.parse_host_pool(host_pool)
-    run_bytes = env.get("map_run", 0) if map_run is None else config.parse_map_run(map_run)
-    requested = (budget, route, reuse, host_bytes, run_bytes)
+    Arguments left None come from TORCH_BUDGET_CONF, else the defaults. Must run before the
+    first CUDA allocation; raises InstallError otherwise. A later call compares the arguments
+    it gives, after parsing ("60GiB" and 60 << 30 are one budget), with the settings in force:
+    equal ones return those settings, others raise InstallError naming both (the budget can
+    still change with torch_budget.set_budget()). A bad setting raises ConfigError. Returns
+    the settings in force.
+    """
+    global _in_force, _settings
+    given = {"budget": budget, "route": route, "reuse_before_grow": reuse_before_grow, "host_pool": host_pool,
+             "map_run": map_run}
+    asked = {name: _parse_setting(name, value) for name, value in given.items() if value is not None}
     with _lock:
-        if _state["installed"]:
-            if _state["settings"]["requested"] != requested:
-                raise RuntimeError("torch_budget is already installed with other settings; "
-                                   "change the budget with torch_budget.set_budget()")
-            return dict(_state["settings"])
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch_budget.install() needs a CUDA device, and torch sees none")
-        if torch.cuda.is_initialized():
-            raise RuntimeError(
-                "torch's CUDA allocator is already initialised: call torch_budget.install() at process start, "
-                "before the first CUDA tensor is created (and before torch.cuda.init() or any CUDA call)")
-        lib = _native.load()
-        asked = "vmm" if route == config.AUTO else route
+        if _in_force is not None:
+            differ = [name for name, value in asked.items() if getattr(_in_force, name) != value]
+            if differ:
+                wanted = _Requested(**{**vars(_in_force), **asked})
+                raise InstallError(
+                    "torch_budget is already installed with " +
+                    ", ".join(f"{n} {_in_force.shown(n)}" for n in differ) + "; this call asks for " +
+                    ", ".join(f"{n} {wanted.shown(n)}" for n in differ) +
+                    ". The budget can change with torch_budget.set_budget(); the other settings hold for the process")
+            return _settings.copy()
+        wanted = _Requested(**{**_DEFAULTS, **_from_environment(), **asked})
+        _runtime.check_can_install()
+        lib = _runtime.library()
         budget_bytes, fraction = -1, -1.0
-        if parsed is not None:
-            kind, value = parsed
+        if wanted.budget is not None:
+            kind, value = wanted.budget
             budget_bytes, fraction = (value, -1.0) if kind == "bytes" else (-1, value)
-        _native.check(lib, lib.tb_configure(budget_bytes, fraction, config.ROUTES[asked], int(reuse), run_bytes))
+        route_id = config.ROUTES["vmm" if wanted.route == config.AUTO else wanted.route]
+        _native.check(lib, lib.tb_configure(budget_bytes, fraction, route_id, int(wanted.reuse_before_grow),
+                                            wanted.map_run))
         _native.check(lib, lib.tb_torch_install())
-        _state["installed"] = True
-        if host_bytes > 0:
-            _native.check(lib, lib.tb_host_pool_reserve(host_bytes))
-        _state["settings"] = {"route": route_for(asked, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
-                              "budget_fraction": fraction if fraction > 0 else None,
-                              "reuse_before_grow": reuse, "host_pool": host_bytes,
-                              "map_run": run_bytes or (16 << 20),
-                              "capabilities": capabilities(0), "requested": requested}
-        return dict(_state["settings"])
+        _runtime.mark_installed()
+        _in_force = wanted
+        _settings = {"route": route_for(wanted.route, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
+                     "budget_fraction": fraction if fraction > 0 else None,
+                     "reuse_before_grow": wanted.reuse_before_grow, "host_pool": wanted.host_pool,
+                     "map_run": wanted.map_run, "capabilities": capabilities(0)}
+        if wanted.host_pool > 0:
+            _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
+        return _settings.copy()
 
 
 def installed() -> bool:
     """Whether torch_budget serves this process's CUDA allocations."""
-    if not _state["installed"]:
-        return False
-    return bool(_native.load().tb_torch_installed())
+    return _runtime.installed()
+
+
+def _route_id(route) -> int:
+    name = _parse_setting("route", route)
+    return config.ROUTES["vmm" if name == config.AUTO else name]
 
 
 @contextlib.contextmanager
-def route(route=None, tag=None):
-    """Scoped, nestable, per-thread: allocations inside go through `route` and are
-    charged to `tag` (e.g. `with torch_budget.route("vmm", tag="kv"):`).
+def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
+    """`with torch_budget.region("kv"):` charges the allocations inside to tag "kv" (and
+    `route="vmm"` sends them through that route). Scoped, nestable, per thread.
 
-    route=None keeps the enclosing route, tag=None keeps the enclosing tag. Without
-    install() the scope only validates its arguments: torch's allocator is in charge.
+    tag=None keeps the enclosing tag (untagged outside every region); route=None keeps the
+    enclosing route (install()'s default outside). route takes install()'s names: "vmm",
+    "pool", "sync", or "auto" (VMM, else pool, else sync, by what the device supports).
+    Memory under a tag on the VMM route can be released and restored (torch_budget.release).
+    Without install() the scope only checks its arguments: torch's allocator is in charge.
     """
-    route_id = -1 if route is None else config.ROUTES[_known_route(route)]
-    if tag is not None and (not isinstance(tag, str) or not tag):
-        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
-    if not installed():
+    route_id = -1 if route is None else _route_id(route)
+    if tag is not None:
+        tag_name(tag)
+    if not _runtime.installed():
         yield
         return
-    lib = _native.load()
+    lib = _runtime.library()
     tag_id = -1
     if tag is not None:
         tag_id = lib.tb_tag_id(tag.encode())
@@ -126,33 +229,14 @@ def route(route=None, tag=None):
         _native.check(lib, lib.tb_pop_scope())
 
 
-def _known_route(name) -> str:
-    if name not in config.ROUTES:
-        raise ValueError(f"unknown route {name!r}: expected one of {', '.join(config.ROUTES)}")
-    return name
+def route(route: str | None = None, tag: str | None = None) -> contextlib.AbstractContextManager[None]:
+    """Deprecated: `torch_budget.region(tag=..., route=...)`, the tag first."""
+    _deprecation.warn("torch_budget.route()", "write torch_budget.region(tag=..., route=...) (the tag comes first)")
+    return region(tag=tag, route=route)
 
 
-def _device_index(device) -> int:
-    import torch
-
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise ValueError(f"expected a CUDA device, got {device!r}")
-    return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
-def _require_installed(what: str):
-    if not installed():
-        raise RuntimeError(f"{what} needs torch_budget.install() first")
-    return _native.load()
-
-
-def stats(device=None) -> dict:
-    """The ledger of one device.
+def stats(device: Device = None) -> Stats:
+    """The ledger of `device` (None: the current device).
 
     Keys: allocated, reserved, peak_allocated, peak_reserved, budget (None = card),
     total, graph_pools, by_route {name: {allocated, reserved, peak_allocated, count}},
@@ -160,8 +244,8 @@ def stats(device=None) -> dict:
     resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes}},
     raw (every counter). Reserved and the budget count resident memory only.
     """
-    lib = _require_installed("torch_budget.stats()")
-    raw = _native.read_json(lib, lib.tb_stats_json, _device_index(device))
+    lib = _runtime.require_installed("torch_budget.stats()")
+    raw = _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(device))
     return {
         "device": raw["device"],
         "allocated": raw["allocated_bytes"]["all"]["current"],
@@ -183,40 +267,55 @@ def stats(device=None) -> dict:
     }
 
 
-def segments(device=None) -> list:
-    """Every segment torch_budget holds on `device`, with its blocks."""
-    lib = _require_installed("torch_budget.segments()")
-    return _native.read_json(lib, lib.tb_segments_json, _device_index(device))
-
-
-def empty_cache(device=None) -> None:
-    """Returns cached memory of `device` to the driver."""
-    lib = _require_installed("torch_budget.empty_cache()")
-    _native.check(lib, lib.tb_empty_cache(_device_index(device)))
-
-
-def trim_tag(tag: str, device=None) -> int:
-    """Gives the cached memory of `tag`'s own VMM pool on `device` back to the driver at
-    once (after waiting for the streams its freed blocks were used on). Returns the bytes
-    returned; 0 for a tag never used on the VMM route."""
-    lib = _require_installed("torch_budget.trim_tag()")
-    tag_id = lib.tb_tag_find(tag.encode()) if isinstance(tag, str) else -1
+def _trim(lib, device: int, tag: str) -> int:
+    """Empties `tag`'s own VMM pool on `device`; the bytes given back (0 for a tag never on VMM)."""
+    tag_id = lib.tb_tag_find(tag.encode())
     if tag_id < 0:
-        raise ValueError(f"unknown tag {tag!r}")
+        raise InvalidArgumentError(f"unknown tag {tag!r}: no memory was ever allocated or scoped under it")
     out = _native.ctypes.c_int64()
-    _native.check(lib, lib.tb_trim_tag(_device_index(device), tag_id, _native.ctypes.byref(out)))
+    _native.check(lib, lib.tb_trim_tag(device, tag_id, _native.ctypes.byref(out)))
     return int(out.value)
 
 
-def set_budget(budget, device=None) -> None:
-    """Sets the hard budget of `device` (bytes, "40GiB" or a fraction of the card).
+def empty_cache(device: Device = None, tags: Tags = None) -> None:
+    """Returns cached memory of `device` (None: the current device; "all": every device) to
+    the driver. With `tags` (a name or names; None: every cache), only those tags' own VMM
+    pools are emptied, after waiting for the streams their freed blocks were used on."""
+    lib = _runtime.require_installed("torch_budget.empty_cache()")
+    names = tag_names(tags)
+    for dev in _runtime.device_indices(lib, device):
+        if names is None:
+            _native.check(lib, lib.tb_empty_cache(dev))
+        else:
+            for name in names:
+                _trim(lib, dev, name)
 
-    Raises ValueError when it is below what is allocated now.
+
+def trim_tag(tag: str, device: Device = None) -> int:
+    """Deprecated: torch_budget.empty_cache(tags=tag, device=device). Returns the bytes returned."""
+    _deprecation.warn("torch_budget.trim_tag()", "write torch_budget.empty_cache(tags=tag, device=device)")
+    lib = _runtime.require_installed("torch_budget.empty_cache()")
+    return _trim(lib, _runtime.device_index(device), tag_name(tag))
+
+
+def set_budget(budget: int | float | str, device: Device = None) -> None:
+    """Sets the hard budget of `device` (None: the current device; "all": every device):
+    bytes, "40GiB" or a fraction of the card.
+
+    Raises ConfigError for a budget that cannot be read, InvalidArgumentError (both
+    ValueErrors) when it is below what is allocated now.
     """
-    lib = _require_installed("torch_budget.set_budget()")
-    parsed = config.parse_budget(budget)
+    lib = _runtime.require_installed("torch_budget.set_budget()")
+    parsed = _parse_setting("budget", budget)
     if parsed is None:
-        raise ValueError("budget must be given")
+        raise ConfigError("budget must be given: bytes, a size such as \"40GiB\", or a fraction of the card")
     kind, value = parsed
     bytes_, fraction = (value, -1.0) if kind == "bytes" else (-1, value)
-    _native.check(lib, lib.tb_set_budget(_device_index(device), bytes_, fraction))
+    for dev in _runtime.device_indices(lib, device):
+        _native.check(lib, lib.tb_set_budget(dev, bytes_, fraction))
+
+
+__getattr__ = _deprecation.moved_names("torch_budget.allocator", {
+    "segments": ("torch_budget.diagnostics", "segments"),
+    "TorchBudgetError": ("torch_budget.errors", "TorchBudgetError"),
+})

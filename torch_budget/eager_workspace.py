@@ -179,7 +179,7 @@ class WorkspaceShrinkPolicy:
 
 
 def _allocation_scope():
-    """The scope to allocate workspace memory in: the shim's route charging tag "workspace"
+    """The scope to allocate workspace memory in: the shim's region charging tag "workspace"
     when the shim is installed, else a no-op.
 
     `install()` lives in torch_budget.allocator, so the shim can only be installed if that
@@ -189,14 +189,14 @@ def _allocation_scope():
     allocator = sys.modules.get("torch_budget.allocator")
     if allocator is None:
         return _NO_SCOPE
-    return allocator.route(tag=WORKSPACE_TAG) if allocator.installed() else _NO_SCOPE
+    return allocator.region(WORKSPACE_TAG) if allocator.installed() else _NO_SCOPE
 
 
 def _return_to_device(device):
     """Hands the workspace tag's freed memory back to the driver (installed allocator only)."""
     allocator = sys.modules.get("torch_budget.allocator")
     if allocator is not None and allocator.installed() and device.type == "cuda":
-        allocator.trim_tag(WORKSPACE_TAG, device)
+        allocator.empty_cache(device, tags=WORKSPACE_TAG)
 
 
 def _describe(meta):

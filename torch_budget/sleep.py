@@ -1,6 +1,6 @@
 """Sleep and wake: release the device memory behind tags and restore it at the same addresses.
 
-Memory allocated under a tag on the VMM route (`with torch_budget.route(tag="weights"):`)
+Memory allocated under a tag on the VMM route (`with torch_budget.region("weights"):`)
 lives in that tag's own address ranges. `release(tags)` gives its physical memory back to
 the driver while the ranges stay reserved, so every tensor, view and captured CUDA graph
 that points into them stays valid; `restore(tags)` maps new memory at the same addresses
@@ -8,68 +8,85 @@ and, when a backup was asked for, copies the contents back. Graph pools captured
 tag are released and restored with it.
 
 Backups (`backup=`):
-  "none"    contents are undefined after restore (a KV cache about to be refilled);
-  "memset"  zeros after restore;
+  "pinned"  contents copied to the pinned host pool (reserve_host_pool), the fast path; the default;
   "cpu"     contents copied to pageable host memory;
-  "pinned"  contents copied to the pinned host pool (reserve_host_pool), the fast path.
+  "memset"  zeros after restore;
+  "none"    contents are undefined after restore (a KV cache about to be refilled).
+The default keeps contents: losing them must be asked for.
+
+Arguments, as everywhere in the package: `tags=None` is every tag (untagged memory is
+never released), `device=None` the current device and `device="all"` every device
+torch_budget serves.
 
 Rules: release waits for the device's queued work, then returns only once the memory is back
-with the driver (`torch.cuda.mem_get_info` shows it). Allocating under a released tag, releasing
-a released tag or restoring a live one raises. A restore that fails half-way (out of memory,
-a driver failure) gives back what it mapped, keeps the backup, leaves the tag released and
-raises; a later restore can succeed. Tagged memory on the pool or sync routes cannot be
-released: the error names the route.
+with the driver (`torch.cuda.mem_get_info` shows it). Releasing a released tag or restoring a
+live one raises TagStateError before anything is done; allocating under a released tag
+raises. A restore that fails half-way (out of memory, a driver failure) gives back what it
+mapped, keeps the backup, leaves the tag released and raises; a later restore can succeed.
+Tagged memory on the pool or sync routes cannot be released: the error names the route.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Iterator
+from typing import TypedDict
 
-from . import _native, allocator
-from ._validate import non_negative_int
+from . import _native, _runtime
+from ._runtime import Device, Tags
+from ._validate import non_negative_int, tag_names
+from .errors import InvalidArgumentError, TagStateError
 
-__all__ = ["BACKUPS", "release", "restore", "sleeping", "tag_states", "released_tags", "reserve_host_pool",
-           "free_host_pool", "host_pool_stats"]
+__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "tag_states", "released_tags",
+           "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport", "TagState",
+           "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
+DEFAULT_BACKUP = "pinned"
 STATES = ("live", "released", "restoring")
+_LIVE, _RELEASED = 0, 1
+
+
+class _Report(TypedDict):
+    tags: list[str]  # the tags acted on
+    devices: list[int]  # the devices acted on
+    bytes: int  # device bytes given back to the driver (release) or mapped again (restore)
+    backup_bytes: int  # host bytes the backups took (release) or were copied back from (restore)
+    seconds: float
+
+
+class SleepReport(_Report, total=False):
+    """What release() and restore() did; sleeping() adds the restore's report under "restore"."""
+    restore: _Report
+
+
+class TagState(TypedDict):
+    state: str  # live | released | restoring
+    resident: int  # device bytes mapped behind the tag, graph pools included
+    released: int  # bytes waiting to be restored
+    backup: str | None  # mode of the last release
+    backup_bytes: int  # host bytes held
+
+
+class HostPoolStats(TypedDict):
+    bytes: int  # pinned bytes held
+    used: int  # bytes holding backups
+    chunks: int  # pinned allocations
+    pinned_at_release: int  # bytes pinned during a release because the pool was too small
+    pin_seconds: float  # time spent pinning
+
 
 # Tags released anywhere in this process (name -> backup): a cheap check for graph replays.
 _released: dict[str, str] = {}
 
 
-def _tag_names(tags) -> list[str]:
-    if isinstance(tags, str):
-        tags = [tags]
-    try:
-        names = list(tags)
-    except TypeError:
-        raise TypeError(f"tags must be a tag name or an iterable of names, got {type(tags).__name__}") from None
-    if not names:
-        raise ValueError("tags must name at least one tag")
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"a tag must be a non-empty str, got {name!r}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"tags repeat a name: {names!r}")
-    return names
-
-
-def _tag_ids(lib, names) -> list[int]:
-    ids = []
-    for name in names:
-        tag = lib.tb_tag_find(name.encode())
-        if tag < 0:
-            raise ValueError(f"unknown tag {name!r}: no memory was ever allocated or scoped under it")
-        if tag == 0:
-            raise ValueError("untagged memory cannot be released; allocate it under a tag")
-        ids.append(tag)
-    return ids
-
-
-def _ready_devices(lib) -> list[int]:
-    """The devices torch_budget serves allocations on."""
-    return [d for d in range(max(lib.tb_device_count(), 0)) if lib.tb_device_ready(d)]
+def _tag_id(lib, name: str) -> int:
+    tag = lib.tb_tag_find(name.encode())
+    if tag < 0:
+        raise InvalidArgumentError(f"unknown tag {name!r}: no memory was ever allocated or scoped under it")
+    if tag == 0:
+        raise InvalidArgumentError("untagged memory cannot be released; allocate it under a tag")
+    return tag
 
 
 def _info(lib, device, tag) -> tuple[int, ...]:
@@ -84,29 +101,46 @@ def _life(lib, device, tag) -> int:
     return _info(lib, device, tag)[0]
 
 
-def _targets(lib, device, ids, names, life) -> list[tuple[int, int]]:
-    """(device, tag) pairs to act on. An explicit device: every tag there (the core refuses a
-    tag in the wrong state). None: each device where the tag is in state `life`; a tag in
-    that state nowhere is an error, so nothing is released or restored twice."""
-    if device is not None:
-        dev = allocator._device_index(device)
-        return [(dev, tag) for tag in ids]
-    devices = _ready_devices(lib)
-    pairs = []
-    for tag, name in zip(ids, names):
-        here = [(dev, tag) for dev in devices if _life(lib, dev, tag) == life]
+def _targets(lib, tags, device, life: int) -> list[tuple[int, int, str]]:
+    """(device, tag id, name) to act on, each checked to be in state `life` before anything is
+    done, so that nothing is released or restored twice.
+
+    tags=None: every tag in that state on the devices. Named tags on one device: each must be
+    in that state there (TagStateError otherwise). Named tags with device="all": each device
+    where the tag is in that state; a tag in that state nowhere is a TagStateError."""
+    devices = _runtime.device_indices(lib, device)
+    names = tag_names(tags)
+    if names is None:
+        targets = []
+        for dev in devices:
+            for name in _native.read_json(lib, lib.tb_stats_json, dev)["tags"]:
+                tag = lib.tb_tag_find(name.encode())
+                if tag > 0 and _life(lib, dev, tag) == life:
+                    targets.append((dev, tag, name))
+        return targets
+    ids = [(_tag_id(lib, name), name) for name in names]
+    verb, want = ("release", "live") if life == _LIVE else ("restore", "released")
+    if not _runtime.is_all(device):
+        dev = devices[0]
+        for tag, name in ids:
+            now = _life(lib, dev, tag)
+            if now != life:
+                raise TagStateError(f"tag {name!r} is {STATES[now]} on device {dev}; {verb} needs it {want}")
+        return [(dev, tag, name) for tag, name in ids]
+    targets = []
+    for tag, name in ids:
+        here = [(dev, tag, name) for dev in devices if _life(lib, dev, tag) == life]
         if not here:
-            wrong = "live on every device" if life == 1 else "already released (or restoring) on every device"
-            raise _native.TorchBudgetError(f"tag {name!r} is {wrong} that torch_budget serves")
-        pairs += here
-    return sorted(pairs)
+            raise TagStateError(f"tag {name!r} is {want} on no device torch_budget serves; {verb} needs it {want}")
+        targets += here
+    return sorted(targets)
 
 
 def _backup_id(backup) -> int:
     if not isinstance(backup, str):
         raise TypeError(f"backup must be a str, got {type(backup).__name__}")
     if backup not in BACKUPS:
-        raise ValueError(f"unknown backup {backup!r}: expected one of {', '.join(BACKUPS)}")
+        raise InvalidArgumentError(f"unknown backup {backup!r}: expected one of {', '.join(BACKUPS)}")
     return BACKUPS[backup]
 
 
@@ -115,114 +149,136 @@ def _moved(lib, device, tag) -> tuple[int, int]:
     return _info(lib, device, tag)[4:6]
 
 
-def release(tags, backup: str = "none", device=None) -> dict:
-    """Releases the device memory of `tags` (a name or names) on `device` (None: every
-    device torch_budget serves where the tag is live). Returns {"tags", "devices", "bytes"
-    (returned to the driver), "backup_bytes", "seconds"}. All or nothing: when one tag cannot
-    be released, the ones this call released before it are restored and the error raised.
-    """
-    lib = allocator._require_installed("torch_budget.release()")
-    names = _tag_names(tags)
-    mode = _backup_id(backup)
-    ids = _tag_ids(lib, names)
-    pairs = _targets(lib, device, ids, names, life=0)
+def _report(targets, moved: int, backed: int, start: float) -> SleepReport:
+    return {"tags": sorted({name for _, _, name in targets}), "devices": sorted({d for d, _, _ in targets}),
+            "bytes": moved, "backup_bytes": backed, "seconds": time.perf_counter() - start}
+
+
+def _release(lib, targets, backup: str) -> SleepReport:
+    mode = BACKUPS[backup]
     start = time.perf_counter()
     moved = backed = 0
-    done: list[tuple[int, int]] = []
+    done: list[tuple[int, int, str]] = []
     try:
-        for dev, tag in pairs:
-            _native.check(lib, lib.tb_release_tag(dev, tag, mode))
-            done.append((dev, tag))
+        for dev, tag, name in targets:
+            _native.check(lib, lib.tb_release_tag(dev, tag, mode), state=TagStateError)
+            done.append((dev, tag, name))
             b, k = _moved(lib, dev, tag)
             moved, backed = moved + b, backed + k
     except BaseException:
-        for dev, tag in reversed(done):
+        for dev, tag, _ in reversed(done):
             with contextlib.suppress(Exception):
                 lib.tb_restore_tag(dev, tag)
         raise
-    for name in names:
+    for _, _, name in targets:
         _released[name] = backup
-    return {"tags": names, "devices": sorted({d for d, _ in pairs}), "bytes": moved, "backup_bytes": backed,
-            "seconds": time.perf_counter() - start}
+    return _report(targets, moved, backed, start)
 
 
-def restore(tags, device=None) -> dict:
-    """Maps memory back behind `tags` at the addresses they had (on `device`; None: every
-    device where the tag is released) and copies their backups in. Returns the same keys as
-    release(). Raises (tag left released, backup kept) when the memory cannot be had; the
-    tags restored before the failure stay restored."""
-    lib = allocator._require_installed("torch_budget.restore()")
-    names = _tag_names(tags)
-    ids = _tag_ids(lib, names)
-    pairs = _targets(lib, device, ids, names, life=1)
+def _restore(lib, targets) -> SleepReport:
     start = time.perf_counter()
     moved = backed = 0
-    for dev, tag in pairs:
-        _native.check(lib, lib.tb_restore_tag(dev, tag))
+    for dev, tag, _ in targets:
+        _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
         b, k = _moved(lib, dev, tag)
         moved, backed = moved + b, backed + k
-    for tag, name in zip(ids, names):
-        if all(_life(lib, dev, tag) == 0 for dev in _ready_devices(lib)):
+    served = _runtime.served_devices(lib)
+    for _, tag, name in targets:
+        if all(_life(lib, dev, tag) == _LIVE for dev in served):
             _released.pop(name, None)
-    return {"tags": names, "devices": sorted({d for d, _ in pairs}), "bytes": moved, "backup_bytes": backed,
-            "seconds": time.perf_counter() - start}
+    return _report(targets, moved, backed, start)
+
+
+def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None) -> SleepReport:
+    """Releases the device memory of `tags` (a name or names; None: every live tag) on
+    `device` (None: the current device; "all": every device where the tag is live), backing
+    the contents up as `backup` says (default "pinned": contents kept). Returns {"tags",
+    "devices", "bytes" (returned to the driver), "backup_bytes", "seconds"}.
+
+    All or nothing: a tag in the wrong state raises TagStateError before anything is
+    released; when a release fails, the ones this call did before it are restored and the
+    error raised.
+    """
+    lib = _runtime.require_installed("torch_budget.release()")
+    _backup_id(backup)
+    return _release(lib, _targets(lib, tags, device, _LIVE), backup)
+
+
+def restore(tags: Tags = None, device: Device = None) -> SleepReport:
+    """Maps memory back behind `tags` (a name or names; None: every released tag) at the
+    addresses they had, on `device` (None: the current device; "all": every device where the
+    tag is released), and copies their backups in. Returns the same keys as release().
+
+    A tag that is not released raises TagStateError before anything is restored. Raises (tag
+    left released, backup kept) when the memory cannot be had; the tags restored before the
+    failure stay restored.
+    """
+    lib = _runtime.require_installed("torch_budget.restore()")
+    return _restore(lib, _targets(lib, tags, device, _RELEASED))
 
 
 @contextlib.contextmanager
-def sleeping(tags, backup: str = "pinned", device=None):
-    """`with torch_budget.sleeping("weights"):` releases on entry and restores on exit (also
-    when the body raises). Yields the release report; the restore report is added under
-    "restore" on exit."""
-    report = release(tags, backup=backup, device=device)
+def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None) -> Iterator[SleepReport]:
+    """`with torch_budget.sleeping("weights"):` releases on entry (as release(), same
+    arguments and defaults) and restores exactly what it released on exit, also when the
+    body raises. Yields the release report; the restore report is added under "restore"."""
+    lib = _runtime.require_installed("torch_budget.sleeping()")
+    _backup_id(backup)
+    targets = _targets(lib, tags, device, _LIVE)
+    report = _release(lib, targets, backup)
     try:
         yield report
     finally:
-        report["restore"] = restore(tags, device=device)
+        report["restore"] = _restore(lib, targets)
 
 
-def tag_states(device=None) -> dict:
-    """Every tag on `device` -> {"state": live | released | restoring, "resident" (device
-    bytes mapped behind it, graph pools included), "released" (bytes waiting to be
-    restored), "backup" (mode of the last release or None), "backup_bytes" (host bytes
-    held)}."""
-    lib = allocator._require_installed("torch_budget.tag_states()")
-    raw = _native.read_json(lib, lib.tb_stats_json, allocator._device_index(device))
+def tag_states(device: Device = None) -> dict[str, TagState]:
+    """Every tag on `device` (None: the current device) -> {"state": live | released |
+    restoring, "resident" (device bytes mapped behind it, graph pools included), "released"
+    (bytes waiting to be restored), "backup" (mode of the last release or None),
+    "backup_bytes" (host bytes held)}. The same entries are in torch_budget.stats()["by_tag"]."""
+    lib = _runtime.require_installed("torch_budget.sleep.tag_states()")
+    raw = _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(device))
     return {name: {"state": t["state"], "resident": t["resident"], "released": t["released"],
                    "backup": t["backup"], "backup_bytes": t["backup_bytes"]}
             for name, t in raw["tags"].items()}
 
 
-def check_awake(device, pool=None, tensors=()) -> None:
-    """Raises TorchBudgetError naming the tag when graph pool `pool` (a (id0, id1) pair) or
-    the memory of `tensors` on `device` belongs to a released tag: a replay there would
-    touch unmapped memory. Graph runners call it while any tag is released."""
-    lib = allocator._require_installed("torch_budget.sleep.check_awake()")
-    dev = allocator._device_index(device)
+def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: Iterable = ()) -> None:
+    """Raises TagStateError naming the tag when graph pool `pool` (a (id0, id1) pair) or the
+    memory of `tensors` on `device` belongs to a released tag: a replay there would touch
+    unmapped memory. Graph runners call it before a replay while any tag is released; it
+    returns at once while none is."""
+    if not _released:
+        return
+    lib = _runtime.require_installed("torch_budget.sleep.check_awake()")
+    dev = _runtime.device_index(device)
     tags = set()
     if pool is not None:
         tags.add((lib.tb_pool_tag(dev, int(pool[0]), int(pool[1])), "its graph pool"))
     for t in tensors:
         tags.add((lib.tb_ptr_tag(_native.ctypes.c_void_p(t.untyped_storage().data_ptr())), "a static buffer"))
     for tag, what in sorted(tags, key=lambda x: x[0]):
-        life = _life(lib, dev, tag) if tag > 0 else 0
-        if life == 0:
+        life = _life(lib, dev, tag) if tag > 0 else _LIVE
+        if life == _LIVE:
             continue
         name = next((n for n in tag_states(dev) if lib.tb_tag_find(n.encode()) == tag), str(tag))
-        raise _native.TorchBudgetError(
+        raise TagStateError(
             f"{what} belongs to tag {name!r}, which is {STATES[life]} on device {dev}: "
             f"torch_budget.restore({name!r}) before replaying")
 
 
-def released_tags() -> dict:
+def released_tags() -> dict[str, str]:
     """Tags released anywhere in this process -> their backup mode (no driver call)."""
     return dict(_released)
 
 
-def reserve_host_pool(nbytes) -> int:
+def reserve_host_pool(nbytes: int) -> int:
     """Pins host memory now so that pinned backups never pin at release time; grows the
-    pool to at least `nbytes` (it never shrinks here). Returns the pool's size in bytes."""
+    pool to at least `nbytes` (it never shrinks here). Returns the pool's size in bytes.
+    install(host_pool=...) does the same at install."""
     nbytes = non_negative_int(nbytes, "nbytes")
-    lib = _native.load()
+    lib = _runtime.library()
     _native.check(lib, lib.tb_host_pool_reserve(nbytes))
     return host_pool_stats()["bytes"]
 
@@ -230,16 +286,16 @@ def reserve_host_pool(nbytes) -> int:
 def free_host_pool() -> int:
     """Unpins every part of the pinned host pool that holds no backup. Returns the bytes
     still pinned (held by released tags)."""
-    lib = _native.load()
+    lib = _runtime.library()
     _native.check(lib, lib.tb_host_pool_free())
     return host_pool_stats()["bytes"]
 
 
-def host_pool_stats() -> dict:
+def host_pool_stats() -> HostPoolStats:
     """{"bytes": pinned bytes held, "used": bytes holding backups, "chunks": pinned
     allocations, "pinned_at_release": bytes that had to be pinned during a release because
     the pool was too small, "pin_seconds": time spent pinning}."""
-    lib = _native.load()
+    lib = _runtime.library()
     out = (_native.ctypes.c_int64 * 8)()
     _native.check(lib, lib.tb_host_pool_stats(out))
     return {"bytes": int(out[0]), "used": int(out[1]), "chunks": int(out[2]), "pinned_at_release": int(out[3]),

@@ -1,0 +1,220 @@
+"""The public Python API (install, region, stats, empty_cache, set_budget, release, restore,
+sleeping) over the host stand-in: each test installs into a forked child whose torch_budget
+serves the host core instead of a GPU (_hostcore.python_api_over)."""
+import pytest
+
+import torch_budget
+from _hostcore import GiB, MiB, Host, isolated, python_api_over
+from torch_budget import _native, sleep
+from torch_budget.errors import (ConfigError, InstallError, InvalidArgumentError, NotInstalledError,
+                                 TagStateError)
+
+pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+
+
+def _installed_host(devices=1, **install):
+    host = Host(configure=False, devices=devices)
+    python_api_over(host)
+    torch_budget.install(**{"route": "vmm", **install})
+    return host
+
+
+def _tagged(host, tag, nbytes, fill=None, device=0):
+    with torch_budget.region(tag):
+        p = host.malloc(nbytes, stream=host.stream(device), device=device)
+    if fill is not None:
+        assert host.poke(p, fill * 4096)
+    return p
+
+
+@isolated
+def test_region_charges_its_allocations_to_its_tag_and_route():
+    host = _installed_host()
+    with torch_budget.region("kv", route="sync"):
+        host.malloc(3 * MiB)
+        with torch_budget.region(route="vmm"):  # the tag is kept, the route changes
+            host.malloc(2 * MiB)
+    st = torch_budget.stats()
+    assert st["by_tag"]["kv"]["allocated"] == 5 * MiB
+    assert st["by_route"]["sync"]["allocated"] == 3 * MiB and st["by_route"]["vmm"]["allocated"] == 2 * MiB
+
+
+@isolated
+def test_install_and_region_take_the_same_routes_through_one_validator():
+    host = _installed_host(route="auto")
+    with torch_budget.region("a", route="auto"):  # the first route the device supports, as in install()
+        host.malloc(MiB)
+    assert torch_budget.stats()["by_route"]["vmm"]["allocated"] == MiB
+    for bad in ("fast", "AUTO"):
+        with pytest.raises(ConfigError, match=f"unknown route '{bad}'"):
+            with torch_budget.region("a", route=bad):
+                pass
+        with pytest.raises(ConfigError, match=f"unknown route '{bad}'"):
+            torch_budget.install(route=bad)
+
+
+def test_region_checks_its_tag_without_install():
+    with pytest.raises(TypeError, match="tag must be a str"):
+        with torch_budget.region(5):
+            pass
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        with torch_budget.region(""):
+            pass
+    with torch_budget.region("kv", route="pool"):  # torch's allocator is in charge: nothing to do
+        pass
+
+
+@isolated
+def test_a_repeat_install_compares_settings_after_parsing():
+    _installed_host(budget="64MiB", map_run="4MiB")
+    first = torch_budget.install(budget=64 << 20, map_run=4 * MiB)  # other spellings, same settings
+    assert first["budget_bytes"] == 64 * MiB and first["map_run"] == 4 * MiB
+    assert torch_budget.install() == first  # asks nothing, so nothing differs
+    assert torch_budget.install(route="vmm", reuse_before_grow=True) == first
+    with pytest.raises(InstallError) as raised:
+        torch_budget.install(budget="32MiB", route="vmm")
+    message = str(raised.value)
+    assert "already installed with budget 64.0 MiB (67108864 bytes)" in message, message
+    assert "this call asks for budget 32.0 MiB (33554432 bytes)" in message, message
+    assert "set_budget" in message and "route" not in message.split("set_budget")[0], message
+    assert isinstance(raised.value, RuntimeError)
+
+
+@isolated
+def test_a_bad_setting_raises_config_error_naming_it():
+    Host(configure=False)
+    with pytest.raises(ConfigError, match="map_run"):
+        torch_budget.install(map_run="1MiB")
+    with pytest.raises(ValueError, match="budget"):  # a ConfigError is a ValueError
+        torch_budget.install(budget="lots")
+
+
+@isolated
+def test_release_and_restore_act_on_the_current_device_unless_told_all():
+    host = _installed_host(devices=2)
+    on0 = _tagged(host, "w", 4 * MiB, fill=b"a", device=0)
+    host.set_current(1)
+    on1 = _tagged(host, "w", 2 * MiB, fill=b"b", device=1)
+    report = torch_budget.release("w")  # the current device: 1
+    assert (report["devices"], report["bytes"]) == ([1], 2 * MiB), report
+    assert sleep.tag_states(device=0)["w"]["state"] == "live" and sleep.tag_states()["w"]["state"] == "released"
+    with pytest.raises(TagStateError, match="'w' is released on device 1; release needs it live"):
+        torch_budget.release("w")
+    torch_budget.restore("w")
+    report = torch_budget.release("w", device="all")
+    assert report["devices"] == [0, 1] and report["bytes"] == 6 * MiB, report
+    assert torch_budget.restore("w", device="all")["devices"] == [0, 1]
+    # The default backup kept the contents.
+    assert host.peek(on0, 4096) == b"a" * 4096 and host.peek(on1, 4096) == b"b" * 4096
+
+
+@isolated
+def test_tags_none_is_every_tag_and_untagged_memory_stays():
+    host = _installed_host()
+    _tagged(host, "weights", 4 * MiB)
+    _tagged(host, "kv", 2 * MiB)
+    host.malloc(MiB)
+    report = torch_budget.release()
+    assert report["tags"] == ["kv", "weights"] and report["bytes"] == 6 * MiB, report
+    assert torch_budget.stats()["by_tag"]["untagged"]["allocated"] == MiB
+    assert torch_budget.release()["tags"] == []  # nothing is live any more
+    assert torch_budget.restore()["tags"] == ["kv", "weights"]
+    assert {n: s["state"] for n, s in sleep.tag_states().items() if n != "untagged"} == {"kv": "live", "weights": "live"}
+
+
+@isolated
+def test_release_keeps_contents_by_default_as_sleeping_does():
+    host = _installed_host()
+    p = _tagged(host, "weights", 4 * MiB, fill=b"w")
+    assert torch_budget.release("weights")["backup_bytes"] >= 4096
+    assert sleep.released_tags() == {"weights": "pinned"}
+    torch_budget.restore("weights")
+    assert host.peek(p, 4096) == b"w" * 4096
+    with torch_budget.sleeping("weights") as report:
+        assert report["backup_bytes"] >= 4096
+    assert host.peek(p, 4096) == b"w" * 4096 and report["restore"]["tags"] == ["weights"]
+
+
+@isolated
+def test_sleeping_restores_exactly_what_it_released():
+    host = _installed_host()
+    _tagged(host, "kv", 2 * MiB)
+    _tagged(host, "weights", 4 * MiB)
+    torch_budget.release("kv", backup="none")
+    with torch_budget.sleeping() as report:  # every live tag: weights
+        assert report["tags"] == ["weights"]
+    states = sleep.tag_states()
+    assert states["weights"]["state"] == "live" and states["kv"]["state"] == "released", states
+
+
+@isolated
+def test_a_tag_in_the_wrong_state_raises_before_anything_is_released():
+    host = _installed_host()
+    kv = _tagged(host, "kv", 2 * MiB, fill=b"k")
+    _tagged(host, "weights", 4 * MiB)
+    torch_budget.release("weights")
+    with pytest.raises(TagStateError, match="'weights' is released"):
+        torch_budget.release(["kv", "weights"], backup="none")
+    assert sleep.tag_states()["kv"]["state"] == "live" and host.peek(kv, 4096) == b"k" * 4096
+    with pytest.raises(TagStateError, match="'kv' is live on device 0; restore needs it released"):
+        torch_budget.restore(["weights", "kv"])
+    assert sleep.tag_states()["weights"]["state"] == "released"
+    with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
+        torch_budget.release("nope")
+    with pytest.raises(InvalidArgumentError, match="unknown backup 'disk'"):
+        torch_budget.release("kv", backup="disk")
+
+
+@isolated
+def test_empty_cache_with_tags_empties_only_their_pools():
+    host = _installed_host()
+    kv, w = _tagged(host, "kv", 4 * MiB), _tagged(host, "weights", 4 * MiB)
+    host.free(kv)
+    host.free(w)
+    host.complete(host.stream())
+    def resident():
+        return {tag: torch_budget.stats()["by_tag"][tag]["resident"] for tag in ("kv", "weights")}
+
+    assert resident() == {"kv": 4 * MiB, "weights": 4 * MiB}
+    torch_budget.empty_cache(tags="kv")
+    assert resident() == {"kv": 0, "weights": 4 * MiB}
+    torch_budget.empty_cache(device="all")
+    assert resident() == {"kv": 0, "weights": 0}
+    with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
+        torch_budget.empty_cache(tags=["nope"])
+
+
+@isolated
+def test_set_budget_takes_every_spelling_and_all_devices():
+    host = _installed_host(devices=2)
+    host.free(host.malloc(MiB, stream=host.stream(1), device=1))  # device 1 is served from here on
+    torch_budget.set_budget("1GiB")
+    assert torch_budget.stats()["budget"] == GiB
+    torch_budget.set_budget(512 * MiB, device="all")
+    assert torch_budget.stats(0)["budget"] == torch_budget.stats("cuda:1")["budget"] == 512 * MiB
+    with pytest.raises(ConfigError):
+        torch_budget.set_budget(None)
+    host.malloc(8 * MiB)
+    with pytest.raises(ValueError):
+        torch_budget.set_budget(4 * MiB)
+
+
+@isolated
+def test_device_all_is_refused_where_a_call_reads_one_device():
+    _installed_host()
+    for read in (torch_budget.stats, sleep.tag_states, torch_budget.diagnostics.segments):
+        with pytest.raises(InvalidArgumentError, match="reads one device"):
+            read(device="all")
+    with pytest.raises(InvalidArgumentError, match="CUDA device"):
+        torch_budget.stats("cpu")
+    with pytest.raises(TypeError):
+        torch_budget.stats(True)
+
+
+def test_calls_that_need_install_say_so():
+    for call, name in ((torch_budget.stats, "stats"), (torch_budget.release, "release"),
+                       (torch_budget.restore, "restore"), (torch_budget.empty_cache, "empty_cache")):
+        with pytest.raises(NotInstalledError, match=rf"torch_budget.{name}\(\) needs torch_budget.install\(\) first"):
+            call()
+    with pytest.raises(RuntimeError):  # what it raised before it had its own class
+        torch_budget.set_budget("1GiB")
