@@ -13,8 +13,8 @@ from torch_budget.graphs import (
     PoolLedger,
     PoolReleasedError,
     StaticBufferRebindError,
+    ShadowRing,
     StaticInput,
-    _ShadowRing,
     pad_to_bucket,
     resolve_buckets,
 )
@@ -414,7 +414,7 @@ class _FakeFence:
 
 def _drive_ring(slots, steps):
     log, clock = [], [0]
-    ring = _ShadowRing(slots, lambda: _FakeFence(log, clock))
+    ring = ShadowRing(slots, lambda: _FakeFence(log, clock))
     used = []
     for k in range(steps):
         clock[0] = k
@@ -452,7 +452,7 @@ def test_one_shadow_slot_is_a_plain_fence_on_the_previous_step():
 
 def test_a_slot_waited_on_is_not_waited_on_again_until_recorded():
     log, clock = [], [0]
-    ring = _ShadowRing(1, lambda: _FakeFence(log, clock))
+    ring = ShadowRing(1, lambda: _FakeFence(log, clock))
     ring.release(ring.acquire(), stream=None)
     ring.acquire()  # waits; the step then fails before its replay, so nothing is recorded
     ring.acquire()
@@ -460,7 +460,7 @@ def test_a_slot_waited_on_is_not_waited_on_again_until_recorded():
 
 
 def test_ring_without_fences_only_rotates():
-    ring = _ShadowRing(2, None)
+    ring = ShadowRing(2, None)
     assert not ring.fenced
     assert [ring.acquire() for _ in range(3)] == [0, 1, 0]
     ring.release(0, stream=None)  # nothing to record on a CPU device

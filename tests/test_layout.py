@@ -56,3 +56,38 @@ def test_the_package_import_graph_has_no_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_module_reads_another_modules_private_names():
+    """Modules talk through public names: no `from .x import _y`, no `x._y` on a module of the
+    package, no lookup of package modules in sys.modules."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        text = path.read_text()
+        if "sys.modules" in text:
+            found.append(f"{name}: sys.modules")
+        tree = ast.parse(text)
+        bound = {}  # local name -> module of the package
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                for a in node.names:
+                    if f"{base}.{a.name}" in modules:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in modules and base != name and _private(a.name):
+                        found.append(f"{name}: from {base} import {a.name}")
+            elif isinstance(node, ast.Import):
+                bound.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and _private(node.attr)):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not found, found

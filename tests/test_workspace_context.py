@@ -3,21 +3,20 @@ depend on the device (warm-up first, no overlapping forwards, graph metadata lef
 reclamation off for good after a stream change, shrinking by reallocation of pure scratch).
 
 Streams are simulated through the metadata's `stream_fn` hook, the documented way to tell
-streams apart on a device torch_budget cannot query; the allocator shim through a stand-in
-module that records its routing scopes.
+streams apart on a device torch_budget cannot query; the installed allocator through a
+stand-in that records its regions.
 """
 
 import contextlib
 import logging
-import sys
 import threading
-import types
 import weakref
 
 import pytest
 import torch
 
 from conftest import MiB
+from torch_budget import _runtime, allocator
 from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
 from torch_budget.errors import NotWarmedUpError, StateError
 
@@ -46,18 +45,21 @@ def warnings_from(caplog):
     return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
 
 
-class StandInAllocator(types.ModuleType):
-    """Stands in for torch_budget.allocator: records each routing scope and what it saw."""
+class StandInAllocator:
+    """Stands in for an installed torch_budget.allocator: records each region and what it saw."""
 
     def __init__(self, installed=True):
-        super().__init__("torch_budget.allocator")
         self.is_installed = installed
         self.scopes = []  # tag of every region() entered
-        self.on_enter = None  # called when a scope is entered
-        self.fail = None  # exception to raise when the next scope is entered
+        self.emptied = []  # tags of every empty_cache(tags=...)
+        self.on_enter = None  # called when a region is entered
+        self.fail = None  # exception to raise when the next region is entered
 
     def installed(self):
         return self.is_installed
+
+    def empty_cache(self, device=None, tags=None):
+        self.emptied.append(tags)
 
     @contextlib.contextmanager
     def region(self, tag=None, route=None):
@@ -72,9 +74,11 @@ class StandInAllocator(types.ModuleType):
 
 @pytest.fixture
 def shim(monkeypatch):
-    allocator = StandInAllocator()
-    monkeypatch.setitem(sys.modules, "torch_budget.allocator", allocator)
-    return allocator
+    stand_in = StandInAllocator()
+    monkeypatch.setattr(_runtime, "installed", stand_in.installed)
+    monkeypatch.setattr(allocator, "region", stand_in.region)
+    monkeypatch.setattr(allocator, "empty_cache", stand_in.empty_cache)
+    return stand_in
 
 
 # -- warm-up --------------------------------------------------------------------------------

@@ -65,13 +65,17 @@ enough: growing it there would take the new storage from the graph's private poo
 
 import functools
 import logging
-import sys
 import threading
 import weakref
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
+from torch_budget import _runtime, allocator
 from torch_budget._validate import non_negative_int
 from torch_budget.errors import InvalidArgumentError, NotWarmedUpError, StateError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "WORKSPACE_TAG",
@@ -179,23 +183,14 @@ class WorkspaceShrinkPolicy:
 
 
 def _allocation_scope():
-    """The scope to allocate workspace memory in: the shim's region charging tag "workspace"
-    when the shim is installed, else a no-op.
-
-    `install()` lives in torch_budget.allocator, so the shim can only be installed if that
-    module was imported; looking in sys.modules avoids importing (and loading the compiled
-    shim) just to learn that nothing is installed.
-    """
-    allocator = sys.modules.get("torch_budget.allocator")
-    if allocator is None:
-        return _NO_SCOPE
-    return allocator.region(WORKSPACE_TAG) if allocator.installed() else _NO_SCOPE
+    """The scope to allocate workspace memory in: a region charging tag "workspace" when
+    torch_budget is installed, else a no-op (installed() loads nothing before install())."""
+    return allocator.region(WORKSPACE_TAG) if _runtime.installed() else _NO_SCOPE
 
 
 def _return_to_device(device):
     """Hands the workspace tag's freed memory back to the driver (installed allocator only)."""
-    allocator = sys.modules.get("torch_budget.allocator")
-    if allocator is not None and allocator.installed() and device.type == "cuda":
+    if device.type == "cuda" and _runtime.installed():
         allocator.empty_cache(device, tags=WORKSPACE_TAG)
 
 
@@ -220,7 +215,8 @@ def _replaced(meta):
 class WorkspaceState:
     """Per-workspace state of the manager, and the context manager `workspace()` returns.
 
-    Created by `warm_up` and stored in ``meta.workspace_state``; treat it as opaque. One object
+    Created by `warm_up` and stored in ``meta.workspace_state``; read it through its properties
+    (`get` grows the workspace through `grow`). One object
     is reused for every forward of its workspace, so entering a forward allocates nothing.
 
     Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
@@ -369,6 +365,25 @@ class WorkspaceState:
         if getattr(meta, "return_to_device", True):
             _return_to_device(device)
 
+    def grow(self, tensor, nbytes):
+        """Raise the logical size of the workspace `tensor` to `nbytes`, growing its storage
+        when it is short (what `get` does past the current size)."""
+        meta = self._meta()
+        if tensor is not self._tensor:
+            raise _replaced(meta)
+        if nbytes > self._capacity:
+            with _allocation_scope():
+                if meta.reclaimable:
+                    # Pure scratch: release the old storage before allocating the new one, so growth
+                    # never holds both (and copies nothing); every view shares this storage object.
+                    storage = tensor.untyped_storage()
+                    storage.resize_(0)
+                    storage.resize_(nbytes)
+                else:
+                    tensor.resize_(nbytes)  # a stateful backend's staged contents are copied over
+            self._capacity = tensor.untyped_storage().nbytes()
+        tensor.resize_(nbytes)
+
     def _disable(self, meta, why):
         self._disabled = True
         _log.warning(
@@ -400,12 +415,13 @@ class _NoWorkspace:
 _GRAPH_NOOP = _NoWorkspace()
 
 
-def workspace(metadata):
+def workspace(metadata) -> "AbstractContextManager[None]":
     """Context manager around one eager forward: ``with torch_budget.workspace(meta): ...``.
 
     Raises NotWarmedUpError (a ValueError) if warm-up has not created the eager workspace,
-    StateError (a RuntimeError) when a forward is already running on the same workspace. Does nothing for graph metadata or
-    under graph capture. See Note [Eager workspace reclamation].
+    StateError (a RuntimeError) when a forward is already running on the same workspace.
+    Does nothing for graph metadata or under graph capture. See Note [Eager workspace
+    reclamation].
     """
     if metadata.is_graph_metadata:
         return _GRAPH_NOOP
@@ -451,7 +467,7 @@ def _device_hooks(device, meta):
     return stream_fn, capturing
 
 
-def warm_up(meta, nbytes=None, device=None):
+def warm_up(meta, nbytes=None, device=None) -> "torch.Tensor":
     """Create the eager workspace of `meta`; its capacity becomes the floor. Returns it.
 
     With `nbytes`, allocates a workspace of that many bytes on `device` (default
@@ -486,7 +502,7 @@ def warm_up(meta, nbytes=None, device=None):
     return tensor
 
 
-def get(meta, nbytes):
+def get(meta, nbytes) -> "torch.Tensor":
     """Return a `nbytes` uint8 view of the shared eager workspace, growing it if needed.
 
     Every layer of a forward asks for its own need; the one storage grows to the largest
@@ -499,29 +515,11 @@ def get(meta, nbytes):
     if tensor is None:
         raise _missing_warm_up(meta)
     if nbytes > tensor.numel():
-        _grow(meta, tensor, nbytes)
+        state = getattr(meta, "workspace_state", None)
+        if state is None:
+            raise _missing_warm_up(meta)
+        state.grow(tensor, nbytes)
     return tensor[:nbytes]
-
-
-def _grow(meta, tensor, nbytes):
-    """Raise the logical size of `tensor` to `nbytes`, growing its storage when it is short."""
-    state = getattr(meta, "workspace_state", None)
-    if state is None:
-        raise _missing_warm_up(meta)
-    if tensor is not state._tensor:
-        raise _replaced(meta)
-    if nbytes > state._capacity:
-        with _allocation_scope():
-            if meta.reclaimable:
-                # Pure scratch: release the old storage before allocating the new one, so growth
-                # never holds both (and copies nothing); every view shares this storage object.
-                storage = tensor.untyped_storage()
-                storage.resize_(0)
-                storage.resize_(nbytes)
-            else:
-                tensor.resize_(nbytes)  # a stateful backend's staged contents are copied over
-        state._capacity = tensor.untyped_storage().nbytes()
-    tensor.resize_(nbytes)
 
 
 class WorkspaceMetadata:

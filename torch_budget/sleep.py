@@ -38,8 +38,8 @@ from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "tag_states", "released_tags",
-           "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport", "TagState",
-           "HostPoolStats"]
+           "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
+           "TagState", "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
 DEFAULT_BACKUP = "pinned"
@@ -247,8 +247,8 @@ def tag_states(device: Device = None) -> dict[str, TagState]:
 def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: Iterable = ()) -> None:
     """Raises TagStateError naming the tag when graph pool `pool` (a (id0, id1) pair) or the
     memory of `tensors` on `device` belongs to a released tag: a replay there would touch
-    unmapped memory. Graph runners call it before a replay while any tag is released; it
-    returns at once while none is."""
+    unmapped memory. Graph runners call it before a replay while any tag is released
+    (any_released); it returns at once while none is."""
     if not _released:
         return
     lib = _runtime.require_installed("torch_budget.sleep.check_awake()")
@@ -271,6 +271,11 @@ def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: It
 def released_tags() -> dict[str, str]:
     """Tags released anywhere in this process -> their backup mode (no driver call)."""
     return dict(_released)
+
+
+def any_released() -> bool:
+    """Whether any tag is released anywhere in this process (no driver call; for hot paths)."""
+    return bool(_released)
 
 
 def reserve_host_pool(nbytes: int) -> int:

@@ -41,8 +41,6 @@ from .runner import GraphRunner
 from .shadows import ShadowRing
 from .static import StaticBuffers, StaticInput
 
-_ShadowRing = ShadowRing  # the name tests/test_graphs_cpu.py imports
-
 __all__ = [
     "BucketRule",
     "EagerPiece",
@@ -51,6 +49,7 @@ __all__ = [
     "PoolInUseError",
     "PoolLedger",
     "PoolReleasedError",
+    "ShadowRing",
     "StaticBufferRebindError",
     "StaticBuffers",
     "StaticInput",

@@ -9,7 +9,6 @@ manager that made it for the pool to capture into (RunnerOwner).
 from __future__ import annotations
 
 import bisect
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ import torch
 
 from .._validate import integer, positive_int
 from ..errors import StateError, StaticBufferRebindError
+from ..sleep import any_released, check_awake
 from .arguments import check_inputs, check_last_outputs, check_pieces, check_pool
 from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .capture import CapturedBucket, capture_bucket
@@ -322,10 +322,9 @@ class GraphRunner:
         captured = self._captured_buckets.get(chosen)
         if captured is None:
             raise StateError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
-        asleep = sys.modules.get("torch_budget.sleep")
-        if asleep is not None and asleep.released_tags():
+        if any_released():
             # A replay into released memory would fault the context: say which tag instead.
-            asleep.check_awake(self.device, self._pool and pool_key(self._pool), self._ins.device_buffers())
+            check_awake(self.device, self._pool and pool_key(self._pool), self._ins.device_buffers())
         slot = self._ins.stage(chosen, n, data)
         plan = captured.plans[slot]
         plan.first.replay()
