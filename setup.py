@@ -116,6 +116,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_budget", "torch_budget.*"]),
+    package_data={"torch_budget": ["py.typed"]},  # type annotations are part of the API (PEP 561)
     python_requires=">=3.10",
     # torch is not pinned: the extension is built against, and runs with, the torch already installed.
     install_requires=["torch"],
