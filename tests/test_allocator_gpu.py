@@ -132,7 +132,7 @@ def every_route_serves_torch(route):
     assert all(torch.equal(y, x + x) for x, y in zip(xs, ys))
     st = torch_budget.stats()
     assert st["by_route"][route]["allocated"] == st["allocated"] > 0, st["by_route"]
-    with torch_budget.route("sync", tag="side"):
+    with torch_budget.region("side", route="sync"):
         z = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
     st = torch_budget.stats()
     assert st["by_tag"]["side"]["allocated"] == 4 * MiB
@@ -250,7 +250,7 @@ def torch_mempool_allocations_land_in_a_private_pool_and_return():
     with torch.cuda.use_mem_pool(pool):
         x = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
     y = torch.empty(24 * MiB, dtype=torch.uint8, device="cuda")
-    owners = {tuple(s["pool"]) for s in torch_budget.allocator.segments() if s["allocated_size"]}
+    owners = {tuple(s["pool"]) for s in torch_budget.diagnostics.segments() if s["allocated_size"]}
     assert len(owners) == 2 and (0, 0) in owners, owners
     assert torch_budget.stats()["graph_pools"] >= 24 * MiB
     assert pool.use_count() == 1

@@ -121,7 +121,7 @@ def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
             pass
 
     stats = run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(),
-                               torch.device("cpu"), torch_budget.route)
+                               torch.device("cpu"), torch_budget.region)
     assert stats["generated"] == sum(r.new_tokens for r in requests)
     assert stats["deferred"], "the small cache should have made a request wait for KV blocks"
     assert cache.free_blocks == cache.num_blocks - 1, "every block comes back when its request finishes"
@@ -240,7 +240,7 @@ def test_demo_sleep_without_a_gpu_says_the_step_is_skipped(tmp_path):
 def test_sleep_step_without_torch_budget_says_why_it_is_skipped(capsys):
     from torch_budget.demo.sleep_wake import sleep_wake
 
-    sleep_wake(torch, None, "native", model=None, cache=None, runner=None, meta=None, device=None, route=None)
+    sleep_wake(torch, None, "native", model=None, cache=None, runner=None, meta=None, device=None, region=None)
     assert "skipped: torch_budget is not installed" in capsys.readouterr().out
 
 
@@ -280,7 +280,7 @@ def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(mod
 
     def serve():
         return serve_prompts(torch, settings, model, cache, EagerRunner(), _warm_meta(3), torch.device("cpu"),
-                             torch_budget.route)
+                             torch_budget.region)
 
     before = serve()
     assert len(before) == min(PROMPTS, settings.requests)
@@ -292,7 +292,7 @@ def test_a_kv_pool_restored_without_backup_serves_the_same_tokens_once_reset(mod
     cache.v.fill_(float("nan"))
     requests = make_requests(settings, TINY.vocab)[:len(before)]
     run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(), torch.device("cpu"),
-                 torch_budget.route)
+                 torch_budget.region)
     assert [r.out for r in requests] != before
 
 
@@ -347,7 +347,7 @@ def test_sleep_step_serves_the_same_tokens_or_fails_naming_the_difference(model,
 
     def run():
         step.sleep_wake(torch, settings, "torch_budget", model=own, cache=cache, runner=EagerRunner(),
-                        meta=_warm_meta(3), device=torch.device("cpu"), route=torch_budget.route)
+                        meta=_warm_meta(3), device=torch.device("cpu"), region=torch_budget.region)
 
     if lose_backup:
         with pytest.raises(demo.DemoError, match="sleep/wake changed the served tokens"):

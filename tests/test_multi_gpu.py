@@ -132,7 +132,7 @@ def tensors_on_the_second_device_are_shared_with_a_consumer_process():
 
     def make():
         tensors = {"vmm": torch.full((5 * MiB + 3,), 4, dtype=torch.uint8, device="cuda:1")}
-        with torch_budget.route("sync"):
+        with torch_budget.region(route="sync"):
             tensors["sync"] = torch.full((4096,), 6, dtype=torch.int32, device="cuda:1")
         fills = {"vmm": 4, "sync": 6}
         return tensors, fills

@@ -63,19 +63,19 @@ def process_a(meet):
     torch_budget.install()
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch_budget.route(tag="weights"):
+    with torch_budget.region("weights"):
         weights = [torch.randn(4096, 4096, device="cuda", generator=gen).div_(64) for _ in range(16)]  # 1 GiB
-    with torch_budget.route(tag="kv"):
+    with torch_budget.region("kv"):
         kv = torch.randn(256, 1 << 20, device="cuda", generator=gen)                                   # 1 GiB
     x = torch.randn(64, 4096, device="cuda", generator=gen)
     rows = torch.randint(0, 256, (32,), device="cuda", generator=gen)
     torch.cuda.synchronize()
     spare_bytes = (free_bytes() - HEADROOM) // (2 * MiB) * (2 * MiB)
     assert spare_bytes > 4 * GiB, f"too little free device memory for this test ({spare_bytes / GiB:.1f} GiB spare)"
-    with torch_budget.route(tag="spare"):
+    with torch_budget.region("spare"):
         spare = [torch.full((min(CHUNK, spare_bytes - at),), 0xA5, dtype=torch.uint8, device="cuda")
                  for at in range(0, spare_bytes, CHUNK)]
-    torch_budget.reserve_host_pool(torch_budget.tag_states()["weights"]["resident"])
+    torch_budget.sleep.reserve_host_pool(torch_budget.sleep.tag_states()["weights"]["resident"])
 
     def outputs():
         h = x
@@ -102,7 +102,7 @@ def process_a(meet):
     # max(), not count_nonzero(): a reduction that casts would need far more than the headroom.
     dirty = [i for i, s in enumerate(spare) if int(s.max()) != 0]
     assert not dirty, f"spare chunks {dirty} are not zero after the memset restore (B's data showing through?)"
-    assert torch_budget.host_pool_stats()["pinned_at_release"] == 0, torch_budget.host_pool_stats()
+    assert torch_budget.sleep.host_pool_stats()["pinned_at_release"] == 0, torch_budget.sleep.host_pool_stats()
     print(f"A restored {released / GiB:.1f} GiB: outputs identical")
 
 

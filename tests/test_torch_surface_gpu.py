@@ -44,10 +44,10 @@ def branchy_model():
 MODELS = {"mlp": mlp_model, "branchy": branchy_model}
 # A test parameter names the scope each compiled step runs in.
 SCOPES = {"torch.no_grad()": lambda: torch.no_grad(),
-          "torch_budget.route(tag='graphs')": lambda: torch_budget.route(tag='graphs')}
+          "torch_budget.region('graphs')": lambda: torch_budget.region('graphs')}
 
 
-@pytest.mark.parametrize("scope", ["torch.no_grad()", "torch_budget.route(tag='graphs')"])
+@pytest.mark.parametrize("scope", ["torch.no_grad()", "torch_budget.region('graphs')"])
 @pytest.mark.parametrize("model", ["mlp", "branchy"])
 def test_reduce_overhead_matches_eager_over_twenty_steps(fresh, model, scope):
     out = fresh(reduce_overhead_matches_eager_over_twenty_steps, model, scope, timeout=600)
@@ -156,7 +156,7 @@ def history_snapshot_has_segments_blocks_with_frames_and_every_action():
     keep = make_small()                                   # noqa: F841  (a live block with frames)
     dead = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
     del dead
-    with torch_budget.route("sync"):
+    with torch_budget.region(route="sync"):
         s = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
     del s
     side = torch.cuda.Stream()
@@ -431,7 +431,7 @@ def tensors_shared_from_each_route_are_read_and_written_by_a_consumer(consumer_i
     def make():
         tensors = {}
         tensors["vmm"] = torch.full((3 * MiB + 5,), 7, dtype=torch.uint8, device="cuda")
-        with torch_budget.route("sync"):
+        with torch_budget.region(route="sync"):
             tensors["sync"] = torch.full((1000,), 9, dtype=torch.int32, device="cuda")
         if not consumer_installed:
             tensors.pop("vmm")                      # torch's own allocator opens only its own formats
@@ -441,7 +441,7 @@ def tensors_shared_from_each_route_are_read_and_written_by_a_consumer(consumer_i
     def extra():
         pooled = None
         try:
-            with torch_budget.route("pool"):
+            with torch_budget.region(route="pool"):
                 pooled = torch.ones(100, device="cuda")
             if torch_budget.stats()["by_route"]["pool"]["count"] > 0:
                 pooled.untyped_storage()._share_cuda_()
@@ -480,11 +480,11 @@ def memory_snapshot_names_each_blocks_route_and_tag():
     torch_budget.install()
     import os, pickle, tempfile
     from torch.cuda import _memory_viz
-    with torch_budget.route(tag="kv"):
+    with torch_budget.region("kv"):
         kv = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-    with torch_budget.route("sync", tag="weights"):
+    with torch_budget.region("weights", route="sync"):
         w = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
-    snap = torch_budget.memory_snapshot()
+    snap = torch_budget.snapshot.snapshot()
     found = {}
     for seg in snap["segments"]:
         address = seg["address"]
@@ -494,7 +494,7 @@ def memory_snapshot_names_each_blocks_route_and_tag():
             address += b["size"]
     assert found == {kv.data_ptr(): ("vmm", "kv"), w.data_ptr(): ("sync", "weights")}, found
     with tempfile.TemporaryDirectory() as tmp:
-        torch_budget.dump_snapshot(os.path.join(tmp, "s.pickle"))
+        torch_budget.snapshot.dump_snapshot(os.path.join(tmp, "s.pickle"))
         with open(os.path.join(tmp, "s.pickle"), "rb") as f:
             _memory_viz.segment_plot(pickle.load(f))
     print("names ok")

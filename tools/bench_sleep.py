@@ -61,7 +61,7 @@ class Weights:
 
     def __init__(self, torch, torch_budget, sizes, tag, seed):
         self.torch, self.tag, self.seed, self.sizes = torch, tag, seed, sizes
-        with torch_budget.route(tag=tag):
+        with torch_budget.region(tag):
             self.tensors = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
         self.refill()
         self.sums, self.samples = self.checks()
@@ -140,7 +140,7 @@ def engines_way(torch, tb, bench):
 
     def restore():
         for i, host in enumerate(backups):
-            with tb.route(tag="engines"):
+            with tb.region("engines"):
                 t = torch.empty(host.numel(), dtype=host.dtype, device="cuda")
             t.copy_(host)
             torch.cuda.synchronize()
@@ -175,13 +175,13 @@ def run(torch, tb, total, repeat):
     sizes = tensor_sizes(total)
     bench.weights = Weights(torch, tb, sizes, "weights", seed=1)
     bench.engines = Weights(torch, tb, sizes, "engines", seed=1)
-    with tb.route(tag="baseline"):
+    with tb.region("baseline"):
         bench.device = torch.empty(total, dtype=torch.uint8, device="cuda")
     bench.host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     bench.host.fill_(1)
-    resident = tb.tag_states()["weights"]["resident"]
+    resident = tb.sleep.tag_states()["weights"]["resident"]
     start = time.perf_counter()
-    pool = tb.reserve_host_pool(resident)
+    pool = tb.sleep.reserve_host_pool(resident)
     reserve_s = time.perf_counter() - start
     print(f"{len(sizes)} tensors of {min(sizes) / MiB:.0f} to {max(sizes) / MiB:.0f} MiB, {total / GiB:.2f} GiB "
           f"({resident / GiB:.2f} GiB resident); host pool {pool / GiB:.2f} GiB pinned in {reserve_s:.2f} s")
@@ -282,7 +282,7 @@ def main(argv=None):
         print(f"bench_sleep: {e}")
         print("RESULT bench_sleep failed=contents")
         return 1
-    report(medians, total, tb.host_pool_stats(), emptied, args.repeat)
+    report(medians, total, tb.sleep.host_pool_stats(), emptied, args.repeat)
     return 0
 
 

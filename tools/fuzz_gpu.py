@@ -142,7 +142,7 @@ def run(seed, n, installed, faults, skip, share, without=()):
                     continue
                 with torch.cuda.stream(streams[s]):
                     if installed and under_tag:
-                        with tb.route("vmm", tag="fuzz"):
+                        with tb.region("fuzz", route="vmm"):
                             t = torch.empty(n_el, dtype=torch.int32, device=dev)
                     else:
                         t = torch.empty(n_el, dtype=torch.int32, device=dev)
@@ -179,7 +179,7 @@ def run(seed, n, installed, faults, skip, share, without=()):
                 kw = {}
                 if op[2] == "shared" and "shared" in graphs:
                     kw["pool"] = graphs["shared"].pool()
-                ctx = tb.route("vmm", tag="fuzz_graphs") if installed and op[2] == "tagged" else _Null()
+                ctx = tb.region("fuzz_graphs", route="vmm") if installed and op[2] == "tagged" else _Null()
                 g = torch.cuda.CUDAGraph()
                 with ctx, torch.cuda.graph(g, **kw):
                     out = t * 2 + 5

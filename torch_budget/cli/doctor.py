@@ -48,7 +48,7 @@ def doctor_text(settings: dict) -> str:
         return "\n".join(lines)
     if not built:
         return "\n".join(lines)
-    from torch_budget import allocator
+    from torch_budget import diagnostics
 
     lib = _native.load()
     n = lib.tb_device_count()
@@ -56,11 +56,11 @@ def doctor_text(settings: dict) -> str:
         lines.append(f"driver        {_native.error(lib)}")
         return "\n".join(lines)
     for i in range(n):
-        caps = allocator.capabilities(i)
+        caps = diagnostics.capabilities(i)
         lines.append(
             f"device {i}      {torch.cuda.get_device_name(i)}: {caps['total_bytes'] / GiB:.1f} GiB, "
             f"VMM {'yes' if caps['vmm'] else 'no'} (granularity {caps['granularity'] >> 20} MiB), "
-            f"memory pools {'yes' if caps['pools'] else 'no'}; install() route: {allocator.route_for('vmm', i)}")
+            f"memory pools {'yes' if caps['pools'] else 'no'}; install() route: {diagnostics.route_for('vmm', i)}")
     return "\n".join(lines)
 
 

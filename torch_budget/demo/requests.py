@@ -79,7 +79,7 @@ def make_requests(settings: Settings, vocab: int) -> list:
     return requests
 
 
-def run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, route) -> dict:
+def run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region) -> dict:
     """Continuous batching: admit requests into free cache rows while KV blocks last (a request
     that does not fit waits for blocks; it is deferred, never failed), prefill each eagerly inside
     the workspace context, then run one replayed decode step over rows 0..highest live row.
@@ -119,7 +119,7 @@ def run_requests(torch, settings, model, cache, runner, meta, requests, watch, d
                 queue.popleft()
                 row = active.index(None)
                 capacity = meta.capacity
-                with route(tag=TAG_ACTIVATIONS):
+                with region(TAG_ACTIVATIONS):
                     ids = req.prompt.to(device)[None]
                     with workspace_scope(meta):
                         logits = prefill(model, ids, cache, [row], scratch=meta, last_only=True)

@@ -48,7 +48,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     from torch_budget.planner.shape import kv_cache_cost, parameter_count
     from torch_budget.report import measure
 
-    route = torch_budget.route
+    region = torch_budget.region
     installed = mode == "torch_budget"
     steps = 10 if settings.sleep else 9
 
@@ -68,7 +68,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # 1. Weights, charged to their own tag.
     _step(1, "weights")
     before = measure.read(device, installed)
-    with route(tag=TAG_WEIGHTS):
+    with region(TAG_WEIGHTS):
         model = DemoModel(cfg, device=device, seed=settings.seed)
     weights = measure.read(device, installed).allocated - before.allocated
     print(f"  {_fmt(weights)} allocated for parameters and buffers")
@@ -86,11 +86,11 @@ def serve(torch, settings: Settings, mode: str) -> None:
     gen = torch.Generator().manual_seed(settings.seed + 1)
 
     def dummy_prefill():
-        with route(tag=TAG_KV):
+        with region(TAG_KV):
             est_cache = PagedKVCache(cfg, num_blocks=-(-settings.max_prompt // BLOCK_SIZE) + 1, max_batch=1,
                                      block_size=BLOCK_SIZE, device=device)
         estimation["kv"] = est_cache.nbytes + est_cache.block_tables.nbytes
-        with route(tag=TAG_ACTIVATIONS):
+        with region(TAG_ACTIVATIONS):
             ids = torch.randint(0, cfg.vocab, (1, settings.max_prompt), generator=gen).to(device)
             with workspace_scope(meta):
                 return prefill(model, ids, est_cache, [0], scratch=meta, last_only=True)
@@ -105,11 +105,11 @@ def serve(torch, settings: Settings, mode: str) -> None:
     _step(4, f"measuring the decode graphs (buckets {settings.buckets}) with a throw-away cache")
     manager = GraphPoolManager(device)  # one manager, so the real capture reuses the probe's capture stream
     start = measure.read(device, installed)
-    with route(tag=TAG_KV):
+    with region(TAG_KV):
         probe_cache = PagedKVCache(cfg, num_blocks=2, max_batch=settings.max_batch, block_size=BLOCK_SIZE,
                                    device=device)
     before = measure.read(device, installed)
-    with route(tag=TAG_GRAPHS):
+    with region(TAG_GRAPHS):
         probe = decode_runner(manager, "decode-probe", model, probe_cache, settings.buckets)
         t0 = time.perf_counter()
         probe.capture()
@@ -155,7 +155,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     _step(6, "allocating the KV pool from the plan")
     before = measure.read(device, installed)
     try:
-        with route(tag=TAG_KV):
+        with region(TAG_KV):
             cache = PagedKVCache.from_budget(cfg, plan.kv_bytes, max_batch=settings.max_batch,
                                              block_size=BLOCK_SIZE, device=device)
     except ValueError as e:
@@ -168,7 +168,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # serves capture from its private pools).
     _step(7, "capturing the decode graphs")
     before = measure.read(device, installed)
-    with route(tag=TAG_GRAPHS):
+    with region(TAG_GRAPHS):
         runner = decode_runner(manager, "decode", model, cache, settings.buckets)
         runner.capture()
     after = measure.read(device, installed)
@@ -185,7 +185,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     torch.cuda.reset_peak_memory_stats(device)
     watch = measure.DeviceWatch(device)
     watch.sample()
-    stats = run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, route)
+    stats = run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region)
     torch.cuda.synchronize(device)
     watch.sample()
     peak_allocated = int(torch.cuda.max_memory_allocated(device))
@@ -233,5 +233,5 @@ def serve(torch, settings: Settings, mode: str) -> None:
     if settings.sleep:
         _step(10, "sleep and wake: release the weights, KV pool and decode graphs, restore them, serve again")
         sleep_wake(torch, settings, mode, model=model, cache=cache, runner=runner, meta=meta, device=device,
-                   route=route)
+                   region=region)
     manager.close()

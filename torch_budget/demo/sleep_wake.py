@@ -32,7 +32,7 @@ def skip_reason(mode: str, device) -> str | None:
                 "allocator can release tagged memory")
     import torch_budget
 
-    if not torch_budget.capabilities(device.index)["vmm"]:
+    if not torch_budget.diagnostics.capabilities(device.index)["vmm"]:
         return ("this device has no virtual memory management (VMM), which releasing memory while keeping its "
                 "addresses needs")
     routes = [name for name, r in torch_budget.stats(device)["by_route"].items() if r["allocated"]]
@@ -42,13 +42,13 @@ def skip_reason(mode: str, device) -> str | None:
     return None
 
 
-def serve_prompts(torch, settings: Settings, model, cache, runner, meta, device, route) -> list:
+def serve_prompts(torch, settings: Settings, model, cache, runner, meta, device, region) -> list:
     """The greedy tokens of the fixed prompt set, served as the demo serves (eager prefill,
     replayed decode graphs) from a reset KV pool, so that two calls place every block alike."""
     cache.reset()
     requests = make_requests(dataclasses.replace(settings, requests=min(PROMPTS, settings.requests)),
                              model.cfg.vocab)
-    run_requests(torch, settings, model, cache, runner, meta, requests, _NoWatch(), device, route)
+    run_requests(torch, settings, model, cache, runner, meta, requests, _NoWatch(), device, region)
     return [req.out for req in requests]
 
 
@@ -107,7 +107,7 @@ def _restore(tb_sleep, tags: list, device) -> list:
     return done
 
 
-def sleep_wake(torch, settings: Settings, mode: str, *, model, cache, runner, meta, device, route) -> None:
+def sleep_wake(torch, settings: Settings, mode: str, *, model, cache, runner, meta, device, region) -> None:
     """The step itself; prints why it is skipped where tagged memory cannot be released."""
     reason = skip_reason(mode, device)
     if reason:
@@ -115,7 +115,7 @@ def sleep_wake(torch, settings: Settings, mode: str, *, model, cache, runner, me
         return
     from torch_budget import sleep as tb_sleep
 
-    before = serve_prompts(torch, settings, model, cache, runner, meta, device, route)
+    before = serve_prompts(torch, settings, model, cache, runner, meta, device, region)
     states = tb_sleep.tag_states(device)
     tags = [(TAG_WEIGHTS, "pinned"), (TAG_KV, "none")]
     if runner.captured and TAG_GRAPHS in states:
@@ -141,5 +141,5 @@ def sleep_wake(torch, settings: Settings, mode: str, *, model, cache, runner, me
     print(f"  device free {_fmt(int(torch.cuda.mem_get_info(device)[0]))} after restore")
     tb_sleep.free_host_pool()
 
-    after = serve_prompts(torch, settings, model, cache, runner, meta, device, route)
+    after = serve_prompts(torch, settings, model, cache, runner, meta, device, region)
     print(f"  {check_same_tokens(before, after)} (KV pool reset, decode graphs replayed without re-capture)")
