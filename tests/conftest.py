@@ -1,7 +1,15 @@
+import collections
+import os
+
 import pytest
 
 from _harness import run_fresh, run_ranks
+from torch_budget import _native
 from torch_budget.units import GiB, KiB, MiB  # noqa: F401  (sizes for the tests: 5 * MiB)
+
+# CI sets TORCH_BUDGET_REQUIRE_BUILT=1: there a compiled part a test needs and that is not built
+# fails the test, so a broken build cannot pass as a row of skips.
+REQUIRE_BUILT = os.environ.get("TORCH_BUDGET_REQUIRE_BUILT") == "1"
 
 
 def _cuda_available():
@@ -19,6 +27,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.built("_host_core")`: the test needs that compiled part."""
+    for mark in item.iter_markers("built"):
+        missing = [f"torch_budget.{part}" for part in mark.args if not _native.is_built(part)]
+        if not missing:
+            continue
+        why = f"{', '.join(missing)} not built (tools/test.sh builds every part)"
+        if REQUIRE_BUILT:
+            pytest.fail(f"{why}, and TORCH_BUDGET_REQUIRE_BUILT=1 requires it", pytrace=False)
+        pytest.skip(why)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips counted by reason (pytest's -rs lists each one)."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section(f"{sum(reasons.values())} skipped, by reason", sep="-")
+        for reason, count in reasons.most_common():
+            terminalreporter.line(f"{count:5d}  {reason}")
 
 
 @pytest.fixture

@@ -2,9 +2,8 @@
 import pytest
 
 from _hostcore import OOM, GiB, MiB, Host, isolated
-from torch_budget import _native
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
+pytestmark = pytest.mark.built("_host_core")
 
 ROUTES = ["vmm", "pool", "sync"]
 

@@ -8,9 +8,8 @@ import pytest
 
 from _faultfuzz import ROUTES, run
 from _hostcore import OOM, MiB, S1, Host, isolated
-from torch_budget import _native
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
+pytestmark = pytest.mark.built("_host_core")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,10 +101,11 @@ print("threads ok")
 
 
 @pytest.mark.parametrize("route", list(ROUTES) + ["threads"])
+@pytest.mark.built("_host_core_asan")
 def test_no_sanitizer_finding_under_fault_injection(route):
     runtime = _asan_runtime()
-    if runtime is None or not _native.is_built("_host_core_asan"):
-        pytest.skip("AddressSanitizer runtime or the sanitized core is not available")
+    if runtime is None:
+        pytest.skip("no AddressSanitizer runtime (g++ -print-file-name=libasan.so)")
     env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
     code = textwrap.dedent(SANITIZED).format(here=HERE, route=route, ops=20_000)

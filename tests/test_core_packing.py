@@ -9,9 +9,8 @@ import time
 import pytest
 
 from _hostcore import GiB, Host, MiB, S1, S2, isolated
-from torch_budget import _native
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+pytestmark = pytest.mark.built("_host_core")
 
 
 def fragment(h, stream=S1, n=200, seed=0):

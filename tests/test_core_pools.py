@@ -4,9 +4,8 @@ torch's memory history is built from."""
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
-from torch_budget import _native
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="compiled core not built")
+pytestmark = pytest.mark.built("_host_core")
 
 KiB = 1 << 10
 POOL = (0, 7)

@@ -13,7 +13,7 @@ from test_core_pools import captured_read
 from torch_budget import _native
 from torch_budget.errors import StateError
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+pytestmark = pytest.mark.built("_host_core")
 
 KiB = 1 << 10
 POOL = (0, 7)
@@ -55,12 +55,13 @@ def test_a_checkpoint_restored_over_a_waiting_block_never_hands_out_freed_memory
     restored_over_a_waiting_block()
 
 
+@pytest.mark.built("_host_core_asan")
 def test_the_same_restore_is_clean_under_address_sanitizer():
     from test_core_faults import _asan_runtime
 
     runtime = _asan_runtime()
-    if runtime is None or not _native.is_built("_host_core_asan"):
-        pytest.skip("AddressSanitizer runtime or the sanitized core is not available")
+    if runtime is None:
+        pytest.skip("no AddressSanitizer runtime (g++ -print-file-name=libasan.so)")
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); from test_core_trust import restored_over_a_waiting_block; "
             "restored_over_a_waiting_block('_host_core_asan')")
