@@ -5,11 +5,11 @@ import pytest
 
 import torch_budget
 from _hostcore import GiB, MiB, Host, isolated, python_api_over
-from torch_budget import _native, sleep
+from torch_budget import sleep
 from torch_budget.errors import (ConfigError, InstallError, InvalidArgumentError, NotInstalledError,
                                  TagStateError)
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+pytestmark = pytest.mark.built("_host_core")
 
 
 def _installed_host(devices=1, **install):

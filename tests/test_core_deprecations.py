@@ -4,9 +4,9 @@ import pytest
 
 import torch_budget
 from _hostcore import MiB, Host, isolated, python_api_over
-from torch_budget import _native, diagnostics, eager_workspace, planner, sleep, snapshot
+from torch_budget import diagnostics, eager_workspace, planner, sleep, snapshot
 
-pytestmark = pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+pytestmark = pytest.mark.built("_host_core")
 
 
 def _installed_host():

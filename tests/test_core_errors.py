@@ -36,7 +36,7 @@ def test_the_top_level_exports_the_whole_tree():
         assert getattr(torch_budget, name) is getattr(errors, name) and name in torch_budget.__all__, name
 
 
-@pytest.mark.skipif(not _native.is_built("_host_core"), reason="the host core is not built")
+@pytest.mark.built("_host_core")
 @isolated
 def test_core_error_codes_arrive_as_the_trees_classes():
     host = Host(route="vmm")
