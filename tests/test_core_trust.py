@@ -10,7 +10,6 @@ import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
 from test_core_pools import captured_read
-from torch_budget import _native
 from torch_budget.errors import StateError
 
 pytestmark = pytest.mark.built("_host_core")
