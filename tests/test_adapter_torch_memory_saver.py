@@ -1,0 +1,464 @@
+"""torch_memory_saver's interface over torch_budget (torch_budget.adapters.torch_memory_saver).
+
+The CPU tests run the adapter over the host stand-in in a forked child (_hostcore.python_api_over);
+the GPU tests run torch_memory_saver-style programs in fresh processes. Nothing here imports the
+adapter at the top level: importing it installs torch_budget when a CUDA device is free to take.
+"""
+import inspect
+import os
+
+import pytest
+
+import torch_budget
+from _hostcore import MiB, Host, isolated, python_api_over
+from torch_budget import sleep
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError
+
+built = pytest.mark.built("_host_core")
+gpu = pytest.mark.gpu
+
+# torch_memory_saver's public signatures (torch_memory_saver/entrypoint.py and hooks/mode_preload.py):
+# the parameters in order, with their defaults.
+NO_DEFAULT = inspect.Parameter.empty
+SIGNATURES = {
+    "region": [("self", NO_DEFAULT), ("tag", "default"), ("enable_cpu_backup", False),
+               ("enable_disk_backup", False), ("cpu_backup_backend", None)],
+    "cuda_graph": [("self", NO_DEFAULT), ("cuda_graph", NO_DEFAULT), ("pool", None), ("stream", None),
+                   ("capture_error_mode", "global"), ("tag", "default"), ("enable_cpu_backup", False),
+                   ("cpu_backup_backend", None)],
+    "disable": [("self", NO_DEFAULT)],
+    "pause": [("self", NO_DEFAULT), ("tag", None)],
+    "resume": [("self", NO_DEFAULT), ("tag", None)],
+    "get_cpu_backup": [("self", NO_DEFAULT), ("x", NO_DEFAULT), ("zero_copy", False)],
+    "set_disk_backup_dir": [("self", NO_DEFAULT), ("path", NO_DEFAULT)],
+}
+# Properties: (has a getter that answers, has a setter).
+PROPERTIES = {"enabled": (True, False), "hook_mode": (False, True), "memory_margin_bytes": (False, True),
+              "retain_cpu_backup": (True, True)}
+
+
+def _parameters(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _saver(devices=1, **env):
+    """The adapter over a fresh host core, with torch_memory_saver's variables `env` set."""
+    os.environ.update(env)
+    host = Host(configure=False, devices=devices)
+    python_api_over(host)
+    from torch_budget.adapters import torch_memory_saver as module
+
+    return host, module
+
+
+def _alloc(host, nbytes, fill, device=0):
+    p = host.malloc(nbytes, stream=host.stream(device), device=device)
+    assert host.poke(p, fill * 4096)
+    return p
+
+
+@built
+@isolated
+def test_every_public_name_has_torch_memory_saver_signature():
+    _, module = _saver()
+    assert isinstance(module.torch_memory_saver, module.TorchMemorySaver)
+    assert _parameters(module.configure_subprocess) == []
+    cls = module.TorchMemorySaver
+    public = {n for n in dir(cls) if not n.startswith("_")}
+    assert public == set(SIGNATURES) | set(PROPERTIES), public
+    for name, expected in SIGNATURES.items():
+        assert _parameters(getattr(cls, name)) == expected, name
+    for name, (getter, setter) in PROPERTIES.items():
+        prop = inspect.getattr_static(cls, name)
+        assert isinstance(prop, property) and (prop.fset is not None) == setter, name
+    saver = module.torch_memory_saver
+    assert saver.enabled is True and saver.retain_cpu_backup is False
+    with pytest.raises(AttributeError):
+        saver.hook_mode
+    with pytest.raises(NotImplementedError, match="only be set"):
+        saver.memory_margin_bytes
+
+
+@built
+@isolated
+def test_first_use_installs_torch_budget():
+    _, module = _saver()
+    assert not torch_budget.installed()
+    with module.torch_memory_saver.region():
+        pass
+    assert torch_budget.installed()
+    assert torch_budget.stats()["by_tag"]["default"]["state"] == "live"
+
+
+@built
+@isolated
+def test_first_use_after_cuda_started_natively_raises_install_error_saying_so():
+    from torch_budget import _runtime
+
+    _, module = _saver()
+
+    def started():
+        raise InstallError("torch's CUDA allocator is already initialised")
+
+    _runtime.check_can_install = started
+    with pytest.raises(InstallError, match="before the first CUDA tensor") as raised:
+        with module.torch_memory_saver.region():
+            pass
+    assert "already initialised" in str(raised.value)
+
+
+@built
+@isolated
+def test_pause_keeps_cpu_backed_contents_and_loses_the_rest():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region(enable_cpu_backup=True):
+        kept = _alloc(host, 4 * MiB, b"k")
+    with saver.region(enable_cpu_backup=False):  # the same tag, no backup
+        lost = _alloc(host, 2 * MiB, b"l")
+    saver.pause()
+    states = sleep.tag_states()
+    assert states["default+pinned"]["state"] == states["default"]["state"] == "released", states
+    assert states["default+pinned"]["backup"] == "pinned" and states["default"]["backup"] == "none"
+    assert torch_budget.stats()["reserved"] == 0
+    saver.resume()
+    assert host.peek(kept, 4096) == b"k" * 4096
+    assert host.peek(lost, 4096) != b"l" * 4096
+
+
+@built
+@isolated
+def test_mmap_backend_is_a_pageable_backup_and_the_variable_sets_the_default():
+    host, module = _saver(TMS_INIT_CPU_BACKUP_BACKEND="mmap")
+    saver = module.torch_memory_saver
+    with saver.region("w", enable_cpu_backup=True):
+        p = _alloc(host, 2 * MiB, b"m")
+    with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        q = _alloc(host, 2 * MiB, b"p")
+    saver.pause("w")
+    states = sleep.tag_states()
+    assert states["w+cpu"]["backup"] == "cpu" and states["w+pinned"]["backup"] == "pinned", states
+    saver.resume("w")
+    assert host.peek(p, 4096) == b"m" * 4096 and host.peek(q, 4096) == b"p" * 4096
+
+
+@built
+@isolated
+def test_pause_of_one_tag_leaves_another_and_untagged_memory():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("kv_cache"):  # the first use installs torch_budget
+        _alloc(host, 4 * MiB, b"c")
+    untagged = _alloc(host, MiB, b"u")
+    with saver.region("weights", enable_cpu_backup=True):
+        w = _alloc(host, 2 * MiB, b"w")
+    saver.pause("kv_cache")
+    states = sleep.tag_states()
+    assert states["kv_cache"]["state"] == "released" and states["weights+pinned"]["state"] == "live", states
+    assert host.peek(w, 4096) == b"w" * 4096
+    saver.pause("weights")
+    assert host.peek(untagged, 4096) == b"u" * 4096
+    assert torch_budget.stats()["by_tag"]["untagged"]["allocated"] == MiB
+    saver.resume("weights")
+    assert host.peek(w, 4096) == b"w" * 4096 and sleep.tag_states()["kv_cache"]["state"] == "released"
+    saver.resume()
+    assert {s["state"] for s in sleep.tag_states().values()} == {"live"}
+
+
+@built
+@isolated
+def test_nested_regions_take_the_innermost_tag_and_backup():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("model", enable_cpu_backup=True):
+        weight = _alloc(host, 2 * MiB, b"w")
+        with saver.region("grad_buffer", enable_cpu_backup=False):
+            grad = _alloc(host, 2 * MiB, b"g")
+        extra = _alloc(host, 2 * MiB, b"e")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert by_tag["model+pinned"]["allocated"] == 4 * MiB and by_tag["grad_buffer"]["allocated"] == 2 * MiB
+    saver.pause()
+    saver.resume()
+    assert host.peek(weight, 4096) == b"w" * 4096 and host.peek(extra, 4096) == b"e" * 4096
+    assert host.peek(grad, 4096) != b"g" * 4096
+
+
+@built
+@isolated
+def test_disable_leaves_its_allocations_untagged_and_unpaused():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("train", enable_cpu_backup=True):
+        _alloc(host, 2 * MiB, b"t")
+        with saver.disable():
+            scratch = _alloc(host, 4 * MiB, b"s")
+            with pytest.raises(StateError, match="inside a region"):  # disable() of disable(), as in torch_memory_saver
+                with saver.disable():
+                    pass
+            with saver.region("inner"):  # a region inside disable() tags again
+                _alloc(host, MiB, b"i")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert by_tag["untagged"]["allocated"] == 4 * MiB and by_tag["inner"]["allocated"] == MiB, by_tag
+    saver.pause()
+    assert host.peek(scratch, 4096) == b"s" * 4096
+    saver.resume()
+    with pytest.raises(StateError, match="inside a region"):
+        with saver.disable():
+            pass
+
+
+@built
+@isolated
+def test_pause_and_resume_act_on_every_device():
+    host, module = _saver(devices=2)
+    saver = module.torch_memory_saver
+    with saver.region("w", enable_cpu_backup=True):
+        on0 = _alloc(host, 2 * MiB, b"0")
+        host.set_current(1)
+        on1 = _alloc(host, 2 * MiB, b"1", device=1)
+    host.set_current(0)
+    saver.pause("w")
+    assert sleep.tag_states(0)["w+pinned"]["state"] == sleep.tag_states(1)["w+pinned"]["state"] == "released"
+    saver.resume()
+    assert host.peek(on0, 4096) == b"0" * 4096 and host.peek(on1, 4096) == b"1" * 4096
+
+
+@built
+@isolated
+def test_pause_and_resume_in_the_wrong_state_raise_and_unknown_tags_are_nothing_to_do():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    saver.pause("never_used")
+    saver.resume("never_used")
+    saver.resume()  # nothing paused
+    with saver.region("kv"):
+        _alloc(host, MiB, b"k")
+    with pytest.raises(TagStateError, match="'kv' is not paused"):
+        saver.resume("kv")
+    saver.pause("kv")
+    with pytest.raises(TagStateError, match="already paused"):
+        saver.pause("kv")
+    with pytest.raises(TagStateError, match="already paused"):
+        saver.pause()
+    saver.resume("kv")
+    with pytest.raises(TypeError):
+        saver.pause(5)
+
+
+@built
+@isolated
+def test_what_torch_budget_cannot_honour_raises_unsupported():
+    _, module = _saver()
+    saver, Unsupported = module.torch_memory_saver, module.UnsupportedError
+    assert issubclass(Unsupported, TorchBudgetError) and issubclass(Unsupported, NotImplementedError)
+    with pytest.raises(Unsupported, match="disk"):
+        with saver.region(enable_disk_backup=True):
+            pass
+    with pytest.raises(Unsupported, match="disk"):
+        saver.set_disk_backup_dir("/tmp/backups")
+    with pytest.raises(Unsupported, match="set_budget"):
+        saver.memory_margin_bytes = 1 << 30
+    saver.memory_margin_bytes = 0  # no margin: what torch_memory_saver does by default
+    with pytest.raises(Unsupported, match="retain_cpu_backup"):
+        saver.retain_cpu_backup = True
+    saver.retain_cpu_backup = False
+    assert saver.retain_cpu_backup is False
+
+
+@built
+@isolated
+def test_bad_arguments_raise_before_anything_is_done():
+    _, module = _saver()
+    saver = module.torch_memory_saver
+    with pytest.raises(ValueError, match="cpu_backup_backend requires enable_cpu_backup=True"):
+        with saver.region(cpu_backup_backend="mmap"):
+            pass
+    with pytest.raises(InvalidArgumentError, match="unknown cpu_backup_backend 'disk'"):
+        with saver.region(enable_cpu_backup=True, cpu_backup_backend="disk"):
+            pass
+    with pytest.raises(TypeError, match="enable_cpu_backup must be a bool"):
+        with saver.region(enable_cpu_backup="yes"):
+            pass
+    with pytest.raises(TypeError, match="tag must be a str"):
+        with saver.region(tag=None):
+            pass
+    with pytest.raises(InvalidArgumentError, match="memory_margin_bytes"):
+        saver.memory_margin_bytes = -1
+    with pytest.raises(InvalidArgumentError, match="unknown hook_mode 'ld'"):
+        saver.hook_mode = "ld"
+    assert not torch_budget.installed()  # nothing above got as far as installing
+    saver.hook_mode = "torch"
+    with saver.region("a", enable_cpu_backup=True):
+        pass
+    with pytest.raises(InvalidArgumentError, match="already uses"):
+        with saver.region("a+pinned"):  # would be the torch_budget tag of ("a", pinned)
+            pass
+    saver.hook_mode = "torch"
+    with pytest.raises(StateError, match="hook_mode cannot change after first use"):
+        saver.hook_mode = "preload"
+
+
+@built
+@pytest.mark.parametrize("variable, says", [("TMS_INIT_ENABLE", "TMS_INIT_ENABLE=1"),
+                                             ("TMS_RETAIN_CPU_BACKUP", "retain_cpu_backup")])
+def test_variables_that_change_torch_memory_saver_beyond_reach_raise(variable, says):
+    @isolated
+    def body():
+        _, module = _saver(**{variable: "1"})
+        with pytest.raises(module.UnsupportedError, match=says):
+            module.torch_memory_saver.pause()
+
+    body()
+
+
+def test_configure_subprocess_is_a_context_that_changes_no_variable():
+    # Imported in a child: on a machine with a free GPU the import installs torch_budget.
+    @isolated
+    def body():
+        from torch_budget.adapters.torch_memory_saver import configure_subprocess
+
+        before = dict(os.environ)
+        with configure_subprocess():
+            assert dict(os.environ) == before
+        assert dict(os.environ) == before
+
+    body()
+
+
+# -- on a device: torch_memory_saver's own examples, written against the adapter
+
+@gpu
+def test_pause_gives_a_region_back_and_resume_keeps_its_address(fresh):
+    fresh(pause_gives_a_region_back_and_resume_keeps_its_address)
+
+
+def pause_gives_a_region_back_and_resume_keeps_its_address():
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver  # installs torch_budget
+    import torch
+
+    torch_memory_saver.hook_mode = "torch"
+    normal = torch.full((1_000_000,), 100, dtype=torch.uint8, device="cuda")  # CUDA starts before any region
+    with torch_memory_saver.region():
+        pauseable = torch.full((1 << 30,), 100, dtype=torch.uint8, device="cuda")
+    address = pauseable.data_ptr()
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    torch_memory_saver.pause()
+    paused = torch.cuda.mem_get_info()[0]
+    assert paused - before > 0.9 * (1 << 30), (before, paused)
+    torch_memory_saver.resume()
+    assert paused - torch.cuda.mem_get_info()[0] > 0.9 * (1 << 30)
+    assert pauseable.data_ptr() == address
+    pauseable.fill_(7)
+    assert int(pauseable[0]) == 7 and int(normal[0]) == 100
+
+
+@gpu
+def test_cpu_backup_keeps_contents_on_a_device(fresh):
+    fresh(cpu_backup_keeps_contents_on_a_device)
+
+
+def cpu_backup_keeps_contents_on_a_device():
+    from torch_budget.adapters.torch_memory_saver import UnsupportedError, torch_memory_saver
+    import torch
+
+    with torch_memory_saver.region(enable_cpu_backup=True):
+        with_backup = torch.full((20_000_000,), 10, dtype=torch.uint8, device="cuda")
+        typed = torch.randn((10, 20, 30), dtype=torch.float32, device="cuda")
+        expected = typed.cpu()
+    with torch_memory_saver.region(enable_cpu_backup=False):
+        without_backup = torch.full((20_000_000,), 20, dtype=torch.uint8, device="cuda")
+    assert torch_memory_saver.get_cpu_backup(typed) is None  # live: no backup
+    torch_memory_saver.pause()
+    with pytest.raises(UnsupportedError):
+        torch_memory_saver.get_cpu_backup(typed)
+    unrelated = torch.full((20_000_000,), 30, dtype=torch.uint8, device="cuda")  # takes some of the freed memory
+    torch_memory_saver.resume()
+    assert with_backup[:3].tolist() == [10, 10, 10] and torch.equal(typed.cpu(), expected)
+    assert without_backup[:3].tolist() != [20, 20, 20]
+    assert torch_memory_saver.get_cpu_backup(typed) is None
+    assert int(unrelated[0]) == 30
+
+
+@gpu
+def test_cuda_graph_memory_pauses_with_its_tag(fresh):
+    fresh(cuda_graph_memory_pauses_with_its_tag)
+
+
+def cuda_graph_memory_pauses_with_its_tag():
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+    import torch
+
+    with torch_memory_saver.region(tag="kv_cache"):
+        kv = torch.full((5, 25_000_000), 1.0, device="cuda")
+    static_input = torch.zeros((5,), device="cuda")
+    out = {}
+
+    def step():
+        big = torch.ones((250_000_000,), device="cuda") * (static_input + kv.mean(dim=1)).mean()
+        out["y"] = big.mean()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch_memory_saver.cuda_graph(graph, tag="graph"):
+        step()
+    static_input[...] = 100
+    graph.replay()
+    assert float(out["y"]) == 101
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    torch_memory_saver.pause("kv_cache")
+    after_kv = torch.cuda.mem_get_info()[0]
+    assert after_kv - free > 400_000_000, (free, after_kv)
+    torch_memory_saver.pause("graph")
+    assert torch.cuda.mem_get_info()[0] - after_kv > 900_000_000  # the graph's 1 GB intermediate
+    torch_memory_saver.resume("graph")
+    torch_memory_saver.resume("kv_cache")
+    kv[...] = 2
+    static_input[...] = 200
+    graph.replay()
+    assert float(out["y"]) == 202
+
+
+@gpu
+def test_disable_runs_untagged_and_gives_its_memory_back(fresh):
+    fresh(disable_runs_untagged_and_gives_its_memory_back)
+
+
+def disable_runs_untagged_and_gives_its_memory_back():
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+    import torch
+
+    with torch_memory_saver.region(enable_cpu_backup=True):
+        weights = torch.full((1 << 28,), 42, dtype=torch.uint8, device="cuda")
+    torch_memory_saver.pause()
+    torch.cuda.synchronize()
+    paused = torch.cuda.mem_get_info()[0]
+    with torch_memory_saver.region(), torch_memory_saver.disable():
+        scratch = torch.full((1 << 30,), 53, dtype=torch.uint8, device="cuda")
+        assert scratch.float().mean().item() == 53
+        del scratch
+    assert paused - torch.cuda.mem_get_info()[0] <= 10 * (1 << 20)
+    torch_memory_saver.resume()
+    assert int(weights.min()) == int(weights.max()) == 42
+
+
+@gpu
+def test_cuda_started_natively_before_the_import_raises_install_error(fresh):
+    fresh(cuda_started_natively_before_the_import_raises_install_error)
+
+
+def cuda_started_natively_before_the_import_raises_install_error():
+    import torch
+
+    torch.zeros(1, device="cuda")  # torch's own allocator takes CUDA
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+
+    with pytest.raises(InstallError, match="before the first CUDA tensor"):
+        with torch_memory_saver.region():
+            pass
+

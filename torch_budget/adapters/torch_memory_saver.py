@@ -1,0 +1,360 @@
+"""torch_memory_saver's interface over torch_budget: change the import, keep the code.
+
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+    # or, for code that imports the package: import torch_budget.adapters.torch_memory_saver as torch_memory_saver
+
+    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
+        w = torch.randn(4096, 4096, device="cuda")
+    torch_memory_saver.pause("weights")     # device memory back to the driver, contents kept
+    torch_memory_saver.resume("weights")    # same addresses, same contents
+
+The mapping (torch_memory_saver name -> what torch_budget does):
+  region(tag, enable_cpu_backup, cpu_backup_backend)  torch_budget.region(<tag>, route="vmm")
+  pause(tag=None)        torch_budget.release(<tag's tags>, backup=..., device="all"); None: every
+                         tag a region or cuda_graph of this process used
+  resume(tag=None)       torch_budget.restore(<tag's tags>, device="all")
+  cuda_graph(...)        torch.cuda.graph(...) captured inside region(tag): the graph's private
+                         pool is tagged, so pause(tag) releases it
+  disable()              the allocations inside are untagged (never paused); the cache is
+                         emptied on exit, as torch_memory_saver drops its pool
+  enable_cpu_backup      backup "pinned" at pause (cpu_backup_backend="mmap": "cpu", pageable
+                         host memory); without it "none": contents are undefined after resume
+  enabled                True
+  hook_mode              "preload" or "torch", before first use; both mean torch_budget serves
+                         every allocation (cuda_graph works in either)
+  configure_subprocess() a context with nothing to set: a child that imports this module installs
+                         torch_budget at import, as torch_memory_saver's LD_PRELOAD hooked it
+
+What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
+NotImplementedError) instead of running differently: disk backups (enable_disk_backup,
+set_disk_backup_dir), memory_margin_bytes above 0, retain_cpu_backup = True (or
+TMS_RETAIN_CPU_BACKUP), get_cpu_backup of a paused tensor (a live one has no backup: None, as
+in torch_memory_saver), and TMS_INIT_ENABLE (every allocation of every thread under "default").
+
+Importing this module installs torch_budget (torch_budget.install(), settings from
+TORCH_BUDGET_CONF) when a CUDA device is there and CUDA is not yet initialised: torch's
+allocator can only be replaced before CUDA starts. The first use installs it otherwise, and
+raises InstallError, saying so, when CUDA already started on torch's own allocator.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Literal, Optional
+
+import torch_budget
+from torch_budget import sleep
+from torch_budget._validate import non_negative_int, tag_name
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "UnsupportedError"]
+
+HookMode = Literal["preload", "torch"]
+CpuBackupBackend = Literal["mmap", "pinned"]
+
+_TAG_DEFAULT = "default"
+_BACKENDS = {"pinned": "pinned", "mmap": "cpu"}  # torch_memory_saver's host shadow -> torch_budget's backup
+_UNTAGGED = "untagged"  # the name of tag 0 in torch_budget's ledger: a region under it is untagged
+
+
+class UnsupportedError(TorchBudgetError, NotImplementedError):
+    """A torch_memory_saver feature torch_budget cannot provide; the message says what does instead."""
+
+
+def _env_flag(name: str) -> bool:
+    """torch_memory_saver's reading of a boolean variable (unset: False)."""
+    value = os.environ.get(name)
+    if value is None or value in ("", "0", "false", "FALSE", "no", "NO"):
+        return False
+    if value in ("1", "true", "TRUE", "yes", "YES"):
+        return True
+    raise InvalidArgumentError(f"{name}={value!r}: expected 1/true/yes or 0/false/no")
+
+
+# Note [torch_memory_saver tags]
+# torch_memory_saver decides the backup per allocation (the region's enable_cpu_backup), and one
+# pause of a tag backs up some allocations and drops others. A torch_budget release takes one
+# backup per tag, so each (tag, backup) pair is a torch_budget tag of its own: "kv_cache" (no
+# backup), "weights+pinned", "weights+cpu" (mmap). pause(tag) releases all of tag's, each with
+# its backup; the registry below is what pause(None) means by every tag. Names are checked not
+# to collide ("a+pinned" without backup against "a" with one).
+class _Registry:
+    def __init__(self):
+        self.lock = threading.RLock()  # guards tags and owners; held across a pause or resume
+        self.tags: dict[str, dict[str, str]] = {}  # saver tag -> {torch_budget tag: backup}
+        self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (saver tag, backup)
+
+    def register(self, tag: str, backup: str) -> str:
+        name = tag if backup == "none" else f"{tag}+{backup}"
+        with self.lock:
+            owner = self.owners.setdefault(name, (tag, backup))
+            if owner != (tag, backup):
+                raise InvalidArgumentError(
+                    f"tag {tag!r} with backup {backup!r} would be torch_budget tag {name!r}, which tag "
+                    f"{owner[0]!r} with backup {owner[1]!r} already uses: rename one of the two")
+            self.tags.setdefault(tag, {})[name] = backup
+        return name
+
+    def of(self, tag: str | None) -> dict[str, str]:
+        """torch_budget tag -> backup for saver tag `tag` (None: every tag; unknown: none)."""
+        with self.lock:
+            if tag is None:
+                return {n: b for names in self.tags.values() for n, b in names.items()}
+            return dict(self.tags.get(tag, {}))
+
+
+_registry = _Registry()
+_scopes = threading.local()  # depth: saver regions open on this thread
+
+
+def _depth() -> int:
+    return getattr(_scopes, "depth", 0)
+
+
+@contextlib.contextmanager
+def _saver_scope(depth: int | None = None) -> Iterator[None]:
+    before = _depth()
+    _scopes.depth = before + 1 if depth is None else depth
+    try:
+        yield
+    finally:
+        _scopes.depth = before
+
+
+def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
+    """The torch_budget backup a region's arguments ask for; refuses what it cannot honour."""
+    for what, value in (("enable_cpu_backup", enable_cpu_backup), ("enable_disk_backup", enable_disk_backup)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{what} must be a bool, got {type(value).__name__} ({value!r})")
+    if cpu_backup_backend is not None:
+        if not enable_cpu_backup:
+            raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
+        if cpu_backup_backend not in _BACKENDS:
+            raise InvalidArgumentError(f"unknown cpu_backup_backend {cpu_backup_backend!r}: expected 'pinned' or 'mmap'")
+    if enable_disk_backup:
+        raise UnsupportedError(
+            "enable_disk_backup: torch_budget keeps backups in host memory only; use enable_cpu_backup=True "
+            "(pinned host memory, or cpu_backup_backend='mmap' for pageable)")
+    if not enable_cpu_backup:
+        return "none"
+    return _BACKENDS[cpu_backup_backend or _default_backend()]
+
+
+def _default_backend() -> str:
+    value = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
+    if value not in _BACKENDS:
+        raise InvalidArgumentError(f"TMS_INIT_CPU_BACKUP_BACKEND={value!r}: expected 'pinned' or 'mmap'")
+    return value
+
+
+def _check_environment() -> None:
+    """torch_memory_saver's variables that would change behaviour torch_budget cannot follow."""
+    if _env_flag("TMS_INIT_ENABLE"):
+        raise UnsupportedError(
+            "TMS_INIT_ENABLE=1 puts every allocation of every thread under tag 'default'; torch_budget tags "
+            "by scope: wrap the allocations in torch_memory_saver.region() and unset TMS_INIT_ENABLE")
+    if _env_flag("TMS_RETAIN_CPU_BACKUP"):
+        raise UnsupportedError(_RETAIN)
+    _default_backend()
+
+
+_RETAIN = ("retain_cpu_backup: torch_budget frees a backup when it restores it, so get_cpu_backup cannot "
+           "see it after resume; the pinned host memory itself stays in torch_budget's host pool for the "
+           "next pause (torch_budget.sleep.reserve_host_pool pins it ahead)")
+
+
+def _install() -> None:
+    """install() unless torch_budget serves this process already; says why when it cannot."""
+    if torch_budget.installed():
+        return
+    try:
+        torch_budget.install()
+    except InstallError as e:
+        raise InstallError(
+            "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
+            "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
+            f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}") from e
+
+
+class TorchMemorySaver:
+    """torch_memory_saver's TorchMemorySaver over torch_budget. Instances share one state, as
+    torch_memory_saver's share its library: pause() of one pauses the others' tags."""
+
+    def __init__(self):
+        self._hook_mode: HookMode = "preload"
+        self._initialized = False
+
+    @contextlib.contextmanager
+    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
+               cpu_backup_backend: Optional[CpuBackupBackend] = None):
+        """Allocations inside are paused and resumed with `tag`; with enable_cpu_backup their
+        contents survive a pause. Nestable: the innermost region decides."""
+        backup = _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
+        tag_name(tag)
+        self._ensure_initialized()
+        name = _registry.register(tag, backup)
+        with torch_budget.region(name, route="vmm"), _saver_scope():
+            yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", tag: str = _TAG_DEFAULT,
+                   enable_cpu_backup: bool = False, cpu_backup_backend: Optional[CpuBackupBackend] = None):
+        """torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode), captured under
+        region(tag): the graph's memory is paused and resumed with `tag`."""
+        import torch
+
+        backup = _backup(enable_cpu_backup, False, cpu_backup_backend)
+        tag_name(tag)
+        self._ensure_initialized()
+        name = _registry.register(tag, backup)
+        # The region opens before the capture: the private pool takes its tag when capture begins.
+        with torch_budget.region(name, route="vmm"), _saver_scope():
+            with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                yield
+
+    @contextlib.contextmanager
+    def disable(self):
+        """Inside a region: allocations here are untagged (pause leaves them), and the cache
+        is emptied on exit, so what they freed goes back to the driver."""
+        self._ensure_initialized()
+        if _depth() == 0:
+            raise StateError("torch_memory_saver.disable() is for use inside a region(): outside one nothing is "
+                             "paused anyway")
+        with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(depth=0):
+            yield
+        torch_budget.empty_cache(device="all")
+
+    def pause(self, tag: Optional[str] = None):
+        """Gives the device memory of `tag` (None: every tag) back to the driver on every
+        device, backing up what enable_cpu_backup asked for. A tag never used: nothing to do."""
+        if tag is not None:
+            tag_name(tag)
+        self._ensure_initialized()
+        with _registry.lock:
+            names = _registry.of(tag)
+            paused = sorted(n for n in names if n in sleep.released_tags())
+            if paused:
+                raise TagStateError(f"torch_memory_saver.pause({tag!r}): {', '.join(map(repr, paused))} "
+                                    "already paused; resume first")
+            by_backup: dict[str, list[str]] = {}
+            for name, backup in sorted(names.items()):
+                by_backup.setdefault(backup, []).append(name)
+            done: list[list[str]] = []
+            try:
+                for backup, group in sorted(by_backup.items()):
+                    torch_budget.release(group, backup=backup, device="all")
+                    done.append(group)
+            except BaseException:
+                for group in reversed(done):  # all or nothing, as release() is for one backup
+                    with contextlib.suppress(TorchBudgetError):
+                        torch_budget.restore(group, device="all")
+                raise
+
+    def resume(self, tag: Optional[str] = None):
+        """Maps memory back behind `tag` (None: every paused tag) at the same addresses and
+        copies the backups in. A tag never used: nothing to do; one not paused: TagStateError."""
+        if tag is not None:
+            tag_name(tag)
+        self._ensure_initialized()
+        with _registry.lock:
+            names = _registry.of(tag)
+            paused = sorted(n for n in names if n in sleep.released_tags())
+            if not paused:
+                if names and tag is not None:
+                    raise TagStateError(f"torch_memory_saver.resume({tag!r}): tag {tag!r} is not paused")
+                return
+            torch_budget.restore(paused, device="all")
+
+    @property
+    def enabled(self):
+        return True
+
+    @property
+    def hook_mode(self):
+        raise AttributeError("hook_mode can only be set, as in torch_memory_saver")
+
+    @hook_mode.setter
+    def hook_mode(self, hook_mode: HookMode):
+        if hook_mode not in ("preload", "torch"):
+            raise InvalidArgumentError(f"unknown hook_mode {hook_mode!r}: expected 'preload' or 'torch'")
+        if self._initialized and hook_mode != self._hook_mode:
+            raise StateError(f"hook_mode cannot change after first use (it is {self._hook_mode!r})")
+        self._hook_mode = hook_mode
+
+    @property
+    def memory_margin_bytes(self):
+        raise UnsupportedError("memory_margin_bytes can only be set, as in torch_memory_saver")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int):
+        value = non_negative_int(value, "memory_margin_bytes")
+        self._ensure_initialized()
+        if value > 0:
+            raise UnsupportedError(
+                f"memory_margin_bytes={value}: torch_budget does not refuse allocations by the device's free "
+                "memory; it caps this process's own memory: torch_budget.set_budget(bytes or fraction)")
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        self._ensure_initialized()
+        return False
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"retain_cpu_backup must be a bool, got {type(value).__name__} ({value!r})")
+        self._ensure_initialized()
+        if value:
+            raise UnsupportedError(_RETAIN)
+
+    def get_cpu_backup(self, x, zero_copy: bool = False):
+        """None for a tensor that is not paused (it has no backup, as in torch_memory_saver
+        without retain_cpu_backup); a paused one's backup cannot be read (UnsupportedError)."""
+        import torch
+
+        self._ensure_initialized()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"get_cpu_backup takes a tensor, got {type(x).__name__}")
+        if not x.is_cuda or not x.is_contiguous():
+            raise InvalidArgumentError(f"get_cpu_backup takes a contiguous CUDA tensor, got {x.device} "
+                                       f"with shape {tuple(x.shape)} and stride {x.stride()}")
+        try:
+            sleep.check_awake(x.device, tensors=[x])
+        except TagStateError:
+            raise UnsupportedError("get_cpu_backup of a paused tensor: torch_budget's backups are not readable "
+                                   "from Python; resume() its tag and read the tensor") from None
+        return None
+
+    def set_disk_backup_dir(self, path: str):
+        raise UnsupportedError("disk backups: torch_budget keeps backups in host memory only "
+                               "(region(enable_cpu_backup=True))")
+
+    def _ensure_initialized(self):
+        if self._initialized:
+            return
+        _check_environment()
+        _install()
+        self._initialized = True
+
+
+@contextlib.contextmanager
+def configure_subprocess():
+    """torch_memory_saver set LD_PRELOAD here so that the processes started inside were hooked
+    from their start. Nothing to set for torch_budget: a child that imports this module
+    installs torch_budget then, before its CUDA starts."""
+    yield
+
+
+def _install_at_import() -> None:
+    """torch's allocator can only be replaced before CUDA starts; code written for
+    torch_memory_saver allocates (and initialises CUDA) before its first region."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        _install()
+
+
+torch_memory_saver = TorchMemorySaver()
+_install_at_import()
