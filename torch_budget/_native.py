@@ -89,12 +89,14 @@ _BRIDGE = {"tb_torch_install": (ctypes.c_int, []), "tb_torch_installed": (ctypes
 
 
 def library_path(name):
-    found = sorted(glob.glob(os.path.join(_HERE, name + "*.so")))
+    # name + "." only: "_host_core*" would also find "_host_core_asan", which kills a
+    # Python not started under AddressSanitizer.
+    found = sorted(glob.glob(os.path.join(_HERE, name + ".*so")))
     if not found:
-        raise NotBuiltError(
-            f"torch_budget.{name} is not built: run `pip install --no-build-isolation -e .` "
-            "in the repository (it needs a CUDA build of torch and the CUDA headers)"
-        )
+        how = ("`pip install --no-build-isolation -e .` in the repository (it needs a CUDA build of torch)"
+               if name == "_C" else
+               "`bash tools/test.sh`, or TORCH_BUDGET_BUILD=tests python setup.py build_ext --inplace")
+        raise NotBuiltError(f"torch_budget.{name} is not built: {how}")
     return found[0]
 
 
