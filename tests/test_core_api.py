@@ -53,6 +53,14 @@ def test_install_and_region_take_the_same_routes_through_one_validator():
             torch_budget.install(route=bad)
 
 
+@isolated
+def test_install_refuses_a_switch_that_is_not_a_bool():
+    for bad in ("false", 0, 0.5, []):
+        with pytest.raises(ConfigError, match="reuse_before_grow must be True or False"):
+            torch_budget.install(reuse_before_grow=bad)
+    assert not torch_budget.installed()  # nothing was installed by a refused call
+
+
 def test_region_checks_its_tag_without_install():
     with pytest.raises(TypeError, match="tag must be a str"):
         with torch_budget.region(5):

@@ -125,7 +125,9 @@ def _parse_setting(name: str, value, source: str | None = None):
             return config.parse_host_pool(value, source)
         if name == "map_run":
             return config.parse_map_run(value, source)
-        return bool(value)
+        if not isinstance(value, bool):  # "false" or 0.5 would pass as true
+            raise ConfigError(f"{source} must be True or False, got {value!r}")
+        return value
 
 
 def _from_environment() -> dict:

@@ -9,6 +9,7 @@ from typing import Any
 from .pieces import EagerPiece, piece_name
 from .pools import PoolHandle, PoolLedger, pool_key
 from .static import AxisSize, StaticInput
+from ..errors import InvalidArgumentError
 
 __all__ = ["check_inputs", "check_last_outputs", "check_pieces", "check_pool"]
 
@@ -20,10 +21,10 @@ def check_pieces(owner: str, pieces: Any) -> list:
     pieces = list(pieces)
     for piece in pieces:
         if not (callable(piece) or isinstance(piece, EagerPiece)):
-            raise ValueError(f"{owner}: a piece must be callable or an EagerPiece, got {piece!r}")
+            raise InvalidArgumentError(f"{owner}: a piece must be callable or an EagerPiece, got {piece!r}")
     if not pieces or isinstance(pieces[0], EagerPiece):
         first = piece_name(pieces[0]) if pieces else None
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}: the first piece must be captured (got {first!r}): host inputs are "
             "copied to the device inside the first graph, so an eager piece before it would read stale inputs"
         )
@@ -35,14 +36,14 @@ def check_inputs(owner: str, inputs: Sequence[StaticInput], axes: Mapping[str, A
     specs: dict[str, StaticInput] = {}
     for spec in inputs:
         if not isinstance(spec, StaticInput):
-            raise ValueError(f"{owner}: inputs must be StaticInput declarations, got {spec!r}")
+            raise InvalidArgumentError(f"{owner}: inputs must be StaticInput declarations, got {spec!r}")
         if spec.name in specs:
-            raise ValueError(f"{owner}: static input {spec.name!r} is declared twice")
+            raise InvalidArgumentError(f"{owner}: static input {spec.name!r} is declared twice")
         specs[spec.name] = spec
     for spec in specs.values():
         for dim in spec.shape:
             if isinstance(dim, str) and dim not in axes:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{owner}: static input {spec.name!r} uses symbolic axis {dim!r}, "
                     f"which axes= does not size (declared: {sorted(axes)})"
                 )
@@ -68,7 +69,7 @@ def check_pool(owner: str, pool: object, ledger: PoolLedger,
     ledger.check_usable(key)
     other = keeper_of(key)
     if other is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}: graph pool {tuple(key)} belongs to graph runner {other.name!r}, which keeps its "
             "outputs in it (last_outputs='in_pool'); graphs captured into it could overwrite them. "
             "See Note [Outputs kept in the pool]"
@@ -79,17 +80,17 @@ def check_pool(owner: str, pool: object, ledger: PoolLedger,
 def check_last_outputs(owner: str, last_outputs: object, pool_mode: str, pieces: Sequence) -> bool:
     """Whether the last piece's outputs stay in the pool (Note [Outputs kept in the pool])."""
     if last_outputs not in ("copy", "in_pool"):
-        raise ValueError(f"{owner}: last_outputs must be 'copy' or 'in_pool', got {last_outputs!r}")
+        raise InvalidArgumentError(f"{owner}: last_outputs must be 'copy' or 'in_pool', got {last_outputs!r}")
     if last_outputs == "copy":
         return False
     if pool_mode != "own":
         given = "a handed-in pool" if pool_mode == "external" else "pool='shared'"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}: last_outputs='in_pool' needs pool='own', got {given}: another "
             "runner's replays in a shared pool could overwrite outputs kept there"
         )
     if isinstance(pieces[-1], EagerPiece):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}: last_outputs='in_pool' needs a captured last piece, got eager piece "
             f"{pieces[-1].name!r}"
         )

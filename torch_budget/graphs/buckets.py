@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._validate import is_int, non_negative_int, positive_int
+from ..errors import InvalidArgumentError
 
 # Note [Buckets are part of the budget]
 # A captured graph has fixed shapes, so every step is padded up to a captured size; the
@@ -69,7 +70,7 @@ class BucketRule:
         kept = sorted({s for s in sizes if s % self.divisible_by == 0})
         if self.memory_limit is not None:
             if cost is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"BucketRule.memory_limit={self.memory_limit} needs a cost function "
                     "(bytes per bucket) to compare against"
                 )
@@ -87,7 +88,7 @@ class BucketRule:
         """Sorted, deduplicated sizes; an empty set is an error, not a silent eager fallback."""
         resolved = tuple(sorted(set(sizes)))
         if not resolved:
-            raise ValueError(f"{self!r} leaves no bucket to capture; relax divisible_by, memory_limit or max_count")
+            raise InvalidArgumentError(f"{self!r} leaves no bucket to capture; relax divisible_by, memory_limit or max_count")
         return resolved
 
     def buckets(self, cost: Callable[[int], int] | None = None) -> tuple[int, ...]:
@@ -106,7 +107,7 @@ def resolve_buckets(spec: BucketRule | int | Sequence[int],
         raise TypeError(f"buckets must be a BucketRule, a max size or a list of sizes, got {spec!r}")
     sizes = [positive_int(size, f"bucket {size!r}") for size in spec]
     if not sizes:
-        raise ValueError("buckets must not be empty")
+        raise InvalidArgumentError("buckets must not be empty")
     return tuple(sorted(set(sizes)))
 
 

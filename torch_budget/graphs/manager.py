@@ -14,6 +14,7 @@ from .pieces import EagerPiece
 from .pools import PoolHandle, PoolLedger, pool_key
 from .runner import GraphRunner
 from .static import AxisSize, StaticInput
+from ..errors import InvalidArgumentError
 
 __all__ = ["GraphPoolManager"]
 
@@ -63,7 +64,7 @@ class GraphPoolManager:
         self.device = device
         tiers = tuple(tiers)
         if not tiers or len(set(tiers)) != len(tiers) or not all(isinstance(t, str) for t in tiers):
-            raise ValueError(f"tiers must be distinct strings, least to most conservative; got {tiers!r}")
+            raise InvalidArgumentError(f"tiers must be distinct strings, least to most conservative; got {tiers!r}")
         self.tiers = tiers
         self.ledger = PoolLedger()
         self._shared: PoolHandle | None = None
@@ -88,9 +89,9 @@ class GraphPoolManager:
         pool="own", see Note [Outputs kept in the pool]).
         """
         if not isinstance(name, str) or not name:
-            raise ValueError(f"runner name must be a non-empty str, got {name!r}")
+            raise InvalidArgumentError(f"runner name must be a non-empty str, got {name!r}")
         if name in self._runners:
-            raise ValueError(f"a runner named {name!r} already exists; close it or pick another name")
+            raise InvalidArgumentError(f"a runner named {name!r} already exists; close it or pick another name")
         runner = GraphRunner(self, name, pieces, buckets=buckets, inputs=inputs, axes=axes,
                              output_axes=output_axes, pool=pool, warmup=warmup,
                              shadow_slots=shadow_slots, last_outputs=last_outputs)
@@ -158,7 +159,7 @@ class GraphPoolManager:
     def _encode_tier(self, tier: int | str) -> int:
         if isinstance(tier, str):
             if tier not in self.tiers:
-                raise ValueError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
+                raise InvalidArgumentError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
             return self.tiers.index(tier)
         return integer(tier, f"a graph tier (one of {self.tiers}, or an int code)", minimum=0)
 
@@ -193,7 +194,7 @@ class GraphPoolManager:
         agreed_bucket = None if top_bucket == _EAGER_BUCKET else top_bucket
         if isinstance(tier, str):
             if top_tier >= len(self.tiers):
-                raise ValueError(f"a rank chose tier code {top_tier}, unknown to tiers {self.tiers}")
+                raise InvalidArgumentError(f"a rank chose tier code {top_tier}, unknown to tiers {self.tiers}")
             return agreed_bucket, self.tiers[top_tier]
         return agreed_bucket, top_tier
 

@@ -10,6 +10,7 @@ import torch
 from .._validate import integer
 from .pieces import piece_name
 from .static import BufferLayout
+from ..errors import InvalidArgumentError
 
 __all__ = ["StaticOutputs"]
 
@@ -89,7 +90,7 @@ class StaticOutputs:
         if name in self._flat:
             return self._layouts[name].view(self._flat[name], bucket)
         if name in self._kept:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._label}: output {name!r} is kept in the graph pool (last_outputs='in_pool'), "
                 "at an address per bucket and slot; take it from step()'s result"
             )
@@ -125,11 +126,11 @@ class StaticOutputs:
                 self._add(index, name, tensor, bucket, where)
             elif self._producer[name] != index:
                 other = piece_name(self._pieces[self._producer[name]])
-                raise ValueError(f"{where}: piece {other!r} already produces an output of that name")
+                raise InvalidArgumentError(f"{where}: piece {other!r} already produces an output of that name")
             expected = self._layouts[name].shapes[bucket]
             dtype, device = self._meta[name]
             if tuple(tensor.shape) != expected or tensor.dtype != dtype or tensor.device != device:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{where} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} at bucket {bucket}; "
                     f"expected {expected} {dtype} on {device} (only its batch axis "
                     f"{self._axis[name]} may follow the bucket)"
@@ -144,15 +145,15 @@ class StaticOutputs:
 
     def _add(self, index: int, name: str, tensor: torch.Tensor, bucket: int, where: str) -> None:
         if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
-            raise ValueError(f"{where}: output names must be identifiers not starting with '_'")
+            raise InvalidArgumentError(f"{where}: output names must be identifiers not starting with '_'")
         if name in self._input_names:
-            raise ValueError(f"{where} has the name of a static input; give it another name")
+            raise InvalidArgumentError(f"{where} has the name of a static input; give it another name")
         axis = self._output_axes.get(name, 0)
         shape = list(tensor.shape)
         if axis is not None:
             axis = integer(axis, f"{where}: output_axes[{name!r}]")
             if not 0 <= axis < len(shape) or shape[axis] != bucket:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{where} has shape {tuple(shape)} at bucket {bucket}; its batch axis {axis!r} should "
                     f"have size {bucket}. Set output_axes={{{name!r}: <axis>}}, or None for an output "
                     "that does not follow the bucket"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .static import StaticBuffers
+from ..errors import InvalidArgumentError
 
 __all__ = ["EagerPiece", "call_eager", "piece_name"]
 
@@ -19,7 +20,7 @@ class EagerPiece:
 
     def __init__(self, fn: Callable[[StaticBuffers], None]):
         if not callable(fn):
-            raise ValueError(f"EagerPiece needs a callable, got {fn!r}")
+            raise InvalidArgumentError(f"EagerPiece needs a callable, got {fn!r}")
         self.fn = fn
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._validate import is_int
-from ..errors import PoolInUseError, PoolReleasedError
+from ..errors import InvalidArgumentError, PoolInUseError, PoolReleasedError
 
 __all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "pool_key"]
 
@@ -31,7 +31,7 @@ def pool_key(pool: object) -> tuple[int, int]:
     if not isinstance(pool, tuple) or not all(is_int(x) for x in pool):
         raise TypeError(_POOL_HANDLE + f", got {pool!r}")
     if len(pool) != 2:
-        raise ValueError(_POOL_HANDLE + f", got {pool!r}")
+        raise InvalidArgumentError(_POOL_HANDLE + f", got {pool!r}")
     return (pool[0].__index__(), pool[1].__index__())
 
 
@@ -68,14 +68,14 @@ class PoolLedger:
         key = pool_key(pool)
         self.check_usable(key)
         if key not in self._holders:
-            raise ValueError(f"graph pool {key} is not registered with this ledger")
+            raise InvalidArgumentError(f"graph pool {key} is not registered with this ledger")
         self._holders[key].add(holder)
 
     def drop(self, pool: PoolHandle, holder: tuple) -> None:
         key = pool_key(pool)
         holders = self._holders.get(key)
         if holders is None or holder not in holders:
-            raise ValueError(f"graph {holder} does not hold graph pool {key}")
+            raise InvalidArgumentError(f"graph {holder} does not hold graph pool {key}")
         holders.discard(holder)
         if not holders and self._auto[key]:
             self._retire(key)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from .._validate import integer, positive_int
-from ..errors import StateError, StaticBufferRebindError
+from ..errors import InvalidArgumentError, StateError, StaticBufferRebindError
 from ..sleep import any_released, check_awake
 from .arguments import check_inputs, check_last_outputs, check_pieces, check_pool
 from .buckets import BucketRule, pad_to_bucket, resolve_buckets
@@ -153,7 +153,7 @@ class GraphRunner:
         self._require_open()
         slot = integer(slot, f"{self._label}: shadow slot")
         if not 0 <= slot < self._ins.slots:
-            raise ValueError(f"{self._label}: shadow slot must be in [0, {self._ins.slots}), got {slot!r}")
+            raise InvalidArgumentError(f"{self._label}: shadow slot must be in [0, {self._ins.slots}), got {slot!r}")
         return StaticBuffers(self._label, self._ins.shadow_full_views(slot))
 
     @property
@@ -180,7 +180,7 @@ class GraphRunner:
         """The device view of static buffer `name` that the graph for `bucket` uses."""
         self._require_open()
         if bucket not in self._all_buckets:
-            raise ValueError(f"{self._label}: {bucket!r} is not one of its buckets {self._all_buckets}")
+            raise InvalidArgumentError(f"{self._label}: {bucket!r} is not one of its buckets {self._all_buckets}")
         if name in self._ins.names:
             return self._ins.bucket_views(bucket)[name]
         view = self._outs.view(name, bucket)
@@ -231,13 +231,13 @@ class GraphRunner:
             i = bisect.bisect_left(available, n)
             if i == len(available):
                 top = available[-1] if available else None
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{self._label}: {n} rows exceed its largest bucket {top}; run this step "
                     "eagerly (bucket_for(n) returns None for such steps)"
                 )
             return available[i]
         if bucket not in self._available or bucket < n:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._label}: bucket {bucket!r} cannot hold {n} rows "
                 f"(buckets: {tuple(self._available)})"
             )
@@ -356,7 +356,7 @@ class GraphRunner:
         """
         self._require_open()
         if bucket not in self._captured_buckets:
-            raise ValueError(f"{self._label}: bucket {bucket!r} is not captured (captured: {self.captured})")
+            raise InvalidArgumentError(f"{self._label}: bucket {bucket!r} is not captured (captured: {self.captured})")
         self._synchronize()
         self._drop_plan(bucket)
         self._available.remove(bucket)

@@ -10,6 +10,7 @@ import torch
 
 from .shadows import ShadowRing
 from .static import AxisSize, BufferLayout, StaticInput, input_shape
+from ..errors import InvalidArgumentError
 
 __all__ = ["StaticInputs"]
 
@@ -205,9 +206,9 @@ class StaticInputs:
     def _reject_names(self, data: Mapping[str, object]) -> None:
         unknown = set(data) - self.names
         if unknown:
-            raise ValueError(f"{self._label}: unknown static input(s) {sorted(unknown)}; declared: {sorted(self.specs)}")
+            raise InvalidArgumentError(f"{self._label}: unknown static input(s) {sorted(unknown)}; declared: {sorted(self.specs)}")
         missing = [name for name in self.specs if name in self.host_names and name not in data]
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{self._label}: host input(s) {missing} missing; every host-sourced input is "
             "copied by the graph each step, so each step must provide it"
         )
@@ -218,7 +219,7 @@ class StaticInputs:
             value = torch.as_tensor(value)
         where = f"{self._label}: input {spec.name!r}"
         if spec.source == "host" and value.device.type != "cpu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where} is host-sourced but got a tensor on {value.device}; pass a CPU tensor "
                 "(reading a device tensor back would synchronise) or declare source='device'"
             )
@@ -226,12 +227,12 @@ class StaticInputs:
             raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, which does not cast safely")
         shape, cap = tuple(value.shape), tuple(target.shape)
         if len(shape) != len(cap):
-            raise ValueError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
+            raise InvalidArgumentError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
         axis = spec.batch_axis
         if axis is not None and shape[axis] != n:
-            raise ValueError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
+            raise InvalidArgumentError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
         if any(s > c for s, c in zip(shape, cap)):
-            raise ValueError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
+            raise InvalidArgumentError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
         if shape == cap:
             target.copy_(value)
             return

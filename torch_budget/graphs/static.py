@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from .._validate import integer, positive_int
-from ..errors import StaticBufferRebindError
+from ..errors import InvalidArgumentError, StaticBufferRebindError
 
 AxisSize = Union[int, Callable[[int], int]]
 
@@ -51,14 +51,14 @@ class StaticInput:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name.startswith("_"):
-            raise ValueError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
+            raise InvalidArgumentError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
         if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+            raise InvalidArgumentError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
         shape = []
         for dim in self.shape:
             if isinstance(dim, str):
                 if not dim:
-                    raise ValueError(f"static input {self.name!r}: a symbolic axis needs a non-empty name")
+                    raise InvalidArgumentError(f"static input {self.name!r}: a symbolic axis needs a non-empty name")
                 shape.append(dim)
             else:
                 shape.append(positive_int(dim, f"static input {self.name!r}: dimension {dim!r}"))
@@ -66,17 +66,17 @@ class StaticInput:
         if self.batch_axis is not None:
             axis = integer(self.batch_axis, f"static input {self.name!r}: batch_axis")
             if not 0 <= axis <= len(shape):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"static input {self.name!r}: batch_axis must be None or in [0, {len(shape)}], got {axis!r}"
                 )
             object.__setattr__(self, "batch_axis", axis)
         if self.source not in ("host", "device"):
-            raise ValueError(f"static input {self.name!r}: source must be 'host' or 'device', got {self.source!r}")
+            raise InvalidArgumentError(f"static input {self.name!r}: source must be 'host' or 'device', got {self.source!r}")
         if not isinstance(self.pad_value, (int, float)):
-            raise ValueError(f"static input {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
+            raise InvalidArgumentError(f"static input {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
         floating = self.dtype.is_floating_point or self.dtype.is_complex
         if not floating and self.dtype != torch.bool and float(self.pad_value) != int(self.pad_value):
-            raise ValueError(f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
+            raise InvalidArgumentError(f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
 
 
 class BufferLayout:
