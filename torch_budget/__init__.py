@@ -61,7 +61,7 @@ _MOVED = {
 }
 
 # Submodules, importable as attributes without importing them first (torch_budget.diagnostics...).
-_SUBMODULES = {"allocator", "cli", "config", "demo", "diagnostics", "eager_workspace", "errors", "graphs", "planner",
+_SUBMODULES = {"adapters", "allocator", "cli", "config", "demo", "diagnostics", "eager_workspace", "errors", "graphs", "planner",
                "replay", "report", "sleep", "snapshot", "units"}
 
 __all__ = sorted(_EXPORTS)
