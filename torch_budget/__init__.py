@@ -61,8 +61,8 @@ _MOVED = {
 }
 
 # Submodules, importable as attributes without importing them first (torch_budget.diagnostics...).
-_SUBMODULES = {"adapters", "allocator", "cli", "config", "demo", "diagnostics", "eager_workspace", "errors", "graphs", "planner",
-               "replay", "report", "sleep", "snapshot", "units"}
+_SUBMODULES = {"adapters", "allocator", "cli", "config", "demo", "diagnostics", "eager_workspace", "errors", "graphs",
+               "planner", "replay", "report", "sleep", "snapshot", "units"}
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
