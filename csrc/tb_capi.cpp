@@ -147,6 +147,18 @@ int tb_set_budget(int device, int64_t bytes, double fraction) {
   return d->set_budget(bytes, fraction) ? 0 : code();
 }
 
+int tb_set_tag_budget(int device, int tag, int64_t bytes, double fraction) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->set_tag_budget(tag, bytes, fraction) ? 0 : code();
+}
+
+int tb_configure_tag_budget(int tag, int64_t bytes, double fraction) {
+  clear_error();
+  return Allocator::get().configure_tag_budget(tag, bytes, fraction) ? 0 : code();
+}
+
 int tb_empty_cache(int device) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device_if_ready(device);

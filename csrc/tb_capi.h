@@ -50,6 +50,11 @@ TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on
 // --- budget, cache, peers
 // bytes >= 0, or (bytes < 0) a fraction in (0, 1] of the card.
 TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
+// Note [Tag budgets] (core/budget.h): the budget of `tag` on `device` (bytes >= 0, or a
+// fraction in (0, 1] of the card; bytes < 0 and fraction <= 0 remove it), and the same
+// for every device before the first allocation (after tb_configure, which clears them).
+TB_API int tb_set_tag_budget(int device, int tag, int64_t bytes, double fraction);
+TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
 TB_API int tb_empty_cache(int device);
 // The IPC handle of the live block at `ptr` (torch's shareIpcHandle) into buf[0, cap):
 // its length, or -1 with the error kept (cap too small included); *offset: ptr's offset in it.

@@ -52,6 +52,8 @@ def _core_signatures():
         "tb_pop_scope": (i, []),
         "tb_tag_id": (i, [cp]),
         "tb_set_budget": (i, [i, i64, d]),
+        "tb_set_tag_budget": (i, [i, i, i64, d]),
+        "tb_configure_tag_budget": (i, [i, i64, d]),
         "tb_empty_cache": (i, [i]),
         "tb_cache_info": (i, [i, ctypes.POINTER(i64)]),
         "tb_share": (i64, [vp, ctypes.c_char_p, i64, ctypes.POINTER(i64)]),

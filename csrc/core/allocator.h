@@ -27,6 +27,9 @@ class Allocator {
   // Settings for every device, those already created included. Fails once an
   // allocation was served.
   bool configure(const Settings& settings, int default_route);
+  // A tag's budget for every device, those already created included (Note [Tag budgets]);
+  // after configure(), before the first allocation.
+  bool configure_tag_budget(int tag, int64_t bytes, double fraction);
   // Loads the CUDA driver unless a stand-in table is already installed.
   bool load_driver();
   int device_count();

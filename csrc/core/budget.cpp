@@ -73,6 +73,27 @@ void Budget::move(size_t bytes, const Placement& from, const Placement& to) {
   }
 }
 
+bool Budget::tag_fits(int tag, size_t bytes) const {
+  const int64_t limit = tag_limit(tag);
+  if (limit == kNone) return true;
+  const int64_t room = limit - tag_used(tag);
+  return room >= 0 && bytes <= static_cast<uint64_t>(room);
+}
+
+std::string Budget::tag_oom_message(size_t size, size_t charged, int tag, const std::string& name,
+                                    size_t device_free, size_t device_total) const {
+  const int64_t limit = tag_limit(tag), used = tag_used(tag);
+  const int64_t room = limit > used ? limit - used : 0;
+  return "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
+         " has a total capacity of " + format_size(device_total) + " of which " + format_size(device_free) +
+         " is free. torch_budget: tag '" + name + "' would exceed its budget of " +
+         format_size(static_cast<uint64_t>(limit)) + ": it has " + format_size(static_cast<uint64_t>(used)) +
+         " allocated, " + format_size(static_cast<uint64_t>(room)) + " left, and this allocation counts " +
+         format_size(charged) + (charged > size ? " (its block, rounded up)" : "") + ". Other tags are not affected. To allow more, raise the tag's budget: "
+         "torch_budget.set_budget(..., tag='" + name + "'), torch_budget.install(budgets={'" + name +
+         "': ...}) or TORCH_BUDGET_CONF=budget." + name + ":...; or free tensors allocated under the tag.";
+}
+
 std::string Budget::describe() const {
   return limit() == kNone ? std::string("none (the whole card)") : format_size(static_cast<uint64_t>(limit()));
 }

@@ -10,8 +10,18 @@
 // and alone explains an out-of-memory failure, so a new route cannot forget the
 // limit or count memory in a way the others do not.
 //
-// Lock rule: used only under the owning DeviceAllocator's mutex; the limit itself is
-// atomic so that stats can read it without the lock.
+// Note [Tag budgets]
+// A tag may have a budget of its own: a limit on the bytes allocated under it (blocks
+// as torch counts them), on every route and in the graph pools created under it. It is
+// checked at each allocation under the tag, before any memory is taken and again on the
+// exact block, and it only ever lowers what the device budget allows, which still holds
+// for every allocation. Only freeing the tag's tensors makes room (emptying the cache
+// does not); a released tag keeps its allocations counted, since a restore brings them
+// back. A refusal is an out-of-memory error that names the tag, its budget, its use and
+// the knob, and leaves every other tag serving.
+//
+// Lock rule: used only under the owning DeviceAllocator's mutex; the limits themselves
+// are atomic so that stats can read them without the lock.
 #pragma once
 
 #include <atomic>
@@ -32,7 +42,9 @@ struct Placement {
 
 class Budget {
  public:
-  Budget(int device, Ledger& ledger) : device_(device), ledger_(ledger) {}
+  Budget(int device, Ledger& ledger) : device_(device), ledger_(ledger) {
+    for (auto& l : tag_limit_) l.store(kNone, std::memory_order_relaxed);
+  }
 
   static constexpr int64_t kNone = INT64_MAX;
   // The one rule for a budget given as bytes or as a fraction of the card: bytes when
@@ -60,6 +72,16 @@ class Budget {
   bool refused() const { return refused_.load(std::memory_order_relaxed); }
   void clear_refusal() { refused_.store(false, std::memory_order_relaxed); }
 
+  // Note [Tag budgets]: kNone for a tag without one.
+  int64_t tag_limit(int tag) const { return tag_limit_[tag].load(std::memory_order_relaxed); }
+  void set_tag_limit(int tag, int64_t bytes) { tag_limit_[tag].store(bytes, std::memory_order_relaxed); }
+  int64_t tag_used(int tag) const { return ledger_.tag_allocated[tag].get(); }
+  // Whether `bytes` more allocated under `tag` stays within the tag's budget.
+  bool tag_fits(int tag, size_t bytes) const;
+  // `charged`: the bytes the allocation would have counted (its block, rounded).
+  std::string tag_oom_message(size_t size, size_t charged, int tag, const std::string& name, size_t device_free,
+                              size_t device_total) const;
+
   std::string describe() const;
   // torch's own first sentence, then ours: what was asked, why it failed, the
   // numbers, and the setting to change.
@@ -73,6 +95,7 @@ class Budget {
   Ledger& ledger_;
   std::atomic<int64_t> limit_{kNone};
   std::atomic<bool> refused_{false};
+  std::atomic<int64_t> tag_limit_[kMaxTags];  // set to kNone by the constructor
 };
 
 // A charge that rolls back unless committed.

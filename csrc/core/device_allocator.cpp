@@ -80,6 +80,8 @@ bool DeviceAllocator::init(const Settings& settings) {
 void DeviceAllocator::apply(const Settings& settings) {
   std::lock_guard<std::mutex> lock(mu_);
   budget_.set_limit(Budget::resolve(settings.budget_bytes, settings.budget_fraction, caps_.total_bytes));
+  for (int t = 0; t < kMaxTags; ++t)
+    budget_.set_tag_limit(t, Budget::resolve(settings.tag_bytes[t], settings.tag_fraction[t], caps_.total_bytes));
   if (vmm_) {
     vmm_->set_reuse_before_grow(settings.reuse_before_grow);
     vmm_->set_max_run(settings.map_run_bytes > 0 ? static_cast<size_t>(settings.map_run_bytes)
@@ -219,10 +221,25 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
              "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
                  ": restore it (torch_budget.restore) before allocating under it",
              nullptr);
+  if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
+    fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
+    return nullptr;
+  }
+  // A block may be larger than the rounded request (a remainder too small to split):
+  // the tag's budget is checked on the block itself too.
+  auto within_tag = [&](Block* b) {
+    if (budget_.tag_fits(tag, b->size)) return true;
+    const size_t charged = b->size;
+    const int used_route = b->route;
+    b->segment->pool->free(b);
+    fail_tag_oom(size, charged, stream, used_route, tag);
+    return false;
+  };
   bool released = false;
   for (int round = 0;; ++round) {
     Block* b = attempt(size, stream, route, tag, round < kSyncRounds);
     if (b != nullptr) {
+      if (!within_tag(b)) return nullptr;
       b->tag = tag;
       adopt(b);
       return b;
@@ -241,6 +258,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     const std::string cause = last_error_message();
     if (!graphs_.capturing()) {
       if (Block* lent = borrow(size, stream)) {
+        if (!within_tag(lent)) return nullptr;
         adopt(lent);
         return lent;
       }
@@ -261,6 +279,16 @@ void DeviceAllocator::fail_oom(size_t size, CUstream stream, int route, int tag,
   const std::string text = oom_text(size, route, tag, cause, &free_b);
   trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
   set_error(kOutOfMemory, text);
+}
+
+void DeviceAllocator::fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag) {
+  budget_.clear_refusal();  // the device's budget did not refuse it
+  bump(ledger_.num_ooms);
+  size_t free_b = 0, total_b = 0;
+  mem_info(&free_b, &total_b);
+  if (total_b == 0) total_b = caps_.total_bytes;
+  trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
+  set_error(kOutOfMemory, budget_.tag_oom_message(size, charged, tag, tag_name(tag), free_b, total_b));
 }
 
 std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free) {
@@ -420,6 +448,22 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
                false);
   }
   budget_.set_limit(bytes);
+  return true;
+}
+
+bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
+  TB_REQUIRE(tag >= 0 && tag < kMaxTags, kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
+  TB_REQUIRE(fraction <= 0 || fraction <= 1, kInvalidArgument, "a tag's budget is bytes or a fraction in (0, 1]",
+             false);
+  const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t used = budget_.tag_used(tag);
+  TB_REQUIRE(limit == Budget::kNone || limit >= used, kInvalidArgument,
+             "budget of " + format_size(static_cast<uint64_t>(limit)) + " for tag '" + tag_name(tag) +
+                 "' is below what it already has allocated on device " + std::to_string(ctx_.device) + " (" +
+                 format_size(static_cast<uint64_t>(used)) + "): free its tensors first",
+             false);
+  budget_.set_tag_limit(tag, limit);
   return true;
 }
 

@@ -76,6 +76,15 @@ struct Settings {
   bool reuse_before_grow = true; // see Note [Packing: reclaim before growth]
   // The longest mapping the allocation path makes (Note [Run mappings]); 0: the default.
   int64_t map_run_bytes = 0;
+  // Note [Tag budgets]: per tag, bytes >= 0 or a fraction (0, 1] of the card; else none.
+  int64_t tag_bytes[kMaxTags];
+  double tag_fraction[kMaxTags];
+  Settings() {
+    for (int t = 0; t < kMaxTags; ++t) {
+      tag_bytes[t] = -1;
+      tag_fraction[t] = -1;
+    }
+  }
 };
 
 // What a lookup by address tells about a live block.
@@ -122,6 +131,10 @@ class DeviceAllocator {
   // not strict: it is taken as it is, cached memory goes back as far as it can, and
   // allocations fail until enough is freed.
   bool set_budget(int64_t bytes, double fraction = -1, bool strict = true);
+  // Note [Tag budgets]: bytes >= 0 or a fraction (0, 1] of the card for `tag`; bytes < 0
+  // and no fraction removes its budget. Refused below what the tag has allocated now.
+  bool set_tag_budget(int tag, int64_t bytes, double fraction = -1);
+  int64_t tag_budget(int tag) const { return budget_.tag_limit(tag); }
   // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
   bool grant_peer(int peer);
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
@@ -213,6 +226,8 @@ class DeviceAllocator {
   Block* borrow(size_t size, CUstream stream);
   // Records an out-of-memory failure: counted, traced, and the error set.
   void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
+  // The tag's own budget refused `size` (Note [Tag budgets]).
+  void fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag);
   // The quantified message; *device_free (when given) gets the free bytes it quotes.
   std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr);
   // A block just taken from a pool becomes live: charged, indexed by address, traced.
