@@ -36,6 +36,7 @@ class Settings(TypedDict):
     reuse_before_grow: bool
     host_pool: int  # bytes of pinned host memory reserved for sleep backups
     map_run: int  # bytes of the longest VMM mapping one allocation makes
+    budgets: dict[str, tuple]  # per-tag budgets, {tag: ("bytes", n) or ("fraction", f)}
     capabilities: Capabilities  # of device 0
 
 
@@ -56,6 +57,8 @@ class TagStats(TypedDict):
     released: int  # bytes waiting to be restored
     backup: str | None  # backup mode of the last release
     backup_bytes: int  # host bytes holding its backup
+    budget: int | None  # the tag's own budget in bytes (Note [Tag budgets]); None: none
+    headroom: int | None  # budget - allocated; None without a budget
 
 
 class Stats(TypedDict):
@@ -81,9 +84,12 @@ class _Requested:
     reuse_before_grow: bool
     host_pool: int
     map_run: int
+    budgets: dict  # {tag: parsed budget}
 
     def shown(self, name: str) -> str:
         value = getattr(self, name)
+        if name == "budgets":
+            return "{" + ", ".join(f"{t!r}: {config.format_budget(b)}" for t, b in sorted(value.items())) + "}"
         if name == "budget":
             if value is None:
                 return "the whole card"
@@ -94,7 +100,7 @@ class _Requested:
         return repr(value)
 
 
-_DEFAULTS = {"budget": None, "route": config.AUTO, "reuse_before_grow": True, "host_pool": 0,
+_DEFAULTS = {"budget": None, "budgets": {}, "route": config.AUTO, "reuse_before_grow": True, "host_pool": 0,
              "map_run": _MAP_RUN_DEFAULT}
 
 _lock = threading.Lock()  # guards _in_force and _settings: install() runs once
@@ -125,6 +131,8 @@ def _parse_setting(name: str, value, source: str | None = None):
             return config.parse_host_pool(value, source)
         if name == "map_run":
             return config.parse_map_run(value, source)
+        if name == "budgets":
+            return value if source.startswith(config.ENV_VAR) else config.parse_budgets(value, source)
         if not isinstance(value, bool):  # "false" or 0.5 would pass as true
             raise ConfigError(f"{source} must be True or False, got {value!r}")
         return value
@@ -137,7 +145,8 @@ def _from_environment() -> dict:
 
 
 def install(budget: int | float | str | None = None, route: str | None = None, reuse_before_grow: bool | None = None,
-            host_pool: int | str | None = None, map_run: int | str | None = None) -> Settings:
+            host_pool: int | str | None = None, map_run: int | str | None = None,
+            budgets: dict[str, int | float | str] | None = None) -> Settings:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
@@ -146,6 +155,9 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     (torch_budget.sleep.reserve_host_pool), so that no release has to pin; None = none yet.
     map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
     makes; None = 16 MiB. Shorter packs tighter, longer maps with fewer driver calls.
+    budgets: {tag: budget} of per-tag budgets (each as `budget` takes it), on every device:
+    an allocation under a tag that would pass its budget raises OutOfMemoryError naming the
+    tag, while the other tags keep serving (TORCH_BUDGET_CONF: budget.<tag>:<budget>).
 
     Arguments left None come from TORCH_BUDGET_CONF, else the defaults. Must run before the
     first CUDA allocation; raises InstallError otherwise. A later call compares the arguments
@@ -156,7 +168,7 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     """
     global _in_force, _settings
     given = {"budget": budget, "route": route, "reuse_before_grow": reuse_before_grow, "host_pool": host_pool,
-             "map_run": map_run}
+             "map_run": map_run, "budgets": budgets}
     asked = {name: _parse_setting(name, value) for name, value in given.items() if value is not None}
     with _lock:
         if _in_force is not None:
@@ -179,16 +191,28 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         route_id = config.ROUTES["vmm" if wanted.route == config.AUTO else wanted.route]
         _native.check(lib, lib.tb_configure(budget_bytes, fraction, route_id, int(wanted.reuse_before_grow),
                                             wanted.map_run))
+        for tag, tag_budget in wanted.budgets.items():
+            kind, value = tag_budget
+            _native.check(lib, lib.tb_configure_tag_budget(_tag_id(lib, tag), value if kind == "bytes" else -1,
+                                                            value if kind == "fraction" else -1.0))
         _native.check(lib, lib.tb_torch_install())
         _runtime.mark_installed()
         _in_force = wanted
         _settings = {"route": route_for(wanted.route, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                      "budget_fraction": fraction if fraction > 0 else None,
                      "reuse_before_grow": wanted.reuse_before_grow, "host_pool": wanted.host_pool,
-                     "map_run": wanted.map_run, "capabilities": capabilities(0)}
+                     "map_run": wanted.map_run, "budgets": dict(wanted.budgets), "capabilities": capabilities(0)}
         if wanted.host_pool > 0:
             _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
         return _settings.copy()
+
+
+def _tag_id(lib, tag: str) -> int:
+    """The core's id of tag `tag` (registered on first use)."""
+    tag_id = lib.tb_tag_id(tag.encode())
+    if tag_id < 0:
+        raise _native.error(lib, -tag_id)
+    return tag_id
 
 
 def installed() -> bool:
@@ -219,11 +243,7 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
         yield
         return
     lib = _runtime.library()
-    tag_id = -1
-    if tag is not None:
-        tag_id = lib.tb_tag_id(tag.encode())
-        if tag_id < 0:
-            raise _native.error(lib, -tag_id)
+    tag_id = -1 if tag is None else _tag_id(lib, tag)
     _native.check(lib, lib.tb_push_scope(route_id, tag_id))
     try:
         yield
@@ -243,7 +263,8 @@ def stats(device: Device = None) -> Stats:
     Keys: allocated, reserved, peak_allocated, peak_reserved, budget (None = card),
     total, graph_pools, by_route {name: {allocated, reserved, peak_allocated, count}},
     by_tag {name: {allocated, requested, peak_allocated, count, state (live | released | restoring),
-    resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes}},
+    resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes,
+    budget (the tag's own, None: none), headroom (budget - allocated)}},
     raw (every counter). Reserved and the budget count resident memory only.
     """
     lib = _runtime.require_installed("torch_budget.stats()")
@@ -263,7 +284,8 @@ def stats(device: Device = None) -> Stats:
         "by_tag": {name: {"allocated": t["allocated"]["current"], "requested": t["requested"]["current"],
                           "peak_allocated": t["allocated"]["peak"], "count": t["count"], "state": t["state"],
                           "resident": t["resident"], "released": t["released"], "backup": t["backup"],
-                          "backup_bytes": t["backup_bytes"]}
+                          "backup_bytes": t["backup_bytes"], "budget": None if t["budget"] < 0 else t["budget"],
+                          "headroom": None if t["budget"] < 0 else t["budget"] - t["allocated"]["current"]}
                    for name, t in raw["tags"].items()},
         "raw": raw,
     }
@@ -300,14 +322,24 @@ def trim_tag(tag: str, device: Device = None) -> int:
     return _trim(lib, _runtime.device_index(device), tag_name(tag))
 
 
-def set_budget(budget: int | float | str, device: Device = None) -> None:
+def set_budget(budget: int | float | str | None, device: Device = None, tag: str | None = None) -> None:
     """Sets the hard budget of `device` (None: the current device; "all": every device):
-    bytes, "40GiB" or a fraction of the card.
+    bytes, "40GiB" or a fraction of the card. With `tag`, the budget of that tag alone
+    (Note [Tag budgets]: what may be allocated under it, inside the device's budget);
+    `budget=None` then removes the tag's budget.
 
     Raises ConfigError for a budget that cannot be read, InvalidArgumentError (both
-    ValueErrors) when it is below what is allocated now.
+    ValueErrors) when it is below what is allocated now (under the tag, with `tag`).
     """
     lib = _runtime.require_installed("torch_budget.set_budget()")
+    if tag is not None:
+        tag_id = _tag_id(lib, tag_name(tag))
+        parsed = None if budget is None else _parse_setting("budget", budget)
+        kind, value = parsed or ("none", None)
+        bytes_, fraction = (value, -1.0) if kind == "bytes" else (-1, value) if kind == "fraction" else (-1, -1.0)
+        for dev in _runtime.device_indices(lib, device):
+            _native.check(lib, lib.tb_set_tag_budget(dev, tag_id, bytes_, fraction))
+        return
     parsed = _parse_setting("budget", budget)
     if parsed is None:
         raise ConfigError("budget must be given: bytes, a size such as \"40GiB\", or a fraction of the card")

@@ -136,7 +136,12 @@ def parse_conf(text: str | None) -> dict:
         key, value = (s.strip() for s in item.split(":", 1))
         if key in out:
             raise ValueError(f"{ENV_VAR}: {key} is given twice")
-        if key == "budget":
+        if key.startswith("budget."):
+            tag = check_tag_name(key[len("budget."):], f"{ENV_VAR} {key}")
+            if tag in out.get("budgets", {}):
+                raise ValueError(f"{ENV_VAR}: {key} is given twice")
+            out.setdefault("budgets", {})[tag] = parse_budget(value, f"{ENV_VAR} {key}")
+        elif key == "budget":
             out["budget"] = parse_budget(value, f"{ENV_VAR} budget")
         elif key == "route":
             out["route"] = check_route(value, f"{ENV_VAR} route")
@@ -148,8 +153,26 @@ def parse_conf(text: str | None) -> dict:
             out["map_run"] = parse_map_run(value, f"{ENV_VAR} map_run")
         else:
             raise ValueError(f"{ENV_VAR}: unknown key {key!r} "
-                             "(known: budget, route, reuse_before_grow, map_run, host_pool)")
+                             "(known: budget, budget.<tag>, route, reuse_before_grow, map_run, host_pool)")
     return out
+
+
+def check_tag_name(tag, source: str = "tag") -> str:
+    """A tag's name: a non-empty str."""
+    if not isinstance(tag, str):
+        raise TypeError(f"{source}: a tag must be a str, got {type(tag).__name__}")
+    if not tag:
+        raise ValueError(f"{source}: a tag name must be a non-empty str")
+    return tag
+
+
+def parse_budgets(value, source: str = "budgets") -> dict:
+    """Per-tag budgets {tag: budget} (Note [Tag budgets]), each budget as parse_budget reads one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{source} must be a dict of tag name to budget, got {type(value).__name__}")
+    return {check_tag_name(tag, source): parse_budget(b, f"{source}[{tag!r}]") for tag, b in value.items()}
 
 
 def from_environment() -> dict:
@@ -170,4 +193,4 @@ def describe(settings: dict) -> list[tuple[str, str]]:
         shown("reuse_before_grow", "true" if settings.get("reuse_before_grow", True) else "false"),
         shown("map_run", format_bytes(settings.get("map_run", MAP_RUN_DEFAULT))),
         shown("host_pool", format_bytes(host) if host else "none"),
-    ]
+    ] + [(f"budget.{tag}", format_budget(b)) for tag, b in sorted(settings.get("budgets", {}).items())]
