@@ -49,9 +49,7 @@ bool Allocator::configure(const Settings& settings, int default_route) {
 }
 
 bool Allocator::configure_tag_budget(int tag, int64_t bytes, double fraction) {
-  TB_REQUIRE(tag >= 0 && tag < kMaxTags, kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
-  TB_REQUIRE(fraction <= 0 || fraction <= 1, kInvalidArgument, "a tag's budget is bytes or a fraction in (0, 1]",
-             false);
+  if (!Budget::check_tag_setting(tag, fraction)) return false;
   std::lock_guard<std::mutex> lock(mu_);
   TB_REQUIRE(!started(), kState, "torch_budget is already serving allocations: set a tag's budget on a device with "
              "set_budget(..., tag=...)", false);

@@ -73,6 +73,12 @@ void Budget::move(size_t bytes, const Placement& from, const Placement& to) {
   }
 }
 
+bool Budget::check_tag_setting(int tag, double fraction) {
+  TB_REQUIRE(tag >= 0 && tag < kMaxTags, kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
+  TB_REQUIRE(fraction <= 1, kInvalidArgument, "a tag's budget is bytes or a fraction in (0, 1]", false);
+  return true;
+}
+
 bool Budget::tag_fits(int tag, size_t bytes) const {
   const int64_t limit = tag_limit(tag);
   if (limit == kNone) return true;
@@ -80,13 +86,17 @@ bool Budget::tag_fits(int tag, size_t bytes) const {
   return room >= 0 && bytes <= static_cast<uint64_t>(room);
 }
 
+std::string Budget::torch_head(size_t size, size_t device_free, size_t device_total) const {
+  return "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
+         " has a total capacity of " + format_size(device_total) + " of which " + format_size(device_free) +
+         " is free. ";
+}
+
 std::string Budget::tag_oom_message(size_t size, size_t charged, int tag, const std::string& name,
                                     size_t device_free, size_t device_total) const {
   const int64_t limit = tag_limit(tag), used = tag_used(tag);
   const int64_t room = limit > used ? limit - used : 0;
-  return "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
-         " has a total capacity of " + format_size(device_total) + " of which " + format_size(device_free) +
-         " is free. torch_budget: tag '" + name + "' would exceed its budget of " +
+  return torch_head(size, device_free, device_total) + "torch_budget: tag '" + name + "' would exceed its budget of " +
          format_size(static_cast<uint64_t>(limit)) + ": it has " + format_size(static_cast<uint64_t>(used)) +
          " allocated, " + format_size(static_cast<uint64_t>(room)) + " left, and this allocation counts " +
          format_size(charged) + (charged > size ? " (its block, rounded up)" : "") + ". Other tags are not affected. To allow more, raise the tag's budget: "
@@ -100,9 +110,7 @@ std::string Budget::describe() const {
 
 std::string Budget::oom_message(size_t size, int route, const std::string& tag, const std::string& cause,
                                 size_t device_free, size_t device_total) const {
-  std::string msg = "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
-                    " has a total capacity of " + format_size(device_total) + " of which " +
-                    format_size(device_free) + " is free. ";
+  std::string msg = torch_head(size, device_free, device_total);
   msg += "torch_budget: route " + std::string(route_name(route)) + ", tag '" + tag + "': ";
   msg += refused_ ? "it would exceed the budget of " + describe() + "."
                   : "the driver refused it (" + cause + ").";

@@ -76,6 +76,8 @@ class Budget {
   int64_t tag_limit(int tag) const { return tag_limit_[tag].load(std::memory_order_relaxed); }
   void set_tag_limit(int tag, int64_t bytes) { tag_limit_[tag].store(bytes, std::memory_order_relaxed); }
   int64_t tag_used(int tag) const { return ledger_.tag_allocated[tag].get(); }
+  // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
+  static bool check_tag_setting(int tag, double fraction);
   // Whether `bytes` more allocated under `tag` stays within the tag's budget.
   bool tag_fits(int tag, size_t bytes) const;
   // `charged`: the bytes the allocation would have counted (its block, rounded).
@@ -90,6 +92,8 @@ class Budget {
 
  private:
   void place(size_t bytes, const Placement& where, bool add);
+  // torch's own first sentence of an out-of-memory message.
+  std::string torch_head(size_t size, size_t device_free, size_t device_total) const;
 
   const int device_;
   Ledger& ledger_;

@@ -274,27 +274,34 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
 }
 
 void DeviceAllocator::fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause) {
-  bump(ledger_.num_ooms);
   size_t free_b = 0;
   const std::string text = oom_text(size, route, tag, cause, &free_b);
-  trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
-  set_error(kOutOfMemory, text);
+  report_oom(size, stream, route, tag, free_b, text);
 }
 
 void DeviceAllocator::fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag) {
   budget_.clear_refusal();  // the device's budget did not refuse it
-  bump(ledger_.num_ooms);
   size_t free_b = 0, total_b = 0;
-  mem_info(&free_b, &total_b);
-  if (total_b == 0) total_b = caps_.total_bytes;
-  trace(TraceAction::kOom, ctx_.device, free_b, size, stream, {0, 0}, tag, route);
-  set_error(kOutOfMemory, budget_.tag_oom_message(size, charged, tag, tag_name(tag), free_b, total_b));
+  device_memory(&free_b, &total_b);
+  report_oom(size, stream, route, tag, free_b,
+             budget_.tag_oom_message(size, charged, tag, tag_name(tag), free_b, total_b));
+}
+
+void DeviceAllocator::report_oom(size_t size, CUstream stream, int route, int tag, size_t device_free,
+                                 const std::string& text) {
+  bump(ledger_.num_ooms);
+  trace(TraceAction::kOom, ctx_.device, device_free, size, stream, {0, 0}, tag, route);
+  set_error(kOutOfMemory, text);
+}
+
+void DeviceAllocator::device_memory(size_t* free_bytes, size_t* total_bytes) {
+  mem_info(free_bytes, total_bytes);
+  if (*total_bytes == 0) *total_bytes = caps_.total_bytes;
 }
 
 std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free) {
   size_t free_b = 0, total_b = 0;
-  mem_info(&free_b, &total_b);
-  if (total_b == 0) total_b = caps_.total_bytes;
+  device_memory(&free_b, &total_b);
   if (device_free != nullptr) *device_free = free_b;
   return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
 }
@@ -452,9 +459,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
 }
 
 bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
-  TB_REQUIRE(tag >= 0 && tag < kMaxTags, kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
-  TB_REQUIRE(fraction <= 0 || fraction <= 1, kInvalidArgument, "a tag's budget is bytes or a fraction in (0, 1]",
-             false);
+  if (!Budget::check_tag_setting(tag, fraction)) return false;
   const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t used = budget_.tag_used(tag);

@@ -228,6 +228,10 @@ class DeviceAllocator {
   void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
   // The tag's own budget refused `size` (Note [Tag budgets]).
   void fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag);
+  // Counts, traces and sets an out-of-memory failure with its message.
+  void report_oom(size_t size, CUstream stream, int route, int tag, size_t device_free, const std::string& text);
+  // Free and total bytes of the device as messages quote them (the card's size if the driver cannot say).
+  void device_memory(size_t* free_bytes, size_t* total_bytes);
   // The quantified message; *device_free (when given) gets the free bytes it quotes.
   std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr);
   // A block just taken from a pool becomes live: charged, indexed by address, traced.

@@ -45,7 +45,7 @@ bool DeviceAllocator::restore_tag(int tag) {
   RelaxedCaptureMode relaxed(open_captures() > 0);
   budget_.clear_refusal();
   size_t need = 0;
-  if (tags_.restore(tag, name, &need)) return true;
+  if (tags_.restore(tag, &need)) return true;
   const ErrorCode code = last_error_code();
   const std::string why = last_error_message();
   const std::string head = "restore of " + name + " failed; the tag stays released with its backup, and a later "

@@ -133,10 +133,8 @@ bool TagArenas::release(int tag, Backup backup, const std::string& name) {
 }
 
 
-bool TagArenas::restore(int tag, const std::string& name, size_t* needed) {
+bool TagArenas::restore(int tag, size_t* needed) {
   TagState& st = state_[tag];
-  TB_REQUIRE(st.life == kTagReleased, kState, name + " is not released (it is " + tag_life_name(st.life) + ")",
-             false);
   clock_.allow_requests(false);  // take cached or clean granules, never ask for a sync
   st.life = kTagRestoring;
   if (!mover_->restore(&st, still_needed(st))) {

@@ -56,9 +56,9 @@ class TagArenas {
   // Releases `tag` (live, the device idle) with `backup`; `name` says which tag where, for
   // messages. kState when it cannot be released now.
   bool release(int tag, Backup backup, const std::string& name);
-  // Restores a released `tag`. On failure the tag stays released with its backup;
-  // *needed gets the bytes the restore had to map.
-  bool restore(int tag, const std::string& name, size_t* needed);
+  // Restores `tag`, released (the owner checked). On failure the tag stays released with
+  // its backup; *needed gets the bytes the restore had to map.
+  bool restore(int tag, size_t* needed);
   TagView view(int tag) const;
   // Streams of the tag's own free blocks that are not clean yet; then, once the owner
   // synchronised them, gives the tag's clean cached memory back to the driver.
