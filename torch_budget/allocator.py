@@ -132,7 +132,7 @@ def _parse_setting(name: str, value, source: str | None = None):
         if name == "map_run":
             return config.parse_map_run(value, source)
         if name == "budgets":
-            return value if source.startswith(config.ENV_VAR) else config.parse_budgets(value, source)
+            return config.parse_budgets(value, source)
         if not isinstance(value, bool):  # "false" or 0.5 would pass as true
             raise ConfigError(f"{source} must be True or False, got {value!r}")
         return value
@@ -184,17 +184,12 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         wanted = _Requested(**{**_DEFAULTS, **_from_environment(), **asked})
         _runtime.check_can_install()
         lib = _runtime.library()
-        budget_bytes, fraction = -1, -1.0
-        if wanted.budget is not None:
-            kind, value = wanted.budget
-            budget_bytes, fraction = (value, -1.0) if kind == "bytes" else (-1, value)
+        budget_bytes, fraction = _for_core(wanted.budget)
         route_id = config.ROUTES["vmm" if wanted.route == config.AUTO else wanted.route]
         _native.check(lib, lib.tb_configure(budget_bytes, fraction, route_id, int(wanted.reuse_before_grow),
                                             wanted.map_run))
         for tag, tag_budget in wanted.budgets.items():
-            kind, value = tag_budget
-            _native.check(lib, lib.tb_configure_tag_budget(_tag_id(lib, tag), value if kind == "bytes" else -1,
-                                                            value if kind == "fraction" else -1.0))
+            _native.check(lib, lib.tb_configure_tag_budget(_tag_id(lib, tag), *_for_core(tag_budget)))
         _native.check(lib, lib.tb_torch_install())
         _runtime.mark_installed()
         _in_force = wanted
@@ -205,6 +200,14 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         if wanted.host_pool > 0:
             _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
         return _settings.copy()
+
+
+def _for_core(parsed: tuple | None) -> tuple[int, float]:
+    """A parsed budget as the core takes one: (bytes, -1.0), (-1, fraction), or (-1, -1.0) for none."""
+    if parsed is None:
+        return -1, -1.0
+    kind, value = parsed
+    return (value, -1.0) if kind == "bytes" else (-1, value)
 
 
 def _tag_id(lib, tag: str) -> int:
@@ -334,17 +337,14 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
     lib = _runtime.require_installed("torch_budget.set_budget()")
     if tag is not None:
         tag_id = _tag_id(lib, tag_name(tag))
-        parsed = None if budget is None else _parse_setting("budget", budget)
-        kind, value = parsed or ("none", None)
-        bytes_, fraction = (value, -1.0) if kind == "bytes" else (-1, value) if kind == "fraction" else (-1, -1.0)
+        bytes_, fraction = _for_core(None if budget is None else _parse_setting("budget", budget))
         for dev in _runtime.device_indices(lib, device):
             _native.check(lib, lib.tb_set_tag_budget(dev, tag_id, bytes_, fraction))
         return
     parsed = _parse_setting("budget", budget)
     if parsed is None:
         raise ConfigError("budget must be given: bytes, a size such as \"40GiB\", or a fraction of the card")
-    kind, value = parsed
-    bytes_, fraction = (value, -1.0) if kind == "bytes" else (-1, value)
+    bytes_, fraction = _for_core(parsed)
     for dev in _runtime.device_indices(lib, device):
         _native.check(lib, lib.tb_set_budget(dev, bytes_, fraction))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from ._validate import is_int, non_negative_int
+from ._validate import is_int, non_negative_int, tag_name
 from .units import BARE_BYTES_MIN, bare_number_message, format_bytes, memory_bytes, parse_bytes, parse_size
 
 ENV_VAR = "TORCH_BUDGET_CONF"
@@ -137,7 +137,7 @@ def parse_conf(text: str | None) -> dict:
         if key in out:
             raise ValueError(f"{ENV_VAR}: {key} is given twice")
         if key.startswith("budget."):
-            tag = check_tag_name(key[len("budget."):], f"{ENV_VAR} {key}")
+            tag = tag_name(key[len("budget."):], f"{ENV_VAR} {key}: the tag")
             if tag in out.get("budgets", {}):
                 raise ValueError(f"{ENV_VAR}: {key} is given twice")
             out.setdefault("budgets", {})[tag] = parse_budget(value, f"{ENV_VAR} {key}")
@@ -157,22 +157,14 @@ def parse_conf(text: str | None) -> dict:
     return out
 
 
-def check_tag_name(tag, source: str = "tag") -> str:
-    """A tag's name: a non-empty str."""
-    if not isinstance(tag, str):
-        raise TypeError(f"{source}: a tag must be a str, got {type(tag).__name__}")
-    if not tag:
-        raise ValueError(f"{source}: a tag name must be a non-empty str")
-    return tag
-
-
 def parse_budgets(value, source: str = "budgets") -> dict:
-    """Per-tag budgets {tag: budget} (Note [Tag budgets]), each budget as parse_budget reads one."""
+    """Per-tag budgets {tag: budget} (Note [Tag budgets]), each budget as parse_budget reads one
+    (so what this returns reads back unchanged)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise TypeError(f"{source} must be a dict of tag name to budget, got {type(value).__name__}")
-    return {check_tag_name(tag, source): parse_budget(b, f"{source}[{tag!r}]") for tag, b in value.items()}
+    return {tag_name(tag, f"{source}: a tag"): parse_budget(b, f"{source}[{tag!r}]") for tag, b in value.items()}
 
 
 def from_environment() -> dict:
