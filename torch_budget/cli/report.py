@@ -11,7 +11,8 @@ from torch_budget.cli.arguments import PROG, output_file, output_problem, parse
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"{PROG} report", description="Render a plan or ledger JSON as a table and a PNG.")
-    p.add_argument("ledger", help="JSON written by `torch-budget plan --json` or Plan.to_json()")
+    p.add_argument("ledger", help="JSON written by `torch-budget plan --json`, Plan.to_json() or the demo (a measured "
+                                  "ledger, with each budgeted tag's budget, use and headroom)")
     p.add_argument("--out", type=output_file,
                    help="PNG path; its folder must exist (default: the ledger path with .png)")
     p.add_argument("--title", help="title for the table and the picture (default: the ledger's own)")
@@ -22,11 +23,11 @@ def run(argv: list[str]) -> int:
     args, rc = parse(parser(), argv)
     if rc is not None:
         return rc
-    from torch_budget.report import format_table, load_ledger, write_png
+    from torch_budget.report import format_table, load_report, write_png
 
     out = args.out or Path(args.ledger).with_suffix(".png")
     try:
-        title, total, lines = load_ledger(args.ledger)
+        title, total, lines, budgets = load_report(args.ledger)
     except ValueError as e:
         print(f"{PROG} report: error: {e}", file=sys.stderr)
         return 2
@@ -36,9 +37,9 @@ def run(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     title = args.title or title
-    print(format_table(lines, total, title))
+    print(format_table(lines, total, title, budgets))
     try:
-        write_png(lines, total, out, title)
+        write_png(lines, total, out, title, budgets)
     except ImportError as e:
         print(f"{PROG} report: the table is above; {e}", file=sys.stderr)
         return 1

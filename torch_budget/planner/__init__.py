@@ -13,7 +13,7 @@ of the ledger with the reason it has that size.
 """
 
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
-from torch_budget.planner.ledger import CATEGORIES, LedgerLine, format_table
+from torch_budget.planner.ledger import CATEGORIES, LedgerLine, TagBudget, format_budgets, format_table
 from torch_budget.planner.measure import Profile, profile
 from torch_budget.planner.shape import (ModelShape, described_profile, estimate_activation_bytes, kv_cache_cost,
                                         parameter_count, weight_bytes)
@@ -38,6 +38,8 @@ __all__ = [
     "CATEGORIES",
     "LedgerLine",
     "format_table",
+    "TagBudget",
+    "format_budgets",
     "ModelShape",
     "parameter_count",
     "weight_bytes",

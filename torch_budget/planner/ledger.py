@@ -9,6 +9,11 @@ and a measurement can be compared side by side.
 A line whose memory is released (a tag put to sleep, torch_budget.sleep) carries a `state`
 such as "released 1.20 GiB, backup pinned"; its bytes are what is still resident, the only
 bytes that count toward the card.
+
+Beside the lines, a ledger may carry the tags that have budgets of their own (`TagBudget`,
+Note [Tag budgets] in the core; `Plan.apply()` sets them): each tag's budget, what is
+allocated under it and its headroom. A tag's budget may bound several lines (the graphs tag
+holds the graph pools and the static buffers), so budgets are a table of their own.
 """
 
 from __future__ import annotations
@@ -62,9 +67,78 @@ class LedgerLine:
             raise ValueError(f"ledger line {d!r} lacks the key {e.args[0]!r}") from None
 
 
-def format_table(lines: list[LedgerLine], total: int, title: str | None = None) -> str:
+@dataclass(frozen=True)
+class TagBudget:
+    """A tag's own budget and what it holds: `used` bytes allocated under it now, `peak` the
+    most allocated under it since the peaks were last reset (None when not known). `category`
+    is the ledger category of the memory it bounds (its colour in the picture); `lines` names
+    the ledger lines it bounds."""
+
+    tag: str
+    budget: int
+    used: int
+    peak: int | None = None
+    category: str = "reserve"
+    lines: str = ""
+
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"tag {self.tag!r}: ledger category {self.category!r} is not one of {list(CATEGORIES)}")
+        for name in ("budget", "used", "peak"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"tag {self.tag!r} has negative {name} ({value})")
+
+    @property
+    def headroom(self) -> int:
+        """What may still be allocated under the tag: budget - used."""
+        return self.budget - self.used
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TagBudget":
+        try:
+            peak = d.get("peak")
+            return cls(tag=str(d["tag"]), budget=int(d["budget"]), used=int(d["used"]),
+                       peak=None if peak is None else int(peak), category=str(d.get("category") or "reserve"),
+                       lines=str(d.get("lines") or ""))
+        except KeyError as e:
+            raise ValueError(f"tag budget {d!r} lacks the key {e.args[0]!r}") from None
+
+
+def _aligned(header: tuple, rows: list, right: set) -> list[str]:
+    """Rows as text, each column as wide as its widest cell (right-aligned for the columns in
+    `right`); the last column is left as it is."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    out = []
+    for r in [header, *rows]:
+        cells = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r[:-1], widths))]
+        out.append("  ".join([*cells, r[-1]]).rstrip())
+    return out
+
+
+def format_budgets(budgets: list[TagBudget]) -> str:
+    """The tag budgets as an aligned table: budget, in use, headroom, peak (and its share of
+    the budget), and the lines each bounds."""
+    def share(b: TagBudget) -> str:
+        return "-" if b.peak is None or b.budget <= 0 else f"{100.0 * b.peak / b.budget:.1f}%"
+
+    header = ("tag", "budget", "in use", "headroom", "peak", "peak/budget", "bounds")
+    rows = [(b.tag, format_bytes(b.budget), format_bytes(b.used), format_bytes(b.headroom),
+             "-" if b.peak is None else format_bytes(b.peak), share(b), b.lines) for b in budgets]
+    text = _aligned(header, rows, right={1, 2, 3, 4, 5})
+    rule = "-" * max(map(len, text))
+    return "\n".join(["tag budgets: what may be allocated under each tag, inside the device budget", text[0], rule,
+                      *text[1:]])
+
+
+def format_table(lines: list[LedgerLine], total: int, title: str | None = None,
+                 budgets: list[TagBudget] = ()) -> str:
     """Aligned text table: line, category, size, share of the card, and why; a state column
-    (released bytes and backup) when some line is not all resident. Sizes are resident bytes."""
+    (released bytes and backup) when some line is not all resident. Sizes are resident bytes.
+    With `budgets`, the tags' own budgets follow (format_budgets)."""
     if total <= 0:
         raise ValueError(f"total card bytes must be positive, got {total}")
     stated = any(line.state for line in lines)
@@ -89,4 +163,6 @@ def format_table(lines: list[LedgerLine], total: int, title: str | None = None) 
     rule = "-" * max(len(r) for r in [fmt(header), *body])
     out = [title] if title else []
     out += [fmt(header), rule, *body, rule, *map(fmt, footer)]
+    if budgets:
+        out += ["", format_budgets(list(budgets))]
     return "\n".join(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch_budget.planner.ledger import CATEGORIES, LedgerLine
+from torch_budget.planner.ledger import CATEGORIES, LedgerLine, TagBudget
 
 
 def measured_ledger(
@@ -51,9 +51,24 @@ def measured_ledger(
     return lines
 
 
+def ledger_json(title: str | None, total: int, lines: list[LedgerLine], budgets: list[TagBudget] = ()) -> str:
+    """A ledger as JSON that `load_report` (and `torch-budget report`) reads back."""
+    data = {"title": title, "total": total, "lines": [line.to_dict() for line in lines]}
+    if budgets:
+        data["budgets"] = [b.to_dict() for b in budgets]
+    return json.dumps(data, indent=2)
+
+
 def load_ledger(path) -> tuple[str | None, int, list[LedgerLine]]:
     """Read a plan (`Plan.to_json`) or a bare ledger (`{"total": ..., "lines": [...]}`) from JSON.
     Both carry `total` and `lines`, so one reader serves both."""
+    title, total, lines, _ = load_report(path)
+    return title, total, lines
+
+
+def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget]]:
+    """`load_ledger`, and the tag budgets a measured ledger may carry (`budgets`, see
+    `ledger_json`; none for a plan)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -69,4 +84,7 @@ def load_ledger(path) -> tuple[str | None, int, list[LedgerLine]]:
     if total <= 0:
         raise ValueError(f"ledger file {str(path)!r} has a non-positive total ({total})")
     lines = [LedgerLine.from_dict(d) for d in data["lines"]]
-    return data.get("title"), total, lines
+    budgets = data.get("budgets") or []
+    if not isinstance(budgets, list):
+        raise ValueError(f"ledger file {str(path)!r}: 'budgets' must be a list of tag budgets")
+    return data.get("title"), total, lines, [TagBudget.from_dict(d) for d in budgets]

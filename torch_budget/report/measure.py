@@ -7,13 +7,15 @@ allocator from the pool id torch's snapshot gives each segment.
 
 A tag of the ledger (`torch_budget.stats()["by_tag"][name]`) may be released
 (torch_budget.sleep): `tag_bytes` and `tag_state` read its entry, and read an entry without
-the sleep keys (an older ledger) as live.
+the sleep keys (an older ledger) as live. A tag may have a budget of its own: `tag_budgets`
+reads those into the ledger's budget table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch_budget.planner.ledger import TagBudget
 from torch_budget.units import format_bytes
 
 
@@ -51,6 +53,21 @@ def tag_state(entry: dict) -> str:
         if held:
             text += f" ({format_bytes(held)} on host)"
     return text
+
+
+def tag_budgets(by_tag: dict, bounds: dict | None = None) -> list[TagBudget]:
+    """The tags of a ledger (`torch_budget.stats()["by_tag"]`) that have a budget, in name order:
+    budget, allocated now, peak. `bounds` maps a tag to (ledger category, the lines it bounds)
+    for the picture's colour and the table's last column."""
+    out = []
+    for tag, entry in sorted(by_tag.items()):
+        if entry.get("budget") is None:
+            continue
+        category, lines = (bounds or {}).get(tag, ("reserve", ""))
+        out.append(TagBudget(tag=tag, budget=int(entry["budget"]), used=int(entry["allocated"]),
+                             peak=int(entry["peak_allocated"]) if "peak_allocated" in entry else None,
+                             category=category, lines=lines))
+    return out
 
 
 def graph_pool_bytes(device, installed: bool) -> int:
