@@ -8,6 +8,7 @@ from torch_budget import _native, errors
 from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError
 
 BUILTINS = {"InvalidArgumentError": ValueError, "ConfigError": ValueError, "NotWarmedUpError": ValueError,
+            "PlanDoesNotFitError": ValueError, "RequestTooLargeError": ValueError,
             "NotInstalledError": RuntimeError, "InstallError": RuntimeError, "StateError": RuntimeError,
             "TagStateError": RuntimeError, "PoolInUseError": RuntimeError, "PoolReleasedError": RuntimeError,
             "DriverError": RuntimeError, "StaticBufferRebindError": TypeError, "NotBuiltError": ImportError}

@@ -5,7 +5,9 @@
     ├── InvalidArgumentError (ValueError)    a value torch_budget refuses: out of range, an
     │   │                                    unknown tag, backup or device, a foreign pointer
     │   ├── ConfigError                      a setting: install(), set_budget(), TORCH_BUDGET_CONF
-    │   └── NotWarmedUpError                 workspace metadata used before its warm-up
+    │   ├── NotWarmedUpError                 workspace metadata used before its warm-up
+    │   ├── PlanDoesNotFitError              a plan's tag budgets do not fit the device's budget
+    │   └── RequestTooLargeError             a request no resource manager could ever hold
     ├── NotInstalledError (RuntimeError)     a call that needs torch_budget.install() first
     ├── InstallError (RuntimeError)          install() cannot run now: no CUDA device, CUDA
     │                                        already initialised, installed with other settings
@@ -30,6 +32,8 @@ __all__ = [
     "InvalidArgumentError",
     "ConfigError",
     "NotWarmedUpError",
+    "PlanDoesNotFitError",
+    "RequestTooLargeError",
     "NotInstalledError",
     "InstallError",
     "StateError",
@@ -56,6 +60,16 @@ class ConfigError(InvalidArgumentError):
 
 class NotWarmedUpError(InvalidArgumentError):
     """Workspace metadata used before warm-up created its eager workspace."""
+
+
+class PlanDoesNotFitError(InvalidArgumentError):
+    """Plan.apply(): the plan's per-tag budgets add up to more than the device's budget allows, or
+    give a tag less than is allocated under it already; nothing was set. The message has the figures."""
+
+
+class RequestTooLargeError(InvalidArgumentError):
+    """A request needs more than a resource manager's whole capacity, so waiting could never
+    serve it (torch_budget.scheduling); the message names the manager's tag and both figures."""
 
 
 class NotInstalledError(TorchBudgetError, RuntimeError):

@@ -8,6 +8,7 @@ of the ledger with the reason it has that size.
 - costs.py: what a KV cache, a per-token workspace and a reserve cost;
 - measure.py: what one profiling forward held (`Profile`, `profile()`);
 - steps.py: the seven steps of `plan` (see Note [Planner steps] there) and the `Plan`;
+- apply.py: the plan enforced as per-tag budgets (`Plan.apply()`, Note [Plan as budgets]);
 - ledger.py: the ledger lines a plan is made of, and their text table;
 - shape.py: a model described by its shape, for planning without a device.
 """
@@ -18,6 +19,7 @@ from torch_budget.planner.measure import Profile, profile
 from torch_budget.planner.shape import (ModelShape, described_profile, estimate_activation_bytes, kv_cache_cost,
                                         parameter_count, weight_bytes)
 from torch_budget.planner.steps import Plan, PlanStep, plan
+from torch_budget.planner.apply import TAGS, AppliedBudgets
 
 # The card planned for when there is no device to measure and none was named: an assumption,
 # printed as one wherever it is used.
@@ -35,6 +37,8 @@ __all__ = [
     "PlanStep",
     "Plan",
     "plan",
+    "TAGS",
+    "AppliedBudgets",
     "CATEGORIES",
     "LedgerLine",
     "format_table",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torch_budget._validate import fraction as _fraction, integer, non_negative_int
+import torch_budget.planner.apply as _apply
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
 from torch_budget.planner.ledger import LedgerLine, format_table
 from torch_budget.planner.measure import Profile
@@ -51,6 +52,22 @@ class Plan:
 
     def bytes_in(self, category: str) -> int:
         return sum(line.bytes for line in self.lines if line.category == category)
+
+    def tag_budgets(self, tags: dict[str, str] | None = None) -> dict[str, int]:
+        """{tag: bytes}: the plan's lines as per-tag budgets (Note [Plan as budgets] in
+        planner/apply.py; `tags` maps a ledger category to its tag, planner.apply.TAGS by
+        default). Before install(): `torch_budget.install(budgets=plan.tag_budgets())`."""
+        return _apply.tag_budgets(self.lines, tags)
+
+    def apply(self, device=None, tags: dict[str, str] | None = None) -> "_apply.AppliedBudgets":
+        """Enforce the plan: set each tag's budget to its lines (tag_budgets) through
+        torch_budget.set_budget, on `device` (None: the current one; "all": every device), inside
+        the device's budget. Raises PlanDoesNotFitError, setting nothing, when the budgets add up
+        to more than the device's budget (the card less the plan's non-torch lines when none is
+        set) or give a tag less than it has allocated. Returns what was set, with the budgets it
+        replaced: `.undo()` (or a `with` block) puts those back."""
+        return _apply.apply(self.tag_budgets(tags), outside_torch=self.bytes_in("non_torch"),
+                            planned_total=self.total, device=device)
 
     def to_text(self) -> str:
         steps = "\n".join(

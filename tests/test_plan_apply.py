@@ -1,0 +1,177 @@
+"""Plan.apply(): a plan's lines become per-tag budgets inside the device budget (Note [Plan as
+budgets]), enforced by the core over the host stand-in; what it set can be undone; a plan that
+does not fit is refused before anything is set."""
+import pytest
+import torch
+
+import torch_budget
+from _hostcore import MiB, Host, isolated, python_api_over
+from torch_budget import planner
+from torch_budget.errors import NotInstalledError, PlanDoesNotFitError
+from torch_budget.planner import CacheCost, Profile, Reserve
+
+CARD = 4 << 30  # the host stand-in's device
+
+
+def sample_plan(total=CARD, non_torch=3 * MiB):
+    """weights 16 MiB, activations 8, eager workspace 4, graph pools 8 + static buffers 2, KV 32
+    (capped), a 1 MiB reserve beside the peak that no tag holds, non-torch as given."""
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=28 * MiB + non_torch,
+                                     total=total, model_bytes=16 * MiB)
+    return planner.plan(prof, CacheCost(slope=4096), eager_workspace_in_peak=4 * MiB, max_kv_bytes=32 * MiB,
+                        beside_peak=[Reserve("encoder outputs", 1 * MiB, "not profiled")],
+                        from_kv=[Reserve("decode graph pools", 8 * MiB, "measured", "graph_pools"),
+                                 Reserve("decode static buffers", 2 * MiB, "measured", "graph_workspace")])
+
+
+EXPECTED = {"weights": 16 * MiB, "activations": 8 * MiB, "workspace": 4 * MiB, "graphs": 10 * MiB, "kv": 32 * MiB}
+
+
+def budgets_now():
+    return {tag: entry["budget"] for tag, entry in torch_budget.stats()["by_tag"].items()}
+
+
+def installed_host(**install):
+    host = Host(configure=False)
+    python_api_over(host)
+    torch_budget.install(**{"route": "vmm", **install})
+    return host
+
+
+def under(host, tag, nbytes):
+    with torch_budget.region(tag):
+        return host.malloc(nbytes)
+
+
+def test_tag_budgets_are_the_plans_lines_summed_per_tag():
+    p = sample_plan()
+    assert p.tag_budgets() == EXPECTED
+    # non-torch, the reserve no component holds and the headroom are no tag's
+    assert sum(EXPECTED.values()) == p.total - p.bytes_in("non_torch") - p.bytes_in("reserve") - p.bytes_in("headroom")
+    assert p.tag_budgets({"kv_pool": "cache", "weights": "params"}) == {"cache": 32 * MiB, "params": 16 * MiB}
+    with pytest.raises(ValueError, match="not among"):
+        p.tag_budgets({"kv": "kv"})
+
+
+def test_the_demos_tags_are_the_planners():
+    from torch_budget.demo import settings
+    from torch_budget.eager_workspace import WORKSPACE_TAG
+
+    tags = planner.TAGS
+    assert (tags["weights"], tags["kv_pool"], tags["graph_pools"], tags["activations"], tags["eager_workspace"]) == (
+        settings.TAG_WEIGHTS, settings.TAG_KV, settings.TAG_GRAPHS, settings.TAG_ACTIVATIONS, WORKSPACE_TAG)
+
+
+def test_apply_needs_install():
+    if torch_budget.installed():
+        pytest.skip("this process has torch_budget installed")
+    with pytest.raises(NotInstalledError, match=r"Plan.apply\(\) needs torch_budget.install\(\) first"):
+        sample_plan().apply()
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_an_allocation_past_its_line_fails_naming_its_tag_while_the_other_tags_keep_serving():
+    host = installed_host(budget="128MiB")
+    weights = under(host, "weights", 16 * MiB)  # loaded before planning, as a server does
+    applied = sample_plan().apply()
+    assert applied.budgets == EXPECTED and applied.devices == (0,)
+    assert {t: b for t, b in budgets_now().items() if b is not None} == EXPECTED
+    kv = [under(host, "kv", 24 * MiB), under(host, "kv", 8 * MiB)]  # exactly the KV line
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        under(host, "kv", 4096)
+    assert "tag 'kv' would exceed its budget of 32.00 MiB" in str(raised.value), str(raised.value)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'weights'"):
+        under(host, "weights", 4096)
+    act = under(host, "activations", 8 * MiB)  # the other tags serve up to their own lines
+    graphs = under(host, "graphs", 10 * MiB)
+    assert torch_budget.stats()["by_tag"]["kv"]["headroom"] == 0
+    for p in (weights, *kv, act, graphs):
+        host.free(p)
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_undo_puts_back_the_budgets_apply_replaced():
+    host = installed_host()
+    torch_budget.set_budget("64MiB", tag="kv")
+    with sample_plan().apply() as applied:
+        assert budgets_now()["kv"] == 32 * MiB
+        assert applied.previous == {0: {"weights": None, "activations": None, "workspace": None, "graphs": None,
+                                        "kv": 64 * MiB}}
+    now = budgets_now()
+    assert now["kv"] == 64 * MiB and all(now[t] is None for t in EXPECTED if t != "kv"), now
+    assert under(host, "weights", 20 * MiB)  # past the plan's line: no budget any more
+    applied.undo()  # idempotent
+    assert budgets_now()["kv"] == 64 * MiB
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_plan_larger_than_the_device_budget_is_refused_and_sets_nothing():
+    installed_host(budget="48MiB")
+    with pytest.raises(PlanDoesNotFitError) as raised:
+        sample_plan().apply()
+    message = str(raised.value)
+    for words in ("the plan does not fit device 0: its tag budgets add up to 70.0 MiB",
+                  "weights 16.0 MiB", "kv 32.0 MiB", "22.0 MiB more than its budget of 48.0 MiB",
+                  "torch_budget.set_budget"):
+        assert words in message, (words, message)
+    assert all(b is None for b in budgets_now().values())
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_without_a_device_budget_the_card_less_what_is_outside_torch_is_the_room():
+    installed_host()
+    fits = sample_plan(non_torch=CARD - 60 * MiB)  # made for this card: the KV line shrinks to fit
+    fits.apply().undo()
+    # over-committed (the KV line is 0 and still the lines pass the card): 38 MiB of budgets, 35 of room
+    tight = sample_plan(non_torch=CARD - 35 * MiB)
+    assert tight.kv_bytes == 0 and sum(tight.tag_budgets().values()) == 38 * MiB
+    with pytest.raises(PlanDoesNotFitError, match=r"3\.0 MiB more than the card \(4\.00 GiB, no budget set\) less "
+                                                  r"the plan's 3\.97 GiB outside torch"):
+        tight.apply()
+    other_card = sample_plan(total=2 * CARD, non_torch=2 * CARD - 60 * MiB)
+    with pytest.raises(PlanDoesNotFitError, match=r"The plan was made for a card of 8\.00 GiB; this one has 4\.00 GiB"):
+        other_card.apply()
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_tag_holding_more_than_its_line_already_is_refused():
+    host = installed_host()
+    under(host, "weights", 20 * MiB)
+    with pytest.raises(PlanDoesNotFitError, match="'weights' has 20.0 MiB allocated, the plan gives it 16.0 MiB"):
+        sample_plan().apply()
+    assert all(b is None for b in budgets_now().values())
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_failure_part_way_restores_what_was_set():
+    from torch_budget import allocator
+
+    installed_host()
+    torch_budget.set_budget("40MiB", tag="weights")
+    real = allocator.set_budget
+
+    def failing(budget, device=None, tag=None):
+        if tag == "graphs" and budget is not None:
+            raise RuntimeError("refused")
+        return real(budget, device=device, tag=tag)
+
+    allocator.set_budget = failing
+    with pytest.raises(RuntimeError, match="refused"):
+        sample_plan().apply()
+    now = budgets_now()
+    assert now["weights"] == 40 * MiB and now.get("kv") is None and now["activations"] is None, now
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_install_takes_the_plans_budgets_before_anything_is_allocated():
+    host = installed_host(budgets=sample_plan().tag_budgets())
+    assert {t: b for t, b in budgets_now().items() if b is not None} == EXPECTED
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'workspace'"):
+        under(host, "workspace", 4 * MiB + 4096)

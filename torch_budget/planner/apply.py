@@ -1,0 +1,153 @@
+"""A plan enforced: its ledger lines as per-tag budgets (`Plan.apply()`, `Plan.tag_budgets()`).
+
+Note [Plan as budgets]
+Each component's memory is allocated under one tag (the weights under "weights", the KV pool
+under "kv", ...), and a tag may have a budget of its own inside the device's (Note [Tag
+budgets] in the core). So a plan is enforced by giving each tag the bytes of its ledger lines:
+an allocation past its line is then an out-of-memory error naming the tag, while the other
+tags keep serving. Lines outside torch's allocator (non-torch) and reserves of no component
+have no tag to hold them; the headroom is the margin no tag may take, which is why the budgets
+add up to less than the card. Before anything is set, the budgets must fit in the device's:
+its own budget when one is set, else the card less what the plan puts outside torch. Budgets
+go through the public set_budget (or install(budgets=plan.tag_budgets()) before install), so
+the same budget layer checks them as any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch_budget.eager_workspace import WORKSPACE_TAG
+from torch_budget.errors import PlanDoesNotFitError
+from torch_budget.planner.ledger import CATEGORIES, LedgerLine
+from torch_budget.units import format_bytes
+
+# Ledger category -> the tag its memory is allocated under (the demo's and the adapters' names).
+TAGS = {
+    "weights": "weights",
+    "kv_pool": "kv",
+    "activations": "activations",
+    "eager_workspace": WORKSPACE_TAG,
+    "graph_workspace": "graphs",
+    "graph_pools": "graphs",
+}
+# The categories no tag holds: memory outside torch, reserves of no component, the margin.
+UNBUDGETED = ("non_torch", "reserve", "headroom")
+
+
+def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, int]:
+    """{tag: bytes} of a plan's lines: each tag gets the sum of its categories' lines (`tags`
+    maps a category to its tag, TAGS by default). Tags whose lines add up to 0 get none: a
+    budget must be positive."""
+    tags = TAGS if tags is None else tags
+    unknown = sorted(set(tags) - set(CATEGORIES))
+    if unknown:
+        raise ValueError(f"tags name ledger categories {unknown} that are not among {list(CATEGORIES)}")
+    out: dict[str, int] = {}
+    for line in lines:
+        tag = tags.get(line.category)
+        if tag is not None:
+            out[tag] = out.get(tag, 0) + line.bytes
+    return {tag: n for tag, n in out.items() if n > 0}
+
+
+def bounds(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """{tag: (category of its largest line, names of its lines)}: what each budget bounds, for
+    the ledger's budget table (report.tag_budgets)."""
+    tags = TAGS if tags is None else tags
+    by_tag: dict[str, list[LedgerLine]] = {}
+    for line in lines:
+        if tags.get(line.category) is not None:
+            by_tag.setdefault(tags[line.category], []).append(line)
+    return {tag: (max(group, key=lambda l: l.bytes).category, ", ".join(l.name for l in group))
+            for tag, group in by_tag.items()}
+
+
+@dataclass
+class AppliedBudgets:
+    """What `Plan.apply()` set: `budgets` {tag: bytes} on each of `devices`, and `previous`
+    {device: {tag: the budget before, None for none}}. `undo()` puts the previous ones back;
+    used as a context manager, the block's end undoes them."""
+
+    budgets: dict[str, int]
+    devices: tuple[int, ...]
+    previous: dict[int, dict[str, int | None]] = field(default_factory=dict)
+    undone: bool = False
+
+    def undo(self) -> None:
+        """Restore every tag's budget from before apply() (removing those it did not have);
+        idempotent."""
+        if self.undone:
+            return
+        from torch_budget import allocator
+
+        for device, tags in self.previous.items():
+            for tag, budget in tags.items():
+                allocator.set_budget(budget, device=device, tag=tag)
+        self.undone = True
+
+    def __enter__(self) -> "AppliedBudgets":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _room(stats: dict, outside_torch: int) -> tuple[int, str]:
+    """Bytes the tags' budgets may add up to on a device, and where that figure comes from."""
+    if stats["budget"] is not None:
+        return stats["budget"], f"its budget of {format_bytes(stats['budget'])}"
+    return (stats["total"] - outside_torch,
+            f"the card ({format_bytes(stats['total'])}, no budget set) less the plan's "
+            f"{format_bytes(outside_torch)} outside torch")
+
+
+def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, planned_total: int) -> None:
+    """PlanDoesNotFitError unless `budgets` fit the device `stats` describes (see the Note)."""
+    device = stats["device"]
+    need = sum(budgets.values())
+    room, where = _room(stats, outside_torch)
+    parts = ", ".join(f"{tag} {format_bytes(n)}" for tag, n in budgets.items())
+    card = ("" if planned_total == stats["total"] else
+            f" The plan was made for a card of {format_bytes(planned_total)}; this one has "
+            f"{format_bytes(stats['total'])}.")
+    if need > room:
+        raise PlanDoesNotFitError(
+            f"the plan does not fit device {device}: its tag budgets add up to {format_bytes(need)} ({parts}), "
+            f"{format_bytes(need - room)} more than {where}.{card} Plan on this device's own profile, lower the "
+            "plan's fraction, or raise the device budget (torch_budget.set_budget(...), install(budget=...))")
+    over = {tag: stats["by_tag"][tag]["allocated"] for tag, n in budgets.items()
+            if tag in stats["by_tag"] and stats["by_tag"][tag]["allocated"] > n}
+    if over:
+        said = ", ".join(f"{tag!r} has {format_bytes(used)} allocated, the plan gives it {format_bytes(budgets[tag])}"
+                         for tag, used in over.items())
+        raise PlanDoesNotFitError(
+            f"the plan does not fit what device {device} holds already: {said}. Plan from a profile taken with "
+            "these allocations in place, or free them before apply()")
+
+
+def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, device=None) -> AppliedBudgets:
+    """Set `budgets` {tag: bytes} on `device` (None: the current device; "all": every device
+    torch_budget serves) after checking that they fit every one (check_fits); a failure part
+    way restores what was set and raises. Needs torch_budget.install() (NotInstalledError)."""
+    from torch_budget import _runtime, allocator
+
+    lib = _runtime.require_installed("Plan.apply()")
+    devices = tuple(_runtime.device_indices(lib, device))
+    seen = {}
+    for dev in devices:
+        seen[dev] = allocator.stats(dev)
+        check_fits(budgets, seen[dev], outside_torch=outside_torch, planned_total=planned_total)
+    applied = AppliedBudgets(dict(budgets), devices)
+    try:
+        for dev in devices:
+            by_tag = seen[dev]["by_tag"]
+            for tag, n in budgets.items():
+                before = by_tag[tag]["budget"] if tag in by_tag else None
+                allocator.set_budget(n, device=dev, tag=tag)
+                applied.previous.setdefault(dev, {})[tag] = before
+    except BaseException:
+        applied.undo()
+        raise
+    return applied
+
