@@ -42,6 +42,7 @@ def test_demo_without_a_gpu_prints_the_plan_and_why_it_stops(tmp_path):
     out = proc.stdout
     assert "ASSUMPTION" in out and "H200" in out, out
     assert "KV cache:" in out and "weights" in out, out
+    assert "Plan.apply() gives each tag its lines, weights " in out and "(here planned, not applied)" in out, out
     assert out.rstrip().splitlines()[-1].startswith("torch-budget demo stops here: no CUDA device visible"), out
     assert "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == [], "the plan-only run must not write a ledger picture"

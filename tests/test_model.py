@@ -50,6 +50,15 @@ def test_cache_from_budget_uses_tokens_for_budget_rounded_to_blocks():
     assert cache.nbytes <= budget
 
 
+def test_cache_from_budget_leaves_room_for_its_block_tables():
+    cost = kv_cache_cost(TINY)
+    budget = cost.bytes_for_tokens(5 * 8)  # five blocks of 8 exactly: no room left for the tables
+    cache = PagedKVCache.from_budget(TINY, budget, max_batch=2, block_size=8)
+    assert cache.block_tables.nbytes == PagedKVCache.table_bytes(TINY, 2, 8) == 2 * 5 * 8
+    assert cache.num_blocks == 4 and cache.nbytes + cache.block_tables.nbytes <= budget
+    assert PagedKVCache.from_budget(TINY, budget + 80, max_batch=2, block_size=8).num_blocks == 5
+
+
 def test_cache_from_too_small_budget_names_the_numbers():
     with pytest.raises(ValueError, match="raise the budget"):
         PagedKVCache.from_budget(TINY, 1 * MiB // 1024, max_batch=1, block_size=16)

@@ -3,10 +3,10 @@ against what the card really did.
 
 The demo is the whole story of the package in one run, in the order a serving engine must follow:
 install the allocator before anything touches CUDA, load the weights, profile one worst-case
-prefill, measure what the decode graphs will hold, plan the KV budget from those measurements,
-allocate the KV pool from the plan, capture the decode graphs, serve a stream of mixed requests,
-and finally print the plan's predicted peak next to the measured one and draw the measured
-ledger. With --sleep a last step releases the served model's memory, restores it and checks that
+prefill, measure what the decode graphs will hold, plan the KV budget from those measurements and
+enforce the plan as per-tag budgets (Plan.apply), allocate the KV pool from the plan, capture the
+decode graphs, serve a stream of mixed requests, and finally print the plan's predicted peak next
+to the measured one and draw the measured ledger with each tag's budget, use and headroom. With --sleep a last step releases the served model's memory, restores it and checks that
 the same prompts get the same tokens (sleep_wake.py). Every figure it prints is measured on the
 device or computed from measurements; the one exception, the no-GPU path, plans on an assumed
 card and says so.
@@ -144,6 +144,8 @@ def _plan_only(settings: Settings, reason: str) -> int:
     result = planner.plan(prof, kv_cache_cost(cfg), fraction=FRACTION, max_kv_bytes=settings.kv_cap_bytes,
                           notes=notes, title=f"plan: built-in model on {card}")
     print(result.to_text())
+    print("\nOn a device the demo enforces the plan: Plan.apply() gives each tag its lines, " + ", ".join(
+        f"{tag} {_fmt(n)}" for tag, n in result.tag_budgets().items()) + " (here planned, not applied)")
     if settings.sleep:
         print("\n--sleep: the sleep/wake step is skipped, it needs the served model")
     print(f"\ntorch-budget demo stops here: {reason}.")

@@ -71,19 +71,17 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
                                 reason=why.get(line.category, line.reason)) for line in lines]
 
 
-def write_picture(report, lines, total, out: Path, title: str) -> None:
-    """Draw the ledger; without matplotlib, keep it as JSON that `torch-budget report` renders."""
-    import json
-
+def write_picture(report, lines, total, out: Path, title: str, budgets=()) -> None:
+    """Draw the ledger (with the tags' budgets, use and headroom); without matplotlib, keep it as
+    JSON that `torch-budget report` renders."""
     try:
-        path = report.write_png(lines, total, out, title)
+        path = report.write_png(lines, total, out, title, budgets)
     except OSError as e:
         raise DemoError(f"cannot write the ledger picture to {out}: {e}") from None
     except ImportError as e:
         saved = out.with_suffix(".json")
         try:
-            saved.write_text(json.dumps({"title": title, "total": total, "lines": [l.to_dict() for l in lines]},
-                                        indent=2))
+            saved.write_text(report.ledger_json(title, total, lines, budgets))
         except OSError as err:
             raise DemoError(f"cannot write the ledger to {saved}: {err}") from None
         print(f"\npicture not drawn ({e}); the ledger is saved as {saved}: render it where matplotlib is "

@@ -64,19 +64,27 @@ class PagedKVCache:
         self._owned: list[list[int]] = [[] for _ in range(max_batch)]
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
 
+    @staticmethod
+    def table_bytes(cfg: ModelShape, max_batch: int, block_size: int) -> int:
+        """Bytes of the block tables: allocated with the pool, under the same tag."""
+        return max_batch * -(-cfg.max_seq_len // block_size) * 8  # int64 entries
+
     @classmethod
     def from_budget(cls, cfg: ModelShape, budget_bytes: int, *, max_batch: int, block_size: int = 16, device=None):
-        """Size the cache from a byte budget (e.g. `Plan.kv_bytes`) via `CacheCost.tokens_for_budget`,
-        rounded down to whole blocks, so the cache never exceeds the budget."""
+        """Size the cache from a byte budget (e.g. `Plan.kv_bytes`, the KV tag's budget under
+        Plan.apply()) via `CacheCost.tokens_for_budget`, rounded down to whole blocks, after the
+        block tables: the pool and its tables together never exceed the budget."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        cost = kv_cache_cost(cfg)
-        tokens = cost.tokens_for_budget(budget_bytes)
+        cost = kv_cache_cost(_checked(cfg))
+        tables = cls.table_bytes(cfg, max_batch, block_size)
+        tokens = cost.tokens_for_budget(budget_bytes - tables)
         num_blocks = tokens // block_size
         if num_blocks < 2:
             raise ValueError(
-                f"KV budget of {budget_bytes} bytes holds {tokens} tokens at {cost.slope} bytes/token, "
-                f"fewer than the 2 blocks of {block_size} tokens a paged cache needs; raise the budget"
+                f"KV budget of {budget_bytes} bytes holds {tokens} tokens at {cost.slope} bytes/token beside "
+                f"{tables} bytes of block tables, fewer than the 2 blocks of {block_size} tokens a paged cache "
+                "needs; raise the budget"
             )
         return cls(cfg, num_blocks, max_batch=max_batch, block_size=block_size, device=device)
 

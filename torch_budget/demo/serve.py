@@ -35,6 +35,32 @@ def decode_runner(manager, name, model, cache, buckets):
 
 
 
+def enforce(plan, device, installed: bool):
+    """Plan.apply() on the device (its AppliedBudgets), or None on torch's native allocator,
+    which has no tag budgets; a plan that does not fit is a DemoError."""
+    from torch_budget.errors import PlanDoesNotFitError
+
+    if not installed:
+        print("  not enforced: torch's native allocator has no per-tag budgets (run without --native)")
+        return None
+    try:
+        applied = plan.apply(device)
+    except PlanDoesNotFitError as e:
+        raise DemoError(str(e)) from None
+    print("  enforced (Plan.apply): " + ", ".join(f"{tag} {_fmt(n)}" for tag, n in applied.budgets.items())
+          + "; an allocation past its line is an out-of-memory error naming its tag")
+    return applied
+
+
+def held(budgets) -> str:
+    """One line: whether every budgeted tag's peak stayed within its budget (the core refuses an
+    allocation past it, so a tag at its budget is one that was refused or filled it exactly)."""
+    tight = min(budgets, key=lambda b: b.budget - (b.peak if b.peak is not None else b.used))
+    worst = tight.peak if tight.peak is not None else tight.used
+    return (f"the plan held: {len(budgets)} tags served inside their budgets; the tightest, {tight.tag!r}, peaked at "
+            f"{_fmt(worst)} of {_fmt(tight.budget)}")
+
+
 def _print_step(i: int, total: int, text: str) -> None:
     print(f"\n[{i}/{total}] {text}")
 
@@ -109,6 +135,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
         probe_cache = PagedKVCache(cfg, num_blocks=2, max_batch=settings.max_batch, block_size=BLOCK_SIZE,
                                    device=device)
     before = measure.read(device, installed)
+    torch.cuda.reset_peak_memory_stats(device)
     with region(TAG_GRAPHS):
         probe = decode_runner(manager, "decode-probe", model, probe_cache, settings.buckets)
         t0 = time.perf_counter()
@@ -119,6 +146,10 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # Static buffers, plus what capture creates once per stream (e.g. cuBLAS's workspace for the
     # capture stream): allocated outside the pool and kept.
     graph_static = after.allocated - before.allocated
+    # Warm-up runs eagerly before capture: its transient peak may pass what stays (pools and
+    # static buffers), and under Plan.apply() the graphs tag must hold that peak too.
+    capture_transient = max(int(torch.cuda.max_memory_allocated(device)) - before.allocated - graph_static
+                            - graph_pools, 0)
     # Executable graphs live outside torch: device-wide growth that torch did not reserve.
     graph_exec = max((after.used - before.used) - (after.reserved - before.reserved), 0)
     probe.close()
@@ -139,6 +170,9 @@ def serve(torch, settings: Settings, mode: str) -> None:
                        f"measured: capture of {len(settings.buckets)} decode buckets", category="graph_pools"),
         planner.Reserve("decode static buffers", graph_static,
                        "measured: graph inputs/outputs and capture-stream state", category="graph_workspace"),
+        planner.Reserve("decode capture warm-up", capture_transient,
+                       "measured: transient peak of warm-up and capture beyond pools and static buffers",
+                       category="graph_workspace"),
         planner.Reserve("decode graph execs", graph_exec,
                        "measured: device memory the captured graphs hold outside torch", category="non_torch"),
     ) if r.bytes > 0]
@@ -150,6 +184,7 @@ def serve(torch, settings: Settings, mode: str) -> None:
     uncapped = next(s.kv_bytes for s in plan.steps if s.step == 5)
     print(f"\nKV pool capped at {_fmt(settings.kv_cap_bytes)} so the demo stays quick; uncapped, the plan would give "
           f"it {_fmt(uncapped)}")
+    applied = enforce(plan, device, installed)
 
     # 6. The KV pool, sized by the plan.
     _step(6, "allocating the KV pool from the plan")
@@ -225,10 +260,14 @@ def serve(torch, settings: Settings, mode: str) -> None:
     lines = measured_lines(torch, device, mode, total=total, weights=weights, kv=kv_bytes,
                             graph_static=probe_left + real_static, pools=measure.graph_pool_bytes(device, installed),
                             ws_peak=stats["ws_peak"], peak_allocated=peak_allocated, watch=watch)
+    budgets = [] if applied is None else report.tag_budgets(torch_budget.stats(device)["by_tag"],
+                                                             planner.apply.bounds(plan.lines))
     title = f"measured during serving: built-in model on {name}" + (" (native allocator)" if mode == "native" else "")
     print()
-    print(report.format_table(lines, total, title))
-    write_picture(report, lines, total, settings.out, title)
+    print(report.format_table(lines, total, title, budgets))
+    if budgets:
+        print(held(budgets))
+    write_picture(report, lines, total, settings.out, title, budgets)
 
     if settings.sleep:
         _step(10, "sleep and wake: release the weights, KV pool and decode graphs, restore them, serve again")

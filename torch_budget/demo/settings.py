@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch_budget.planner import ASSUMED_CARD, ASSUMED_CARD_GIB  # noqa: F401  (the no-GPU path's card)
+from torch_budget.planner import TAGS
 from torch_budget.planner.shape import ModelShape
 from torch_budget.units import GiB
 
-
-TAG_WEIGHTS, TAG_KV, TAG_GRAPHS, TAG_ACTIVATIONS = "weights", "kv", "graphs", "activations"
+# The planner's tags (Note [Plan as budgets]), so that Plan.apply() bounds what the demo allocates.
+TAG_WEIGHTS, TAG_KV, TAG_GRAPHS, TAG_ACTIVATIONS = (TAGS[c] for c in ("weights", "kv_pool", "graph_pools",
+                                                                      "activations"))
 FRACTION = 0.9  # the planner's default share of what the peak leaves free
 BLOCK_SIZE = 16
 
