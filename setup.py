@@ -43,6 +43,12 @@ CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 SANITIZE = ["-O1", "-g", "-fvisibility=hidden", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
             "-fno-sanitize-recover=undefined"]
 
+# The command line, and the plugins the serving stacks load from their entry-point groups in every process.
+ENTRY_POINTS = {
+    "console_scripts": ["torch-budget=torch_budget.cli:main"],
+    "vllm.general_plugins": ["torch_budget = torch_budget.adapters.vllm:register"],
+}
+
 PARTS = ("_C", "_host_core", "_host_core_asan")
 GROUPS = {"all": PARTS, "tests": ("_host_core", "_host_core_asan"), "none": ()}
 
@@ -213,7 +219,7 @@ def main():
                         "test": ["pytest", "hypothesis", "numpy", "matplotlib"]},
         ext_modules=extensions(selected_parts(os.environ.get("TORCH_BUDGET_BUILD"))),
         cmdclass={"build_ext": Build.with_options(use_ninja=True), "build_py": BuildPy},
-        entry_points={"console_scripts": ["torch-budget=torch_budget.cli:main"]},
+        entry_points=ENTRY_POINTS,
     )
 
 

@@ -1,0 +1,509 @@
+"""vLLM's sleep mode over torch_budget (torch_budget.adapters.vllm).
+
+The CPU tests run the adapter over the host stand-in in a forked child (_hostcore.python_api_over),
+with small stand-ins of vLLM's modules where the plugin looks vLLM up; the GPU tests run vLLM-style
+programs in fresh processes. Nothing here imports the adapter at the top level: importing it installs
+torch_budget when a CUDA device is free to take.
+"""
+import inspect
+import logging
+import runpy
+import sys
+import types
+
+import pytest
+
+import torch_budget
+from _harness import REPO
+from _hostcore import OOM, MiB, Host, isolated, python_api_over
+from torch_budget import sleep
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError
+
+built = pytest.mark.built("_host_core")
+gpu = pytest.mark.gpu
+
+NO_DEFAULT = inspect.Parameter.empty
+# CuMemAllocator's public methods in vLLM (vllm/device_allocator/cumem.py, the MemAllocator protocol of
+# vllm/device_allocator/__init__.py): the parameters in order, with their defaults.
+SIGNATURES = {
+    "get_instance": [],
+    "use_memory_pool": [("self", NO_DEFAULT), ("tag", None)],
+    "sleep": [("self", NO_DEFAULT), ("offload_tags", None)],
+    "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)],
+    "wake_up": [("self", NO_DEFAULT), ("tags", None)],
+    "get_current_usage": [("self", NO_DEFAULT)],
+    "release_pools": [("self", NO_DEFAULT)],
+    "close": [("self", NO_DEFAULT)],
+    "release_cudagraph_pool": [("self", NO_DEFAULT), ("pool", NO_DEFAULT)],
+}
+BACKEND = {"suspend": [("self", NO_DEFAULT), ("level", 1)], "resume": [("self", NO_DEFAULT), ("tags", None)],
+           "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)], "state": [("self", NO_DEFAULT)]}
+CAPABILITIES = {"is_supported": None, "preserves_communicators": True, "preserves_compiled_artifacts": False,
+                "preserves_graphs_with_communicators": False, "supports_durable_storage": False,
+                "supports_selective_offload": False}
+
+
+def _parameters(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _vllm(devices=1, vmm=True, cuda=False):
+    """The adapter over a fresh host core, imported while torch sees no CUDA device (so the import
+    installs nothing, on any machine); afterwards torch sees one when `cuda` (the plugin acts only then)."""
+    import torch
+
+    torch.cuda.is_available = lambda: False
+    host = Host(configure=False, devices=devices, vmm=vmm)
+    python_api_over(host)
+    from torch_budget.adapters import vllm as module
+
+    torch.cuda.is_available = lambda: cuda
+
+    return host, module
+
+
+def _alloc(host, nbytes, fill, device=0):
+    p = host.malloc(nbytes, stream=host.stream(device), device=device)
+    assert host.poke(p, fill * 4096)
+    return p
+
+
+def _states():
+    return {tag: (s["state"], s["backup"]) for tag, s in sleep.tag_states().items() if tag != "untagged"}
+
+
+class _Factory:
+    """vLLM's SleepModeBackendFactory, as far as the plugin uses it."""
+    _registry = {}
+
+    @classmethod
+    def register_backend(cls, name, module_path, class_name):
+        if name in cls._registry:
+            raise ValueError(f"Sleep-mode backend '{name}' is already registered.")
+        cls._registry[name] = lambda: getattr(__import__(module_path, fromlist=[class_name]), class_name)
+
+    @classmethod
+    def get_backend_class(cls, name):
+        return cls._registry[name]()
+
+
+def _fake_vllm(tag_hooks=None, backends=True):
+    """Stand-ins of the vLLM modules the adapter looks up: device_allocator (with its tag hooks when
+    `tag_hooks` is a list to record calls in), device_allocator.cumem's CuMemAllocator slot, and
+    the sleep-mode backend factory (`backends`)."""
+    vllm = types.ModuleType("vllm")
+    allocator = types.ModuleType("vllm.device_allocator")
+    if tag_hooks is not None:
+        allocator.run_before_unmap_hooks = lambda allocs, tags=None: tag_hooks.append(
+            ("before", sorted((a.tag, a.is_asleep) for a in allocs), sorted(tags)))
+        allocator.run_after_map_hooks = lambda allocs: tag_hooks.append(
+            ("after", sorted((a.tag, a.is_asleep) for a in allocs)))
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    cumem.CuMemAllocator = type("CuMemAllocator", (), {"instance": None})
+    modules = {"vllm": vllm, "vllm.device_allocator": allocator, "vllm.device_allocator.cumem": cumem}
+    if backends:
+        sleep_mode_backend = types.ModuleType("vllm.device_allocator.sleep_mode_backend")
+        sleep_mode_backend.SleepModeBackendFactory = _Factory
+        modules[sleep_mode_backend.__name__] = sleep_mode_backend
+    sys.modules.update(modules)
+    return cumem
+
+
+def test_the_surface_is_vllms():
+    @isolated
+    def body():
+        _, module = _vllm()
+
+        cls = module.CuMemAllocator
+        assert isinstance(inspect.getattr_static(cls, "get_instance"), staticmethod)
+        for name, expected in SIGNATURES.items():
+            assert _parameters(getattr(cls, name)) == expected, name
+        assert cls.default_tag == "default" and module.DEFERRABLE_TAGS == ("weights", "kv_cache")
+        assert cls.get_instance() is cls.get_instance() is cls.instance
+        backend = module.TorchBudgetBackend
+        for name, expected in BACKEND.items():
+            assert _parameters(getattr(backend, name)) == expected, name
+        for name, answer in CAPABILITIES.items():
+            assert isinstance(inspect.getattr_static(backend, name), classmethod), name
+            if answer is not None:
+                assert getattr(backend, name)() is answer, name
+        assert backend().state() == "RUNNING"
+        assert module.BACKEND_NAME == "torch_budget"
+
+    body()
+
+
+@built
+@isolated
+def test_setup_declares_the_plugin_entry_point():
+    setup_py = runpy.run_path(str(REPO / "setup.py"), run_name="setup_under_test")
+    declared = setup_py["ENTRY_POINTS"]["vllm.general_plugins"]
+    assert declared == ["torch_budget = torch_budget.adapters.vllm:register"]
+    _, module = _vllm()
+    assert declared[0].split(" = ")[1] == f"{module.__name__}:{module.register.__name__}"
+
+
+@built
+@isolated
+def test_sleep_keeps_the_offload_tags_and_discards_the_rest():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    assert allocator.get_current_usage() == 0
+    with allocator.use_memory_pool(tag="weights"):
+        assert allocator.current_tag == "weights"
+        weights = _alloc(host, 4 * MiB, b"w")
+    with allocator.use_memory_pool(tag="kv_cache"):
+        kv = _alloc(host, 2 * MiB, b"k")
+    with allocator.use_memory_pool():  # the default tag
+        other = _alloc(host, 2 * MiB, b"d")
+    assert allocator.current_tag == "default"
+    untagged = _alloc(host, MiB, b"u")
+    usage = allocator.get_current_usage()
+    assert usage >= 8 * MiB
+    allocator.sleep(offload_tags=("weights",))
+    assert _states() == {"weights": ("released", "pinned"), "kv_cache": ("released", "none"),
+                         "default": ("released", "none")}
+    assert allocator.get_current_usage() == usage, "vLLM counts sleeping allocations too"
+    assert torch_budget.stats()["by_tag"]["weights"]["resident"] == 0
+    assert host.peek(untagged, 4096) == b"u" * 4096
+    allocator.wake_up()
+    assert {s for s, _ in _states().values()} == {"live"}
+    assert host.peek(weights, 4096) == b"w" * 4096
+    assert host.peek(kv, 4096) != b"k" * 4096 and host.peek(other, 4096) != b"d" * 4096
+
+
+@built
+@isolated
+def test_sleep_without_offload_tags_keeps_the_default_tag():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool():
+        kept = _alloc(host, 2 * MiB, b"d")
+    with allocator.use_memory_pool("weights"):
+        lost = _alloc(host, 2 * MiB, b"w")
+    allocator.sleep()
+    assert _states() == {"default": ("released", "pinned"), "weights": ("released", "none")}
+    allocator.wake_up()
+    assert host.peek(kept, 4096) == b"d" * 4096 and host.peek(lost, 4096) != b"w" * 4096
+    allocator.sleep("weights")  # a str is one tag, as in vLLM
+    assert _states() == {"default": ("released", "none"), "weights": ("released", "pinned")}
+
+
+@built
+@isolated
+def test_a_selective_wake_defers_only_weights_and_kv_cache():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    for tag in ("weights", "kv_cache", "default"):
+        with allocator.use_memory_pool(tag):
+            _alloc(host, MiB, tag[:1].encode())
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up(tags=["weights"])
+    assert {t: s for t, (s, _) in _states().items()} == {"weights": "live", "kv_cache": "released",
+                                                         "default": "live"}
+    allocator.wake_up(tags=["weights"])  # nothing left to wake among these: no error, as in vLLM
+    allocator.wake_up(tags=["kv_cache"])
+    assert {s for s, _ in _states().values()} == {"live"}
+    allocator.wake_up()  # nothing asleep
+
+
+@built
+@isolated
+def test_discard_drops_contents_and_a_sleep_keeps_what_is_asleep():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        weights = _alloc(host, 2 * MiB, b"w")
+    with allocator.use_memory_pool("kv_cache"):
+        _alloc(host, 2 * MiB, b"k")
+    allocator.discard("kv_cache")
+    assert _states() == {"weights": ("live", None), "kv_cache": ("released", "none")}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger(module.__name__).addHandler(handler)
+    allocator.sleep(offload_tags=("weights", "kv_cache"))  # kv_cache asleep without a copy: it stays so
+    assert _states() == {"weights": ("released", "pinned"), "kv_cache": ("released", "none")}
+    assert any("kv_cache" in r.getMessage() and "already asleep" in r.getMessage() for r in records), records
+    allocator.discard(("weights",))  # asleep with a copy: kept
+    assert _states()["weights"] == ("released", "pinned")
+    allocator.wake_up()
+    assert host.peek(weights, 4096) == b"w" * 4096
+    allocator.discard(("never_used",))  # a tag without memory: nothing to do
+
+
+@built
+@isolated
+def test_a_wake_that_fails_puts_back_to_sleep_what_it_woke():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        weights = _alloc(host, 64 * MiB, b"w")
+    with allocator.use_memory_pool("kv_cache"):
+        _alloc(host, 64 * MiB, b"k")
+    allocator.sleep(offload_tags=("weights",))
+    torch_budget.set_budget(96 * MiB)  # room for the weights, not for the KV cache too
+    with pytest.raises(OOM):
+        allocator.wake_up()
+    assert {s for s, _ in _states().values()} == {"released"}, _states()
+    assert torch_budget.stats()["reserved"] == 0
+    torch_budget.set_budget(1 << 30)
+    allocator.wake_up()
+    assert host.peek(weights, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_vllms_tag_hooks_run_around_the_unmap_and_after_the_wake():
+    calls = []
+    _fake_vllm(tag_hooks=calls)
+    host, module = _vllm()
+    module._vllm_tag_hooks.cache_clear()
+    allocator = module.CuMemAllocator.get_instance()
+    for tag in ("weights", "kv_cache"):
+        with allocator.use_memory_pool(tag):
+            _alloc(host, MiB, b"x")
+    allocator.discard("kv_cache")
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up(["weights"])
+    allocator.wake_up()
+    allocator.wake_up()  # nothing to wake: the hooks run anyway, so one that failed before is retried
+    assert calls == [
+        ("before", [("kv_cache", False), ("weights", False)], ["kv_cache"]),
+        ("before", [("kv_cache", True), ("weights", False)], ["weights"]),
+        ("after", [("kv_cache", True), ("weights", False)]),
+        ("after", [("kv_cache", False), ("weights", False)]),
+        ("after", [("kv_cache", False), ("weights", False)]),
+    ], calls
+
+
+@built
+@isolated
+def test_use_memory_pool_gives_the_tags_unused_cache_back_on_exit():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        kept = _alloc(host, 4 * MiB, b"w")
+        host.free(_alloc(host, 64 * MiB, b"t"))  # a transient, as online quantisation makes
+        assert torch_budget.stats()["by_tag"]["weights"]["resident"] >= 68 * MiB
+    assert torch_budget.stats()["by_tag"]["weights"]["resident"] < 64 * MiB
+    assert host.peek(kept, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_bad_arguments_raise_before_anything_is_done():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with pytest.raises(TypeError, match="tag must be a str"):
+        with allocator.use_memory_pool(tag=5):
+            pass
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        with allocator.use_memory_pool(tag=""):
+            pass
+    assert not torch_budget.installed()  # nothing above got as far as installing
+    with allocator.use_memory_pool("weights"):
+        _alloc(host, MiB, b"w")
+    with pytest.raises(TypeError, match="offload_tags must be a str or a tuple"):
+        allocator.sleep(offload_tags=["weights"])
+    with pytest.raises(TypeError, match="a tag of offload_tags must be a str"):
+        allocator.sleep(offload_tags=("weights", None))
+    with pytest.raises(TypeError, match="tags must be None or a list"):
+        allocator.wake_up("weights")
+    with pytest.raises(TypeError, match="tags must be a str or a tuple"):
+        allocator.discard(None)
+    assert _states() == {"weights": ("live", None)}
+    backend = module.TorchBudgetBackend()
+    with pytest.raises(InvalidArgumentError, match="level must be 1 or 2"):
+        backend.suspend(3)
+    with pytest.raises(TypeError, match="level must be an int"):
+        backend.suspend(True)
+    assert backend.state() == "RUNNING" and _states() == {"weights": ("live", None)}
+
+
+@built
+@isolated
+def test_what_torch_budget_cannot_honour_raises_unsupported():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    assert issubclass(module.UnsupportedError, NotImplementedError)
+    for method in (allocator.use_cudagraph_pool, allocator.cudagraph_pool):
+        with pytest.raises(module.UnsupportedError, match="sleep-mode-backend torch_budget"):
+            method((0, 1))
+    allocator.release_cudagraph_pool((0, 1))  # not a pool of this allocator: nothing to release
+    with pytest.raises(module.UnsupportedError, match="sleep_mode_backend_options"):
+        module.TorchBudgetBackend(suspend_tags=("weights",))
+
+
+@built
+@isolated
+def test_a_device_without_vmm_is_refused():
+    _, module = _vllm(vmm=False)
+    with pytest.raises(module.UnsupportedError, match="virtual memory management"):
+        with module.CuMemAllocator.get_instance().use_memory_pool("weights"):
+            pass
+    assert module.TorchBudgetBackend.is_supported() is False
+
+
+@built
+@isolated
+def test_the_backend_sleeps_as_vllms_levels_say():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        weights = _alloc(host, 2 * MiB, b"w")
+    with allocator.use_memory_pool("kv_cache"):
+        _alloc(host, 2 * MiB, b"k")
+    backend = module.TorchBudgetBackend()
+    assert module.TorchBudgetBackend.is_supported() is True
+    backend.suspend()  # level 1
+    assert backend.state() == "SUSPENDED"
+    assert _states() == {"weights": ("released", "pinned"), "kv_cache": ("released", "none")}
+    backend.resume(["weights"])
+    assert backend.state() == "RUNNING" and _states()["kv_cache"][0] == "released"
+    assert host.peek(weights, 4096) == b"w" * 4096
+    backend.resume()
+    backend.suspend(level=2)
+    assert _states() == {"weights": ("released", "none"), "kv_cache": ("released", "none")}
+    backend.resume()
+    assert host.peek(weights, 4096) != b"w" * 4096, "level 2 discards the weights"
+    backend.discard(("kv_cache",))
+    assert backend.state() == "SUSPENDED" and _states()["kv_cache"] == ("released", "none")
+
+
+@built
+@isolated
+def test_register_installs_takes_vllms_allocator_slot_and_registers_the_backend():
+    cumem = _fake_vllm()
+    _, module = _vllm(cuda=True)
+    assert not torch_budget.installed()
+    module.register()
+    assert torch_budget.installed()
+    assert cumem.CuMemAllocator.instance is module.CuMemAllocator.get_instance()
+    assert _Factory.get_backend_class("torch_budget") is module.TorchBudgetBackend
+    module.register()  # vLLM loads plugins once per process, but twice is harmless
+    assert cumem.CuMemAllocator.instance is module.CuMemAllocator.get_instance()
+
+
+@built
+@isolated
+def test_register_refuses_a_vllm_allocator_created_before_it():
+    cumem = _fake_vllm(backends=False)  # a vLLM without pluggable sleep backends
+    cumem.CuMemAllocator.instance = object()
+    _, module = _vllm(cuda=True)
+    with pytest.raises(StateError, match="created before torch_budget's plugin ran"):
+        module.register()
+
+
+@built
+@isolated
+def test_register_where_cuda_started_natively_raises_install_error_saying_so():
+    from torch_budget import _runtime
+
+    _fake_vllm()
+    _, module = _vllm(cuda=True)
+
+    def started():
+        raise InstallError("torch's CUDA allocator is already initialised")
+
+    _runtime.check_can_install = started
+    with pytest.raises(InstallError, match="VLLM_PLUGINS") as raised:
+        module.register()
+    assert "already initialised" in str(raised.value)
+
+
+@built
+@isolated
+def test_register_without_a_cuda_device_does_nothing():
+    cumem = _fake_vllm()
+    _, module = _vllm()  # torch sees no CUDA device here
+    module.register()
+    assert not torch_budget.installed() and cumem.CuMemAllocator.instance is None
+
+
+# -- on a device: vLLM's sleep mode, as its worker drives it
+
+@gpu
+def test_sleep_gives_the_memory_back_and_wake_keeps_the_weights(fresh):
+    fresh(sleep_gives_the_memory_back_and_wake_keeps_the_weights)
+
+
+def sleep_gives_the_memory_back_and_wake_keeps_the_weights():
+    import torch
+
+    from torch_budget.adapters import vllm
+
+    vllm.register()  # what vLLM's load_general_plugins does first in the process
+    assert torch_budget.installed()
+    allocator = vllm.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        weights = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    with allocator.use_memory_pool(tag="kv_cache"):
+        kv = torch.full((128 << 20,), 3.0, device="cuda")  # 512 MiB
+    expected, address = weights.cpu(), weights.data_ptr()
+    assert allocator.get_current_usage() >= 768 << 20
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    allocator.sleep(offload_tags=("weights",))
+    asleep = torch.cuda.mem_get_info()[0]
+    assert asleep - before > 0.95 * (768 << 20), (before, asleep)
+    assert allocator.get_current_usage() >= 768 << 20, "vLLM counts sleeping allocations too"
+    allocator.wake_up(tags=["weights"])
+    woke = torch.cuda.mem_get_info()[0]
+    assert asleep - woke > 0.95 * (256 << 20) and woke - before > 0.95 * (512 << 20), (before, asleep, woke)
+    assert weights.data_ptr() == address and torch.equal(weights.cpu(), expected)
+    allocator.wake_up(tags=["kv_cache"])
+    assert woke - torch.cuda.mem_get_info()[0] > 0.95 * (512 << 20)
+    kv.fill_(5.0)  # discarded contents; the memory is there again at the same address
+    assert bool((kv == 5.0).all())
+
+
+@gpu
+def test_the_backend_levels_on_a_device(fresh):
+    fresh(the_backend_levels_on_a_device)
+
+
+def the_backend_levels_on_a_device():
+    import torch
+
+    from torch_budget.adapters import vllm
+
+    vllm.register()
+    allocator = vllm.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        weights = torch.randn(32 << 20, device="cuda")  # 128 MiB
+    with allocator.use_memory_pool(tag="kv_cache"):
+        torch.zeros(32 << 20, device="cuda")
+    backend = vllm.TorchBudgetBackend()
+    assert vllm.TorchBudgetBackend.is_supported()
+    expected = weights.cpu()
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    backend.suspend(level=1)
+    assert torch.cuda.mem_get_info()[0] - before > 0.95 * (256 << 20)
+    states = sleep.tag_states()
+    assert (states["weights"]["backup"], states["kv_cache"]["backup"]) == ("pinned", "none"), states
+    backend.resume()
+    assert backend.state() == "RUNNING" and torch.equal(weights.cpu(), expected)
+    assert before - torch.cuda.mem_get_info()[0] < 16 << 20, "all of it is back"
+    backend.suspend(level=2)
+    assert torch.cuda.mem_get_info()[0] - before > 0.95 * (256 << 20)
+    assert sleep.tag_states()["weights"]["backup"] == "none", "level 2 keeps no copy of the weights"
+    backend.resume()
+    weights.copy_(expected)  # after level 2 the weights are reloaded
+    assert torch.equal(weights.cpu(), expected)
+
+
+@gpu
+def test_register_after_cuda_started_natively_raises(fresh):
+    fresh(register_after_cuda_started_natively_raises)
+
+
+def register_after_cuda_started_natively_raises():
+    import torch
+
+    torch.zeros(1, device="cuda")  # torch's own allocator takes CUDA
+    from torch_budget.adapters import vllm
+
+    with pytest.raises(InstallError, match="VLLM_PLUGINS"):
+        vllm.register()

@@ -1,0 +1,366 @@
+"""vLLM's sleep mode over torch_budget: a general plugin, CuMemAllocator's surface and a sleep-mode backend.
+
+Installing torch_budget into vLLM's environment is the whole set-up: the package registers the
+entry point `torch_budget = torch_budget.adapters.vllm:register` in the group
+`vllm.general_plugins`, which vLLM runs in every process before CUDA starts.
+
+    pip install torch_budget
+    TORCH_BUDGET_CONF="budget:0.9" vllm serve MODEL --enable-sleep-mode --sleep-mode-backend torch_budget
+    # vLLM without pluggable sleep backends: the same without --sleep-mode-backend
+    # code that calls the allocator itself:
+    from torch_budget.adapters.vllm import CuMemAllocator   # was: from vllm.device_allocator.cumem import ...
+
+The mapping (vLLM name -> what torch_budget does):
+  register()                   torch_budget.install() (TORCH_BUDGET_CONF) in every vLLM process, then
+                               this CuMemAllocator in vLLM's CuMemAllocator.instance slot (so vLLM's own
+                               get_mem_allocator_instance() returns it) and backend "torch_budget"
+                               registered with SleepModeBackendFactory where vLLM has one
+  use_memory_pool(tag=None)    torch_budget.region(tag, route="vmm"); None: "default"; on exit the tag's
+                               freed cache goes back to the driver (empty_cache(tags=tag))
+  sleep(offload_tags=None)     every tag used: release(tag, backup="pinned") for offload_tags (None:
+                               ("default",)), backup="none" for the rest; then the cache is emptied
+  discard(tags)                release(tags, backup="none")
+  wake_up(tags=None)           restore(...) of the released tags (None: all); a list wakes those tags and
+                               every tag outside DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
+  get_current_usage()          bytes mapped or released behind the tags (stats()["by_tag"] resident + released)
+  release_pools(), close()     nothing to drop: torch_budget keeps no MemPool per tag
+  register_tag_hooks(...)      vLLM's own hooks run: before a tag is released, after a wake maps all of it
+  TorchBudgetBackend           suspend(level) 1: sleep(("weights",)); 2: sleep(()); resume(tags) = wake_up(tags);
+                               discard(tags); state() RUNNING / SUSPENDED / RESUMING
+
+All of it acts on every device. Tags already asleep stay as they are (a sleep asking another backup
+logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had woken, then raises.
+What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError):
+capturing CUDA graphs into the allocator's pool (use_cudagraph_pool, cudagraph_pool: vLLM does it only for
+the "cumem" backend, so pick --sleep-mode-backend torch_budget), backend options, and devices without VMM.
+When CUDA started on torch's own allocator before the plugin ran, register() raises InstallError saying so
+(leave torch_budget out of VLLM_PLUGINS to run vLLM on torch's allocator). Importing this module installs
+torch_budget when a CUDA device is there and CUDA has not started, as the torch_memory_saver adapter does,
+whose UnsupportedError this module shares.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import importlib
+import logging
+import threading
+from collections.abc import Iterable
+from typing import NamedTuple, Optional, Union
+
+import torch_budget
+from torch_budget import diagnostics, sleep
+from torch_budget._validate import tag_name
+from torch_budget.adapters.torch_memory_saver import UnsupportedError
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError
+
+__all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS",
+           "UnsupportedError"]
+
+BACKEND_NAME = "torch_budget"
+DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")  # vllm.device_allocator's: only these wait for a wake
+_OFFLOAD, _DISCARD = "pinned", "none"  # vLLM's pinned CPU copy; no copy
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point. Idempotent; does nothing where torch sees no CUDA device."""
+    import torch
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        logger.debug("torch_budget: no CUDA device in this process; nothing to install")
+        return
+    _install("vLLM loaded torch_budget's plugin")
+    _take_cumem_slot()
+    _register_backend()
+
+
+def _install(who: str) -> None:
+    if torch_budget.installed():
+        return
+    try:
+        torch_budget.install()
+    except InstallError as e:
+        raise InstallError(
+            f"{who}, and torch_budget.install() failed: {e}. torch_budget replaces torch's CUDA allocator, which it "
+            "can do only before CUDA starts: let the plugin run first (vLLM loads it at process start, unless "
+            "something touched CUDA before), or set VLLM_PLUGINS without torch_budget to run vLLM on torch's "
+            "allocator") from e
+
+
+def _take_cumem_slot() -> None:
+    try:
+        cumem = importlib.import_module("vllm.device_allocator.cumem")
+    except ImportError:
+        return
+    ours = CuMemAllocator.get_instance()
+    held = getattr(cumem.CuMemAllocator, "instance", None)
+    if held is None:
+        cumem.CuMemAllocator.instance = ours
+    elif held is not ours:
+        raise StateError("vLLM's CuMemAllocator was created before torch_budget's plugin ran: its memory would "
+                         "sleep outside torch_budget. Load the plugin at process start (vLLM's load_general_plugins)")
+
+
+def _register_backend() -> None:
+    try:
+        backends = importlib.import_module("vllm.device_allocator.sleep_mode_backend")
+    except ImportError:
+        return  # a vLLM without pluggable sleep backends: CuMemAllocator's slot is the whole hook
+    factory = backends.SleepModeBackendFactory
+    try:
+        factory.register_backend(BACKEND_NAME, __name__, TorchBudgetBackend.__name__)
+    except ValueError:
+        if factory.get_backend_class(BACKEND_NAME) is not TorchBudgetBackend:
+            raise
+
+
+class _Allocation(NamedTuple):
+    """What vLLM's tag hooks read of an allocation (vllm.device_allocator.AllocationData)."""
+    tag: str
+    is_asleep: bool
+
+
+@functools.cache
+def _vllm_tag_hooks():
+    """vllm.device_allocator's run_before_unmap_hooks and run_after_map_hooks, or None."""
+    try:
+        module = importlib.import_module("vllm.device_allocator")
+    except ImportError:
+        return None
+    before, after = (getattr(module, n, None) for n in ("run_before_unmap_hooks", "run_after_map_hooks"))
+    return (before, after) if before and after else None
+
+
+def _tag_tuple(tags, what: str) -> tuple[str, ...]:
+    """A str or a tuple of str, as CuMemAllocator.sleep / discard take them."""
+    if isinstance(tags, str):
+        tags = (tags,)
+    if not isinstance(tags, tuple):
+        raise TypeError(f"{what} must be a str or a tuple of str, got {type(tags).__name__} ({tags!r})")
+    return tuple(tag_name(t, f"a tag of {what}") for t in tags)
+
+
+class CuMemAllocator:
+    """vLLM's CuMemAllocator over torch_budget. A singleton (get_instance()), as vLLM's: its tags are
+    torch_budget tags of this process."""
+
+    instance: Optional["CuMemAllocator"] = None
+    default_tag: str = "default"
+
+    @staticmethod
+    def get_instance() -> "CuMemAllocator":
+        if CuMemAllocator.instance is None:
+            CuMemAllocator.instance = CuMemAllocator()
+        return CuMemAllocator.instance
+
+    def __init__(self):
+        self.current_tag: str = CuMemAllocator.default_tag
+        self._lock = threading.RLock()  # guards _tags and _devices; held across a sleep or wake
+        self._tags: dict[str, None] = {}  # every tag a use_memory_pool opened, in order
+        self._devices: set[int] = set()
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: Optional[str] = None):
+        """Allocations inside are charged to `tag` (None: "default") on the VMM route."""
+        tag = self.default_tag if tag is None else tag_name(tag)
+        _install("torch_budget's CuMemAllocator was used")
+        if diagnostics.route_for("vmm") != "vmm":
+            raise UnsupportedError("this device has no CUDA virtual memory management, which sleep mode needs to "
+                                   "give memory back and map it again at the same addresses")
+        with self._lock:
+            self._tags.setdefault(tag)
+            self._devices.add(torch_budget.stats()["device"])
+        before, self.current_tag = self.current_tag, tag
+        try:
+            with torch_budget.region(tag, route="vmm"):
+                yield
+            if tag not in sleep.released_tags():
+                torch_budget.empty_cache(device="all", tags=tag)  # vLLM frees what the pool holds unused
+        finally:
+            self.current_tag = before
+
+    def sleep(self, offload_tags: Union[tuple[str, ...], str, None] = None) -> None:
+        """Releases every tag: a pinned host copy of those in `offload_tags` (None: ("default",)), no copy of
+        the rest. Tags already asleep keep their backup."""
+        offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
+        self._release({t: _OFFLOAD if t in offload else _DISCARD for t in self._known()}, "sleep")
+        gc.collect()
+        if torch_budget.installed():
+            torch_budget.empty_cache(device="all")
+
+    def discard(self, tags: Union[tuple[str, ...], str]) -> None:
+        """Releases `tags` without a copy (their contents are lost); tags asleep stay as they are."""
+        wanted = _tag_tuple(tags, "tags")
+        self._release({t: _DISCARD for t in self._known() if t in wanted}, "discard")
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Maps the released tags back at their addresses, with their copies. `tags` limits the wake to
+        those, plus every tag outside DEFERRABLE_TAGS. All or nothing."""
+        if tags is not None:
+            if isinstance(tags, str) or not isinstance(tags, Iterable):
+                raise TypeError(f"tags must be None or a list of tag names, got {type(tags).__name__} ({tags!r})")
+            tags = [tag_name(t, "a tag of tags") for t in tags]
+        with self._lock:
+            asleep = sleep.released_tags()
+            names = [t for t in self._tags if t in asleep
+                     and (tags is None or t in tags or t not in DEFERRABLE_TAGS)]
+            done: list[str] = []
+            try:
+                for name in names:
+                    torch_budget.restore(name, device="all")
+                    done.append(name)
+            except BaseException:
+                for name in reversed(done):
+                    with contextlib.suppress(TorchBudgetError):
+                        torch_budget.release(name, backup=asleep[name], device="all")
+                raise
+            hooks = _vllm_tag_hooks()
+            if hooks:  # idempotent: every wake runs them, so one that failed before is retried
+                hooks[1](self._allocations())
+
+    def get_current_usage(self) -> int:
+        """Bytes behind the tags, mapped or released (vLLM counts an allocation while it sleeps too)."""
+        with self._lock:
+            if not torch_budget.installed():
+                return 0
+            total = 0
+            for device in sorted(self._devices):
+                states = sleep.tag_states(device)
+                total += sum(states[t]["resident"] + states[t]["released"] for t in self._tags if t in states)
+            return total
+
+    def release_pools(self) -> None:
+        """Nothing to drop: torch_budget keeps no MemPool per tag."""
+
+    def close(self) -> None:
+        """Nothing to drop, as release_pools()."""
+
+    def use_cudagraph_pool(self, *args, **kwargs):
+        raise UnsupportedError(_GRAPH_POOL)
+
+    def cudagraph_pool(self, *args, **kwargs):
+        raise UnsupportedError(_GRAPH_POOL)
+
+    def release_cudagraph_pool(self, pool) -> None:
+        """vLLM releases its profiling pools here; this allocator holds none, so there is nothing to do."""
+
+    def _known(self) -> list[str]:
+        with self._lock:
+            return list(self._tags)
+
+    def _allocations(self) -> list[_Allocation]:
+        asleep = sleep.released_tags()
+        return [_Allocation(t, t in asleep) for t in self._tags]
+
+    def _release(self, wanted: dict[str, str], verb: str) -> None:
+        """Releases each tag of `wanted` (tag -> backup) that is live; all or nothing."""
+        if not wanted:
+            return
+        _install("torch_budget's CuMemAllocator was used")
+        with self._lock:
+            asleep = sleep.released_tags()
+            kept = sorted(t for t, b in wanted.items() if t in asleep and (asleep[t] == _DISCARD) != (b == _DISCARD))
+            if kept:
+                logger.warning("CuMemAllocator: %s cannot change the backup of tags already asleep (%s); "
+                               "they keep theirs", verb, ", ".join(kept))
+            live = {t: b for t, b in wanted.items() if t not in asleep}
+            hooks = _vllm_tag_hooks()
+            if hooks and live:
+                hooks[0](self._allocations(), list(live))
+            done: list[str] = []
+            try:
+                for backup in (_OFFLOAD, _DISCARD):
+                    group = [t for t, b in live.items() if b == backup]
+                    if group:
+                        torch_budget.release(group, backup=backup, device="all")
+                        done += group
+            except BaseException:
+                if done:  # all or nothing, as one release() is
+                    with contextlib.suppress(TorchBudgetError):
+                        torch_budget.restore(done, device="all")
+                raise
+
+
+_GRAPH_POOL = ("capturing CUDA graphs into the sleep-mode allocator's pool: torch_budget tags a graph's private "
+               "pool by the region it is captured in instead, and vLLM captures into this pool only for its 'cumem' "
+               "backend: pick --sleep-mode-backend torch_budget (graphs then stay resident while vLLM sleeps)")
+
+
+class TorchBudgetBackend:
+    """vLLM's sleep-mode backend interface (vllm.device_allocator.sleep_mode_backend.SleepModeBackend)
+    over CuMemAllocator, behaving as vLLM's "cumem" backend does. Registered as "torch_budget"."""
+
+    def __init__(self, **options):
+        if options:
+            raise UnsupportedError(f"sleep_mode_backend_options {sorted(options)}: the torch_budget backend takes "
+                                   "none; torch_budget's own settings come from TORCH_BUDGET_CONF")
+        self._state = "RUNNING"
+        self._weights_on_host = False
+
+    def suspend(self, level: int = 1) -> None:
+        """Level 1 keeps the weights in pinned host memory and discards the rest; level 2 discards all."""
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise TypeError(f"level must be an int, got {type(level).__name__} ({level!r})")
+        if level not in (1, 2):
+            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level}")
+        CuMemAllocator.get_instance().sleep(offload_tags=("weights",) if level == 1 else ())
+        self._state, self._weights_on_host = "SUSPENDED", level == 1
+
+    def resume(self, tags: Optional[list[str]] = None) -> None:
+        self._state = "RESUMING"
+        try:
+            CuMemAllocator.get_instance().wake_up(tags)
+        except BaseException:
+            self._state = "SUSPENDED"
+            raise
+        if self._weights_on_host and (tags is None or "weights" in tags):
+            self._weights_on_host = False
+            if _release_host_memory():
+                sleep.free_host_pool()
+        self._state = "RUNNING"
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        CuMemAllocator.get_instance().discard(tags)
+        self._state = "SUSPENDED"
+
+    def state(self) -> str:
+        return self._state
+
+    @classmethod
+    def is_supported(cls) -> bool:
+        try:
+            return diagnostics.capabilities()["vmm"]
+        except (TorchBudgetError, OSError):
+            return False
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True  # NCCL's buffers are untagged: a sleep leaves them
+
+    @classmethod
+    def preserves_compiled_artifacts(cls) -> bool:
+        return False
+
+    @classmethod
+    def preserves_graphs_with_communicators(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_durable_storage(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_selective_offload(cls) -> bool:
+        return False
+
+
+def _release_host_memory() -> bool:
+    """vLLM's VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY, read through vllm.envs (False without vLLM)."""
+    try:
+        envs = importlib.import_module("vllm.envs")
+    except ImportError:
+        return False
+    return bool(getattr(envs, "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", False))
