@@ -1,0 +1,246 @@
+"""TensorRT-LLM's virtual memory (tensorrt_llm._torch.virtual_memory) over torch_budget: change the import.
+
+    from torch_budget.adapters import tensorrt_llm as virtual_memory
+    # was: from tensorrt_llm._torch import virtual_memory
+    # or:  from torch_budget.adapters.tensorrt_llm import RestoreMode, scope, release_with_tag, materialize_with_tag
+
+    with virtual_memory.scope("model", virtual_memory.RestoreMode.PINNED):
+        model = build_model()                       # weights: kept across a release
+    with virtual_memory.scope("kv_cache"):          # RestoreMode.NONE: contents undefined after materialize
+        kv = torch.empty(..., device="cuda")
+    virtual_memory.release_with_tag("model", "kv_cache")      # device memory back to the driver
+    virtual_memory.materialize_with_tag("model", "kv_cache")  # same addresses, the model's contents back
+
+The mapping (TensorRT-LLM name -> what torch_budget does):
+  scope(tag, mode=NONE)        torch_budget.region(<tag, mode>, route="vmm"); nests, the innermost decides;
+                               yields an object with .tag and .mode
+  maybe_scope(enable, tag, mode)  scope(tag, mode) when enable, else nothing (yields None)
+  preserve_contents()          inside a NONE or MEMSET scope: scope(<its tag>, CPU), so metadata allocated
+                               here is released with its owner and comes back with its contents; else nothing
+  RestoreMode.NONE / MEMSET / CPU / PINNED   backup "none" / "memset" (zeros) / "cpu" (pageable host
+                               memory) / "pinned" (pinned host memory), taken at release_with_tag
+  release_with_tag(*tags)      torch_budget.release(<each tag's modes>, device="all") of those still mapped
+  materialize_with_tag(*tags)  torch_budget.restore(<each tag's modes>, device="all") of those released
+
+TensorRT-LLM decides the backup per allocation (the scope's mode), so each (tag, mode) pair is a torch_budget
+tag of its own: "kv_cache" (NONE), "model+pinned", "model+cpu", "model+memset"; release_with_tag("model")
+releases all of "model"'s. Both calls skip what is already in the asked state and return how many memory
+blobs they acted on; a blob here is one (tag, mode) pair on the devices that hold its memory, where
+TensorRT-LLM counts its allocations: 0 still means there was nothing to act on. A release is all or
+nothing; a materialize that fails leaves the tags before it materialized and the failing tag released, as
+TensorRT-LLM's does; it raises torch.cuda.OutOfMemoryError when the memory is not there, and a later call
+can succeed (the backup is kept). Tags are str (TensorRT-LLM's ExecutorMemoryType members are).
+
+Scopes are per thread, torch_budget's (TensorRT-LLM's allocator setting is process-wide). What torch_budget
+cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError): a device without CUDA
+virtual memory management. Importing this module installs torch_budget (torch_budget.install(), settings
+from TORCH_BUDGET_CONF) when a CUDA device is there and CUDA has not started, as the torch_memory_saver
+adapter does, whose UnsupportedError this module shares; the first scope installs it otherwise, and raises
+InstallError, saying so, when CUDA started on torch's own allocator.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Iterator
+from typing import NamedTuple, Optional
+
+import torch_budget
+from torch_budget import diagnostics, sleep
+from torch_budget._validate import tag_name
+from torch_budget.adapters.torch_memory_saver import UnsupportedError
+from torch_budget.errors import InstallError, InvalidArgumentError, TorchBudgetError
+
+__all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
+           "UnsupportedError"]
+
+
+class RestoreMode(enum.IntEnum):
+    """How the contents of a scope's memory come back at materialize_with_tag (TensorRT-LLM's
+    CudaVirtualMemoryAllocatorRestoreMode, in its order)."""
+    NONE = 0  # undefined
+    MEMSET = 1  # zeros
+    CPU = 2  # copied back from pageable host memory
+    PINNED = 3  # copied back from pinned host memory
+
+
+_BACKUPS = {RestoreMode.NONE: "none", RestoreMode.MEMSET: "memset", RestoreMode.CPU: "cpu",
+            RestoreMode.PINNED: "pinned"}
+
+
+class _Scope(NamedTuple):
+    tag: str
+    mode: RestoreMode
+
+
+def _mode(mode) -> RestoreMode:
+    """Our RestoreMode, or TensorRT-LLM's own (its binding's members carry the same names)."""
+    if isinstance(mode, RestoreMode):
+        return mode
+    name = getattr(mode, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"mode must be a RestoreMode, got {type(mode).__name__} ({mode!r})")
+    try:
+        return RestoreMode[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown restore mode {name!r}: expected one of "
+                                   f"{', '.join(m.name for m in RestoreMode)}") from None
+
+
+def _tag(tag, what: str = "tag") -> str:
+    """A tag as a plain str (TensorRT-LLM passes StrEnum members)."""
+    return str.__str__(tag_name(tag, what))
+
+
+# Note [TensorRT-LLM tags] mirrors Note [torch_memory_saver tags]: the torch_budget tag of (tag, mode) is
+# `tag` for NONE and "tag+<backup>" otherwise; names are checked not to collide.
+class _Registry:
+    def __init__(self):
+        self.lock = threading.RLock()  # guards tags and owners; held across a release or materialize
+        self.tags: dict[str, dict[str, str]] = {}  # TensorRT-LLM tag -> {torch_budget tag: backup}
+        self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (TensorRT-LLM tag, backup)
+
+    def register(self, tag: str, backup: str) -> str:
+        name = tag if backup == "none" else f"{tag}+{backup}"
+        with self.lock:
+            owner = self.owners.setdefault(name, (tag, backup))
+            if owner != (tag, backup):
+                raise InvalidArgumentError(
+                    f"tag {tag!r} with restore mode {backup!r} would be torch_budget tag {name!r}, which tag "
+                    f"{owner[0]!r} with restore mode {owner[1]!r} already uses: rename one of the two")
+            self.tags.setdefault(tag, {})[name] = backup
+        return name
+
+    def of(self, tag: str) -> dict[str, str]:
+        with self.lock:
+            return dict(self.tags.get(tag, {}))
+
+
+_registry = _Registry()
+_scopes = threading.local()  # stack: the scopes open on this thread, innermost last
+
+
+def _stack() -> list[_Scope]:
+    if not hasattr(_scopes, "stack"):
+        _scopes.stack = []
+    return _scopes.stack
+
+
+def _install() -> None:
+    if torch_budget.installed():
+        return
+    try:
+        torch_budget.install()
+    except InstallError as e:
+        raise InstallError(
+            "torch_budget's TensorRT-LLM virtual memory serves memory through torch_budget, which must replace "
+            "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.tensorrt_llm (or call "
+            f"torch_budget.install()) before the first CUDA tensor or call. {e}") from e
+
+
+@contextlib.contextmanager
+def scope(tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[_Scope]:
+    """Allocations inside are released and materialized with `tag`; `mode` says what their contents
+    are after a materialize. Nestable: the innermost scope decides."""
+    entered = _Scope(_tag(tag), _mode(mode))
+    _install()
+    if diagnostics.route_for("vmm") != "vmm":
+        raise UnsupportedError("this device has no CUDA virtual memory management, which release_with_tag needs "
+                               "to give memory back and map it again at the same addresses")
+    name = _registry.register(entered.tag, _BACKUPS[entered.mode])
+    stack = _stack()
+    stack.append(entered)
+    try:
+        with torch_budget.region(name, route="vmm"):
+            yield entered
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def maybe_scope(enable: bool, tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[Optional[_Scope]]:
+    """scope(tag, mode) when `enable`, else a context that does nothing (and yields None)."""
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__} ({enable!r})")
+    if not enable:
+        yield None
+        return
+    with scope(tag, mode) as entered:
+        yield entered
+
+
+@contextlib.contextmanager
+def preserve_contents() -> Iterator[None]:
+    """Inside a scope whose contents are dropped (NONE, MEMSET): allocations here keep the scope's tag,
+    so they are released with it, and come back with their contents (CPU). Elsewhere: nothing."""
+    stack = _stack()
+    if not stack or stack[-1].mode not in (RestoreMode.NONE, RestoreMode.MEMSET):
+        yield
+        return
+    with scope(stack[-1].tag, RestoreMode.CPU):
+        yield
+
+
+def _tags(tags) -> list[str]:
+    names = [_tag(t, "a tag") for t in tags]
+    return list(dict.fromkeys(names))  # a tag named twice acts once, as TensorRT-LLM's second pass finds nothing
+
+
+def release_with_tag(*tags: str) -> int:
+    """Gives the device memory of `tags` back to the driver on every device, backing up what each
+    scope's mode asks for. Returns the number of blobs released (see the module's note)."""
+    names = _tags(tags)
+    if not names:
+        return 0
+    _install()
+    with _registry.lock:
+        asleep = sleep.released_tags()
+        todo = [(n, b) for tag in names for n, b in sorted(_registry.of(tag).items()) if n not in asleep]
+        done: list[str] = []
+        count = 0
+        try:
+            for name, backup in todo:
+                count += int(torch_budget.release(name, backup=backup, device="all")["bytes"] > 0)
+                done.append(name)
+        except BaseException:
+            for name in reversed(done):  # all or nothing
+                with contextlib.suppress(TorchBudgetError):
+                    torch_budget.restore(name, device="all")
+            raise
+        return count
+
+
+def materialize_with_tag(*tags: str) -> int:
+    """Maps memory back behind `tags` at the same addresses on every device and restores the contents
+    their modes kept. Returns the number of blobs materialized (see the module's note)."""
+    names = _tags(tags)
+    if not names:
+        return 0
+    _install()
+    count = 0
+    with _registry.lock:
+        asleep = sleep.released_tags()
+        for tag in names:
+            done: list[str] = []
+            try:
+                for name in sorted(n for n in _registry.of(tag) if n in asleep):
+                    count += int(torch_budget.restore(name, device="all")["bytes"] > 0)
+                    done.append(name)
+            except BaseException:
+                for name in reversed(done):  # the failing tag stays released as a whole
+                    with contextlib.suppress(TorchBudgetError):
+                        torch_budget.release(name, backup=asleep[name], device="all")
+                raise
+    return count
+
+
+def _install_at_import() -> None:
+    """torch's allocator can only be replaced before CUDA starts, and TensorRT-LLM starts it early."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        _install()
+
+
+_install_at_import()
