@@ -116,6 +116,8 @@ def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
     class EagerRunner:  # the captured graph's computation, through the same buffers and padding
         step = staticmethod(runner.run_eager)
         bucket_for = staticmethod(runner.bucket_for)
+        buckets = runner.buckets
+        name = runner.name
 
     class NoWatch:
         def sample(self):
@@ -124,7 +126,7 @@ def test_scheduler_gives_every_request_the_tokens_of_a_lone_greedy_run(model):
     stats = run_requests(torch, settings, model, cache, EagerRunner(), _warm_meta(3), requests, NoWatch(),
                                torch.device("cpu"), torch_budget.region)
     assert stats["generated"] == sum(r.new_tokens for r in requests)
-    assert stats["deferred"], "the small cache should have made a request wait for KV blocks"
+    assert stats["deferred"] and stats["waits"]["kv"], "the small cache should have made a request wait for KV blocks"
     assert cache.free_blocks == cache.num_blocks - 1, "every block comes back when its request finishes"
     for req in requests:
         alone = PagedKVCache(TINY, num_blocks=16, max_batch=1, block_size=4)
@@ -264,7 +266,8 @@ def _tiny_serving(model, *, native):
     class EagerRunner:
         step = staticmethod(runner.run_eager)
         bucket_for = staticmethod(runner.bucket_for)
-        captured = settings.buckets
+        captured = buckets = settings.buckets
+        name = runner.name
 
     return settings, cache, EagerRunner
 

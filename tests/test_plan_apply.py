@@ -55,11 +55,20 @@ def test_tag_budgets_are_the_plans_lines_summed_per_tag():
 
 def test_the_demos_tags_are_the_planners():
     from torch_budget.demo import settings
+    from torch_budget.demo.kv_resource import PagedKVResource
     from torch_budget.eager_workspace import WORKSPACE_TAG
+    from torch_budget.graphs.resource import GRAPHS_TAG
+    from torch_budget.workspace_resource import WorkspaceResource
 
     tags = planner.TAGS
     assert (tags["weights"], tags["kv_pool"], tags["graph_pools"], tags["activations"], tags["eager_workspace"]) == (
         settings.TAG_WEIGHTS, settings.TAG_KV, settings.TAG_GRAPHS, settings.TAG_ACTIVATIONS, WORKSPACE_TAG)
+    assert tags["graph_workspace"] == GRAPHS_TAG == settings.TAG_GRAPHS
+    # the resource managers charge their memory to the tags the plan bounds
+    import inspect
+
+    assert inspect.signature(PagedKVResource).parameters["tag"].default == tags["kv_pool"]
+    assert inspect.signature(WorkspaceResource).parameters["tag"].default == tags["eager_workspace"]
 
 
 def test_apply_needs_install():

@@ -96,6 +96,12 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def blocks_of(self, row: int) -> int:
+        """Blocks `row` owns now."""
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row {row} out of range for max_batch={self.max_batch}")
+        return len(self._owned[row])
+
     def reserve(self, row: int, num_tokens: int) -> None:
         """Make sure `row` owns blocks for its first `num_tokens` positions. Call before a decode
         step writes position `num_tokens - 1`; this is the only place blocks are handed out, and it
@@ -218,7 +224,8 @@ def prefill_workspace_bytes(cfg: ModelShape, batch: int, length: int) -> int:
 def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows=None, *, scratch=None,
             last_only: bool = False) -> torch.Tensor:
     """Run `token_ids` ([B, T], positions 0..T-1) through the model, write their K/V into `rows`
-    of the cache (default 0..B-1, blocks reserved here), and return logits [B, T, vocab], or
+    of the cache (default 0..B-1; blocks for T positions are reserved here unless the row owns
+    them: a row another request used must be released first), and return logits [B, T, vocab], or
     [B, vocab] for the last position only with `last_only` (all a server samples from).
 
     `scratch`, when given, provides each layer's GQA-expanded K and V: an object whose
@@ -235,8 +242,7 @@ def prefill(model: DemoModel, token_ids: torch.Tensor, cache: PagedKVCache, rows
     if rows_t.shape != (batch,):
         raise ValueError(f"rows must have one entry per sequence ({batch}), got shape {tuple(rows_t.shape)}")
     for row in rows_t.tolist():
-        cache.release(row)
-        cache.reserve(row, length)
+        cache.reserve(row, length)  # blocks a row owns already are kept (a scheduler reserved them)
 
     positions = torch.arange(length, device=device)
     slots = cache.slots(rows_t[:, None], positions[None, :]).reshape(-1)

@@ -62,6 +62,15 @@ class Request:
     def prompt_len(self) -> int:
         return int(self.prompt.shape[0])
 
+    # The names the resource managers read (torch_budget.resources.TokenRequest).
+    @property
+    def request_id(self) -> int:
+        return self.index
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.new_tokens
+
 
 def make_requests(settings: Settings, vocab: int) -> list:
     """Prompt lengths log-uniform in [min_prompt, max_prompt] (short prompts dominate, as in real
@@ -79,84 +88,96 @@ def make_requests(settings: Settings, vocab: int) -> list:
     return requests
 
 
-def run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region) -> dict:
-    """Continuous batching: admit requests into free cache rows while KV blocks last (a request
-    that does not fit waits for blocks; it is deferred, never failed), prefill each eagerly inside
-    the workspace context, then run one replayed decode step over rows 0..highest live row.
+def resources(settings, model, cache, runner, meta, workspace_tokens: int | None = None) -> list:
+    """The serving run's resource managers (Note [Resource managers]): the KV cache's blocks, the
+    eager workspace's prompt tokens per step (`workspace_tokens`, else the longest prompt) and
+    the decode graphs' rows."""
+    from torch_budget.demo.kv_resource import PagedKVResource
+    from torch_budget.demo.model import prefill_workspace_bytes
+    from torch_budget.graphs.resource import GraphResource
+    from torch_budget.workspace_resource import WorkspaceResource
+
+    return [PagedKVResource(cache, longest_prompt=settings.max_prompt),
+            WorkspaceResource(meta, prefill_workspace_bytes(model.cfg, 1, 1), workspace_tokens or settings.max_prompt),
+            GraphResource(runner)]
+
+
+def run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region, *,
+                 workspace_tokens: int | None = None) -> dict:
+    """Continuous batching over the resource managers (torch_budget.scheduling): each step admits
+    waiting requests in order while the KV cache, the workspace and the decode rows all have
+    room (a request that does not fit waits: it is deferred, never failed), prefills each
+    admitted one eagerly inside the workspace context, then runs one replayed decode step over
+    rows 0..highest live row.
 
     A request's blocks for prompt + new tokens are reserved at admission, so a decode step never
     runs out of KV mid-request.
     """
-    from torch_budget.eager_workspace import workspace as workspace_scope
     from torch_budget.demo.model import prefill
+    from torch_budget.eager_workspace import workspace as workspace_scope
+    from torch_budget.errors import RequestTooLargeError
+    from torch_budget.scheduling import Scheduler
 
-    queue = collections.deque(requests)
-    active: list = [None] * settings.max_batch
+    kv, ws, graphs = managers = resources(settings, model, cache, runner, meta, workspace_tokens)
+    scheduler = Scheduler(managers)
+    try:
+        for req in requests:
+            scheduler.submit(req)
+    except RequestTooLargeError as e:
+        raise DemoError(str(e)) from None
     ids_host = torch.zeros(settings.max_batch, dtype=torch.int64)
     pos_host = torch.zeros(settings.max_batch, dtype=torch.int64)
-    stats = {"generated": 0, "steps": 0, "step_seconds": 0.0, "buckets": collections.Counter(), "deferred": set(),
-             "prefill_tokens": 0, "ws_peak": meta.capacity, "ws_shrinks": 0}
+    stats = {"generated": 0, "steps": 0, "step_seconds": 0.0, "buckets": collections.Counter(),
+             "deferred": scheduler.deferred, "waits": scheduler.waits, "prefill_tokens": 0, "ws_peak": meta.capacity,
+             "ws_shrinks": 0}
     progress = Progress(len(requests), "serving")
     start = time.perf_counter()
-
-    def finish(row, req):
-        cache.release(row)
-        active[row] = None
-        stats["generated"] += len(req.out)
-        progress.update(1, live=sum(r is not None for r in active), queued=len(queue))
-
     try:
-        while queue or any(r is not None for r in active):
-            while queue and None in active:
-                req = queue[0]
-                need = -(-(req.prompt_len + req.new_tokens) // cache.block_size)
-                if need > cache.free_blocks:
-                    if not any(r is not None for r in active):
-                        raise DemoError(f"request {req.index} needs {need} KV blocks but the whole pool has "
-                                         f"{cache.num_blocks - 1}; raise the KV budget")
-                    stats["deferred"].add(req.index)
-                    break
-                queue.popleft()
-                row = active.index(None)
+        while not scheduler.idle:
+            step = scheduler.schedule()
+            done = []
+            for req in step.context:
                 capacity = meta.capacity
                 with region(TAG_ACTIVATIONS):
                     ids = req.prompt.to(device)[None]
                     with workspace_scope(meta):
-                        logits = prefill(model, ids, cache, [row], scratch=meta, last_only=True)
+                        logits = prefill(model, ids, cache, [kv.row_of(req)], scratch=meta, last_only=True)
                     first = int(logits[0].argmax())
                 if meta.capacity < capacity:
                     stats["ws_shrinks"] += 1
                 stats["ws_peak"] = max(stats["ws_peak"], meta.capacity)
                 stats["prefill_tokens"] += req.prompt_len
-                cache.reserve(row, req.prompt_len + req.new_tokens)
                 req.out.append(first)
                 req.next_pos = req.prompt_len
-                active[row] = req
                 watch.sample()
                 if len(req.out) >= req.new_tokens:
-                    finish(row, req)
-
-            live = [row for row, r in enumerate(active) if r is not None]
-            if not live:
-                continue
-            n = live[-1] + 1
-            ids_host.zero_()
-            pos_host.zero_()
-            for row in live:
-                ids_host[row] = active[row].out[-1]
-                pos_host[row] = active[row].next_pos
-            t0 = time.perf_counter()
-            nxt = runner.step(n, ids=ids_host[:n], pos=pos_host[:n])["next"].cpu()
-            stats["step_seconds"] += time.perf_counter() - t0
-            stats["steps"] += 1
-            stats["buckets"][runner.bucket_for(n)] += 1
-            watch.sample()
-            for row in live:
-                req = active[row]
-                req.out.append(int(nxt[row]))
-                req.next_pos += 1
-                if len(req.out) >= req.new_tokens:
-                    finish(row, req)
+                    done.append(req)
+            finished = {r.request_id for r in done}
+            live = {kv.row_of(r): r for r in step.generation if r.request_id not in finished}
+            if live:
+                n = max(live) + 1
+                ids_host.zero_()
+                pos_host.zero_()
+                for row, req in live.items():
+                    ids_host[row] = req.out[-1]
+                    pos_host[row] = req.next_pos
+                t0 = time.perf_counter()
+                nxt = runner.step(n, ids=ids_host[:n], pos=pos_host[:n])["next"].cpu()
+                stats["step_seconds"] += time.perf_counter() - t0
+                stats["steps"] += 1
+                stats["buckets"][runner.bucket_for(n)] += 1
+                watch.sample()
+                for row, req in live.items():
+                    req.out.append(int(nxt[row]))
+                    req.next_pos += 1
+                    if len(req.out) >= req.new_tokens:
+                        done.append(req)
+            scheduler.complete(step)
+            for req in done:
+                scheduler.finish(req)
+                stats["generated"] += len(req.out)
+            if done:
+                progress.update(len(done), live=len(scheduler.running), queued=len(scheduler.waiting))
     finally:
         progress.close()
     stats["seconds"] = time.perf_counter() - start

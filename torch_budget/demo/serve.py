@@ -68,9 +68,12 @@ def _print_step(i: int, total: int, text: str) -> None:
 def serve(torch, settings: Settings, mode: str) -> None:
     import torch_budget
     from torch_budget import planner, report
-    from torch_budget.eager_workspace import WorkspaceMetadata, workspace as workspace_scope
-    from torch_budget.graphs import GraphPoolManager
+    from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, workspace as workspace_scope
+    from torch_budget.graphs import GraphPoolManager, GraphResource
+    from torch_budget.demo.kv_resource import PagedKVResource
     from torch_budget.demo.model import DemoModel, PagedKVCache, prefill, prefill_workspace_bytes
+    from torch_budget.resources import dummy_step
+    from torch_budget.workspace_resource import WorkspaceResource
     from torch_budget.planner.shape import kv_cache_cost, parameter_count
     from torch_budget.report import measure
 
@@ -108,20 +111,26 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # 3. Profile one worst-case prefill. The KV it writes exists only for the estimate and is
     # handed back to the KV budget by the planner (estimation_kv_bytes).
     _step(3, f"profiling a dummy prefill of {settings.max_prompt} tokens")
-    estimation = {}
+    # The step is the one the KV cache and the workspace name as their worst case (their dummy
+    # requests: one prompt of max_prompt tokens); they prepare it, the forward prefills it.
     gen = torch.Generator().manual_seed(settings.seed + 1)
+    with region(TAG_KV):
+        est_cache = PagedKVCache(cfg, num_blocks=-(-settings.max_prompt // BLOCK_SIZE) + 1, max_batch=1,
+                                 block_size=BLOCK_SIZE, device=device)
+    estimation = {"kv": est_cache.nbytes + est_cache.block_tables.nbytes}
+    est_kv = PagedKVResource(est_cache, longest_prompt=settings.max_prompt)
+    ws_tokens = WorkspaceResource(meta, prefill_workspace_bytes(cfg, 1, 1), settings.max_prompt)
 
-    def dummy_prefill():
-        with region(TAG_KV):
-            est_cache = PagedKVCache(cfg, num_blocks=-(-settings.max_prompt // BLOCK_SIZE) + 1, max_batch=1,
-                                     block_size=BLOCK_SIZE, device=device)
-        estimation["kv"] = est_cache.nbytes + est_cache.block_tables.nbytes
+    def dummy_prefill(step):
         with region(TAG_ACTIVATIONS):
-            ids = torch.randint(0, cfg.vocab, (1, settings.max_prompt), generator=gen).to(device)
-            with workspace_scope(meta):
-                return prefill(model, ids, est_cache, [0], scratch=meta, last_only=True)
+            for req in step.context:
+                ids = torch.randint(0, cfg.vocab, (1, req.prompt_len), generator=gen).to(device)
+                with workspace_scope(meta):
+                    logits = prefill(model, ids, est_cache, [est_kv.row_of(req)], scratch=meta, last_only=True)
+            return logits
 
-    prof = planner.profile(dummy_prefill, model_bytes=weights, device=device)
+    prof = planner.profile_step([est_kv, ws_tokens], dummy_prefill, model_bytes=weights, device=device)
+    del est_kv, est_cache
     ws_in_peak = meta.capacity
     print(f"  torch peak {_fmt(prof.torch_peak)}, activations {_fmt(prof.activation_bytes)} (incl. estimation KV "
           f"{_fmt(estimation['kv'])} and workspace {_fmt(ws_in_peak)}), outside torch {_fmt(prof.extra_cost)}")
@@ -141,6 +150,11 @@ def serve(torch, settings: Settings, mode: str) -> None:
         t0 = time.perf_counter()
         probe.capture()
         probe_seconds = time.perf_counter() - t0
+        # The graph rows' dummy requests fill the largest bucket: one replay of it, which must
+        # allocate nothing (a replay reuses the captured addresses).
+        with dummy_step([GraphResource(probe)]) as rows:
+            zeros = torch.zeros(len(rows.generation), dtype=torch.int64)
+            probe.step(len(rows.generation), ids=zeros, pos=zeros)
     after = measure.read(device, installed)
     graph_pools = after.pools - before.pools
     # Static buffers, plus what capture creates once per stream (e.g. cuBLAS's workspace for the
@@ -220,7 +234,9 @@ def serve(torch, settings: Settings, mode: str) -> None:
     torch.cuda.reset_peak_memory_stats(device)
     watch = measure.DeviceWatch(device)
     watch.sample()
-    stats = run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region)
+    ws_budget = plan.tag_budgets().get(WORKSPACE_TAG)
+    stats = run_requests(torch, settings, model, cache, runner, meta, requests, watch, device, region,
+                         workspace_tokens=None if ws_budget is None else ws_budget // prefill_workspace_bytes(cfg, 1, 1))
     torch.cuda.synchronize(device)
     watch.sample()
     peak_allocated = int(torch.cuda.max_memory_allocated(device))
@@ -229,8 +245,10 @@ def serve(torch, settings: Settings, mode: str) -> None:
     step_ms = 1e3 * stats["step_seconds"] / max(stats["steps"], 1)
     print(f"  {stats['generated']} tokens generated in {stats['seconds']:.2f} s ({rate:.0f} tokens/s); "
           f"{stats['steps']} decode steps, mean {step_ms:.2f} ms, by bucket {dict(sorted(stats['buckets'].items()))}")
-    print(f"  {stats['prefill_tokens']} prompt tokens prefilled; {len(stats['deferred'])} request(s) waited for KV "
-          f"blocks; workspace {_fmt(meta.floor)}-{_fmt(stats['ws_peak'])}, shrank {stats['ws_shrinks']} time(s)")
+    waits = ", ".join(f"{tag} {n}" for tag, n in sorted(stats["waits"].items())) or "none"
+    print(f"  {stats['prefill_tokens']} prompt tokens prefilled; {len(stats['deferred'])} request(s) deferred, never "
+          f"failed (steps a resource held the queue back: {waits}); workspace {_fmt(meta.floor)}-"
+          f"{_fmt(stats['ws_peak'])}, shrank {stats['ws_shrinks']} time(s)")
 
     # 9. Plan against measurement, then the ledger.
     _step(9, "predicted against measured peak")

@@ -19,9 +19,10 @@ explicit and bounded (module in brackets):
 The rest: `GraphPoolManager` owns the runners and pools of one device and the capture
 stream [manager]; `GraphRunner` captures one forward per bucket and replays it [runner],
 checking its arguments [arguments], capturing a bucket [capture], with `EagerPiece` for
-the parts that run between graphs [pieces]. A module imports only from lower ones:
-buckets, static, pools, shadows < pieces < arguments, staging, outputs < capture < runner
-< manager. Runner and manager reach each other only through public methods
+the parts that run between graphs [pieces]; `GraphResource` is a runner's rows as a resource
+manager for a scheduler (torch_budget.resources) [resource]. A module imports only from lower
+ones: buckets, static, pools, shadows < pieces < arguments, staging, outputs < capture < runner
+< manager, resource. Runner and manager reach each other only through public methods
 (runner.RunnerOwner).
 
 Only public torch APIs are used, so the same code runs on torch's native allocator and
@@ -37,6 +38,7 @@ from .manager import GraphPoolManager
 from .pieces import EagerPiece
 from ..errors import PoolInUseError, PoolReleasedError, StaticBufferRebindError
 from .pools import PoolLedger
+from .resource import GraphResource
 from .runner import GraphRunner
 from .shadows import ShadowRing
 from .static import StaticBuffers, StaticInput
@@ -45,6 +47,7 @@ __all__ = [
     "BucketRule",
     "EagerPiece",
     "GraphPoolManager",
+    "GraphResource",
     "GraphRunner",
     "PoolInUseError",
     "PoolLedger",

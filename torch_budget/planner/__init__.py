@@ -6,7 +6,8 @@ KV cache - the only part that grows - what is left (`plan`). Every number it pro
 of the ledger with the reason it has that size.
 
 - costs.py: what a KV cache, a per-token workspace and a reserve cost;
-- measure.py: what one profiling forward held (`Profile`, `profile()`);
+- measure.py: what one profiling forward held (`Profile`, `profile()`, `profile_step()` driving
+  the resource managers' dummy requests);
 - steps.py: the seven steps of `plan` (see Note [Planner steps] there) and the `Plan`;
 - apply.py: the plan enforced as per-tag budgets (`Plan.apply()`, Note [Plan as budgets]);
 - ledger.py: the ledger lines a plan is made of, and their text table;
@@ -15,7 +16,7 @@ of the ledger with the reason it has that size.
 
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine, TagBudget, format_budgets, format_table
-from torch_budget.planner.measure import Profile, profile
+from torch_budget.planner.measure import Profile, profile, profile_step
 from torch_budget.planner.shape import (ModelShape, described_profile, estimate_activation_bytes, kv_cache_cost,
                                         parameter_count, weight_bytes)
 from torch_budget.planner.steps import Plan, PlanStep, plan
@@ -34,6 +35,7 @@ __all__ = [
     "Reserve",
     "Profile",
     "profile",
+    "profile_step",
     "PlanStep",
     "Plan",
     "plan",

@@ -1,4 +1,5 @@
-"""What one profiling forward held: `Profile`, and `profile()` that measures it on a device."""
+"""What one profiling forward held: `Profile`, `profile()` that measures it on a device, and
+`profile_step()` that measures the step the resource managers name as their worst case."""
 
 from __future__ import annotations
 
@@ -92,3 +93,14 @@ def profile(fn: Callable, *args, model_bytes: int, device=None, **kwargs) -> Pro
         source=f"measured on {dev}",
     )
 
+
+
+def profile_step(managers, forward: Callable, *, model_bytes: int, device=None) -> Profile:
+    """Profile the step the resource managers' dummy requests make (torch_budget.resources,
+    Note [Resource managers]): each manager prepares it (a KV cache reserves the dummy requests'
+    blocks, a workspace grows), `forward(step)` runs it under `profile`, and every manager
+    updates and frees the dummies afterwards, also when the forward raises."""
+    from torch_budget.resources import dummy_step
+
+    with dummy_step(managers) as step:
+        return profile(forward, step, model_bytes=model_bytes, device=device)
