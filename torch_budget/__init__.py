@@ -14,7 +14,9 @@ Conventions everywhere: `device=None` is the current device and `device="all"` e
 device, where a call acts on devices; `tags=None` is every tag; a release keeps contents
 (backup="pinned") unless told otherwise. The rest lives in submodules: diagnostics
 (capabilities, route_for, segments), snapshot (torch's memory snapshot with the ledger's
-names), sleep (tag states, the pinned host pool), planner, graphs, eager_workspace, config.
+names), sleep (tag states, the pinned host pool), planner (plans that apply themselves as
+per-tag budgets), resources and scheduling (the resource-manager protocol and the scheduler
+that defers what does not fit), graphs, eager_workspace, workspace_resource, config.
 
 Names resolve lazily, so `import torch_budget` is cheap and works on machines without CUDA.
 """
@@ -62,7 +64,8 @@ _MOVED = {
 
 # Submodules, importable as attributes without importing them first (torch_budget.diagnostics...).
 _SUBMODULES = {"adapters", "allocator", "cli", "config", "demo", "diagnostics", "eager_workspace", "errors", "graphs",
-               "planner", "replay", "report", "sleep", "snapshot", "units"}
+               "planner", "replay", "report", "resources", "scheduling", "sleep", "snapshot", "units",
+               "workspace_resource"}
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
