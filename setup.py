@@ -47,6 +47,7 @@ SANITIZE = ["-O1", "-g", "-fvisibility=hidden", "-fno-omit-frame-pointer", "-fsa
 ENTRY_POINTS = {
     "console_scripts": ["torch-budget=torch_budget.cli:main"],
     "vllm.general_plugins": ["torch_budget = torch_budget.adapters.vllm:register"],
+    "sglang.srt.plugins": ["torch_budget = torch_budget.adapters.sglang:register"],
 }
 
 PARTS = ("_C", "_host_core", "_host_core_asan")
