@@ -11,7 +11,10 @@ of the ledger with the reason it has that size.
 - steps.py: the seven steps of `plan` (see Note [Planner steps] there) and the `Plan`;
 - apply.py: the plan enforced as per-tag budgets (`Plan.apply()`, Note [Plan as budgets]);
 - ledger.py: the ledger lines a plan is made of, and their text table;
-- shape.py: a model described by its shape, for planning without a device.
+- shape.py: a model described by its shape, for planning without a device;
+- hf.py, hf_plan.py: Hugging Face transformers decoders (Llama, Qwen) with random weights, their
+  StaticCache as a resource manager, profiled, planned and served at their worst case
+  (transformers is imported only when used; tools/plan_hf.py runs them on a device).
 """
 
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
