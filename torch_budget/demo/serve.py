@@ -113,11 +113,13 @@ def serve(torch, settings: Settings, mode: str) -> None:
     _step(3, f"profiling a dummy prefill of {settings.max_prompt} tokens")
     # The step is the one the KV cache and the workspace name as their worst case (their dummy
     # requests: one prompt of max_prompt tokens); they prepare it, the forward prefills it.
+    # Bytes are allocation deltas: the blocks the budget layer charges, not the tensors' sizes.
     gen = torch.Generator().manual_seed(settings.seed + 1)
+    before = measure.read(device, installed)
     with region(TAG_KV):
         est_cache = PagedKVCache(cfg, num_blocks=-(-settings.max_prompt // BLOCK_SIZE) + 1, max_batch=1,
                                  block_size=BLOCK_SIZE, device=device)
-    estimation = {"kv": est_cache.nbytes + est_cache.block_tables.nbytes}
+    estimation = {"kv": measure.read(device, installed).allocated - before.allocated}
     est_kv = PagedKVResource(est_cache, longest_prompt=settings.max_prompt)
     ws_tokens = WorkspaceResource(meta, prefill_workspace_bytes(cfg, 1, 1), settings.max_prompt)
 
@@ -131,7 +133,8 @@ def serve(torch, settings: Settings, mode: str) -> None:
 
     prof = planner.profile_step([est_kv, ws_tokens], dummy_prefill, model_bytes=weights, device=device)
     del est_kv, est_cache
-    ws_in_peak = meta.capacity
+    # What the workspace tag is charged (whole blocks) is what its budget must hold.
+    ws_in_peak = measure.tag_bytes(torch_budget.stats(device)["by_tag"][WORKSPACE_TAG]) if installed else meta.capacity
     print(f"  torch peak {_fmt(prof.torch_peak)}, activations {_fmt(prof.activation_bytes)} (incl. estimation KV "
           f"{_fmt(estimation['kv'])} and workspace {_fmt(ws_in_peak)}), outside torch {_fmt(prof.extra_cost)}")
 
