@@ -159,6 +159,17 @@ int tb_configure_tag_budget(int tag, int64_t bytes, double fraction) {
   return Allocator::get().configure_tag_budget(tag, bytes, fraction) ? 0 : code();
 }
 
+int tb_configure_packing_time(double share) {
+  clear_error();
+  return Allocator::get().configure_packing_time(share) ? 0 : code();
+}
+
+int tb_reset_peak_stats(int device) {
+  clear_error();
+  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->reset_peaks();
+  return 0;
+}
+
 int tb_empty_cache(int device) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device_if_ready(device);

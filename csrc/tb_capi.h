@@ -22,7 +22,7 @@ TB_API int tb_last_error_code(void);
 // --- setup
 // Settings for every device; fails once allocations were served.
 // budget_bytes < 0 and budget_fraction <= 0: no budget (the whole card).
-// map_run_bytes: the longest VMM mapping an allocation makes (0: 16 MiB).
+// map_run_bytes: the longest VMM mapping an allocation makes (0: 64 MiB).
 TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow,
                         int64_t map_run_bytes);
 TB_API int tb_device_count(void);
@@ -55,7 +55,14 @@ TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
 // for every device before the first allocation (after tb_configure, which clears them).
 TB_API int tb_set_tag_budget(int device, int tag, int64_t bytes, double fraction);
 TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
+// Note [Packing time] (core/packing_time.h): the share of wall-clock time in [0, 1] the VMM
+// route may spend moving memory to pack it (0: never before the budget refuses; 1: always),
+// for every device, before the first allocation (after tb_configure, which resets it to 0.05).
+TB_API int tb_configure_packing_time(double share);
 TB_API int tb_empty_cache(int device);
+// torch's resetPeakStats: every peak of `device` starts again from its current value, the
+// packing line's high-water mark included (Note [Packing: reclaim before growth]).
+TB_API int tb_reset_peak_stats(int device);
 // The IPC handle of the live block at `ptr` (torch's shareIpcHandle) into buf[0, cap):
 // its length, or -1 with the error kept (cap too small included); *offset: ptr's offset in it.
 TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);

@@ -92,13 +92,16 @@ COUNTERS = ["maps", "unmaps", "syncs", "handles", "mappings", "reservations", "i
 
 class Host:
     def __init__(self, capacity=4 * GiB, vmm=True, pools=True, budget=-1, route="sync", reuse_before_grow=True,
-                 devices=1, pool_chunk=0, library="_host_core", configure=True, missing=(), map_run=0):
+                 devices=1, pool_chunk=0, library="_host_core", configure=True, missing=(), map_run=0,
+                 packing_time=None):
         self.lib = lib = load(library)
         assert lib.tb_host_use(devices, capacity, int(vmm), int(pools), pool_chunk) == 0
         for name in missing:
             assert lib.tb_host_remove_entry(name.encode()) == 0, name
         if configure:
             self.configure(budget, route, reuse_before_grow, map_run)
+            if packing_time is not None:
+                _native.check(lib, lib.tb_configure_packing_time(packing_time))
 
     def configure(self, budget=-1, route="sync", reuse_before_grow=True, map_run=0):
         _native.check(self.lib, self.lib.tb_configure(budget, -1.0, ROUTES[route], int(reuse_before_grow), map_run))
@@ -146,6 +149,9 @@ class Host:
 
     def empty_cache(self, device=0):
         _native.check(self.lib, self.lib.tb_empty_cache(device))
+
+    def reset_peaks(self, device=0):
+        _native.check(self.lib, self.lib.tb_reset_peak_stats(device))
 
     def share(self, ptr):
         buf = ctypes.create_string_buffer(4096)

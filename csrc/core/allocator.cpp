@@ -60,6 +60,18 @@ bool Allocator::configure_tag_budget(int tag, int64_t bytes, double fraction) {
   return true;
 }
 
+bool Allocator::configure_packing_time(double share) {
+  TB_REQUIRE(share >= 0 && share <= 1, kInvalidArgument,
+             "packing_time must be a share of time in [0, 1], got " + std::to_string(share), false);
+  std::lock_guard<std::mutex> lock(mu_);
+  TB_REQUIRE(!started(), kState, "torch_budget is already serving allocations: set packing_time before the first one",
+             false);
+  settings_.packing_time = share;
+  for (auto& slot : devices_)
+    if (DeviceAllocator* d = slot.load(std::memory_order_acquire)) d->apply(settings_);
+  return true;
+}
+
 bool Allocator::load_driver() {
   if (driver() != nullptr) return true;
   std::string why;

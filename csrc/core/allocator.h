@@ -30,6 +30,8 @@ class Allocator {
   // A tag's budget for every device, those already created included (Note [Tag budgets]);
   // after configure(), before the first allocation.
   bool configure_tag_budget(int tag, int64_t bytes, double fraction);
+  // Note [Packing time]: before the first allocation, after configure (which resets it).
+  bool configure_packing_time(double share);
   // Loads the CUDA driver unless a stand-in table is already installed.
   bool load_driver();
   int device_count();

@@ -84,6 +84,7 @@ void DeviceAllocator::apply(const Settings& settings) {
     budget_.set_tag_limit(t, Budget::resolve(settings.tag_bytes[t], settings.tag_fraction[t], caps_.total_bytes));
   if (vmm_) {
     vmm_->set_reuse_before_grow(settings.reuse_before_grow);
+    vmm_->set_packing_time(settings.packing_time);
     vmm_->set_max_run(settings.map_run_bytes > 0 ? static_cast<size_t>(settings.map_run_bytes)
                                                  : VmmRoute::kDefaultRunBytes);
   }
@@ -504,6 +505,8 @@ bool DeviceAllocator::cache_info(size_t* largest) {
 void DeviceAllocator::reset_peaks() {
   std::lock_guard<std::mutex> lock(mu_);
   ledger_.reset_peaks();
+  // The packing line follows the peak the user measures from (Note [Packing: reclaim before growth]).
+  if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)));
 }
 
 void DeviceAllocator::reset_accumulated() {

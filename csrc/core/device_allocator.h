@@ -76,6 +76,8 @@ struct Settings {
   bool reuse_before_grow = true; // see Note [Packing: reclaim before growth]
   // The longest mapping the allocation path makes (Note [Run mappings]); 0: the default.
   int64_t map_run_bytes = 0;
+  // The share of wall-clock time packing may spend moving memory (Note [Packing time]).
+  double packing_time = PackingTime::kDefaultShare;
   // Note [Tag budgets]: per tag, bytes >= 0 or a fraction (0, 1] of the card; else none.
   int64_t tag_bytes[kMaxTags];
   double tag_fraction[kMaxTags];

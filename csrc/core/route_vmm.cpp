@@ -161,10 +161,13 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   const size_t live = static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)) + size;
   high_water_ = std::max(high_water_, live);
   const int64_t over = budget_.reserved() + static_cast<int64_t>(missing * granule_) - allowance();
-  if (reuse_ && over > 0) reclaim(static_cast<size_t>(over));
+  const bool move = reuse_ && over > 0 && packing_.may_move();
+  if (move) reclaim(static_cast<size_t>(over));
+  bool ok = true;
   for (const auto& [start, count] : gaps)
-    if (!map_missing(seg, start, count)) return false;
-  return true;
+    if (!(ok = map_missing(seg, start, count))) break;
+  if (move) packing_.moved();
+  return ok;
 }
 
 bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
@@ -394,11 +397,14 @@ std::vector<size_t> VmmRoute::inside(const Block& b) const {
   return heads;
 }
 
-size_t VmmRoute::drop_inside(const Block& b) {
+size_t VmmRoute::drop_inside(const Block& b, size_t want) {
   size_t bytes = 0;
-  for (size_t head : inside(b)) {
+  const std::vector<size_t> heads = inside(b);
+  // From the high end down: what stays mapped is the block's front, in one piece, where
+  // the next fitting request is placed.
+  for (auto it = heads.rbegin(); it != heads.rend() && bytes < want; ++it) {
     const int64_t before = budget_.reserved();
-    if (drop_granule(*b.segment, head)) bytes += static_cast<size_t>(before - budget_.reserved());
+    if (drop_granule(*b.segment, *it)) bytes += static_cast<size_t>(before - budget_.reserved());
   }
   return bytes;
 }
@@ -420,7 +426,7 @@ size_t VmmRoute::reclaim(size_t want) {
   size_t got = 0;
   for (const Block* b : blocks) {
     if (got >= want) break;
-    got += drop_inside(*b);
+    got += drop_inside(*b, want - got);
   }
   if (got > 0) bump(ledger_.num_reclaims);
   return got;
@@ -431,7 +437,7 @@ size_t VmmRoute::release_clean(BlockPool& pool) {
   std::vector<const Block*> blocks;
   clean_free(pool, &blocks);
   size_t got = 0;
-  for (const Block* b : blocks) got += drop_inside(*b);
+  for (const Block* b : blocks) got += drop_inside(*b, SIZE_MAX);
   return got;
 }
 

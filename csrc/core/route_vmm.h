@@ -9,22 +9,22 @@
 // mapping, not per byte (Note [Run mappings]), so missing granules are mapped in runs
 // of up to map_run bytes with one handle each. The price: a run goes back only whole,
 // so one whose memory is partly live and partly free holds the free part until its
-// live blocks go. Longer runs map faster and pack less tightly (peak reserved over peak
-// live on the serving-like mix over the host stand-in: 1.025 with 16 MiB runs, 1.04 with
-// 64 MiB; 16 MiB also keeps what a shrinking workspace strands under 5 %). How often a
-// mix needs runs moved decides the time: tools/bench_alloc.py measures it.
+// live blocks go.
 // Reserved memory is kept within 2 % of the highest live total the device has seen
-// (its high-water mark, which torch's reset_peak_memory_stats does not lower): an
-// allocation whose new mappings would pass that line first gives back mappings lying
-// wholly inside clean free blocks of the default and tag pools, whole free blocks at a
-// time, the largest first (few, large unmaps; the memory goes back to the driver and
-// comes again as one new run). Only clean blocks count (Note [Clean blocks]): the clock
-// learns which are clean from events it records as frees happen, never by waiting, so
-// when none is clean the allocation grows past the line instead. It waits for a
-// stream only when the budget itself refuses the new memory: then clean memory goes
-// back first, and if that is not enough, the allocating stream is synchronised when
-// its free blocks hold mappings, and the allocation retried. Graph pools are never a
-// source: their free blocks may still be addressed by a captured graph.
+// since torch's reset_peak_memory_stats (its high-water mark): an allocation whose new
+// mappings would pass that line first gives back mappings lying wholly inside clean free
+// blocks of the default and tag pools, the largest blocks first, each from its high end and
+// only as much as the line needs (the block's front stays mapped for the next request that
+// fits it; giving back whole blocks made the next large request map them again: on the
+// serving-like mix over the host stand-in, 278 mappings per 100k operations instead of 29).
+// Only clean blocks count (Note [Clean blocks]): the clock learns which are clean from
+// events it records as frees happen, never by waiting, so when none is clean the
+// allocation grows past the line instead; and moves spend a budget of time (Note [Packing
+// time], packing_time.h), without which it grows too. It waits for a stream only when the
+// budget itself refuses the new memory: then clean memory goes back first, and if that is
+// not enough, the allocating stream is synchronised when its free blocks hold mappings,
+// and the allocation retried. Graph pools are never a source: their free blocks may still
+// be addressed by a captured graph.
 // With reuse_before_grow off, nothing is given back before the budget refuses.
 //
 // Note [Peer access to VMM memory]
@@ -36,14 +36,16 @@
 // Note [Run mappings]
 // The driver's VMM calls cost per mapping, not per byte (measured on an H200, µs per
 // call with 2 MiB handles: create 8.6, map 2.1, cuMemSetAccess 22 -- 20 per mapping
-// when one call covers many --, unmap 14, release 10; with one 64 MiB handle per
-// mapping about 3 µs per 2 MiB for all of it; cuMemMap cannot map part of a handle).
-// So the allocation path maps each run of missing granules with one handle of up to
-// map_run bytes (16 MiB by default), and a restore (tag_sleep.h) maps each run it needs with
-// one handle. A run mapping is unmapped only as a whole: when packing or trimming
-// finds it entirely inside clean free blocks, when its tag is released, or when its
-// segment is destroyed; its handle then goes straight back to the driver (a run handle
-// is not granule-sized, so it is never cached).
+// when one call covers many --, unmap 14, release 10; a whole mapping's life about
+// 50 us plus 2 us per MiB; cuMemMap cannot map part of a handle). So the allocation path
+// maps each run of missing granules with one handle of up to map_run bytes (64 MiB by
+// default), and a restore (tag_sleep.h) maps each run it needs with one handle. With
+// partial reclaims, runs of 64 MiB pack the serving-like mix and the recorded traces as
+// tightly as 16 MiB runs did (peak reserved / peak live 1.018 against 1.020 over the host
+// stand-in) with a third of the mappings. A run mapping is unmapped only as a whole:
+// when packing or trimming finds it entirely inside clean free blocks, when its tag is
+// released, or when its segment is destroyed; its handle then goes straight back to the
+// driver (a run handle is not granule-sized, so it is never cached).
 //
 // Accounting: a cached (unmapped) handle is charged to the large pool; mapping it
 // into a small arena or a graph pool moves its bytes there (Budget::move).
@@ -56,13 +58,14 @@
 #include "budget.h"
 #include "driver.h"
 #include "ipc.h"
+#include "packing_time.h"
 
 namespace tb {
 
 class VmmRoute final : public Backing {
  public:
   // Bytes a new mapping of the allocation path spans at most, by default (Note [Run mappings]).
-  static constexpr size_t kDefaultRunBytes = 16 << 20;
+  static constexpr size_t kDefaultRunBytes = 64 << 20;
 
   VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, StreamClock& clock, size_t granule,
            size_t arena_bytes, bool reuse_before_grow);
@@ -71,6 +74,8 @@ class VmmRoute final : public Backing {
   // pool and the tag pools; never a graph pool).
   void add_reuse_source(BlockPool* pool) { reuse_sources_.push_back(pool); }
   void set_reuse_before_grow(bool on) { reuse_ = on; }
+  // Note [Packing time]: the share of wall-clock time moves may take.
+  void set_packing_time(double share) { packing_.set_share(share); }
   // At least one granule.
   void set_max_run(size_t bytes) { max_run_ = std::max<size_t>(1, bytes / granule_); }
 
@@ -83,6 +88,8 @@ class VmmRoute final : public Backing {
   size_t usable(const Block& b) const override;
 
   size_t granule() const { return granule_; }
+  // torch's reset_peak_memory_stats: the high-water mark starts again from what is live.
+  void reset_high_water(size_t live) { high_water_ = live; }
   // The mappings under [ptr, ptr + size) of `seg` as file descriptors, whole mappings:
   // *start is where the first begins (Note [Sharing memory between processes]).
   bool export_block(const Segment& seg, uintptr_t ptr, size_t size, std::vector<SharedPiece>* pieces,
@@ -115,7 +122,7 @@ class VmmRoute final : public Backing {
   // before new mappings first give clean free ones back.
   int64_t allowance() const { return static_cast<int64_t>(high_water_ + high_water_ / 50); }
   // Gives back clean free mappings of the reuse sources, the largest free blocks first,
-  // whole blocks at a time, until at least `want` bytes went back or none is left;
+  // from the high end of each, until at least `want` bytes went back or none is left;
   // returns the bytes.
   size_t reclaim(size_t want);
   // Maps granules [first, first + count) of `seg` (each unmapped) in runs; under budget
@@ -125,8 +132,9 @@ class VmmRoute final : public Backing {
   bool request_sync(BlockPool& pool, CUstream stream);
   // The first granules of the mappings lying wholly inside free block `b`.
   std::vector<size_t> inside(const Block& b) const;
-  // Gives back the mappings lying wholly inside free block `b`; returns the bytes.
-  size_t drop_inside(const Block& b);
+  // Gives back mappings lying wholly inside free block `b`, its highest first, until at
+  // least `want` bytes went back or none is left; returns the bytes.
+  size_t drop_inside(const Block& b, size_t want);
   // Appends the clean free blocks of `pool` that can hold a whole granule.
   void clean_free(const BlockPool& pool, std::vector<const Block*>* out) const;
   // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
@@ -157,6 +165,7 @@ class VmmRoute final : public Backing {
   std::vector<BlockPool*> reuse_sources_;
   size_t max_run_ = 1;     // granules
   size_t high_water_ = 0;  // the most bytes allocated at once on the device (Note [Packing: ...])
+  PackingTime packing_;
 };
 
 }  // namespace tb
