@@ -25,7 +25,6 @@ from .units import format_bytes
 __all__ = ["install", "installed", "region", "stats", "empty_cache", "set_budget", "Settings", "Stats",
            "RouteStats", "TagStats"]
 
-_MAP_RUN_DEFAULT = 16 << 20  # the core's longest VMM mapping of one allocation when map_run is not set
 
 
 class Settings(TypedDict):
@@ -36,6 +35,7 @@ class Settings(TypedDict):
     reuse_before_grow: bool
     host_pool: int  # bytes of pinned host memory reserved for sleep backups
     map_run: int  # bytes of the longest VMM mapping one allocation makes
+    packing_time: float  # the share of wall-clock time moving memory to pack it may take
     budgets: dict[str, tuple]  # per-tag budgets, {tag: ("bytes", n) or ("fraction", f)}
     capabilities: Capabilities  # of device 0
 
@@ -84,6 +84,7 @@ class _Requested:
     reuse_before_grow: bool
     host_pool: int
     map_run: int
+    packing_time: float
     budgets: dict  # {tag: parsed budget}
 
     def shown(self, name: str) -> str:
@@ -101,7 +102,7 @@ class _Requested:
 
 
 _DEFAULTS = {"budget": None, "budgets": {}, "route": config.AUTO, "reuse_before_grow": True, "host_pool": 0,
-             "map_run": _MAP_RUN_DEFAULT}
+             "map_run": config.MAP_RUN_DEFAULT, "packing_time": config.PACKING_TIME_DEFAULT}
 
 _lock = threading.Lock()  # guards _in_force and _settings: install() runs once
 _in_force: _Requested | None = None
@@ -131,6 +132,8 @@ def _parse_setting(name: str, value, source: str | None = None):
             return config.parse_host_pool(value, source)
         if name == "map_run":
             return config.parse_map_run(value, source)
+        if name == "packing_time":
+            return config.parse_packing_time(value, source)
         if name == "budgets":
             return config.parse_budgets(value, source)
         if not isinstance(value, bool):  # "false" or 0.5 would pass as true
@@ -146,7 +149,7 @@ def _from_environment() -> dict:
 
 def install(budget: int | float | str | None = None, route: str | None = None, reuse_before_grow: bool | None = None,
             host_pool: int | str | None = None, map_run: int | str | None = None,
-            budgets: dict[str, int | float | str] | None = None) -> Settings:
+            budgets: dict[str, int | float | str] | None = None, packing_time: float | None = None) -> Settings:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
@@ -154,7 +157,10 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     host_pool: bytes (int or "8GiB") of pinned host memory to pin now for sleep backups
     (torch_budget.sleep.reserve_host_pool), so that no release has to pin; None = none yet.
     map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
-    makes; None = 16 MiB. Shorter packs tighter, longer maps with fewer driver calls.
+    makes; None = 64 MiB. Shorter packs tighter, longer maps with fewer driver calls.
+    packing_time: the share of wall-clock time in [0, 1] that moving memory to keep reserved
+    within 2 % of the peak may take; None = 0.05. A tight loop of large churn past it packs
+    looser instead of slower; 1 packs whatever it costs, 0 moves nothing before the budget refuses.
     budgets: {tag: budget} of per-tag budgets (each as `budget` takes it), on every device:
     an allocation under a tag that would pass its budget raises OutOfMemoryError naming the
     tag, while the other tags keep serving (TORCH_BUDGET_CONF: budget.<tag>:<budget>).
@@ -168,7 +174,7 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     """
     global _in_force, _settings
     given = {"budget": budget, "route": route, "reuse_before_grow": reuse_before_grow, "host_pool": host_pool,
-             "map_run": map_run, "budgets": budgets}
+             "map_run": map_run, "budgets": budgets, "packing_time": packing_time}
     asked = {name: _parse_setting(name, value) for name, value in given.items() if value is not None}
     with _lock:
         if _in_force is not None:
@@ -188,6 +194,7 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         route_id = config.ROUTES["vmm" if wanted.route == config.AUTO else wanted.route]
         _native.check(lib, lib.tb_configure(budget_bytes, fraction, route_id, int(wanted.reuse_before_grow),
                                             wanted.map_run))
+        _native.check(lib, lib.tb_configure_packing_time(wanted.packing_time))
         for tag, tag_budget in wanted.budgets.items():
             _native.check(lib, lib.tb_configure_tag_budget(_tag_id(lib, tag), *_for_core(tag_budget)))
         _native.check(lib, lib.tb_torch_install())
@@ -196,7 +203,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         _settings = {"route": route_for(wanted.route, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                      "budget_fraction": fraction if fraction > 0 else None,
                      "reuse_before_grow": wanted.reuse_before_grow, "host_pool": wanted.host_pool,
-                     "map_run": wanted.map_run, "budgets": dict(wanted.budgets), "capabilities": capabilities(0)}
+                     "map_run": wanted.map_run, "packing_time": wanted.packing_time,
+                     "budgets": dict(wanted.budgets), "capabilities": capabilities(0)}
         if wanted.host_pool > 0:
             _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
         return _settings.copy()

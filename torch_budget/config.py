@@ -9,7 +9,8 @@ variable TORCH_BUDGET_CONF, written like PYTORCH_CUDA_ALLOC_CONF:
 Keys: budget (bytes with a unit -- B, KiB, MiB, GiB, TiB, or decimal KB, MB, GB, TB;
 a bare number is bytes only from 1 MiB up -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
 reuse_before_grow (true | false), map_run (bytes: the longest VMM mapping an allocation
-makes, 16MiB by default; shorter packs tighter, longer maps faster), host_pool (bytes of
+makes, 64MiB by default; shorter packs tighter, longer maps faster), packing_time (the share
+of wall-clock time in [0, 1] that moving memory to pack it may take, 0.05 by default), host_pool (bytes of
 pinned host memory that install() pins for sleep backups, so that no release pins). An
 error in the variable says it came from there; a key given twice is an error.
 
@@ -96,7 +97,8 @@ def parse_host_pool(value, source: str = "host_pool") -> int:
 
 
 MAP_RUN_MIN = 2 << 20
-MAP_RUN_DEFAULT = 16 << 20
+MAP_RUN_DEFAULT = 64 << 20
+PACKING_TIME_DEFAULT = 0.05  # csrc/core/packing_time.h, Note [Packing time]
 
 
 def parse_map_run(value, source: str = "map_run") -> int:
@@ -106,6 +108,19 @@ def parse_map_run(value, source: str = "map_run") -> int:
     if n < MAP_RUN_MIN:
         raise ValueError(f"{source} must be at least 2MiB (one VMM granule), got {n} bytes")
     return n
+
+
+def parse_packing_time(value, source: str = "packing_time") -> float:
+    """The share of wall-clock time in [0, 1] the VMM route may spend moving memory to pack it
+    (0: never before the budget refuses; 1: whenever the packing line asks)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{source} must be a number in [0, 1], got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{source} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def check_route(route, source: str = "route") -> str:
@@ -151,9 +166,11 @@ def parse_conf(text: str | None) -> dict:
             out["host_pool"] = parse_host_pool(value, f"{ENV_VAR} host_pool")
         elif key == "map_run":
             out["map_run"] = parse_map_run(value, f"{ENV_VAR} map_run")
+        elif key == "packing_time":
+            out["packing_time"] = parse_packing_time(value, f"{ENV_VAR} packing_time")
         else:
             raise ValueError(f"{ENV_VAR}: unknown key {key!r} "
-                             "(known: budget, budget.<tag>, route, reuse_before_grow, map_run, host_pool)")
+                             "(known: budget, budget.<tag>, route, reuse_before_grow, map_run, packing_time, host_pool)")
     return out
 
 
@@ -184,5 +201,6 @@ def describe(settings: dict) -> list[tuple[str, str]]:
                                                        ": VMM, else pool, else sync, by what each device supports")),
         shown("reuse_before_grow", "true" if settings.get("reuse_before_grow", True) else "false"),
         shown("map_run", format_bytes(settings.get("map_run", MAP_RUN_DEFAULT))),
+        shown("packing_time", f"{settings.get('packing_time', PACKING_TIME_DEFAULT):g}"),
         shown("host_pool", format_bytes(host) if host else "none"),
     ] + [(f"budget.{tag}", format_budget(b)) for tag, b in sorted(settings.get("budgets", {}).items())]
