@@ -45,7 +45,8 @@ def main():
     rows = compare.summarise(runs)
     print(compare.table(rows))
     print(f"(medians over {rounds} interleaved rounds; 'x native' is the paired median ratio, '<=1 in' the rounds "
-          "at or under native; rsv/live is peak reserved over the trace's peak live bytes)")
+          "at or under native; rsv/live is peak reserved over the trace's peak live bytes; drv/kop is driver "
+          "memory taken or given back per thousand operations in the last pass)")
     mine = [r for r in rows if r["config"] == DEFAULT and "x_native" in r]
     single = [r for r in mine if r["trace"] in SINGLE]
     mixed = [r for r in mine if r["trace"] not in SINGLE]

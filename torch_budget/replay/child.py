@@ -27,6 +27,13 @@ def read_trace(spec: str):
     return mix(spec[4:]) if spec.startswith("mix:") else load(spec)
 
 
+def _device_calls(torch) -> int:
+    """Allocations and frees of driver memory so far (cudaMalloc / cudaFree natively, handles
+    created and released under torch_budget's VMM route): what the allocator's cache missed."""
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+
+
 def replay(trace, passes: int = 3, touch: bool = False) -> dict:
     import torch
 
@@ -42,8 +49,10 @@ def replay(trace, passes: int = 3, touch: bool = False) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base_reserved = torch.cuda.memory_reserved()
     times = []
+    device_calls = []  # memory the allocator took from or gave back to the driver, per pass
     peak_reserved = None
     for p in range(passes):
+        before = _device_calls(torch)
         current = 0
         torch.cuda.set_stream(streams[0])
         t0 = time.perf_counter()
@@ -69,13 +78,14 @@ def replay(trace, passes: int = 3, touch: bool = False) -> dict:
         elapsed = time.perf_counter() - t0
         torch.cuda.set_stream(streams[0])
         times.append(elapsed / len(ops) * 1e6)
+        device_calls.append(_device_calls(torch) - before)
         if p == 0:
             torch.cuda.synchronize()
             peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
         slots = [None] * trace.num_tensors  # what the trace leaves live (weights, say) goes between passes
     torch.cuda.synchronize()
     peak_live = trace.peak_live()
-    return {"us_per_op": times, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
+    return {"us_per_op": times, "device_calls": device_calls, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
             "reserved_over_live": peak_reserved / peak_live if peak_live else float("nan")}
 
 

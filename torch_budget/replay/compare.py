@@ -105,6 +105,11 @@ def summarise(runs: list) -> list:
             row["reserved_over_live"] = statistics.median(x["reserved_over_live"] for x in ok)
             row["peak_live"] = ok[0]["peak_live"]
             row["ops"] = ok[0]["ops"]
+            # Driver memory taken or given back per thousand operations in the last pass (the
+            # steady state); older children did not report it.
+            calls = [x["device_calls"][-1] for x in ok if x.get("device_calls")]
+            if calls:
+                row["device_calls_per_kop"] = statistics.median(calls) * 1000 / row["ops"]
             nat = base.get((run.trace, run.pinned))
             pairs = [(x, n) for x, n in zip(run.rounds, nat.rounds if nat else []) if x is not None and n is not None]
             if pairs:
@@ -119,7 +124,7 @@ def summarise(runs: list) -> list:
 def table(rows: list) -> str:
     """The rows as a fixed-width text table, grouped by trace."""
     lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
-             f"{'rsv/live':>9}"]
+             f"{'rsv/live':>9} {'drv/kop':>8}"]
     for row in rows:
         name = os.path.basename(row["trace"])[:28]
         if "us_per_op" not in row:
@@ -128,6 +133,7 @@ def table(rows: list) -> str:
             continue
         ratio = f"{row['x_native']:.2f}x" if "x_native" in row else "-"
         wins = f"{row['wins']}/{row['pairs']}" if "wins" in row else "-"
+        calls = f"{row['device_calls_per_kop']:.1f}" if "device_calls_per_kop" in row else "-"
         lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
-                     f"{ratio:>9} {wins:>7} {row['reserved_over_live']:9.3f}")
+                     f"{ratio:>9} {wins:>7} {row['reserved_over_live']:9.3f} {calls:>8}")
     return "\n".join(lines)
