@@ -1,0 +1,89 @@
+"""Replays allocation traces over the host stand-in of the driver (no GPU): what the VMM route's
+policy does to packing and how many driver calls it makes, in seconds instead of GPU time.
+
+    python tools/sim_alloc.py [TRACE ...] [--capacity 141GiB] [--map-run 16MiB] [--noreuse]
+
+TRACE is a file (torch_budget.replay.trace) or `mix:<spec>`; the default is the benchmark's
+mixes and recorded traces. Per trace: peak reserved over the trace's peak live bytes (the
+benchmark's figure), cuMemMap / cuMemUnmap calls per thousand operations, and an estimate of the
+driver time per operation from the per-call costs measured on an H200 (DESIGN.md: a mapping's
+create + map + access + unmap + release is about 55 us). The stand-in's own bookkeeping time is
+printed too, but it is CPU time of this machine, not the GPU path.
+
+Needs the host core: TORCH_BUDGET_BUILD=_host_core python setup.py build_ext --inplace.
+"""
+import argparse
+import glob
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+from torch_budget.replay.child import read_trace  # noqa: E402
+from torch_budget.units import parse_bytes  # noqa: E402
+
+# µs per mapping made and later undone (create 8.6 + map 2.1 + access 20 + unmap 14 + release 10).
+US_PER_MAPPING = 55.0
+DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
+    glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
+
+
+def simulate(spec, capacity, map_run, reuse, passes):
+    from _hostcore import Host
+
+    trace = read_trace(spec)
+    h = Host(capacity=capacity, route="vmm", reuse_before_grow=reuse, map_run=map_run)
+    streams = [h.stream() for _ in range(max(trace.num_streams, 1))]
+    ops = list(zip(trace.ids, trace.sizes, trace.streams))
+    out = {}
+    for p in range(passes):
+        slots = {}
+        before = h.counters()
+        t0 = time.perf_counter()
+        for tid, size, s in ops:
+            if size:
+                slots[tid] = h.malloc(size, streams[s])
+            else:
+                h.free(slots.pop(tid))
+        dt = time.perf_counter() - t0
+        for ptr in slots.values():
+            h.free(ptr)
+        after = h.counters()
+        maps = after["maps"] - before["maps"]
+        unmaps = after["unmaps"] - before["unmaps"]
+        if p == 0:
+            out["rsv_over_live"] = h.stats()["reserved_bytes"]["all"]["peak"] / trace.peak_live()
+        out[f"pass{p}"] = (maps, unmaps, dt / len(ops) * 1e6)
+    out["ops"] = len(ops)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("traces", nargs="*", default=DEFAULT_TRACES)
+    ap.add_argument("--capacity", default="141GiB")
+    ap.add_argument("--map-run", default="0", help="bytes per run mapping (0: the default)")
+    ap.add_argument("--noreuse", action="store_true")
+    ap.add_argument("--passes", type=int, default=2)
+    args = ap.parse_args()
+    from test_core_packing import in_child
+
+    print(f"{'trace':22} {'rsv/live':>8} {'maps/kop':>9} {'unmaps/kop':>10} {'est us/op':>9} "
+          f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'host us/op':>10}")
+    for spec in args.traces:
+        r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
+                     args.passes)
+        n = r["ops"]
+        m0, u0, _ = r["pass0"]
+        m1, u1, t1 = r[f"pass{args.passes - 1}"]
+        name = os.path.basename(spec).replace(".tbtrace.gz", "")
+        print(f"{name:22} {r['rsv_over_live']:8.3f} {m0 * 1e3 / n:9.2f} {u0 * 1e3 / n:10.2f} "
+              f"{max(m0, u0) * US_PER_MAPPING / n:9.3f} {m1 * 1e3 / n:17.2f} "
+              f"{max(m1, u1) * US_PER_MAPPING / n:9.3f} {t1:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
