@@ -22,7 +22,7 @@ TB_API int tb_last_error_code(void);
 // --- setup
 // Settings for every device; fails once allocations were served.
 // budget_bytes < 0 and budget_fraction <= 0: no budget (the whole card).
-// map_run_bytes: the longest VMM mapping an allocation makes (0: 64 MiB).
+// map_run_bytes: the longest VMM mapping an allocation makes (0: 16 MiB).
 TB_API int tb_configure(int64_t budget_bytes, double budget_fraction, int default_route, int reuse_before_grow,
                         int64_t map_run_bytes);
 TB_API int tb_device_count(void);

@@ -113,7 +113,7 @@ def test_described_settings_say_which_values_are_defaults():
         ("budget", "0.8 of the card"),
         ("route", "auto: VMM, else pool, else sync, by what each device supports (default)"),
         ("reuse_before_grow", "true (default)"),
-        ("map_run", "64.0 MiB (default)"),
+        ("map_run", "16.0 MiB (default)"),
         ("packing_time", "0.05 (default)"),
         ("host_pool", "8.00 GiB"),
     ]

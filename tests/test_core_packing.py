@@ -91,7 +91,7 @@ def test_under_budget_pressure_dirty_memory_comes_back_after_one_stream_sync():
     h.free(c)
 
 
-# Short runs pack within 2 % (plus a granule); the default 64 MiB runs trade some of that for
+# Short runs pack within 2 % (plus a granule); the default 16 MiB runs trade some of that for
 # fewer driver calls (Note [Run mappings]) and still pack far tighter than torch's 1.3-1.4.
 # Packing may take all the time it needs here (Note [Packing time] is tested below).
 @pytest.mark.parametrize("map_run,bound", [(2 * MiB, 1.02), (0, 1.08)])
