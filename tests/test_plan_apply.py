@@ -184,3 +184,17 @@ def test_install_takes_the_plans_budgets_before_anything_is_allocated():
     assert {t: b for t, b in budgets_now().items() if b is not None} == EXPECTED
     with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'workspace'"):
         under(host, "workspace", 4 * MiB + 4096)
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_lines_smaller_than_a_mebibyte_are_applied_as_bytes():
+    # A bare number under 1 MiB is refused by set_budget as a likely slip for a fraction; a
+    # plan's small line (a workspace of a few hundred KiB) is bytes all the same.
+    prof = Profile.from_measurements(torch_peak=16 * MiB + (300 << 10), torch_used=16 * MiB + (300 << 10),
+                                     total_used=20 * MiB, total=CARD, model_bytes=16 * MiB)
+    p = planner.plan(prof, CacheCost(slope=4096), eager_workspace_in_peak=300 << 10, max_kv_bytes=32 * MiB)
+    assert 0 < p.tag_budgets()["workspace"] < MiB
+    installed_host()
+    with p.apply():
+        assert budgets_now()["workspace"] == p.tag_budgets()["workspace"]

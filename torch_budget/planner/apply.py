@@ -63,6 +63,12 @@ def bounds(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[
             for tag, group in by_tag.items()}
 
 
+def _as_setting(n):
+    """Bytes as set_budget reads them whatever their size ("4096B": a bare number under 1 MiB
+    is refused there, as a likely slip for a fraction); None stays None."""
+    return None if n is None else f"{int(n)}B"
+
+
 @dataclass
 class AppliedBudgets:
     """What `Plan.apply()` set: `budgets` {tag: bytes} on each of `devices`, and `previous`
@@ -83,7 +89,7 @@ class AppliedBudgets:
 
         for device, tags in self.previous.items():
             for tag, budget in tags.items():
-                allocator.set_budget(budget, device=device, tag=tag)
+                allocator.set_budget(_as_setting(budget), device=device, tag=tag)
         self.undone = True
 
     def __enter__(self) -> "AppliedBudgets":
@@ -144,7 +150,7 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
             by_tag = seen[dev]["by_tag"]
             for tag, n in budgets.items():
                 before = by_tag[tag]["budget"] if tag in by_tag else None
-                allocator.set_budget(n, device=dev, tag=tag)
+                allocator.set_budget(_as_setting(n), device=dev, tag=tag)
                 applied.previous.setdefault(dev, {})[tag] = before
     except BaseException:
         applied.undo()
