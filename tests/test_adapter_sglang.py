@@ -259,6 +259,7 @@ def test_without_a_cuda_device_the_plugin_does_nothing():
 
 # -- on a device: SGLang's release_memory_occupation and resume_memory_occupation
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_weights_kv_cache_and_cuda_graph_are_released_and_resumed(fresh):
     fresh(weights_kv_cache_and_cuda_graph_are_released_and_resumed)

@@ -53,6 +53,7 @@ def _allocated(tag):
     return torch_budget.stats()["by_tag"][tag]["allocated"]
 
 
+@built
 def test_the_surface_is_tensorrt_llms():
     @isolated
     def body():
@@ -275,6 +276,7 @@ def test_the_first_scope_after_cuda_started_natively_raises_install_error_saying
 
 # -- on a device: TensorRT-LLM's sleep and wake-up, written against the adapter
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_release_gives_the_memory_back_and_materialize_restores_by_mode(fresh):
     fresh(release_gives_the_memory_back_and_materialize_restores_by_mode)
@@ -307,6 +309,7 @@ def release_gives_the_memory_back_and_materialize_restores_by_mode():
     assert bool((kv == 2.0).all())
 
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_preserve_contents_on_a_device(fresh):
     fresh(preserve_contents_on_a_device)

@@ -327,6 +327,7 @@ def test_configure_subprocess_is_a_context_that_changes_no_variable():
 
 # -- on a device: torch_memory_saver's own examples, written against the adapter
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_pause_gives_a_region_back_and_resume_keeps_its_address(fresh):
     fresh(pause_gives_a_region_back_and_resume_keeps_its_address)
@@ -380,6 +381,7 @@ def cpu_backup_keeps_contents_on_a_device():
     assert int(unrelated[0]) == 30
 
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_cuda_graph_memory_pauses_with_its_tag(fresh):
     fresh(cuda_graph_memory_pauses_with_its_tag)
@@ -424,6 +426,7 @@ def cuda_graph_memory_pauses_with_its_tag():
     assert float(out["y"]) == 202
 
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_disable_runs_untagged_and_gives_its_memory_back(fresh):
     fresh(disable_runs_untagged_and_gives_its_memory_back)

@@ -109,6 +109,7 @@ def _fake_vllm(tag_hooks=None, backends=True):
     return cumem
 
 
+@built
 def test_the_surface_is_vllms():
     @isolated
     def body():
@@ -423,6 +424,7 @@ def test_register_without_a_cuda_device_does_nothing():
 
 # -- on a device: vLLM's sleep mode, as its worker drives it
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_sleep_gives_the_memory_back_and_wake_keeps_the_weights(fresh):
     fresh(sleep_gives_the_memory_back_and_wake_keeps_the_weights)
@@ -458,6 +460,7 @@ def sleep_gives_the_memory_back_and_wake_keeps_the_weights():
     assert bool((kv == 5.0).all())
 
 
+@pytest.mark.exclusive  # reads device-wide free memory
 @gpu
 def test_the_backend_levels_on_a_device(fresh):
     fresh(the_backend_levels_on_a_device)

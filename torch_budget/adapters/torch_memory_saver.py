@@ -352,7 +352,9 @@ def _install_at_import() -> None:
     torch_memory_saver allocates (and initialises CUDA) before its first region."""
     import torch
 
-    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+    # A child forked from a process that started CUDA cannot start it again (torch calls that a
+    # bad fork): it installs nothing, and its first CUDA use fails with torch's own message.
+    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not torch.cuda._is_in_bad_fork():
         _install()
 
 
