@@ -11,7 +11,8 @@ BUILTINS = {"InvalidArgumentError": ValueError, "ConfigError": ValueError, "NotW
             "PlanDoesNotFitError": ValueError, "RequestTooLargeError": ValueError,
             "NotInstalledError": RuntimeError, "InstallError": RuntimeError, "StateError": RuntimeError,
             "TagStateError": RuntimeError, "PoolInUseError": RuntimeError, "PoolReleasedError": RuntimeError,
-            "DriverError": RuntimeError, "StaticBufferRebindError": TypeError, "NotBuiltError": ImportError}
+            "DriverError": RuntimeError, "StaticBufferRebindError": TypeError, "NotBuiltError": ImportError,
+            "UnsupportedError": NotImplementedError}
 
 
 def test_every_exception_has_the_root_and_the_builtin_it_replaces():
@@ -52,3 +53,11 @@ def test_core_error_codes_arrive_as_the_trees_classes():
     host.release("w")
     with pytest.raises(TagStateError, match="already released"):
         _native.check(lib, lib.tb_release_tag(0, host.tag("w"), 0), state=TagStateError)
+
+
+def test_every_adapter_raises_the_one_unsupported_error():
+    import importlib
+
+    for name in ("torch_memory_saver", "vllm", "tensorrt_llm", "sglang"):
+        module = importlib.import_module(f"torch_budget.adapters.{name}")
+        assert module.UnsupportedError is errors.UnsupportedError, name

@@ -18,6 +18,7 @@
     │   └── PoolReleasedError                a graph pool handle used after its release
     ├── DriverError (RuntimeError)           the driver failed, or lacks what the call needs
     ├── StaticBufferRebindError (TypeError)  a graph-visible buffer assigned, not written in place
+    ├── UnsupportedError (NotImplementedError) another stack's feature an adapter cannot provide
     └── NotBuiltError (ImportError)          the compiled part is not built
 
 Each class also inherits the builtin torch_budget raised before it had its own, so
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 __all__ = [
     "TorchBudgetError",
+    "UnsupportedError",
     "InvalidArgumentError",
     "ConfigError",
     "NotWarmedUpError",
@@ -103,6 +105,11 @@ class DriverError(TorchBudgetError, RuntimeError):
 
 class StaticBufferRebindError(TorchBudgetError, TypeError):
     """A graph-visible buffer was assigned a new tensor instead of being written in place."""
+
+
+class UnsupportedError(TorchBudgetError, NotImplementedError):
+    """Another stack's feature an adapter (torch_budget.adapters) cannot provide; the message
+    says what does instead."""
 
 
 class NotBuiltError(TorchBudgetError, ImportError):

@@ -42,8 +42,7 @@ import os
 
 import torch_budget
 from torch_budget.adapters import torch_memory_saver as _saver_module
-from torch_budget.adapters.torch_memory_saver import UnsupportedError
-from torch_budget.errors import InstallError
+from torch_budget.errors import InstallError, UnsupportedError
 
 __all__ = ["register", "ADAPTER_MODULES", "TAGS", "UnsupportedError"]
 

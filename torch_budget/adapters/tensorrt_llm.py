@@ -49,8 +49,7 @@ from typing import NamedTuple, Optional
 import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.adapters.torch_memory_saver import UnsupportedError
-from torch_budget.errors import InstallError, InvalidArgumentError, TorchBudgetError
+from torch_budget.errors import InstallError, InvalidArgumentError, TorchBudgetError, UnsupportedError
 
 __all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
            "UnsupportedError"]

@@ -47,7 +47,8 @@ from typing import Literal, Optional
 import torch_budget
 from torch_budget import sleep
 from torch_budget._validate import non_negative_int, tag_name
-from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError
+from torch_budget.errors import (InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError,
+                                 UnsupportedError)
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "UnsupportedError"]
 
@@ -57,10 +58,6 @@ CpuBackupBackend = Literal["mmap", "pinned"]
 _TAG_DEFAULT = "default"
 _BACKENDS = {"pinned": "pinned", "mmap": "cpu"}  # torch_memory_saver's host shadow -> torch_budget's backup
 _UNTAGGED = "untagged"  # the name of tag 0 in torch_budget's ledger: a region under it is untagged
-
-
-class UnsupportedError(TorchBudgetError, NotImplementedError):
-    """A torch_memory_saver feature torch_budget cannot provide; the message says what does instead."""
 
 
 def _env_flag(name: str) -> bool:

@@ -52,8 +52,7 @@ from typing import NamedTuple, Optional, Union
 import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.adapters.torch_memory_saver import UnsupportedError
-from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS",
            "UnsupportedError"]
