@@ -1,0 +1,126 @@
+// DeviceAllocator: the cache, the budget, peer access and what stats and snapshots read.
+#include <algorithm>
+
+#include "device_allocator.h"
+#include "error.h"
+
+namespace tb {
+
+// ---------------------------------------------------------------- cache and budget
+
+bool DeviceAllocator::empty_cache() {
+  std::unique_lock<std::mutex> lock(mu_);
+  TB_REQUIRE(!graphs_.capturing(), kState, "empty_cache() during CUDA graph capture", false);
+  release_cached(lock);
+  return true;
+}
+
+bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
+  TB_REQUIRE(bytes >= 0 || (fraction > 0 && fraction <= 1), kInvalidArgument,
+             "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
+  bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
+  std::unique_lock<std::mutex> lock(mu_);
+  // Only resident memory counts: a released tag's blocks hold no device memory now.
+  int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
+  for (int t = 1; t < kMaxTags; ++t)
+    if (!tags_.live(t)) allocated -= ledger_.tag_allocated[t].get();
+  TB_REQUIRE(!strict || bytes >= allocated, kInvalidArgument,
+             "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
+                 " already has allocated (" + format_size(allocated) + "): free tensors first",
+             false);
+  if (bytes < budget_.reserved()) {
+    TB_REQUIRE(!graphs_.capturing(), kState, "cannot lower the budget below reserved memory during graph capture",
+               false);
+    release_cached(lock);
+    if (!strict) {
+      budget_.set_limit(bytes);
+      return true;
+    }
+    const int64_t reserved = budget_.reserved();
+    TB_REQUIRE(bytes >= reserved, kInvalidArgument,
+               "budget of " + format_size(bytes) + " is below the " + format_size(reserved) + " device " +
+                   std::to_string(ctx_.device) + " still holds after releasing its cache (graph pools: " +
+                   format_size(ledger_.graph_pool_reserved.get()) + ")",
+               false);
+  }
+  budget_.set_limit(bytes);
+  return true;
+}
+
+bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
+  if (!Budget::check_tag_setting(tag, fraction)) return false;
+  const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t used = budget_.tag_used(tag);
+  TB_REQUIRE(limit == Budget::kNone || limit >= used, kInvalidArgument,
+             "budget of " + format_size(static_cast<uint64_t>(limit)) + " for tag '" + tag_name(tag) +
+                 "' is below what it already has allocated on device " + std::to_string(ctx_.device) + " (" +
+                 format_size(static_cast<uint64_t>(used)) + "): free its tensors first",
+             false);
+  budget_.set_tag_limit(tag, limit);
+  return true;
+}
+
+bool DeviceAllocator::grant_peer(int peer) {
+  TB_REQUIRE(peer >= 0 && peer != ctx_.device, kInvalidArgument,
+             "device " + std::to_string(peer) + " cannot be a peer of device " + std::to_string(ctx_.device), false);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return true;
+  if (vmm_ && !vmm_->grant_peer(peer)) return false;
+  if (pool_ && !pool_->grant_peer(peer)) return false;
+  peers_.push_back(peer);
+  return true;
+}
+
+size_t DeviceAllocator::largest_free() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t best = sync_pool_->largest_free();
+  if (vmm_pool_) best = std::max(best, vmm_pool_->largest_free());
+  for (const BlockPool* p : tags_.own_pools()) best = std::max(best, p->largest_free());
+  return best;
+}
+
+bool DeviceAllocator::cache_info(size_t* largest) {
+  *largest = largest_free();
+  if (*largest > 0) return true;
+  size_t free_b = 0, total_b = 0;
+  if (!mem_info(&free_b, &total_b)) return false;
+  const int64_t room = budget_.limit() - budget_.reserved();
+  *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
+  return true;
+}
+
+void DeviceAllocator::reset_peaks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ledger_.reset_peaks();
+  // The packing line follows the peak the user measures from (Note [Packing: reclaim before growth]).
+  if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)));
+}
+
+void DeviceAllocator::reset_accumulated() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ledger_.reset_accumulated();
+}
+
+// ---------------------------------------------------------------- introspection
+
+std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<const BlockPool*, PoolId>> pools{{vmm_pool_.get(), PoolId{0, 0}}};
+  for (const BlockPool* p : tags_.own_pools()) pools.emplace_back(p, PoolId{0, 0});
+  pools.emplace_back(sync_pool_.get(), PoolId{0, 0});
+  pools.emplace_back(pool_pool_.get(), PoolId{0, 0});
+  for (auto& [id, p] : graphs_.pools()) pools.emplace_back(p.blocks.get(), id);
+  return describe_segments(pools, vmm_ ? vmm_->granule() : 0, runs);
+}
+
+std::vector<SegmentView> DeviceAllocator::mapped_segments() { return split_at_mappings(segments(/*runs=*/true)); }
+
+void DeviceAllocator::inactive_split(int64_t* count, int64_t* bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get()};
+  for (const BlockPool* p : tags_.own_pools()) pools.push_back(p);
+  count_inactive_split(pools, count, bytes);
+}
+
+}  // namespace tb
