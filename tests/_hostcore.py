@@ -7,6 +7,7 @@ import ctypes
 import faulthandler
 import functools
 import os
+import pickle
 import traceback
 
 import pytest
@@ -327,3 +328,19 @@ def python_api_over(host):
     _runtime.current_device = host.current
     _runtime.check_can_install = lambda: None
     return lib
+
+
+def in_child(fn, *args):
+    """fn(*args) in a forked child (the host core is one per process); its result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        with os.fdopen(w, "wb") as f:
+            pickle.dump(fn(*args), f)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)

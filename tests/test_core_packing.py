@@ -2,13 +2,12 @@
 does not grow with the card, and what torch's cacheInfo is told (Note [Packing: reclaim before
 growth], Note [Placement by mapped memory])."""
 import os
-import pickle
 import random
 import time
 
 import pytest
 
-from _hostcore import GiB, Host, MiB, S1, S2, isolated
+from _hostcore import GiB, Host, MiB, S1, S2, in_child, isolated
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -20,22 +19,6 @@ def fragment(h, stream=S1, n=200, seed=0):
     for p in blocks[::2]:
         h.free(p)
     return blocks[1::2]
-
-
-def in_child(fn, *args):
-    """fn(*args) in a forked child (the host core is one per process); its result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        with os.fdopen(w, "wb") as f:
-            pickle.dump(fn(*args), f)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return pickle.loads(data)
 
 
 def time_new_mappings(capacity, rounds=60):

@@ -69,8 +69,7 @@ def main():
     ap.add_argument("--noreuse", action="store_true")
     ap.add_argument("--passes", type=int, default=2)
     args = ap.parse_args()
-    from test_core_packing import in_child
-
+    from _hostcore import in_child
     print(f"{'trace':22} {'rsv/live':>8} {'maps/kop':>9} {'unmaps/kop':>10} {'est us/op':>9} "
           f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'host us/op':>10}")
     for spec in args.traces:
