@@ -156,12 +156,19 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   const size_t live = static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)) + size;
   high_water_ = std::max(high_water_, live);
   const int64_t over = budget_.reserved() + static_cast<int64_t>(missing * granule_) - allowance();
+  // A move costs what it gives back and the part of the new mapping past the line (the
+  // rest is growth, mapped either way): Note [Packing time].
   const bool move = reuse_ && over > 0 && packing_.may_move();
+  const PackingTime::Clock::time_point start = move ? PackingTime::Clock::now() : PackingTime::Clock::time_point();
   if (move) reclaim(static_cast<size_t>(over));
+  const PackingTime::Clock::time_point mapping = move ? PackingTime::Clock::now() : start;
   bool ok = true;
-  for (const auto& [start, count] : gaps)
-    if (!(ok = map_missing(seg, start, count))) break;
-  if (move) packing_.moved();
+  for (const auto& [begin, count] : gaps)
+    if (!(ok = map_missing(seg, begin, count))) break;
+  if (move) {
+    const double past_line = std::min(1.0, static_cast<double>(over) / static_cast<double>(missing * granule_));
+    packing_.spent(mapping - start, PackingTime::Clock::now() - mapping, past_line);
+  }
   return ok;
 }
 
