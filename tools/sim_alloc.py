@@ -2,13 +2,16 @@
 policy does to packing and how many driver calls it makes, in seconds instead of GPU time.
 
     python tools/sim_alloc.py [TRACE ...] [--capacity 141GiB] [--map-run 16MiB] [--noreuse]
+                              [--packing-time SHARE] [--costs]
 
 TRACE is a file (torch_budget.replay.trace) or `mix:<spec>`; the default is the benchmark's
 mixes and recorded traces. Per trace: peak reserved over the trace's peak live bytes (the
 benchmark's figure), cuMemMap / cuMemUnmap calls per thousand operations, and an estimate of the
 driver time per operation from the per-call costs measured on an H200 (DESIGN.md: a mapping's
 create + map + access + unmap + release is about 55 us). The stand-in's own bookkeeping time is
-printed too, but it is CPU time of this machine, not the GPU path.
+printed too, but it is CPU time of this machine, not the GPU path. With --costs the stand-in's
+VMM calls spin for what they take on an H200 (TB_HOST_DRIVER_COSTS=1), so the host time shows
+what a policy bounded in time (Note [Packing time]) does, Python's loop standing in for torch.
 
 Needs the host core: TORCH_BUDGET_BUILD=_host_core python setup.py build_ext --inplace.
 """
@@ -31,11 +34,11 @@ DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 
 
-def simulate(spec, capacity, map_run, reuse, passes):
+def simulate(spec, capacity, map_run, reuse, passes, packing_time):
     from _hostcore import Host
 
     trace = read_trace(spec)
-    h = Host(capacity=capacity, route="vmm", reuse_before_grow=reuse, map_run=map_run)
+    h = Host(capacity=capacity, route="vmm", reuse_before_grow=reuse, map_run=map_run, packing_time=packing_time)
     streams = [h.stream() for _ in range(max(trace.num_streams, 1))]
     ops = list(zip(trace.ids, trace.sizes, trace.streams))
     out = {}
@@ -68,13 +71,17 @@ def main():
     ap.add_argument("--map-run", default="0", help="bytes per run mapping (0: the default)")
     ap.add_argument("--noreuse", action="store_true")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--packing-time", type=float, default=None, help="share of time packing may take")
+    ap.add_argument("--costs", action="store_true", help="the stand-in's VMM calls take an H200's time")
     args = ap.parse_args()
+    if args.costs:
+        os.environ["TB_HOST_DRIVER_COSTS"] = "1"
     from _hostcore import in_child
     print(f"{'trace':22} {'rsv/live':>8} {'maps/kop':>9} {'unmaps/kop':>10} {'est us/op':>9} "
           f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'host us/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
-                     args.passes)
+                     args.passes, args.packing_time)
         n = r["ops"]
         m0, u0, _ = r["pass0"]
         m1, u1, t1 = r[f"pass{args.passes - 1}"]
