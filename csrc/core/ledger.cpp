@@ -39,6 +39,7 @@ void Ledger::reset_accumulated() {
   num_sync_all_streams.store(0, std::memory_order_relaxed);
   num_stream_syncs.store(0, std::memory_order_relaxed);
   num_reclaims.store(0, std::memory_order_relaxed);
+  num_moves.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace tb

@@ -116,6 +116,7 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("num_sync_all_streams", l.num_sync_all_streams.load());
     j.field("num_stream_syncs", l.num_stream_syncs.load());
     j.field("num_reclaims", l.num_reclaims.load());
+    j.field("num_moves", l.num_moves.load());
     j.key("routes").open('{');
     for (int r = 0; r < kRouteCount; ++r) {
       j.key(route_name(r)).open('{');

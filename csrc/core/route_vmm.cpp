@@ -160,11 +160,16 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   // rest is growth, mapped either way): Note [Packing time].
   const bool move = reuse_ && over > 0 && packing_.may_move();
   const PackingTime::Clock::time_point start = move ? PackingTime::Clock::now() : PackingTime::Clock::time_point();
-  if (move) reclaim(static_cast<size_t>(over));
+  if (move) {
+    keep_moving_ = true;  // Note [Moving handles]
+    reclaim(static_cast<size_t>(over));
+    keep_moving_ = false;
+  }
   const PackingTime::Clock::time_point mapping = move ? PackingTime::Clock::now() : start;
   bool ok = true;
   for (const auto& [begin, count] : gaps)
     if (!(ok = map_missing(seg, begin, count))) break;
+  release_moving();
   if (move) {
     const double past_line = std::min(1.0, static_cast<double>(over) / static_cast<double>(missing * granule_));
     packing_.spent(mapping - start, PackingTime::Clock::now() - mapping, past_line);
@@ -175,6 +180,15 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
 bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
   for (size_t at = first; at < first + count;) {
     const size_t n = std::min(max_run_, first + count - at);
+    // What a packing reclaim just unmapped maps here first (Note [Moving handles]).
+    if (!moving_.empty()) {
+      size_t moved = 0;
+      if (!map_moved(seg, at, n, &moved)) return false;
+      if (moved > 0) {
+        at += moved;
+        continue;
+      }
+    }
     // A single granule takes a cached handle when there is one; longer runs get one new handle.
     if (n == 1 && !free_handles_.empty()) {
       if (!map_granules(seg, {at})) return false;
@@ -303,6 +317,7 @@ bool VmmRoute::release_run(Segment& seg, size_t head) {
   traced(TraceAction::kSegmentUnmap, seg, seg.base + head * granule_, count * granule_);
   const CUmemGenericAllocationHandle h = seg.granules[head];
   note_unmap(seg, head);
+  if (keep_for_move(seg, h, count)) return true;
   if (release_handle(h) != CUDA_SUCCESS) {
     stuck_runs_.emplace_back(h, count * granule_);  // still charged: retried later
     budget_.move(count * granule_, placement(seg), kCached);
@@ -322,6 +337,7 @@ bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
   const CUmemGenericAllocationHandle h = seg.granules[index];
   note_unmap(seg, index);
+  if (keep_for_move(seg, h, 1)) return true;
   if (release_handle(h) != CUDA_SUCCESS) {
     free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
     budget_.move(granule_, placement(seg), kCached);

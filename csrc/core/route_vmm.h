@@ -51,6 +51,17 @@
 // released, or when its segment is destroyed; its handle then goes straight back to the
 // driver (a run handle is not granule-sized, so it is never cached).
 //
+// Note [Moving handles]
+// A packing move gives back mappings of clean free blocks and maps new memory elsewhere. The
+// handles it unmaps are kept for that new mapping instead of being released and created again
+// (on an H200 an unmap + map + access of a kept handle took 41 us; a mapping's whole life with
+// a create and a release about 50 us plus 2 us per MiB): each run of the new mapping takes a
+// kept handle of exactly its length (a shorter one would split the run into more mappings,
+// which cost more than the create they save), new memory the rest, and what no run took goes
+// back to the driver when the allocation is backed. Over the host stand-in with an H200's call
+// costs, unbounded lognormal churn ran 12 % faster (about 900 moved mappings in 40k operations). A shared handle (exported to another process, which may still map it)
+// is never kept. ledger's num_moves counts the mappings made this way.
+//
 // Accounting: a cached (unmapped) handle is charged to the large pool; mapping it
 // into a small arena or a graph pool moves its bytes there (Budget::move).
 #pragma once
@@ -143,6 +154,15 @@ class VmmRoute final : public Backing {
   size_t drop_inside(const Block& b, size_t want);
   // Appends the clean free blocks of `pool` that can hold a whole granule.
   void clean_free(const BlockPool& pool, std::vector<const Block*>* out) const;
+  // Note [Moving handles]: during a packing reclaim, keeps the handle of a mapping just unmapped
+  // (`count` granules, from `seg`) for the mapping that follows, instead of releasing it;
+  // false when it is not kept (not packing, or the handle was shared).
+  bool keep_for_move(const Segment& seg, CUmemGenericAllocationHandle h, size_t count);
+  // Maps a kept handle of exactly `room` granules at granule `first` of `seg`; *mapped: the
+  // granules mapped (0: none has that length). false + error when the driver refused.
+  bool map_moved(Segment& seg, size_t first, size_t room, size_t* mapped);
+  // Gives the kept handles no mapping took back to the driver.
+  void release_moving();
   // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
   void note_map(Segment& seg, size_t head, size_t count);
   void note_unmap(Segment& seg, size_t head);
@@ -172,6 +192,12 @@ class VmmRoute final : public Backing {
   size_t max_run_ = 1;     // granules
   size_t high_water_ = 0;  // the most bytes allocated at once on the device (Note [Packing: ...])
   PackingTime packing_;
+  // Note [Moving handles]: handles a packing reclaim unmapped, with their granules (unmapped,
+  // charged as kCached), kept while keep_moving_ for the mapping that follows and released when
+  // that allocation is backed; moving_bytes_ is their total.
+  std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> moving_;
+  size_t moving_bytes_ = 0;
+  bool keep_moving_ = false;
 };
 
 }  // namespace tb

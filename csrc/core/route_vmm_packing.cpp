@@ -1,7 +1,9 @@
 // The VMM route's packing (Note [Packing: reclaim before growth], route_vmm.h): which free
-// mappings are clean, giving them back, and asking for a stream when the budget refuses.
+// mappings are clean, giving them back, moving their handles (Note [Moving handles]), and
+// asking for a stream when the budget refuses.
 #include <algorithm>
 
+#include "error.h"
 #include "route_vmm.h"
 
 namespace tb {
@@ -48,8 +50,10 @@ size_t VmmRoute::drop_inside(const Block& b, size_t want) {
   // From the high end down: what stays mapped is the block's front, in one piece, where
   // the next fitting request is placed.
   for (auto it = heads.rbegin(); it != heads.rend() && bytes < want; ++it) {
-    const int64_t before = budget_.reserved();
-    if (drop_granule(*b.segment, *it)) bytes += static_cast<size_t>(before - budget_.reserved());
+    // What went back to the driver, or is kept to move (Note [Moving handles]).
+    const int64_t before = budget_.reserved() - static_cast<int64_t>(moving_bytes_);
+    if (drop_granule(*b.segment, *it))
+      bytes += static_cast<size_t>(before - (budget_.reserved() - static_cast<int64_t>(moving_bytes_)));
   }
   return bytes;
 }
@@ -94,6 +98,57 @@ bool VmmRoute::request_sync(BlockPool& pool, CUstream stream) {
     asked = true;
   });
   return asked;
+}
+
+bool VmmRoute::keep_for_move(const Segment& seg, CUmemGenericAllocationHandle h, size_t count) {
+  if (!keep_moving_ || fds_.count(h) != 0) return false;  // a shared handle may still be mapped elsewhere
+  budget_.move(count * granule_, placement(seg), kCached);
+  moving_.emplace_back(h, count);
+  moving_bytes_ += count * granule_;
+  return true;
+}
+
+bool VmmRoute::map_moved(Segment& seg, size_t first, size_t room, size_t* mapped) {
+  *mapped = 0;
+  size_t pick = moving_.size();
+  for (size_t i = 0; i < moving_.size() && pick == moving_.size(); ++i)
+    if (moving_[i].second == room) pick = i;
+  if (pick == moving_.size()) return true;
+  const auto [h, count] = moving_[pick];
+  const uintptr_t va = seg.base + first * granule_;
+  const size_t bytes = count * granule_;
+  const CUresult r = driver()->memMap(va, bytes, 0, h, 0);
+  if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemMap", __FILE__, __LINE__);  // still kept: released later
+  moving_.erase(moving_.begin() + static_cast<long>(pick));
+  moving_bytes_ -= bytes;
+  for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
+  note_map(seg, first, count);
+  budget_.move(bytes, kCached, placement(seg));
+  const CUresult a = driver()->memSetAccess(va, bytes, access_.data(), access_.size());
+  if (a != CUDA_SUCCESS) {
+    fail_driver(a, "cuMemSetAccess", __FILE__, __LINE__);
+    const std::string msg = last_error_message();
+    release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
+    set_error(kDriverError, msg);
+    return false;
+  }
+  bump(ledger_.num_moves);
+  traced(TraceAction::kSegmentMap, seg, va, bytes);
+  *mapped = count;
+  return true;
+}
+
+void VmmRoute::release_moving() {
+  for (const auto& [h, count] : moving_) {
+    if (release_handle(h) != CUDA_SUCCESS) {
+      stuck_runs_.emplace_back(h, count * granule_);  // still charged as cached: retried later
+      continue;
+    }
+    budget_.uncharge(count * granule_, kCached);
+    bump(ledger_.num_device_free);
+  }
+  moving_.clear();
+  moving_bytes_ = 0;
 }
 
 }  // namespace tb
