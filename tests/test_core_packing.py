@@ -194,9 +194,10 @@ def test_without_packing_time_allocations_grow_past_the_line_instead_of_moving(s
         h.free(p)
 
 
+@pytest.mark.parametrize("share", [0.0, 1.0])
 @isolated
-def test_the_budget_reclaims_whatever_the_packing_time():
-    h = Host(capacity=16 * GiB, route="vmm", packing_time=0.0, budget=1536 * MiB)
+def test_the_budget_reclaims_whatever_the_packing_time(share):
+    h = Host(capacity=16 * GiB, route="vmm", packing_time=share, budget=1536 * MiB)
     keep = _line_pressed(h)  # 1280 MiB reserved, 768 MiB live
     extra = h.malloc(600 * MiB, S2)  # the budget refuses new memory: the free block's goes back first
     assert h.reserved() <= 1536 * MiB and h.stats()["num_reclaims"] >= 1
@@ -225,3 +226,24 @@ def test_the_packing_line_follows_reset_peak_memory_stats():
     assert h.stats()["reserved_bytes"]["all"]["peak"] <= 1.02 * peak_live + 64 * MiB
     for p, _ in live:
         h.free(p)
+
+
+@isolated
+def test_a_move_under_a_tight_budget_neither_fails_nor_leaks():
+    # After a reset of the peaks the line is 2 % over the 770 MiB live, so S2's 40 MiB takes S1's
+    # whole 48 MiB free block (three 16 MiB runs): two runs fit S2's, the third fits none and
+    # goes back, and S2's 8 MiB tail is new memory within the 824 MiB budget.
+    h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0, budget=824 * MiB)
+    keep = [h.malloc(256 * MiB) for _ in range(3)]
+    hole = h.malloc(48 * MiB)
+    keep.append(h.malloc(2 * MiB))  # S1's arena ends in a live block: the hole stays a free block
+    h.free(hole)
+    h.reset_peaks()
+    extra = h.malloc(40 * MiB, S2)
+    st = h.stats()
+    assert st["num_moves"] == 2 and st["num_alloc_retries"] == 0 and st["num_ooms"] == 0, st
+    assert h.reserved() == 810 * MiB
+    for p in keep + [extra]:
+        h.free(p)
+    h.empty_cache()
+    assert h.counters()["handles"] == 0

@@ -197,6 +197,11 @@ bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
     }
     budget_.clear_refusal();
     bool ok = map_run(seg, at, n);
+    if (!ok && budget_.refused() && !moving_.empty()) {  // kept handles no run fits count too
+      release_moving();
+      budget_.clear_refusal();
+      ok = map_run(seg, at, n);
+    }
     if (!ok && budget_.refused() && reclaim(n * granule_) > 0) {
       budget_.clear_refusal();
       ok = map_run(seg, at, n);
