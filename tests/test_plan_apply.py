@@ -180,7 +180,7 @@ def test_a_failure_part_way_restores_what_was_set():
 @pytest.mark.built("_host_core")
 @isolated
 def test_install_takes_the_plans_budgets_before_anything_is_allocated():
-    host = installed_host(budgets=sample_plan().tag_budgets())
+    host = installed_host(budgets=sample_plan().budget_settings())
     assert {t: b for t, b in budgets_now().items() if b is not None} == EXPECTED
     with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'workspace'"):
         under(host, "workspace", 4 * MiB + 4096)
@@ -198,3 +198,13 @@ def test_lines_smaller_than_a_mebibyte_are_applied_as_bytes():
     installed_host()
     with p.apply():
         assert budgets_now()["workspace"] == p.tag_budgets()["workspace"]
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_install_takes_a_plans_sub_mebibyte_lines_through_budget_settings():
+    prof = Profile.from_measurements(torch_peak=16 * MiB + (300 << 10), torch_used=16 * MiB + (300 << 10),
+                                     total_used=20 * MiB, total=CARD, model_bytes=16 * MiB)
+    p = planner.plan(prof, CacheCost(slope=4096), eager_workspace_in_peak=300 << 10, max_kv_bytes=32 * MiB)
+    installed_host(budgets=p.budget_settings())
+    assert {t: b for t, b in budgets_now().items() if b is not None} == p.tag_budgets()

@@ -9,7 +9,7 @@ tags keep serving. Lines outside torch's allocator (non-torch) and reserves of n
 have no tag to hold them; the headroom is the margin no tag may take, which is why the budgets
 add up to less than the card. Before anything is set, the budgets must fit in the device's:
 its own budget when one is set, else the card less what the plan puts outside torch. Budgets
-go through the public set_budget (or install(budgets=plan.tag_budgets()) before install), so
+go through the public set_budget (or install(budgets=plan.budget_settings()) before install), so
 the same budget layer checks them as any other.
 """
 
@@ -63,10 +63,11 @@ def bounds(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[
             for tag, group in by_tag.items()}
 
 
-def _as_setting(n):
-    """Bytes as set_budget reads them whatever their size ("4096B": a bare number under 1 MiB
-    is refused there, as a likely slip for a fraction); None stays None."""
-    return None if n is None else f"{int(n)}B"
+def as_setting(n):
+    """Bytes as install() and set_budget read them whatever their size, the parser's own
+    ("bytes", n) (a bare number under 1 MiB is refused there, as a likely slip for a
+    fraction); None stays None."""
+    return None if n is None else ("bytes", int(n))
 
 
 @dataclass
@@ -89,7 +90,7 @@ class AppliedBudgets:
 
         for device, tags in self.previous.items():
             for tag, budget in tags.items():
-                allocator.set_budget(_as_setting(budget), device=device, tag=tag)
+                allocator.set_budget(as_setting(budget), device=device, tag=tag)
         self.undone = True
 
     def __enter__(self) -> "AppliedBudgets":
@@ -150,7 +151,7 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
             by_tag = seen[dev]["by_tag"]
             for tag, n in budgets.items():
                 before = by_tag[tag]["budget"] if tag in by_tag else None
-                allocator.set_budget(_as_setting(n), device=dev, tag=tag)
+                allocator.set_budget(as_setting(n), device=dev, tag=tag)
                 applied.previous.setdefault(dev, {})[tag] = before
     except BaseException:
         applied.undo()

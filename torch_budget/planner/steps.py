@@ -56,8 +56,13 @@ class Plan:
     def tag_budgets(self, tags: dict[str, str] | None = None) -> dict[str, int]:
         """{tag: bytes}: the plan's lines as per-tag budgets (Note [Plan as budgets] in
         planner/apply.py; `tags` maps a ledger category to its tag, planner.apply.TAGS by
-        default). Before install(): `torch_budget.install(budgets=plan.tag_budgets())`."""
+        default). Before install(): `torch_budget.install(budgets=plan.budget_settings())`."""
         return _apply.tag_budgets(self.lines, tags)
+
+    def budget_settings(self, tags: dict[str, str] | None = None) -> dict[str, tuple]:
+        """tag_budgets() as install(budgets=...) takes them whatever their size ({tag: ("bytes",
+        n)}: a bare number under 1 MiB would be refused as a likely slip for a fraction)."""
+        return {tag: _apply.as_setting(n) for tag, n in self.tag_budgets(tags).items()}
 
     def apply(self, device=None, tags: dict[str, str] | None = None) -> "_apply.AppliedBudgets":
         """Enforce the plan: set each tag's budget to its lines (tag_budgets) through
