@@ -13,9 +13,12 @@ beside the GPU and unpinned (native, expandable and torch_budget's default route
 operation is a paired median ratio against native in the same round; memory is peak reserved
 over the trace's peak live bytes. The last line is `RESULT bench_alloc ...` for the GPU suite.
 
-Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES.
+Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES;
+with OUT set (the GPU suite sets it), the rows and every round's results are also written to
+$OUT/bench_alloc.json, so a console that keeps only its last lines loses nothing.
 """
 import glob
+import json
 import os
 import sys
 
@@ -43,6 +46,9 @@ def main():
                            unpinned_configs={"native", "expandable", DEFAULT},
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     rows = compare.summarise(runs)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_alloc.json"), "w") as f:
+            json.dump({"rows": rows, "runs": [r.__dict__ for r in runs]}, f, indent=1)
     print(compare.table(rows))
     print(f"(medians over {rounds} interleaved rounds; 'x native' is the paired median ratio, '<=1 in' the rounds "
           "at or under native; rsv/live is peak reserved over the trace's peak live bytes; drv/kop is driver "
