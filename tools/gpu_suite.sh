@@ -4,14 +4,14 @@
 # allocator's GPU tests and the demo, then print a short table last. Logs go to
 # $OUT when it is set.
 #
-# Steps can be chosen with STEPS (default: "build tests torch bench sanitize demo"); TESTS,
+# Steps can be chosen with STEPS (default: "build tests torch tms bench sanitize demo"); TESTS,
 # PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES, SANITIZE_TESTS and SANITIZE_K narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-build tests torch bench sanitize demo}
+STEPS=${STEPS:-build tests torch tms bench sanitize demo}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
 
@@ -44,6 +44,17 @@ if has torch; then
     summary+=("$(grep -h "^torch_tests" "$OUT/torch_tests.log" | tail -1)")
   else
     summary+=("torch_tests  skipped: no .torch_tests/test_cuda.py")
+  fi
+fi
+
+if has tms; then
+  # torch_memory_saver's own examples against the adapter (their checkout's test/examples in .tms_examples/).
+  if [ -f .tms_examples/simple.py ]; then
+    echo "== torch_memory_saver's examples"
+    timeout ${TMS_TIMEOUT:-560} $PY tools/tms_examples.py .tms_examples 2>&1 | tee "$OUT/tms_examples.log" | tail -30
+    summary+=("$(grep -h "^RESULT tms_examples" "$OUT/tms_examples.log" | sed 's/^RESULT //' | tail -1)")
+  else
+    summary+=("tms_examples skipped: no .tms_examples/simple.py")
   fi
 fi
 
