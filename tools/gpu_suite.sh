@@ -59,7 +59,7 @@ if has tms; then
 fi
 
 if has bench; then
-  for bench in ${BENCHES:-bench_alloc bench_e2e bench_graphs bench_workspace bench_sleep bench_torch_surface}; do
+  for bench in ${BENCHES:-bench_alloc bench_e2e bench_graphs bench_workspace bench_sleep bench_torch_surface plan_hf}; do
     [ -f "tools/$bench.py" ] || continue
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
@@ -88,4 +88,4 @@ fi
 echo
 echo "================ GPU suite: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | sed 's/^ *//'), torch $($PY -c 'import torch;print(torch.__version__)')"
 for line in "${summary[@]}"; do echo "$line"; done
-grep -h "^RESULT" "$OUT"/bench_*.log 2>/dev/null | sed 's/^RESULT //'
+grep -h "^RESULT" "$OUT"/bench_*.log "$OUT"/plan_hf.log 2>/dev/null | sed 's/^RESULT //'

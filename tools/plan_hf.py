@@ -144,8 +144,11 @@ def run_child(args: list, what: str) -> bool:
     return proc.returncode == 0
 
 
-def table(names: list, out: str) -> None:
+def table(names: list, out: str) -> list:
+    """Prints the table; returns each model's serve result (None where there is none)."""
     from torch_budget.units import format_bytes
+
+    results = []
 
     print("\n" + "=" * 20 + " predicted peak against the peak measured in a fresh serving process")
     header = (f"{'model':<14} {'rows x max_len':>15} {'torch: predicted':>17} {'measured':>10} {'ratio':>6} "
@@ -156,9 +159,11 @@ def table(names: list, out: str) -> None:
         path = os.path.join(out, f"{name}.serve.json")
         if not os.path.exists(path):
             print(f"{name:<14} (no result: see the process's output above)")
+            results.append(None)
             continue
         with open(path) as f:
             r = json.load(f)
+        results.append(r)
         push = ("OOM naming tag 'kv'" if r["refused_names_kv"] else "OOM NOT naming 'kv'") + (
             ", others kept serving" if r["served_again"] and r["kv_back_to_planned"] else ", serving did NOT go on")
         print(f"{name:<14} {str(r['rows']) + ' x ' + str(r['max_len']):>15} "
@@ -166,6 +171,20 @@ def table(names: list, out: str) -> None:
               f"{r['measured_allocated'] / r['predicted_allocated']:>6.3f} "
               f"{format_bytes(r['predicted_device']):>18} {format_bytes(r['measured_device']):>10} "
               f"{r['measured_device'] / r['predicted_device']:>6.3f}  {push}")
+    return results
+
+
+def result_line(results: list) -> str:
+    """`RESULT plan_hf ...` for the GPU suite: the worst predicted-to-measured miss and how many
+    models held their plan (an OOM naming 'kv' past its line, the others serving on)."""
+    done = [r for r in results if r is not None]
+    if not done:
+        return f"RESULT plan_hf failed={len(results)}"
+    miss = max(abs(r["measured_device"] / r["predicted_device"] - 1) for r in done)
+    miss_torch = max(abs(r["measured_allocated"] / r["predicted_allocated"] - 1) for r in done)
+    held = sum(1 for r in done if r["refused_names_kv"] and r["served_again"] and r["kv_back_to_planned"])
+    return (f"RESULT plan_hf models={len(done)}/{len(results)} worst_miss_device={miss:.3%} "
+            f"worst_miss_torch={miss_torch:.3%} plan_held={held}/{len(results)}")
 
 
 def main(argv=None) -> int:
@@ -202,8 +221,9 @@ def main(argv=None) -> int:
         if run_child(["--child", "plan", name, *common], f"{name}: profile and plan (fresh process)"):
             run_child(["--child", "serve", name, *common], f"{name}: serve the planned worst case under Plan.apply() "
                                                             "(fresh process)")
-    table(names, out)
-    return 0
+    results = table(names, out)
+    print(result_line(results))
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":
