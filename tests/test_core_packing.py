@@ -247,3 +247,23 @@ def test_a_move_under_a_tight_budget_neither_fails_nor_leaks():
         h.free(p)
     h.empty_cache()
     assert h.counters()["handles"] == 0
+
+
+@isolated
+def test_on_a_full_card_kept_handles_go_back_before_new_memory_is_asked_for():
+    # No budget: the card is the limit. The line moves S1's 16 MiB hole for S2's 10 MiB, whose
+    # run fits no kept 16 MiB handle; that handle still holds the card's memory, so it goes back
+    # before the create, which then fits, with no retry (a device sync and the whole cache).
+    h = Host(capacity=790 * MiB, route="vmm", packing_time=1.0)
+    keep = [h.malloc(256 * MiB) for _ in range(3)]
+    hole = h.malloc(16 * MiB)
+    keep.append(h.malloc(2 * MiB))
+    h.free(hole)
+    h.reset_peaks()
+    keep.append(h.malloc(10 * MiB, S2))
+    st = h.stats()
+    assert st["num_alloc_retries"] == 0 and st["num_reclaims"] == 1 and h.counters()["syncs"] == 0, st
+    for p in keep:
+        h.free(p)
+    h.empty_cache()
+    assert h.counters()["handles"] == 0 and h.reserved() == 0

@@ -8,7 +8,8 @@
 // around 16 MiB, a move on most large allocations) spent 1.6x the native allocator's time
 // that way. So moves draw on a budget of wall-clock time: credit accrues at `share` of the
 // time that passes, up to kBurst, and each move spends what it took: what it gave back, and
-// the part of its new mapping past the line (the rest is growth, which happens either way).
+// the part of its new mapping past the line (the rest is growth, which happens either way);
+// one that found nothing clean to give back was growth only, and spends nothing.
 // Without credit, an allocation grows past the line instead, and what it maps serves later
 // allocations without moving. A workload with kernels between its allocations never runs
 // out; a tight loop of churn spends at most about `share` of its time packing, and packs

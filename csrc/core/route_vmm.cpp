@@ -160,9 +160,10 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   // rest is growth, mapped either way): Note [Packing time].
   const bool move = reuse_ && over > 0 && packing_.may_move();
   const PackingTime::Clock::time_point start = move ? PackingTime::Clock::now() : PackingTime::Clock::time_point();
+  size_t gave_back = 0;
   if (move) {
     keep_moving_ = true;  // Note [Moving handles]
-    reclaim(static_cast<size_t>(over));
+    gave_back = reclaim(static_cast<size_t>(over));
     keep_moving_ = false;
   }
   const PackingTime::Clock::time_point mapping = move ? PackingTime::Clock::now() : start;
@@ -170,7 +171,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   for (const auto& [begin, count] : gaps)
     if (!(ok = map_missing(seg, begin, count))) break;
   release_moving();
-  if (move) {
+  if (gave_back > 0) {  // nothing clean to give back: pure growth, no move to charge
     const double past_line = std::min(1.0, static_cast<double>(over) / static_cast<double>(missing * granule_));
     packing_.spent(mapping - start, PackingTime::Clock::now() - mapping, past_line);
   }
@@ -197,9 +198,11 @@ bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
     }
     budget_.clear_refusal();
     bool ok = map_run(seg, at, n);
-    if (!ok && budget_.refused() && !moving_.empty()) {  // kept handles no run fits count too
+    // Kept handles no run fits are memory too, the budget's and the card's: they go back first.
+    if (!ok && !moving_.empty()) {
       release_moving();
       budget_.clear_refusal();
+      clear_error();
       ok = map_run(seg, at, n);
     }
     if (!ok && budget_.refused() && reclaim(n * granule_) > 0) {

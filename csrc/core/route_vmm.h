@@ -58,7 +58,8 @@
 // a create and a release about 50 us plus 2 us per MiB): each run of the new mapping takes a
 // kept handle of exactly its length (a shorter one would split the run into more mappings,
 // which cost more than the create they save), new memory the rest, and what no run took goes
-// back to the driver when the allocation is backed. Over the host stand-in with an H200's call
+// back to the driver when the allocation is backed, or at once when new memory for a run is
+// refused, by the budget or by the card, while they wait. Over the host stand-in with an H200's call
 // costs, unbounded lognormal churn ran 12 % faster (about 900 moved mappings in 40k operations). A shared handle (exported to another process, which may still map it)
 // is never kept. ledger's num_moves counts the mappings made this way.
 //
