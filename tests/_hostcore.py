@@ -330,17 +330,33 @@ def python_api_over(host):
     return lib
 
 
-def in_child(fn, *args):
-    """fn(*args) in a forked child (the host core is one per process); its result."""
+def in_child(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a forked child (the host core is one per process); its result. An
+    exception in the child is raised here, with the child's traceback in its message; the child
+    never returns into the caller's code (a forked pytest worker would run on)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(r)
-        with os.fdopen(w, "wb") as f:
-            pickle.dump(fn(*args), f)
-        os._exit(0)
+        status = 0
+        try:
+            os.close(r)
+            try:
+                outcome = ("ok", fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+                outcome = ("raised", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            with os.fdopen(w, "wb") as f:
+                pickle.dump(outcome, f)
+        except BaseException:  # noqa: BLE001
+            status = 1
+        finally:
+            os._exit(status)
     os.close(w)
     with os.fdopen(r, "rb") as f:
         data = f.read()
     os.waitpid(pid, 0)
-    return pickle.loads(data)
+    if not data:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} died in its child process without a result")
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        raise AssertionError(f"in a child process: {value}")
+    return value

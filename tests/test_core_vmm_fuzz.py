@@ -1,0 +1,148 @@
+"""Random programs over the VMM route and the host stand-in: packing moves (Note [Moving handles],
+Note [Packing time]), tag release / restore, sharing, budgets and injected driver failures, with
+the ledger and every live byte checked as they run (the GPU fuzzer, tools/fuzz_gpu.py, does this
+on a device; this one reaches the error paths the driver seldom takes)."""
+import random
+import struct
+
+import pytest
+
+from _hostcore import GiB, Host, MiB, S1, S2, in_child
+
+pytestmark = pytest.mark.built("_host_core")
+
+GRANULE = 2 * MiB
+FAULTS = ["cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuMemCreate"]
+
+
+def probes(size):
+    """Offsets of an 8-byte stamp in every granule a block of `size` bytes touches."""
+    offsets = list(range(0, max(size - 8, 0) + 1, GRANULE))
+    if size >= 16 and size - 8 > offsets[-1]:
+        offsets.append(size - 8)
+    return offsets
+
+
+def stamp(sig, offset):
+    return struct.pack("<Q", (sig ^ offset) & (2**64 - 1))
+
+
+class Program:
+    def __init__(self, seed, budget=-1, fault_rate=0.0, tags=False, share=False, dirty=False, packing_time=1.0):
+        self.rng = random.Random(seed)
+        self.budget, self.tags, self.share, self.dirty = budget, tags, share, dirty
+        self.h = Host(capacity=4 * GiB, route="vmm", budget=budget, packing_time=packing_time)
+        self.h.free(self.h.malloc(1 * MiB, S1))  # the device exists before any fault
+        if tags:
+            self.h.tag("t")
+        for i, entry in enumerate(FAULTS if fault_rate else []):
+            self.h.fail(entry, rate=fault_rate, seed=seed * 7 + i + 1)
+        self.live = {}  # ptr -> (size, signature)
+        self.released = False
+
+    def check(self, step):
+        h = self.h
+        where = f"step {step}"
+        assert h.reserved() == h.device_used(), f"{where}: the ledger's reserved bytes are not what the driver holds"
+        reserved = h.stats()["reserved_bytes"]
+        assert reserved["small_pool"]["current"] + reserved["large_pool"]["current"] == reserved["all"]["current"], where
+        assert self.budget < 0 or h.reserved() <= self.budget, f"{where}: reserved past the budget"
+        mapped = sum(s["mapped_size"] for s in h.segments())
+        assert mapped == h.counters()["mappings"] * GRANULE, f"{where}: segments and driver disagree on mappings"
+        if not self.released:
+            for ptr, (size, sig) in self.live.items():
+                for off in probes(size):
+                    assert h.peek(ptr + off, 8) == stamp(sig, off), f"{where}: live block {ptr:#x}+{off:#x} changed"
+
+    def allocate(self):
+        rng, h = self.rng, self.h
+        size = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 * MiB),
+                           rng.randrange(1 * MiB, 200 * MiB), GRANULE * rng.randrange(1, 20)])
+        stream = S1 if rng.random() < 0.6 else S2
+        tagged = self.tags and not self.released and rng.random() < 0.3
+        if tagged:
+            h.push("vmm", "t")
+        try:
+            ptr = h.malloc(size, stream)
+        except (MemoryError, ValueError, RuntimeError):  # injected failures and the budget's refusals
+            return
+        finally:
+            if tagged:
+                h.pop()
+        sig = rng.getrandbits(64)
+        for off in probes(size):
+            assert h.poke(ptr + off, stamp(sig, off)), f"a fresh block {ptr:#x} is not writable"
+        self.live[ptr] = (size, sig)
+        if self.share and rng.random() < 0.05:
+            try:
+                h.share(ptr)
+            except (ValueError, RuntimeError):
+                pass
+
+    def step(self):
+        rng, h = self.rng, self.h
+        if self.dirty and rng.random() < 0.05:
+            (h.submit if rng.random() < 0.6 else h.complete)(S1 if rng.random() < 0.5 else S2)
+        x = rng.random()
+        if (x < 0.5 and len(self.live) < 40) or not self.live:
+            self.allocate()
+        elif x < 0.93:
+            ptr = rng.choice(list(self.live))
+            del self.live[ptr]
+            h.free(ptr)
+        elif x < 0.95:
+            h.reset_peaks()
+        elif x < 0.97 and self.tags:
+            try:
+                if self.released:
+                    h.restore("t")
+                else:
+                    h.release("t", backup="cpu")
+                self.released = not self.released
+            except (MemoryError, ValueError, RuntimeError):
+                pass
+        else:
+            try:
+                h.empty_cache()
+            except (ValueError, RuntimeError):
+                pass
+
+    def finish(self):
+        h = self.h
+        h.heal()
+        if self.released:
+            h.restore("t")
+            self.released = False
+        self.check("end")
+        for s in (S1, S2):
+            h.complete(s)
+        for ptr in self.live:
+            h.free(ptr)
+        h.empty_cache()
+        h.empty_cache()
+        counters = h.counters()
+        assert counters["handles"] == 0 and counters["mappings"] == 0 and h.reserved() == 0 == h.device_used(), counters
+        return h.stats()["num_moves"]
+
+
+def run(seed, ops, **config):
+    program = Program(seed, **config)
+    for step in range(ops):
+        program.step()
+        if step % 50 == 0:
+            program.check(step)
+    return program.finish()
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"budget": 1 * GiB},
+    {"fault_rate": 0.02, "dirty": True},
+    {"tags": True, "share": True, "budget": 1536 * MiB, "fault_rate": 0.01},
+], ids=["moves", "budget", "faults", "tags-share-budget-faults"])
+def test_random_programs_keep_the_ledger_and_every_live_byte(config):
+    for seed in (11, 12):
+        moves = in_child(run, seed, 1500, **config)
+        assert isinstance(moves, int)
+    if not config:
+        assert moves > 0, "the program never moved memory: it tests nothing of Note [Moving handles]"
