@@ -42,7 +42,8 @@ import os
 
 import torch_budget
 from torch_budget.adapters import torch_memory_saver as _saver_module
-from torch_budget.errors import InstallError, UnsupportedError
+from torch_budget.adapters._common import ensure_installed
+from torch_budget.errors import UnsupportedError
 
 __all__ = ["register", "ADAPTER_MODULES", "TAGS", "UnsupportedError"]
 
@@ -64,15 +65,10 @@ def register() -> None:
     _refuse_preload()
     pointed = [name for name in ADAPTER_MODULES if _point(name)]
     logger.info("torch_budget serves SGLang's memory saver through %s", ", ".join(pointed) or "no adapter module")
-    if not torch_budget.installed():
-        try:
-            torch_budget.install()
-        except InstallError as e:
-            raise InstallError(
-                f"SGLang loaded torch_budget's plugin, and torch_budget.install() failed: {e}. torch_budget "
-                "replaces torch's CUDA allocator, which it can do only before CUDA starts: let SGLang load its "
-                "plugins first, or set SGLANG_PLUGINS without torch_budget to run SGLang on torch's allocator"
-            ) from e
+    ensure_installed(lambda e: (
+        f"SGLang loaded torch_budget's plugin, and torch_budget.install() failed: {e}. torch_budget "
+        "replaces torch's CUDA allocator, which it can do only before CUDA starts: let SGLang load its "
+        "plugins first, or set SGLANG_PLUGINS without torch_budget to run SGLang on torch's allocator"))
 
 
 def _refuse_preload() -> None:

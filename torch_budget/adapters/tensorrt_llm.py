@@ -49,7 +49,8 @@ from typing import NamedTuple, Optional
 import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.errors import InstallError, InvalidArgumentError, TorchBudgetError, UnsupportedError
+from torch_budget.adapters._common import TagRegistry, ensure_installed, install_at_import
+from torch_budget.errors import InvalidArgumentError, TorchBudgetError, UnsupportedError
 
 __all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
            "UnsupportedError"]
@@ -94,29 +95,7 @@ def _tag(tag, what: str = "tag") -> str:
 
 # Note [TensorRT-LLM tags] mirrors Note [torch_memory_saver tags]: the torch_budget tag of (tag, mode) is
 # `tag` for NONE and "tag+<backup>" otherwise; names are checked not to collide.
-class _Registry:
-    def __init__(self):
-        self.lock = threading.RLock()  # guards tags and owners; held across a release or materialize
-        self.tags: dict[str, dict[str, str]] = {}  # TensorRT-LLM tag -> {torch_budget tag: backup}
-        self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (TensorRT-LLM tag, backup)
-
-    def register(self, tag: str, backup: str) -> str:
-        name = tag if backup == "none" else f"{tag}+{backup}"
-        with self.lock:
-            owner = self.owners.setdefault(name, (tag, backup))
-            if owner != (tag, backup):
-                raise InvalidArgumentError(
-                    f"tag {tag!r} with restore mode {backup!r} would be torch_budget tag {name!r}, which tag "
-                    f"{owner[0]!r} with restore mode {owner[1]!r} already uses: rename one of the two")
-            self.tags.setdefault(tag, {})[name] = backup
-        return name
-
-    def of(self, tag: str) -> dict[str, str]:
-        with self.lock:
-            return dict(self.tags.get(tag, {}))
-
-
-_registry = _Registry()
+_registry = TagRegistry("restore mode")
 _scopes = threading.local()  # stack: the scopes open on this thread, innermost last
 
 
@@ -127,15 +106,10 @@ def _stack() -> list[_Scope]:
 
 
 def _install() -> None:
-    if torch_budget.installed():
-        return
-    try:
-        torch_budget.install()
-    except InstallError as e:
-        raise InstallError(
-            "torch_budget's TensorRT-LLM virtual memory serves memory through torch_budget, which must replace "
-            "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.tensorrt_llm (or call "
-            f"torch_budget.install()) before the first CUDA tensor or call. {e}") from e
+    ensure_installed(lambda e: (
+        "torch_budget's TensorRT-LLM virtual memory serves memory through torch_budget, which must replace "
+        "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.tensorrt_llm (or call "
+        f"torch_budget.install()) before the first CUDA tensor or call. {e}"))
 
 
 @contextlib.contextmanager
@@ -234,12 +208,5 @@ def materialize_with_tag(*tags: str) -> int:
     return count
 
 
-def _install_at_import() -> None:
-    """torch's allocator can only be replaced before CUDA starts, and TensorRT-LLM starts it early."""
-    import torch
-
-    if torch.cuda.is_available() and not torch.cuda.is_initialized():
-        _install()
-
-
-_install_at_import()
+# torch's allocator can only be replaced before CUDA starts, and TensorRT-LLM starts it early.
+install_at_import(_install)

@@ -47,8 +47,8 @@ from typing import Literal, Optional
 import torch_budget
 from torch_budget import sleep
 from torch_budget._validate import non_negative_int, tag_name
-from torch_budget.errors import (InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError,
-                                 UnsupportedError)
+from torch_budget.adapters._common import TagRegistry, ensure_installed, install_at_import
+from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "UnsupportedError"]
 
@@ -75,34 +75,9 @@ def _env_flag(name: str) -> bool:
 # pause of a tag backs up some allocations and drops others. A torch_budget release takes one
 # backup per tag, so each (tag, backup) pair is a torch_budget tag of its own: "kv_cache" (no
 # backup), "weights+pinned", "weights+cpu" (mmap). pause(tag) releases all of tag's, each with
-# its backup; the registry below is what pause(None) means by every tag. Names are checked not
+# its backup; the registry (adapters._common.TagRegistry) is what pause(None) means by every tag. Names are checked not
 # to collide ("a+pinned" without backup against "a" with one).
-class _Registry:
-    def __init__(self):
-        self.lock = threading.RLock()  # guards tags and owners; held across a pause or resume
-        self.tags: dict[str, dict[str, str]] = {}  # saver tag -> {torch_budget tag: backup}
-        self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (saver tag, backup)
-
-    def register(self, tag: str, backup: str) -> str:
-        name = tag if backup == "none" else f"{tag}+{backup}"
-        with self.lock:
-            owner = self.owners.setdefault(name, (tag, backup))
-            if owner != (tag, backup):
-                raise InvalidArgumentError(
-                    f"tag {tag!r} with backup {backup!r} would be torch_budget tag {name!r}, which tag "
-                    f"{owner[0]!r} with backup {owner[1]!r} already uses: rename one of the two")
-            self.tags.setdefault(tag, {})[name] = backup
-        return name
-
-    def of(self, tag: str | None) -> dict[str, str]:
-        """torch_budget tag -> backup for saver tag `tag` (None: every tag; unknown: none)."""
-        with self.lock:
-            if tag is None:
-                return {n: b for names in self.tags.values() for n, b in names.items()}
-            return dict(self.tags.get(tag, {}))
-
-
-_registry = _Registry()
+_registry = TagRegistry("backup")
 _scopes = threading.local()  # depth: saver regions open on this thread
 
 
@@ -164,15 +139,10 @@ _RETAIN = ("retain_cpu_backup: torch_budget frees a backup when it restores it, 
 
 def _install() -> None:
     """install() unless torch_budget serves this process already; says why when it cannot."""
-    if torch_budget.installed():
-        return
-    try:
-        torch_budget.install()
-    except InstallError as e:
-        raise InstallError(
-            "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
-            "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
-            f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}") from e
+    ensure_installed(lambda e: (
+        "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
+        "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
+        f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}"))
 
 
 class TorchMemorySaver:
@@ -344,16 +314,6 @@ def configure_subprocess():
     yield
 
 
-def _install_at_import() -> None:
-    """torch's allocator can only be replaced before CUDA starts; code written for
-    torch_memory_saver allocates (and initialises CUDA) before its first region."""
-    import torch
-
-    # A child forked from a process that started CUDA cannot start it again (torch calls that a
-    # bad fork): it installs nothing, and its first CUDA use fails with torch's own message.
-    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not torch.cuda._is_in_bad_fork():
-        _install()
-
-
 torch_memory_saver = TorchMemorySaver()
-_install_at_import()
+# Code written for torch_memory_saver allocates (and starts CUDA) before its first region.
+install_at_import(_install)

@@ -52,7 +52,8 @@ from typing import NamedTuple, Optional, Union
 import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
+from torch_budget.adapters._common import ensure_installed
+from torch_budget.errors import InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS",
            "UnsupportedError"]
@@ -77,16 +78,11 @@ def register() -> None:
 
 
 def _install(who: str) -> None:
-    if torch_budget.installed():
-        return
-    try:
-        torch_budget.install()
-    except InstallError as e:
-        raise InstallError(
-            f"{who}, and torch_budget.install() failed: {e}. torch_budget replaces torch's CUDA allocator, which it "
-            "can do only before CUDA starts: let the plugin run first (vLLM loads it at process start, unless "
-            "something touched CUDA before), or set VLLM_PLUGINS without torch_budget to run vLLM on torch's "
-            "allocator") from e
+    ensure_installed(lambda e: (
+        f"{who}, and torch_budget.install() failed: {e}. torch_budget replaces torch's CUDA allocator, which it "
+        "can do only before CUDA starts: let the plugin run first (vLLM loads it at process start, unless "
+        "something touched CUDA before), or set VLLM_PLUGINS without torch_budget to run vLLM on torch's "
+        "allocator"))
 
 
 def _take_cumem_slot() -> None:

@@ -1,0 +1,61 @@
+"""What the adapters share: installing torch_budget on their first use or at import, and the
+registry of torch_budget tags a stack's (tag, backup) pairs become."""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch_budget
+from torch_budget.errors import InstallError, InvalidArgumentError
+
+
+def ensure_installed(explain: Callable[[InstallError], str]) -> None:
+    """install() unless torch_budget serves this process already; when it cannot, InstallError
+    with `explain(error)`, the adapter's own account of what to do."""
+    if torch_budget.installed():
+        return
+    try:
+        torch_budget.install()
+    except InstallError as e:
+        raise InstallError(explain(e)) from e
+
+
+def install_at_import(install: Callable[[], None]) -> None:
+    """Calls `install` when a CUDA device is there and CUDA has not started: torch's allocator can
+    only be replaced before, and the stacks start CUDA early. A child forked from a process that
+    started CUDA cannot start it again (torch calls that a bad fork): it installs nothing, and its
+    first CUDA use fails with torch's own message."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not torch.cuda._is_in_bad_fork():
+        install()
+
+
+class TagRegistry:
+    """The torch_budget tag of a stack's (tag, backup): `tag` for backup "none", "tag+<backup>"
+    otherwise; two pairs never share one (Note [torch_memory_saver tags]). `mode` names the
+    backup in the stack's words in errors ("backup", "restore mode")."""
+
+    def __init__(self, mode: str = "backup"):
+        self.mode = mode
+        self.lock = threading.RLock()  # guards tags and owners; held across a release or restore
+        self.tags: dict[str, dict[str, str]] = {}  # stack tag -> {torch_budget tag: backup}
+        self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (stack tag, backup)
+
+    def register(self, tag: str, backup: str) -> str:
+        name = tag if backup == "none" else f"{tag}+{backup}"
+        with self.lock:
+            owner = self.owners.setdefault(name, (tag, backup))
+            if owner != (tag, backup):
+                raise InvalidArgumentError(
+                    f"tag {tag!r} with {self.mode} {backup!r} would be torch_budget tag {name!r}, which tag "
+                    f"{owner[0]!r} with {self.mode} {owner[1]!r} already uses: rename one of the two")
+            self.tags.setdefault(tag, {})[name] = backup
+        return name
+
+    def of(self, tag: str | None) -> dict[str, str]:
+        """torch_budget tag -> backup for the stack's tag `tag` (None: every tag; unknown: none)."""
+        with self.lock:
+            if tag is None:
+                return {n: b for names in self.tags.values() for n, b in names.items()}
+            return dict(self.tags.get(tag, {}))
