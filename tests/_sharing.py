@@ -24,12 +24,14 @@ def consumer(install, q_in, q_out):
 
 
 def share_with_consumer(device: int, consumer_installed: bool, make, extra=lambda: None):
-    """The producer's half of a sharing test (its body has installed torch_budget): `make()`
+    """The producer's half of a sharing test (its body has installed torch_budget, or runs on
+    torch's own allocator): `make()`
     returns `tensors` {name: tensor on `device`} and `fills` {name: value}; each goes to a
     consumer process (installed or not) through a torch.multiprocessing queue, which checks it
     and adds 1 through the shared mapping. The producer checks the answers and the writes, runs
-    `extra()` (what it returns stays alive to the end, as the tensors do), stops the consumer,
-    and checks that `device`'s allocated memory is back. Prints "ipc ok"."""
+    `extra()` (what it returns stays alive until the consumer stops, as the tensors do), stops the
+    consumer, and checks that `device`'s allocated memory is back and, after empty_cache, its
+    reserved memory too (the consumer's mappings no longer hold any). Prints "ipc ok"."""
     import gc
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -37,6 +39,8 @@ def share_with_consumer(device: int, consumer_installed: bool, make, extra=lambd
     p = ctx.Process(target=consumer, args=(consumer_installed, q_in, q_out))
     p.start()
     base = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved(device)
     tensors, fills = make()
     for name, t in tensors.items():
         q_in.put((name, t, fills[name]))
@@ -50,9 +54,11 @@ def share_with_consumer(device: int, consumer_installed: bool, make, extra=lambd
     assert q_out.get(timeout=120)[0] == "done"
     p.join(60)
     assert p.exitcode == 0, p.exitcode
-    del tensors, t
+    del tensors, t, kept
     torch.cuda.ipc_collect()
     gc.collect()
     torch.cuda.synchronize(device)
     assert torch.cuda.memory_allocated(device) <= base + 4096, (torch.cuda.memory_allocated(device), base)
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(device) <= reserved, (torch.cuda.memory_reserved(device), reserved)
     print("ipc ok", sorted(got))

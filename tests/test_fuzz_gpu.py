@@ -31,10 +31,9 @@ def test_installed_reads_the_same_bytes_as_native(seed):
     assert r["ok"], r
 
 
-# torch's reductions open a shared CUDA tensor as a cudaIpcMemHandle; memory of the VMM route
-# has none, so a consumer on torch's native allocator fails to open it.
+# torch's reductions open a shared CUDA tensor in torch's own formats: VMM memory goes as torch's
+# expandable-segment handle, so a consumer on torch's native allocator opens it.
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="a consumer on torch's native allocator cannot open VMM-route tensors yet", strict=True)
 def test_a_tensor_shared_after_the_program_opens_in_a_native_consumer():
     r = fuzz.differential(2, 1000, share=True)
     assert r["ok"], r

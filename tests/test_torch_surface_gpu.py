@@ -431,11 +431,13 @@ def tensors_shared_from_each_route_are_read_and_written_by_a_consumer(consumer_i
     def make():
         tensors = {}
         tensors["vmm"] = torch.full((3 * MiB + 5,), 7, dtype=torch.uint8, device="cuda")
+        # Runs of 16, 16 and 8 MiB: mapped again as 8 MiB handles before the first export.
+        tensors["vmm runs"] = torch.full((10 * MiB + 3,), 5, dtype=torch.int32, device="cuda")
+        weights = torch.full((64 * MiB,), 3, dtype=torch.uint8, device="cuda")
+        tensors["vmm view"] = weights[MiB + 1:40 * MiB]  # a view: the storage's offset counts too
         with torch_budget.region(route="sync"):
             tensors["sync"] = torch.full((1000,), 9, dtype=torch.int32, device="cuda")
-        if not consumer_installed:
-            tensors.pop("vmm")                      # torch's own allocator opens only its own formats
-        fills = {"vmm": 7, "sync": 9}
+        fills = {"vmm": 7, "vmm runs": 5, "vmm view": 3, "sync": 9}
         return tensors, fills
 
     def extra():
@@ -451,6 +453,24 @@ def tensors_shared_from_each_route_are_read_and_written_by_a_consumer(consumer_i
         return pooled
 
     share_with_consumer(0, consumer_installed, make, extra)
+
+
+def test_a_tensor_of_torchs_expandable_segments_opens_in_an_installed_consumer(fresh):
+    out = fresh(tensor_of_torchs_expandable_segments_opens_in_an_installed_consumer,
+                env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "ipc ok" in out
+
+
+def tensor_of_torchs_expandable_segments_opens_in_an_installed_consumer():
+    import os
+
+    def make():
+        t = torch.full((30 * MiB + 1,), 4, dtype=torch.uint8, device="cuda")  # torch's own allocator
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")  # read at its start: the consumer installs instead
+        assert torch.cuda.memory.get_allocator_backend() == "native"
+        return {"expandable": t}, {"expandable": 4}
+
+    share_with_consumer(0, True, make)
 
 
 def test_opening_a_handle_that_is_not_one_raises_a_clear_error(fresh):

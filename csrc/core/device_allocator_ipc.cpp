@@ -12,7 +12,7 @@ bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset) 
              "cannot share memory that does not start a live allocation of torch_budget on device " +
                  std::to_string(ctx_.device),
              false);
-  if (!export_block(ctx_, vmm_.get(), *b, handle, offset)) return false;
+  if (!export_block(ctx_, vmm_.get(), *b, open_captures() == 0, handle, offset)) return false;
   b->shared = true;  // its tag cannot be released while it lives (Note [Tag arenas])
   return true;
 }

@@ -71,6 +71,7 @@ struct DriverApi {
   CUresult (*memFreeAsync)(CUdeviceptr ptr, CUstream stream);
 
   // --- sharing memory with other processes (optional, each on its own)
+  CUresult (*memcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);  // sharing runs
   CUresult (*memExportToShareableHandle)(void* shareable, CUmemGenericAllocationHandle handle,
                                          CUmemAllocationHandleType type, unsigned long long flags);
   CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle* handle, void* shareable,

@@ -32,6 +32,15 @@ bool get(const std::string& s, size_t* at, T* v) {
   return true;
 }
 
+// The header of torch's expandable-segment handle (ExpandableSegment::ShareHeader), byte for
+// byte: what a consumer on torch's own allocator reads.
+struct TorchShareHeader {
+  pid_t pid;
+  size_t segment_size;
+  size_t num_handles;
+};
+static_assert(sizeof(TorchShareHeader) == 24, "torch's ShareHeader is 24 bytes on 64-bit Linux");
+
 }  // namespace
 
 std::string encode_share(const ShareHandle& h) {
@@ -42,12 +51,12 @@ std::string encode_share(const ShareHandle& h) {
     put(s, h.cuda);
     return s;
   }
-  put(s, h.pid);
-  put(s, static_cast<uint32_t>(h.pieces.size()));
-  for (const SharedPiece& p : h.pieces) {
-    put(s, static_cast<int32_t>(p.fd));
-    put(s, static_cast<uint64_t>(p.bytes));
-  }
+  TorchShareHeader header{};  // zero padding: the same bytes for the same memory
+  header.pid = h.pid;
+  header.segment_size = h.handle_bytes;
+  header.num_handles = h.fds.size();
+  put(s, header);
+  for (int fd : h.fds) put(s, fd);
   return s;
 }
 
@@ -69,30 +78,26 @@ bool decode_share(const std::string& bytes, ShareHandle* out) {
     return true;
   }
   TB_REQUIRE(out->kind == kShareVmm, kInvalidArgument,
-             std::string("CUDA memory handle of kind '") + out->kind +
-                 "' (torch's expandable segments share as 'e': open those with torch's own allocator): " + bad,
-             false);
-  uint32_t count = 0;
-  TB_REQUIRE(get(bytes, &at, &out->pid) && get(bytes, &at, &count) && count > 0 && count < (1u << 20),
+             std::string("CUDA memory handle of kind '") + out->kind + "': " + bad, false);
+  TorchShareHeader header{};
+  TB_REQUIRE(get(bytes, &at, &header) && header.segment_size > 0 && header.num_handles > 0 &&
+                 header.num_handles < (size_t{1} << 24) && bytes.size() - at == header.num_handles * sizeof(int),
              kInvalidArgument, bad, false);
-  for (uint32_t i = 0; i < count; ++i) {
-    int32_t fd = 0;
-    uint64_t n = 0;
-    TB_REQUIRE(get(bytes, &at, &fd) && get(bytes, &at, &n) && n > 0, kInvalidArgument, bad, false);
-    out->pieces.push_back(SharedPiece{fd, static_cast<size_t>(n)});
-  }
-  TB_REQUIRE(at == bytes.size(), kInvalidArgument, bad, false);
+  out->pid = header.pid;
+  out->handle_bytes = header.segment_size;
+  out->fds.resize(header.num_handles);
+  for (int& fd : out->fds) get(bytes, &at, &fd);
   return true;
 }
 
-bool take_remote_fds(int32_t pid, const std::vector<SharedPiece>& pieces, std::vector<int>* out) {
+bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>* out) {
   const long pidfd = syscall(SYS_pidfd_open, pid, 0);
   TB_REQUIRE(pidfd >= 0, kNotAvailable,
              "pidfd_open(" + std::to_string(pid) + ") failed: " + std::strerror(errno) +
                  " (sharing VMM memory needs Linux 5.6 and a producer that is still running)",
              false);
-  for (const SharedPiece& p : pieces) {
-    const long fd = syscall(SYS_pidfd_getfd, pidfd, p.fd, 0);
+  for (int remote : fds) {
+    const long fd = syscall(SYS_pidfd_getfd, pidfd, remote, 0);
     if (fd < 0) {
       const int err = errno;
       for (int f : *out) close(f);
@@ -110,14 +115,15 @@ bool take_remote_fds(int32_t pid, const std::vector<SharedPiece>& pieces, std::v
   return true;
 }
 
-bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset) {
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, bool may_sync, std::string* handle,
+                  size_t* offset) {
   ShareHandle h;
   switch (b.route) {
     case kRouteVmm: {
       h.kind = kShareVmm;
       h.pid = static_cast<int32_t>(getpid());
       uintptr_t start = 0;
-      if (!vmm->export_block(*b.segment, b.ptr, b.size, &h.pieces, &start)) return false;
+      if (!vmm->export_block(*b.segment, b.ptr, b.size, may_sync, &h.fds, &h.handle_bytes, &start)) return false;
       *offset = b.ptr - start;
       break;
     }
@@ -160,8 +166,8 @@ bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peer
   TB_REQUIRE(vmm && d->memImportFromShareableHandle != nullptr, kNotAvailable,
              "device " + std::to_string(ctx.device) + " cannot import VMM memory", false);
   std::vector<int> fds;
-  if (!take_remote_fds(h.pid, h.pieces, &fds)) return false;
-  for (const SharedPiece& p : h.pieces) out->bytes += p.bytes;
+  if (!take_remote_fds(h.pid, h.fds, &fds)) return false;
+  out->bytes = h.handle_bytes * h.fds.size();
   CUresult r = CUDA_SUCCESS;
   const char* call = "cuMemAddressReserve";
   CUdeviceptr base = 0;
@@ -175,13 +181,13 @@ bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peer
                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
       if (r != CUDA_SUCCESS) break;
       call = "cuMemMap";
-      r = d->memMap(base + at, h.pieces[i].bytes, 0, mh, 0);
+      r = d->memMap(base + at, h.handle_bytes, 0, mh, 0);
       if (r != CUDA_SUCCESS) {
         d->memRelease(mh);
         break;
       }
-      out->handles.emplace_back(mh, h.pieces[i].bytes);
-      at += h.pieces[i].bytes;
+      out->handles.emplace_back(mh, h.handle_bytes);
+      at += h.handle_bytes;
     }
     if (r == CUDA_SUCCESS) {
       call = "cuMemSetAccess";

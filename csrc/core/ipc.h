@@ -8,14 +8,15 @@
 // - sync route: the block's cuMemAlloc segment, in torch's own format (version byte,
 //   'c', the 64-byte cudaIpcMemHandle), so a consumer on torch's native allocator can
 //   open it too; offset = block - segment base.
-// - VMM route: the physical handles of the mappings under the block (whole mappings:
-//   a run mapping may reach past the block), exported as POSIX file descriptors --
-//   handles are created exportable when the device supports it. Format: version byte,
-//   't', the producer's pid and the mapping count, then per mapping its descriptor
-//   (a number in the producer) and its bytes. The consumer takes each descriptor out
-//   of the producer with pidfd_getfd (Linux 5.6; it needs ptrace rights over the
-//   producer, as torch's expandable segments do), imports it, maps the mappings in
-//   order in a fresh address range and grants its device access. The producer keeps
+// - VMM route: torch's own expandable-segment format (version byte, 'e', a header of the
+//   producer's pid, the bytes of each handle and their count, then each handle's POSIX file
+//   descriptor, a number in the producer), so a consumer on torch's native allocator opens
+//   it too; offset = block - start of the first handle. The consumer takes each descriptor
+//   out of the producer with pidfd_getfd (Linux 5.6; it needs ptrace rights over the
+//   producer, as torch's expandable segments do), imports it and maps the handles in order,
+//   each `segment bytes` long, in a fresh address range. That format needs every handle
+//   under the block to be the same size, which run mappings are not (Note [Run mappings],
+//   route_vmm.h): see Note [Sharing run mappings] (route_vmm_share.cpp). The producer keeps
 //   a handle's descriptor open for as long as the handle lives.
 // - stream-ordered pool route: refused with an error naming the routes to use.
 // The consumer's mapping holds the physical memory itself; torch's IPC reference
@@ -34,18 +35,14 @@ namespace tb {
 
 constexpr char kShareVersion = 2;  // torch's SHAREABLE_HANDLE_VERSION; we read up to 3
 constexpr char kShareCudaMalloc = 'c';
-constexpr char kShareVmm = 't';
-
-struct SharedPiece {
-  int fd;        // in the producer
-  size_t bytes;
-};
+constexpr char kShareVmm = 'e';  // torch's SHAREABLE_CUDA_EXPANDABLE_SEGMENT
 
 struct ShareHandle {
   char kind = 0;
-  CUipcMemHandle cuda{};             // kShareCudaMalloc
-  int32_t pid = 0;                   // kShareVmm
-  std::vector<SharedPiece> pieces;   // kShareVmm
+  CUipcMemHandle cuda{};   // kShareCudaMalloc
+  int32_t pid = 0;         // kShareVmm: the producer
+  size_t handle_bytes = 0; // kShareVmm: each handle's size
+  std::vector<int> fds;    // kShareVmm: the handles' descriptors, numbers in the producer, in address order
 };
 
 std::string encode_share(const ShareHandle& h);
@@ -66,8 +63,10 @@ struct DeviceContext;
 class VmmRoute;
 
 // The producer's side: the handle bytes of the live block `b` and its offset from what
-// the handle maps. false + error (kNotAvailable for the stream-ordered pool route).
-bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset);
+// the handle maps (`may_sync`: the device may be synchronised, impossible while a capture
+// is open). false + error (kNotAvailable for the stream-ordered pool route).
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, bool may_sync, std::string* handle,
+                  size_t* offset);
 // The consumer's side, on the device of `ctx` (`vmm`: it can import VMM memory), granting
 // `peers` access too; close_share undoes it (`may_sync`: wait for work queued on the
 // mapping first, impossible while a capture is open).
@@ -76,6 +75,6 @@ bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peer
 void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
 
 // Descriptors of another process (pidfd_open + pidfd_getfd); false + error.
-bool take_remote_fds(int32_t pid, const std::vector<SharedPiece>& pieces, std::vector<int>* out);
+bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>* out);
 
 }  // namespace tb

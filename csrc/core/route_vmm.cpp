@@ -41,34 +41,6 @@ CUresult VmmRoute::release_handle(CUmemGenericAllocationHandle h) {
   return r;
 }
 
-bool VmmRoute::export_block(const Segment& seg, uintptr_t ptr, size_t size, std::vector<SharedPiece>* pieces,
-                            uintptr_t* start) {
-  TB_REQUIRE(prop_.requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, kNotAvailable,
-             "device " + std::to_string(ctx_.device) +
-                 " cannot export VMM memory as file descriptors: share tensors allocated under "
-                 "torch_budget.route('sync') instead",
-             false);
-  const size_t first = (ptr - seg.base) / granule_;
-  const size_t last = (ptr + size - 1 - seg.base) / granule_;
-  size_t i = mapping_head(seg, first);
-  *start = seg.base + i * granule_;
-  while (i <= last) {
-    const CUmemGenericAllocationHandle h = seg.granules[i];
-    TB_REQUIRE(h != 0, kState, "internal: an allocated block lies on an unmapped granule", false);
-    const size_t span = std::max<size_t>(seg.span[i], 1);
-    auto it = fds_.find(h);
-    if (it == fds_.end()) {
-      int fd = -1;
-      TB_DRIVER_CHECK(driver()->memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                      false);
-      it = fds_.emplace(h, fd).first;
-    }
-    pieces->push_back(SharedPiece{it->second, span * granule_});
-    i += span;
-  }
-  return true;
-}
-
 Placement VmmRoute::placement(const Segment& seg) const {
   return Placement{kRouteVmm, seg.small, seg.pool->graph_pool()};
 }

@@ -106,10 +106,13 @@ class VmmRoute final : public Backing {
   size_t granule() const { return granule_; }
   // torch's reset_peak_memory_stats: the high-water mark starts again from what is live.
   void reset_high_water(size_t live) { high_water_ = live; }
-  // The mappings under [ptr, ptr + size) of `seg` as file descriptors, whole mappings:
-  // *start is where the first begins (Note [Sharing memory between processes]).
-  bool export_block(const Segment& seg, uintptr_t ptr, size_t size, std::vector<SharedPiece>* pieces,
-                    uintptr_t* start);
+  // The mappings under [ptr, ptr + size) of `seg` as file descriptors of handles of one size,
+  // *handle_bytes, whole mappings: *start is where the first begins (Note [Sharing memory
+  // between processes], ipc.h). Run mappings of other sizes are first mapped again with
+  // handles of that size (Note [Sharing run mappings], route_vmm_share.cpp), which needs
+  // `may_sync`. false + error, nothing changed.
+  bool export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_sync, std::vector<int>* fds,
+                    size_t* handle_bytes, uintptr_t* start);
 
   // For tag release / restore (tag_sleep.h). Maps granules `need` of `seg` (each
   // unmapped) with cached, reused or new memory; all or nothing.
@@ -164,6 +167,10 @@ class VmmRoute final : public Backing {
   bool map_moved(Segment& seg, size_t first, size_t room, size_t* mapped);
   // Gives the kept handles no mapping took back to the driver.
   void release_moving();
+  // Note [Sharing run mappings]: maps the `count`-granule mapping at `head` of `seg` again, at
+  // the same addresses and with the same contents, with handles of `piece` granules each.
+  // false + error, the mapping unchanged.
+  bool split_mapping(Segment& seg, size_t head, size_t piece);
   // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
   void note_map(Segment& seg, size_t head, size_t count);
   void note_unmap(Segment& seg, size_t head);

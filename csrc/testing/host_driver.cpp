@@ -125,7 +125,7 @@ const char* const kEntryPoints[] = {
     "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
     "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
-    "cuMemExportToShareableHandle",
+    "cuMemExportToShareableHandle", "cuMemcpyDtoDAsync",
 };
 
 bool known_entry(const std::string& name) {
@@ -552,6 +552,21 @@ CUresult h_htod(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
     in += n;
   });
 }
+CUresult h_dtod(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
+  HOST_ENTRY("cuMemcpyDtoDAsync");
+  std::vector<uint8_t> staged(bytes);
+  uint8_t* at = staged.data();
+  CUresult r = visit_device(src, bytes, [&](uint8_t* p, size_t n) {
+    std::memcpy(at, p, n);
+    at += n;
+  });
+  if (r != CUDA_SUCCESS) return r;
+  at = staged.data();
+  return visit_device(dst, bytes, [&](uint8_t* p, size_t n) {
+    std::memcpy(p, at, n);
+    at += n;
+  });
+}
 CUresult h_memset(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream) {
   HOST_ENTRY("cuMemsetD8Async");
   return visit_device(dst, bytes, [&](uint8_t* p, size_t n) { std::memset(p, value, n); });
@@ -693,6 +708,7 @@ tb::DriverApi make_api() {
   a.memcpyDtoHAsync = h_dtoh;
   a.memcpyHtoDAsync = h_htod;
   a.memsetD8Async = h_memset;
+  a.memcpyDtoDAsync = h_dtod;
   a.memHostAlloc = h_host_alloc;
   a.memFreeHost = h_free_host;
   a.streamGetCaptureInfo = h_capture_info;

@@ -1,0 +1,138 @@
+"""Sharing VMM memory in torch's own expandable-segment format (Note [Sharing run mappings],
+csrc/core/route_vmm_share.cpp), over the host stand-in: run mappings of different lengths are
+mapped again with handles of one size before the first export, contents, reserved memory and
+the budget unchanged; refused, with nothing changed, while a capture is open or past the
+budget."""
+import os
+import struct
+
+import pytest
+
+from _hostcore import OOM, MiB, S2, Host, isolated
+from torch_budget.errors import StateError
+
+pytestmark = pytest.mark.built("_host_core")
+
+
+def parse(handle):
+    """torch's layout: version, 'e', ShareHeader {pid_t pid; size_t segment_size; size_t
+    num_handles} (24 bytes, 4 of padding after the pid), then one int per handle."""
+    assert handle[0] == 2 and handle[1:2] == b"e", handle[:2]
+    pid, _pad, segment, count = struct.unpack_from("=iiQQ", handle, 2)
+    assert len(handle) == 2 + 24 + 4 * count, (len(handle), count)
+    fds = list(struct.unpack_from(f"={count}i", handle, 26))
+    return pid, segment, fds
+
+
+def pattern(n, seed):
+    return bytes((i * 7 + seed) & 0xFF for i in range(n))
+
+
+@isolated
+def test_runs_of_different_lengths_are_shared_as_handles_of_one_size_with_contents_kept():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)                      # mapped as runs of 16, 16 and 8 MiB
+    data = pattern(40 * MiB, 3)
+    h.poke(t, data)
+    reserved, allocs = h.reserved(), h.stats()["num_device_alloc"]
+    handle, offset = h.share(t)
+    pid, segment, fds = parse(handle)
+    assert pid == os.getpid()
+    assert segment == 8 * MiB and len(fds) == 5 and offset == 0
+    assert len(set(fds)) == 5
+    assert h.peek(t, 40 * MiB) == data          # the same bytes, now on five 8 MiB handles
+    assert h.reserved() == reserved             # the old runs went back as the new handles came
+    assert h.stats()["num_device_alloc"] == allocs + 4
+    assert h.share(t) == (handle, offset)       # the same handles the second time, nothing moved
+    assert h.stats()["num_device_alloc"] == allocs + 4
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 and h.device_used() == 0
+
+
+@isolated
+def test_a_range_of_one_run_length_is_shared_as_it_is():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(32 * MiB)                      # two runs of 16 MiB
+    allocs = h.stats()["num_device_alloc"]
+    handle, offset = h.share(t)
+    _, segment, fds = parse(handle)
+    assert segment == 16 * MiB and len(fds) == 2 and offset == 0
+    assert h.stats()["num_device_alloc"] == allocs
+    h.free(t)
+
+
+@isolated
+def test_a_block_inside_a_run_is_shared_from_the_runs_start():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(16 * MiB)                      # one run of 16 MiB
+    base = t
+    h.free(t)
+    a = h.malloc(6 * MiB)
+    b = h.malloc(6 * MiB)                       # both inside the run, b not at its start
+    assert base <= a < b < base + 16 * MiB and b != base
+    h.poke(b, pattern(6 * MiB, 9))
+    handle, offset = h.share(b)
+    _, segment, fds = parse(handle)
+    assert (segment, len(fds)) == (16 * MiB, 1)
+    assert b - offset == base                   # the offset counts from the run's start
+    assert h.peek(b, 6 * MiB) == pattern(6 * MiB, 9)
+    h.free(a)
+    h.free(b)
+
+
+@isolated
+def test_sharing_that_needs_new_handles_is_refused_while_a_capture_is_open():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 5))
+    h.begin_pool((0, 3), S2)
+    with pytest.raises(StateError, match="capture"):
+        h.share(t)
+    h.end_pool((0, 3))
+    _, segment, fds = parse(h.share(t)[0])
+    assert (segment, len(fds)) == (8 * MiB, 5)
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 5)
+    h.free(t)
+
+
+@isolated
+def test_sharing_past_the_budget_is_an_out_of_memory_error_and_changes_nothing():
+    h = Host(route="vmm", map_run=16 * MiB, budget=48 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 1))
+    allocs = h.stats()["num_device_alloc"]
+    with pytest.raises(OOM, match="budget"):
+        h.share(t)                              # re-mapping a 16 MiB run needs 16 MiB more for a moment
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 1)
+    assert h.reserved() == 40 * MiB and h.stats()["num_device_alloc"] == allocs
+    h.set_budget(64 * MiB)
+    _, segment, fds = parse(h.share(t)[0])
+    assert (segment, len(fds)) == (8 * MiB, 5)
+    assert h.reserved() <= 48 * MiB
+    h.free(t)
+
+
+@isolated
+def test_a_driver_failure_while_mapping_again_leaves_the_memory_as_it_was():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 2))
+    reserved, used = h.reserved(), h.device_used()
+    # Each run of 16 MiB: two new handles mapped at a scratch range (maps 1, 2), access, the copy,
+    # scratch and old range unmapped (unmaps 1, 2), the new handles mapped in its place (maps 3, 4),
+    # access; the second run after (maps 5 to 8); then the exports.
+    for entry, nth in [("cuMemCreate", 1), ("cuMemCreate", 2), ("cuMemMap", 1), ("cuMemMap", 3), ("cuMemMap", 4),
+                       ("cuMemMap", 7), ("cuMemSetAccess", 1), ("cuMemSetAccess", 2), ("cuMemcpyDtoDAsync", 1),
+                       ("cuMemUnmap", 1), ("cuMemUnmap", 2), ("cuMemExportToShareableHandle", 3)]:
+        h.fail(entry, nth=nth)
+        with pytest.raises(Exception):
+            h.share(t)
+        h.heal()
+        assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 2), (entry, nth)
+        assert (h.reserved(), h.device_used()) == (reserved, used), (entry, nth)
+    _, segment, fds = parse(h.share(t)[0])
+    assert (segment, len(fds)) == (8 * MiB, 5)
+    h.free(t)
+    h.empty_cache()
+    assert h.device_used() == 0
