@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from _hostcore import GiB, Host, MiB, S1, S2, in_child
+from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -38,6 +38,7 @@ class Program:
         for i, entry in enumerate(FAULTS if fault_rate else []):
             self.h.fail(entry, rate=fault_rate, seed=seed * 7 + i + 1)
         self.live = {}  # ptr -> (size, signature)
+        self.untagged = set()  # live pointers allocated outside the tag
         self.released = False
 
     def check(self, step):
@@ -73,6 +74,8 @@ class Program:
         for off in probes(size):
             assert h.poke(ptr + off, stamp(sig, off)), f"a fresh block {ptr:#x} is not writable"
         self.live[ptr] = (size, sig)
+        if not tagged:
+            self.untagged.add(ptr)
         if self.share and rng.random() < 0.05:
             try:
                 h.share(ptr)
@@ -89,6 +92,7 @@ class Program:
         elif x < 0.93:
             ptr = rng.choice(list(self.live))
             del self.live[ptr]
+            self.untagged.discard(ptr)
             h.free(ptr)
         elif x < 0.95:
             h.reset_peaks()
@@ -111,7 +115,14 @@ class Program:
         h = self.h
         h.heal()
         if self.released:
-            h.restore("t")
+            try:
+                h.restore("t")
+            except OOM:  # what was allocated while it slept fills the budget: free that first
+                for ptr in self.untagged:
+                    del self.live[ptr]
+                    h.free(ptr)
+                self.untagged.clear()
+                h.restore("t")
             self.released = False
         self.check("end")
         for s in (S1, S2):
