@@ -59,7 +59,7 @@ if has tms; then
 fi
 
 if has bench; then
-  for bench in ${BENCHES:-bench_alloc bench_e2e bench_graphs bench_workspace bench_sleep bench_torch_surface plan_hf}; do
+  for bench in ${BENCHES:-bench_alloc bench_e2e bench_graphs bench_workspace bench_sleep bench_tms bench_torch_surface plan_hf}; do
     [ -f "tools/$bench.py" ] || continue
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
