@@ -243,6 +243,13 @@ int tb_restore_tag(int device, int tag) {
   return d->restore_tag(tag) ? 0 : code();
 }
 
+int tb_drop_tag_backup(int device, int tag) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->drop_tag_backup(tag) ? 0 : code();
+}
+
 int tb_tag_info(int device, int tag, int64_t out[8]) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);
@@ -252,7 +259,8 @@ int tb_tag_info(int device, int tag, int64_t out[8]) {
     return kInvalidArgument;
   }
   const TagView v = d->tag_view(tag);
-  const int64_t values[8] = {v.life, v.backup, v.resident, v.released, v.last_device, v.last_backup, v.backup_bytes, 0};
+  const int64_t values[8] = {v.life,        v.backup,      v.resident,     v.released,
+                             v.last_device, v.last_backup, v.backup_bytes, v.retained};
   std::copy(values, values + 8, out);
   return 0;
 }

@@ -77,12 +77,15 @@ TB_API int tb_grant_peer(int device, int peer);
 // --- sleep / wake (VMM memory under a tag; csrc/core/tag_sleep.h)
 TB_API int tb_tag_find(const char* name);  // id of a known tag, -1 if none has that name
 TB_API int tb_device_ready(int device);    // 1 once torch_budget serves allocations on `device`
-// backup: 0 none, 1 memset, 2 cpu, 3 pinned.
+// backup: 0 none, 1 memset, 2 cpu, 3 pinned; | 0x100 retains a cpu / pinned backup past the
+// restore (Note [Retained backups], core/tag_sleep.h).
 TB_API int tb_release_tag(int device, int tag, int backup);
 TB_API int tb_restore_tag(int device, int tag);
+// Gives back the backup a live tag retained.
+TB_API int tb_drop_tag_backup(int device, int tag);
 // out: life (0 live, 1 released, 2 restoring), backup (-1 never released), resident bytes,
 // released bytes, device bytes and backup bytes the last release / restore moved, host
-// bytes of the backup held.
+// bytes of the backup held, 1 when a live tag retains its backup.
 TB_API int tb_tag_info(int device, int tag, int64_t out[8]);
 // The tag of graph pool (id0, id1) / of the live block at `ptr`; -1 when there is none.
 TB_API int tb_pool_tag(int device, uint64_t id0, uint64_t id1);

@@ -264,8 +264,12 @@ class Host:
     # -- sleep / wake (csrc/core/tag_sleep.h)
     BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}
 
-    def release(self, tag, backup="none", device=0):
-        _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), self.BACKUPS[backup]))
+    def release(self, tag, backup="none", device=0, retain=False):
+        mode = self.BACKUPS[backup] | (0x100 if retain else 0)
+        _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), mode))
+
+    def drop_backup(self, tag, device=0):
+        _native.check(self.lib, self.lib.tb_drop_tag_backup(device, self.tag(tag)))
 
     def restore(self, tag, device=0):
         _native.check(self.lib, self.lib.tb_restore_tag(device, self.tag(tag)))
@@ -273,7 +277,7 @@ class Host:
     def tag_info(self, tag, device=0):
         out = (ctypes.c_int64 * 8)()
         _native.check(self.lib, self.lib.tb_tag_info(device, self.tag(tag), out))
-        keys = ["life", "backup", "resident", "released", "last_device", "last_backup", "backup_bytes"]
+        keys = ["life", "backup", "resident", "released", "last_device", "last_backup", "backup_bytes", "retained"]
         return dict(zip(keys, out))
 
     def trim(self, tag, device=0):

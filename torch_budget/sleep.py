@@ -14,6 +14,13 @@ Backups (`backup=`):
   "none"    contents are undefined after restore (a KV cache about to be refilled).
 The default keeps contents: losing them must be asked for.
 
+Retained backups (`retain=True`, with "cpu" or "pinned"): the restore keeps the backup and
+digests what it restored on the device (128 bits per 2 MiB, at memory speed); the next
+release with the same backup and the same allocations copies only what changed since, and
+drops the rest at once, so sleeping an unchanged model costs an unmap, not a copy over the
+link. A live tag's retained backup shows in tag_states() ("retained", "backup_bytes");
+drop_backup() gives it back.
+
 Arguments, as everywhere in the package: `tags=None` is every tag (untagged memory is
 never released), `device=None` the current device and `device="all"` every device
 torch_budget serves.
@@ -37,11 +44,12 @@ from ._runtime import Device, Tags
 from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
-__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "tag_states", "released_tags",
+__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states", "released_tags",
            "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
+_RETAIN = 0x100  # or-ed into a cpu / pinned mode (kBackupRetain)
 DEFAULT_BACKUP = "pinned"
 STATES = ("live", "released", "restoring")
 _LIVE, _RELEASED = 0, 1
@@ -66,6 +74,7 @@ class TagState(TypedDict):
     released: int  # bytes waiting to be restored
     backup: str | None  # mode of the last release
     backup_bytes: int  # host bytes held
+    retained: bool  # live, keeping its backup for the next release (release(retain=True))
 
 
 class HostPoolStats(TypedDict):
@@ -136,12 +145,17 @@ def _targets(lib, tags, device, life: int) -> list[tuple[int, int, str]]:
     return sorted(targets)
 
 
-def _backup_id(backup) -> int:
+def _backup_id(backup, retain: bool = False) -> int:
     if not isinstance(backup, str):
         raise TypeError(f"backup must be a str, got {type(backup).__name__}")
     if backup not in BACKUPS:
         raise InvalidArgumentError(f"unknown backup {backup!r}: expected one of {', '.join(BACKUPS)}")
-    return BACKUPS[backup]
+    if not isinstance(retain, bool):
+        raise TypeError(f"retain must be a bool, got {type(retain).__name__}")
+    if retain and backup not in ("cpu", "pinned"):
+        raise InvalidArgumentError(f"retain=True keeps a backup past the restore: it needs backup 'cpu' or 'pinned', "
+                                   f"not {backup!r}")
+    return BACKUPS[backup] | (_RETAIN if retain else 0)
 
 
 def _moved(lib, device, tag) -> tuple[int, int]:
@@ -154,8 +168,8 @@ def _report(targets, moved: int, backed: int, start: float) -> SleepReport:
             "bytes": moved, "backup_bytes": backed, "seconds": time.perf_counter() - start}
 
 
-def _release(lib, targets, backup: str) -> SleepReport:
-    mode = BACKUPS[backup]
+def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
+    mode = _backup_id(backup, retain)
     start = time.perf_counter()
     moved = backed = 0
     done: list[tuple[int, int, str]] = []
@@ -189,19 +203,22 @@ def _restore(lib, targets) -> SleepReport:
     return _report(targets, moved, backed, start)
 
 
-def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None) -> SleepReport:
+def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
+            retain: bool = False) -> SleepReport:
     """Releases the device memory of `tags` (a name or names; None: every live tag) on
     `device` (None: the current device; "all": every device where the tag is live), backing
-    the contents up as `backup` says (default "pinned": contents kept). Returns {"tags",
-    "devices", "bytes" (returned to the driver), "backup_bytes", "seconds"}.
+    the contents up as `backup` says (default "pinned": contents kept); `retain=True` keeps
+    the backup past the restore so the next release copies only what changed (see the
+    module's notes). Returns {"tags", "devices", "bytes" (returned to the driver),
+    "backup_bytes" (bytes this release copied), "seconds"}.
 
     All or nothing: a tag in the wrong state raises TagStateError before anything is
     released; when a release fails, the ones this call did before it are restored and the
     error raised.
     """
     lib = _runtime.require_installed("torch_budget.release()")
-    _backup_id(backup)
-    return _release(lib, _targets(lib, tags, device, _LIVE), backup)
+    _backup_id(backup, retain)
+    return _release(lib, _targets(lib, tags, device, _LIVE), backup, retain)
 
 
 def restore(tags: Tags = None, device: Device = None) -> SleepReport:
@@ -218,29 +235,55 @@ def restore(tags: Tags = None, device: Device = None) -> SleepReport:
 
 
 @contextlib.contextmanager
-def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None) -> Iterator[SleepReport]:
+def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
+             retain: bool = False) -> Iterator[SleepReport]:
     """`with torch_budget.sleeping("weights"):` releases on entry (as release(), same
     arguments and defaults) and restores exactly what it released on exit, also when the
     body raises. Yields the release report; the restore report is added under "restore"."""
     lib = _runtime.require_installed("torch_budget.sleeping()")
-    _backup_id(backup)
+    _backup_id(backup, retain)
     targets = _targets(lib, tags, device, _LIVE)
-    report = _release(lib, targets, backup)
+    report = _release(lib, targets, backup, retain)
     try:
         yield report
     finally:
         report["restore"] = _restore(lib, targets)
 
 
+def drop_backup(tags: Tags = None, device: Device = None) -> int:
+    """Gives back the backups that live `tags` (None: every tag) retained on `device` (None:
+    the current device; "all": every device) for their next release (release(retain=True));
+    that release then copies everything. Returns the host bytes given back. A released tag
+    raises TagStateError: its backup holds its contents."""
+    lib = _runtime.require_installed("torch_budget.sleep.drop_backup()")
+    devices = _runtime.served_devices(lib) if _runtime.is_all(device) else [_runtime.device_index(device)]
+    names = tag_names(tags) if tags is not None else None
+    freed = 0
+    for dev in devices:
+        for name, state in tag_states(dev).items():
+            if names is not None and name not in names:
+                continue
+            if state["state"] != "live":
+                if names is not None:
+                    raise TagStateError(f"tag {name!r} is {state['state']} on device {dev}: its backup holds its "
+                                        f"contents until the restore")
+                continue
+            if state["retained"]:
+                _native.check(lib, lib.tb_drop_tag_backup(dev, _tag_id(lib, name)), state=TagStateError)
+                freed += state["backup_bytes"]
+    return freed
+
+
 def tag_states(device: Device = None) -> dict[str, TagState]:
     """Every tag on `device` (None: the current device) -> {"state": live | released |
     restoring, "resident" (device bytes mapped behind it, graph pools included), "released"
     (bytes waiting to be restored), "backup" (mode of the last release or None),
-    "backup_bytes" (host bytes held)}. The same entries are in torch_budget.stats()["by_tag"]."""
+    "backup_bytes" (host bytes held), "retained" (live, keeping its backup for the next
+    release)}. The same entries are in torch_budget.stats()["by_tag"]."""
     lib = _runtime.require_installed("torch_budget.sleep.tag_states()")
     raw = _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(device))
     return {name: {"state": t["state"], "resident": t["resident"], "released": t["released"],
-                   "backup": t["backup"], "backup_bytes": t["backup_bytes"]}
+                   "backup": t["backup"], "backup_bytes": t["backup_bytes"], "retained": bool(t["retained"])}
             for name, t in raw["tags"].items()}
 
 

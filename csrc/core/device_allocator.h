@@ -149,8 +149,9 @@ class DeviceAllocator {
 
   // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
   // not live / not released, during a capture, or with live memory off the VMM route.
-  bool release_tag(int tag, int backup);
+  bool release_tag(int tag, int backup);  // backup: a Backup, with kBackupRetain or-ed in for cpu / pinned
   bool restore_tag(int tag);
+  bool drop_tag_backup(int tag);          // Note [Retained backups]
   TagView tag_view(int tag);
   // The tag a graph pool was created under, -1 for an unknown pool.
   int pool_tag(const PoolId& id);

@@ -22,8 +22,12 @@ bool DeviceAllocator::check_tag(int tag, const char* what) {
 }
 
 bool DeviceAllocator::release_tag(int tag, int backup) {
+  const bool retain = (backup & kBackupRetain) != 0;
+  backup &= ~kBackupRetain;
   TB_REQUIRE(backup >= 0 && backup < kBackupModes, kInvalidArgument,
              "unknown backup mode " + std::to_string(backup) + ": none, memset, cpu or pinned", false);
+  TB_REQUIRE(!retain || backup == kBackupCpu || backup == kBackupPinned, kInvalidArgument,
+             std::string("only a cpu or pinned backup can be retained, not ") + backup_name(backup), false);
   std::unique_lock<std::mutex> lock(mu_);
   if (!check_tag(tag, "release")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
@@ -33,7 +37,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   uses_.settle();
   TB_REQUIRE(tags_.live(tag), kState, name + " was released by another thread meanwhile", false);
   RelaxedCaptureMode relaxed(open_captures() > 0);
-  return tags_.release(tag, static_cast<Backup>(backup), name);
+  return tags_.release(tag, static_cast<Backup>(backup), retain, name);
 }
 
 bool DeviceAllocator::restore_tag(int tag) {
@@ -57,6 +61,12 @@ bool DeviceAllocator::restore_tag(int tag) {
     set_error(code, head + why);
   }
   return false;
+}
+
+bool DeviceAllocator::drop_tag_backup(int tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
+  return tags_.drop_retained(tag, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
 }
 
 TagView DeviceAllocator::tag_view(int tag) {

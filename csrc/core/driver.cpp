@@ -91,6 +91,10 @@ bool load_cuda_driver(std::string* why) {
   resolve(lib, "cuMemPoolSetAccess", &d.memPoolSetAccess, nullptr);
   resolve(lib, "cuMemAllocFromPoolAsync", &d.memAllocFromPoolAsync, nullptr);
   resolve(lib, "cuMemFreeAsync", &d.memFreeAsync, nullptr);
+  resolve(lib, "cuModuleLoadData", &d.moduleLoadData, nullptr);
+  resolve(lib, "cuModuleUnload", &d.moduleUnload, nullptr);
+  resolve(lib, "cuModuleGetFunction", &d.moduleGetFunction, nullptr);
+  resolve(lib, "cuLaunchKernel", &d.launchKernel, nullptr);
   resolve(lib, "cuMemcpyDtoDAsync_v2", &d.memcpyDtoDAsync, nullptr);
   resolve(lib, "cuMemExportToShareableHandle", &d.memExportToShareableHandle, nullptr);
   resolve(lib, "cuMemImportFromShareableHandle", &d.memImportFromShareableHandle, nullptr);

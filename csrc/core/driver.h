@@ -70,6 +70,13 @@ struct DriverApi {
   CUresult (*memAllocFromPoolAsync)(CUdeviceptr* ptr, size_t bytes, CUmemoryPool pool, CUstream stream);
   CUresult (*memFreeAsync)(CUdeviceptr ptr, CUstream stream);
 
+  // --- the digest kernel of retained backups (optional as a group; digest.h)
+  CUresult (*moduleLoadData)(CUmodule* module, const void* image);
+  CUresult (*moduleUnload)(CUmodule module);
+  CUresult (*moduleGetFunction)(CUfunction* f, CUmodule module, const char* name);
+  CUresult (*launchKernel)(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                           unsigned bz, unsigned shared, CUstream stream, void** params, void** extra);
+
   // --- sharing memory with other processes (optional, each on its own)
   CUresult (*memcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);  // sharing runs
   CUresult (*memExportToShareableHandle)(void* shareable, CUmemGenericAllocationHandle handle,

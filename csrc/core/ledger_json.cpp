@@ -141,6 +141,7 @@ std::string stats_json(DeviceAllocator& d) {
       j.field("resident", views[t].resident);
       j.field("released", views[t].released);
       j.field("backup_bytes", views[t].backup_bytes);
+      j.field("retained", views[t].retained);
       j.close('}');
     }
     j.close('}');

@@ -72,7 +72,7 @@ std::vector<std::vector<bool>> TagArenas::still_needed(const TagState& st) const
   return out;
 }
 
-bool TagArenas::release(int tag, Backup backup, const std::string& name) {
+bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& name) {
   // Checked after the owner's synchronisation: other threads may have allocated under the tag meanwhile.
   // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
   // released and restored, the producer would read and write new memory the consumer never sees.
@@ -121,7 +121,7 @@ bool TagArenas::release(int tag, Backup backup, const std::string& name) {
   TagState& st = state_[tag];
   bool recovered = false;
   clock_.allow_requests(false);  // a recovery restore takes cached or clean memory, never asks for a sync
-  if (!mover_->release(std::move(pieces), backup, &st, &recovered)) {
+  if (!mover_->release(std::move(pieces), backup, retain, &st, &recovered)) {
     if (!recovered) st.life = kTagReleased;
     const std::string why = last_error_message();
     set_error(last_error_code() == kOk ? kDriverError : last_error_code(), "release of " + name + " failed: " + why);
@@ -149,8 +149,17 @@ bool TagArenas::restore(int tag, size_t* needed) {
     return false;
   }
   st.pieces.clear();
-  st.drop_backup();
+  if (st.kept.empty()) st.drop_backup();  // else retained for the next release
   st.life = kTagLive;
+  return true;
+}
+
+bool TagArenas::drop_retained(int tag, const std::string& name) {
+  TagState& st = state_[tag];
+  TB_REQUIRE(st.life == kTagLive, kState, name + " is released: its backup holds its contents until the restore",
+             false);
+  st.drop_backup();
+  st.retain = false;
   return true;
 }
 
@@ -171,6 +180,7 @@ TagView TagArenas::view(int tag) const {
   v.backup_bytes = static_cast<int64_t>(st.backup_bytes);
   v.last_device = st.last_device_bytes;
   v.last_backup = st.last_backup_bytes;
+  v.retained = st.life == kTagLive && !st.kept.empty() ? 1 : 0;
   return v;
 }
 

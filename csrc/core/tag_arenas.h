@@ -33,6 +33,7 @@ struct TagView {
   int64_t backup_bytes;  // host bytes holding its backup
   int64_t last_device;   // device bytes the last release / restore moved
   int64_t last_backup;   // bytes it copied
+  int64_t retained;      // 1: a live tag keeps its backup for the next release (Note [Retained backups])
 };
 
 class TagArenas {
@@ -53,9 +54,12 @@ class TagArenas {
   void charge(const Block& b) { if (b.route != kRouteVmm) ++off_route_[b.tag]; }
   void uncharge(const Block& b) { if (b.route != kRouteVmm) --off_route_[b.tag]; }
 
-  // Releases `tag` (live, the device idle) with `backup`; `name` says which tag where, for
-  // messages. kState when it cannot be released now.
-  bool release(int tag, Backup backup, const std::string& name);
+  // Releases `tag` (live, the device idle) with `backup` (`retain`: kept past the restore,
+  // Note [Retained backups]); `name` says which tag where, for messages. kState when it
+  // cannot be released now.
+  bool release(int tag, Backup backup, bool retain, const std::string& name);
+  // Gives back the backup a live `tag` retained; false + kState when the tag is released.
+  bool drop_retained(int tag, const std::string& name);
   // Restores `tag`, released (the owner checked). On failure the tag stays released with
   // its backup; *needed gets the bytes the restore had to map.
   bool restore(int tag, size_t* needed);

@@ -28,6 +28,8 @@ void TagState::drop_backup() {
   host.clear();
   pageable = false;
   backup_bytes = 0;
+  kept.clear();
+  digests.clear();
 }
 
 namespace {
@@ -77,19 +79,19 @@ bool TagMover::ready() {
   return true;
 }
 
-// Copies granules [from, from + n) of piece `p` between the device and its backup.
-bool TagMover::copy(const Piece& p, bool to_device, const TagState& state) {
+bool TagMover::copy(const Piece& p, bool to_device, const TagState& state, const std::vector<bool>* only) {
   const size_t g = vmm_.granule();
   const DriverApi* d = driver();
+  // Granules that are mapped now (a restore skips those no block needs) and asked for.
+  auto wanted = [&](size_t k) { return p.seg->granules[p.first + k] != 0 && (only == nullptr || (*only)[k]); };
   size_t from = 0;
   while (from < p.count) {
-    // Runs of granules that are mapped now (a restore skips those no block needs).
-    if (p.seg->granules[p.first + from] == 0) {
+    if (!wanted(from)) {
       ++from;
       continue;
     }
     size_t to = from;
-    while (to < p.count && p.seg->granules[p.first + to] != 0) ++to;
+    while (to < p.count && wanted(to)) ++to;
     uintptr_t va = p.seg->base + (p.first + from) * g;
     const bool ok = for_host(state.host, p.offset + from * g, (to - from) * g, [&](uint8_t* host, size_t bytes) {
       CUresult r = to_device ? d->memcpyHtoDAsync(va, host, bytes, stream_)
@@ -103,6 +105,23 @@ bool TagMover::copy(const Piece& p, bool to_device, const TagState& state) {
     from = to;
   }
   return true;
+}
+
+bool TagMover::digest(const Piece& p, std::vector<Digest>* out) {
+  return digester_.digest(stream_, p.seg->base + p.first * vmm_.granule(), p.count, vmm_.granule(), out);
+}
+
+bool TagMover::reusable(const std::vector<Piece>& pieces, Backup mode, const TagState& state) const {
+  if (state.kept.empty() || state.host.empty() || mode != state.backup || pieces.size() != state.kept.size())
+    return false;
+  size_t granules = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& a = pieces[i];
+    const Piece& b = state.kept[i];
+    if (a.seg != b.seg || a.first != b.first || a.count != b.count || a.offset != b.offset) return false;
+    granules += a.count;
+  }
+  return granules == state.digests.size();
 }
 
 bool TagMover::fill_zero(const Piece& p) {
@@ -147,7 +166,7 @@ bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
   return true;
 }
 
-bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered) {
+bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagState* state, bool* recovered) {
   *recovered = true;  // until something is dropped, a failure leaves the tag as it was
   if (!ready()) return false;
   ContextGuard guard(ctx_.ctx);
@@ -158,12 +177,37 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, 
     p.offset = total;
     total += p.count * g;
   }
+  const bool copies = mode == kBackupCpu || mode == kBackupPinned;
+  // Note [Retained backups]: the granules of each piece whose digest changed since the
+  // restore (none computed: all of them).
+  std::vector<std::vector<bool>> stale;
+  const bool reuse = copies && reusable(pieces, mode, *state);
+  if (reuse) {
+    std::vector<Digest> now;
+    bool digested = true;
+    for (const Piece& p : pieces)
+      if (!(digested = digest(p, &now))) break;
+    if (digested) {
+      size_t k = 0;
+      for (const Piece& p : pieces) {
+        stale.emplace_back(p.count);
+        for (size_t j = 0; j < p.count; ++j, ++k) stale.back()[j] = now[k] != state->digests[k];
+      }
+    } else {
+      clear_error();  // the backup is still whole: copy everything into it
+    }
+    state->kept.clear();
+    state->digests.clear();
+  } else {
+    state->drop_backup();  // a retained backup this release cannot use
+  }
   state->pieces.clear();
   state->backup = mode;
+  state->retain = retain && copies;
   state->last_device_bytes = static_cast<int64_t>(total);
   state->last_backup_bytes = 0;
-  const bool copies = mode == kBackupCpu || mode == kBackupPinned;
-  if (copies && total > 0) {
+  copied_ = 0;
+  if (copies && total > 0 && !reuse) {
     if (mode == kBackupPinned) {
       if (!HostPool::get().take(total, &state->host)) return false;
     } else {
@@ -195,7 +239,7 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, 
   size_t settled = 0;
   for (size_t i = 0; i < n && ok; ++i) {
     if (i >= w) ok = settle(settled++);
-    if (ok) ok = copy(pieces[i], false, *state);
+    if (ok) ok = copy(pieces[i], false, *state, stale.empty() ? nullptr : &stale[i]);
     if (ok) {
       CUresult r = d->eventRecord(events_[i % w], stream_);
       ok = r == CUDA_SUCCESS || fail_driver(r, "cuEventRecord", __FILE__, __LINE__);
@@ -203,7 +247,7 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, 
   }
   while (ok && settled < n) ok = settle(settled++);
   if (ok) {
-    state->last_backup_bytes = static_cast<int64_t>(total);
+    state->last_backup_bytes = static_cast<int64_t>(copied_);
     return true;
   }
   // What was dropped has a complete backup: try to put it back at once.
@@ -219,6 +263,22 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, TagState* state, 
   }
   set_error(code, msg + (*recovered ? "" : "; the part released so far stays released with its backup: restore it"));
   return false;
+}
+
+void TagMover::keep_digests(TagState* state) {
+  // Only a restore that mapped every granule back leaves a backup the next release can take.
+  for (const Piece& p : state->pieces)
+    for (size_t i = p.first; i < p.first + p.count; ++i)
+      if (p.seg->granules[i] == 0) return;
+  std::vector<Digest> digests;
+  for (const Piece& p : state->pieces) {
+    if (!digest(p, &digests)) {
+      clear_error();  // the restore itself succeeded; the next release copies everything
+      return;
+    }
+  }
+  state->kept = state->pieces;
+  state->digests = std::move(digests);
 }
 
 bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& needed) {
@@ -243,6 +303,7 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
   state->last_device_bytes = static_cast<int64_t>(mapped.size() * vmm_.granule());
   if (ok) {
     state->last_backup_bytes = static_cast<int64_t>(copied_);
+    if (state->retain && !state->host.empty()) keep_digests(state);
     return true;
   }
   const ErrorCode code = last_error_code();

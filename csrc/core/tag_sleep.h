@@ -29,6 +29,19 @@
 //
 // Both hold the device lock while they copy: they wait only for their own stream,
 // never for another thread's work, so the lock rule of device_allocator.h holds.
+//
+// Note [Retained backups]
+// A release with a cpu or pinned backup may ask to retain it: the restore then keeps the
+// backup and its pieces, and digests each restored granule on the device (digest.h: 128
+// bits per granule, at memory speed). The next release that asks for the same backup again
+// finds the same pieces (the tag's live blocks cover the same granules) and digests the
+// device again: only granules whose digest changed are copied into the backup, the rest
+// are dropped at once, so sleeping an unchanged model costs an unmap, not a copy over the
+// link. When the pieces differ (the tag's allocations changed), the backup mode differs,
+// the restore skipped granules freed during the sleep, or digests cannot be computed, the
+// retained backup is dropped and the release copies everything, as without retention. A
+// retained backup is counted in backup_bytes while the tag is live, and drop_retained()
+// gives it back.
 #pragma once
 
 #include <cuda.h>
@@ -38,6 +51,7 @@
 #include <vector>
 
 #include "block_cache.h"
+#include "digest.h"
 #include "driver.h"
 #include "host_pool.h"
 
@@ -46,6 +60,8 @@ namespace tb {
 class VmmRoute;
 
 enum Backup : int { kBackupNone = 0, kBackupMemset = 1, kBackupCpu = 2, kBackupPinned = 3, kBackupModes = 4 };
+// Or-ed into a cpu or pinned backup mode: retain the backup past the restore (Note [Retained backups]).
+constexpr int kBackupRetain = 0x100;
 enum TagLife : int { kTagLive = 0, kTagReleased = 1, kTagRestoring = 2 };
 const char* backup_name(int backup);
 const char* tag_life_name(int life);
@@ -67,28 +83,44 @@ struct TagState {
   size_t backup_bytes = 0;            // bytes of the backup space
   int64_t last_device_bytes = 0;      // device bytes the last release / restore moved
   int64_t last_backup_bytes = 0;      // bytes it copied
-  void drop_backup();
+  // Note [Retained backups]: whether the last release asked to retain its backup; while live,
+  // the pieces a retained backup holds and the digest of each of their granules after the
+  // restore (kept empty: nothing retained).
+  bool retain = false;
+  std::vector<Piece> kept;
+  std::vector<Digest> digests;
+  void drop_backup();  // drops a retained backup too
 };
 
 // The copy machinery of one device: a private stream and a window of events.
 class TagMover {
  public:
-  TagMover(const DeviceContext& ctx, VmmRoute& vmm) : ctx_(ctx), vmm_(vmm) {}
+  TagMover(const DeviceContext& ctx, VmmRoute& vmm) : ctx_(ctx), vmm_(vmm), digester_(ctx) {}
   static constexpr size_t kPieceBytes = 64 << 20;
 
-  // `pieces` are mapped granule runs under live blocks. Backs them up as `mode` asks and
-  // drops them; every piece dropped (even in part) moves to state->pieces. false + error
-  // on failure; *recovered then tells whether the tag is whole again (nothing had been
-  // dropped, or what was is mapped and copied back), else what was dropped stays
-  // recorded in state, with its backup (the tag is released).
-  bool release(std::vector<Piece> pieces, Backup mode, TagState* state, bool* recovered);
-  // Maps and refills state->pieces, skipping granules `needed` says no block covers.
-  // false + error: nothing this call mapped stays mapped.
+  // `pieces` are mapped granule runs under live blocks. Backs them up as `mode` asks
+  // (`retain`: keeping the backup past the restore, Note [Retained backups]) and drops them;
+  // every piece dropped (even in part) moves to state->pieces. false + error on failure;
+  // *recovered then tells whether the tag is whole again (nothing had been dropped, or what
+  // was is mapped and copied back), else what was dropped stays recorded in state, with its
+  // backup (the tag is released).
+  bool release(std::vector<Piece> pieces, Backup mode, bool retain, TagState* state, bool* recovered);
+  // Maps and refills state->pieces, skipping granules `needed` says no block covers; digests
+  // them when the backup is retained. false + error: nothing this call mapped stays mapped.
   bool restore(TagState* state, const std::vector<std::vector<bool>>& needed);
 
  private:
   bool ready();
-  bool copy(const Piece& p, bool to_device, const TagState& state);
+  // Copies the mapped granules of `p` between the device and its backup (`only`: those of
+  // them it marks).
+  bool copy(const Piece& p, bool to_device, const TagState& state, const std::vector<bool>* only = nullptr);
+  // Appends the digests of every granule of `p` (all mapped).
+  bool digest(const Piece& p, std::vector<Digest>* out);
+  // After a restore of a retained backup: keeps its pieces and their digests when every
+  // granule is mapped again (Note [Retained backups]).
+  void keep_digests(TagState* state);
+  // Whether state's retained backup can take `pieces` (Note [Retained backups]).
+  bool reusable(const std::vector<Piece>& pieces, Backup mode, const TagState& state) const;
   bool fill_zero(const Piece& p);
   bool map_piece(const Piece& p, const std::vector<bool>& needed, std::vector<std::pair<Segment*, size_t>>* mapped);
   void drop_piece(const Piece& p);
@@ -97,7 +129,8 @@ class TagMover {
   VmmRoute& vmm_;
   CUstream stream_ = nullptr;
   std::vector<CUevent> events_;
-  size_t copied_ = 0;  // bytes the current restore copied
+  size_t copied_ = 0;  // bytes the current release / restore copied
+  Digester digester_;
 };
 
 }  // namespace tb

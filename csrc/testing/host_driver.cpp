@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/digest.h"
 #include "../core/driver.h"
 #include "../core/trace.h"
 #include "../tb_capi.h"  // declares the tb_host_ exports (visibility)
@@ -54,6 +55,7 @@ struct Alloc {
   int device;
   size_t size;
   bool from_pool;
+  std::vector<uint8_t> data = {};  // filled on first access
 };
 
 struct Handle {
@@ -125,7 +127,8 @@ const char* const kEntryPoints[] = {
     "cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolSetAccess", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
     "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
-    "cuMemExportToShareableHandle", "cuMemcpyDtoDAsync",
+    "cuMemExportToShareableHandle", "cuMemcpyDtoDAsync", "cuModuleLoadData", "cuModuleUnload", "cuModuleGetFunction",
+    "cuLaunchKernel",
 };
 
 bool known_entry(const std::string& name) {
@@ -505,7 +508,15 @@ CUresult visit_device(uintptr_t va, size_t bytes, const std::function<void(uint8
   for (uintptr_t p = va; p < va + bytes;) {
     const uintptr_t base = p / kGranule * kGranule;
     auto m = g->mappings.find(base);
-    if (m == g->mappings.end()) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (m == g->mappings.end()) {  // cuMemAlloc memory, addressed byte by byte
+      auto a = g->allocs.upper_bound(p);
+      if (a == g->allocs.begin()) return CUDA_ERROR_ILLEGAL_ADDRESS;
+      --a;
+      if (p + (va + bytes - p) > a->first + a->second.size) return CUDA_ERROR_ILLEGAL_ADDRESS;
+      if (a->second.data.empty()) a->second.data.assign(a->second.size, 0xA5);
+      fn(a->second.data.data() + (p - a->first), va + bytes - p);
+      return CUDA_SUCCESS;
+    }
     Handle& h = g->handles[m->second.handle];
     if (h.data.empty()) h.data.assign(h.size, 0xA5);  // fresh memory: garbage, not zeros
     const size_t n = std::min<size_t>(base + kGranule - p, va + bytes - p);
@@ -566,6 +577,51 @@ CUresult h_dtod(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
     std::memcpy(p, at, n);
     at += n;
   });
+}
+// The digest kernel (csrc/kernels/digest.cu), run on the host as digest_host computes it.
+const int kDigestModule = 0x5eed, kDigestFunction = 0xd16e;
+CUresult h_module_load(CUmodule* m, const void* image) {
+  HOST_ENTRY("cuModuleLoadData");
+  if (std::strstr(static_cast<const char*>(image), ".entry tb_digest") == nullptr) return CUDA_ERROR_INVALID_PTX;
+  *m = reinterpret_cast<CUmodule>(const_cast<int*>(&kDigestModule));
+  return CUDA_SUCCESS;
+}
+CUresult h_module_unload(CUmodule m) {
+  HOST_ENTRY("cuModuleUnload");
+  return m == reinterpret_cast<CUmodule>(const_cast<int*>(&kDigestModule)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult h_get_function(CUfunction* f, CUmodule m, const char* name) {
+  HOST_ENTRY("cuModuleGetFunction");
+  if (m != reinterpret_cast<CUmodule>(const_cast<int*>(&kDigestModule)) || std::strcmp(name, "tb_digest") != 0)
+    return CUDA_ERROR_NOT_FOUND;
+  *f = reinterpret_cast<CUfunction>(const_cast<int*>(&kDigestFunction));
+  return CUDA_SUCCESS;
+}
+CUresult h_launch(CUfunction f, unsigned gx, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                  void** params, void**) {
+  HOST_ENTRY("cuLaunchKernel");
+  if (f != reinterpret_cast<CUfunction>(const_cast<int*>(&kDigestFunction))) return CUDA_ERROR_INVALID_HANDLE;
+  const uintptr_t base = *static_cast<CUdeviceptr*>(params[0]);
+  const size_t words = *static_cast<unsigned long long*>(params[1]);
+  const uintptr_t out = *static_cast<CUdeviceptr*>(params[2]);
+  std::vector<uint64_t> chunk(words);
+  for (unsigned b = 0; b < gx; ++b) {
+    uint8_t* at = reinterpret_cast<uint8_t*>(chunk.data());
+    CUresult r = visit_device(base + b * words * 8, words * 8, [&](uint8_t* p, size_t n) {
+      std::memcpy(at, p, n);
+      at += n;
+    });
+    if (r != CUDA_SUCCESS) return r;
+    const tb::Digest d = tb::digest_host(chunk.data(), words);
+    const uint8_t* in = reinterpret_cast<const uint8_t*>(d.data());
+    r = visit_device(out + b * sizeof(tb::Digest), sizeof(tb::Digest), [&](uint8_t* p, size_t n) {
+      std::memcpy(p, in, n);
+      in += n;
+    });
+    if (r != CUDA_SUCCESS) return r;
+  }
+  spend(5);
+  return CUDA_SUCCESS;
 }
 CUresult h_memset(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream) {
   HOST_ENTRY("cuMemsetD8Async");
@@ -709,6 +765,10 @@ tb::DriverApi make_api() {
   a.memcpyHtoDAsync = h_htod;
   a.memsetD8Async = h_memset;
   a.memcpyDtoDAsync = h_dtod;
+  a.moduleLoadData = h_module_load;
+  a.moduleUnload = h_module_unload;
+  a.moduleGetFunction = h_get_function;
+  a.launchKernel = h_launch;
   a.memHostAlloc = h_host_alloc;
   a.memFreeHost = h_free_host;
   a.streamGetCaptureInfo = h_capture_info;
@@ -889,7 +949,8 @@ int tb_host_can_access(int device, void* ptr) {
 
 extern "C" {
 
-// Writes `bytes` from `src` to device memory at `va` (mapped VMM memory only); 1 if unmapped.
+// Writes `bytes` from `src` to device memory at `va` (mapped VMM memory or cuMemAlloc memory); 1 if
+// it is neither.
 int tb_host_poke(void* va, const void* src, int64_t bytes) {
   std::lock_guard<std::mutex> l(g->mu);
   const auto* in = static_cast<const uint8_t*>(src);

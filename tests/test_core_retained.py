@@ -1,0 +1,172 @@
+"""Retained backups (Note [Retained backups], csrc/core/tag_sleep.h), over the host stand-in
+(which runs the digest kernel on the host): a restore keeps the backup and digests what it
+restored; the next release copies only the granules whose contents changed, and falls back
+to a whole copy whenever the backup cannot be trusted to match."""
+import pytest
+
+from _hostcore import MiB, Host, isolated
+from test_core_sleep import fill
+
+pytestmark = pytest.mark.built("_host_core")
+
+GRANULE = 2 * MiB
+SIZES = [6 * MiB, 150 * MiB, 1024, 40 * MiB]  # 150 MiB spans several copy pieces
+
+
+def granules_of(h, blocks):
+    """Every (granule address) under the blocks, once, in order."""
+    seen = []
+    for p, data in blocks:
+        start = p // GRANULE * GRANULE
+        for g in range(start, p + len(data), GRANULE):
+            if g not in seen:
+                seen.append(g)
+    return seen
+
+
+def check(h, blocks):
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+
+
+@pytest.mark.parametrize("backup", ["pinned", "cpu"])
+@isolated
+def test_an_unchanged_tag_is_released_again_without_a_copy(backup):
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", backup, retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident        # the first release copies everything
+    h.restore("weights")
+    check(h, blocks)
+    info = h.tag_info("weights")
+    assert info["retained"] == 1 and info["backup_bytes"] == resident   # kept, and counted, while live
+    used = h.device_used()
+    for cycle in range(3):
+        h.release("weights", backup, retain=True)
+        info = h.tag_info("weights")
+        assert info["last_backup"] == 0, f"cycle {cycle}: an unchanged tag was copied"
+        assert info["last_device"] == resident and h.device_used() == used - resident
+        h.restore("weights")
+        check(h, blocks)
+
+
+@isolated
+def test_one_changed_byte_in_any_granule_is_found_and_only_that_granule_is_copied():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    for n, g in enumerate(granules_of(h, blocks)):
+        # One byte of this granule that some block covers changes (a weight update).
+        owner = next(i for i, (p, data) in enumerate(blocks) if p <= max(g, p) < p + len(data) and
+                     max(g, p) < g + GRANULE)
+        p, data = blocks[owner]
+        at = max(g, p) + (n * 7919) % min(GRANULE - (max(g, p) - g), p + len(data) - max(g, p))
+        old = data[at - p]
+        new = bytes([(old + 1 + n) % 256 or 1])
+        assert h.poke(at, new)
+        blocks[owner] = (p, data[:at - p] + new + data[at - p + 1:])
+        h.release("weights", "pinned", retain=True)
+        assert h.tag_info("weights")["last_backup"] == GRANULE, f"granule {n} at {g:#x}: not exactly it copied"
+        h.restore("weights")
+        check(h, blocks)
+
+
+@isolated
+def test_new_allocations_in_the_tag_make_the_next_release_copy_everything():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    blocks += fill(h, "weights", [8 * MiB])
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")
+    check(h, blocks)
+
+
+@isolated
+def test_a_release_without_retain_or_with_another_backup_drops_the_retained_one():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    h.release("weights", "cpu", retain=True)                  # another backup: a whole copy
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")
+    check(h, blocks)
+    h.release("weights", "cpu")                               # not retained: freed at the restore
+    assert h.tag_info("weights")["last_backup"] == 0          # still the retained backup's
+    h.restore("weights")
+    check(h, blocks)
+    info = h.tag_info("weights")
+    assert info["retained"] == 0 and info["backup_bytes"] == 0
+    assert h.host_pool()["used"] == 0
+
+
+@isolated
+def test_drop_backup_gives_the_host_memory_back_and_the_next_release_copies_everything():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    assert h.host_pool()["used"] == resident
+    h.drop_backup("weights")
+    info = h.tag_info("weights")
+    assert info["retained"] == 0 and info["backup_bytes"] == 0 and h.host_pool()["used"] == 0
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident
+    with pytest.raises(RuntimeError, match="released"):
+        h.drop_backup("weights")                              # it holds the contents now
+    h.restore("weights")
+    check(h, blocks)
+
+
+@isolated
+def test_a_tensor_freed_during_the_sleep_ends_the_retention():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    h.release("weights", "pinned", retain=True)
+    h.free(blocks[1][0])                                      # its granules are not mapped back
+    del blocks[1]
+    h.restore("weights")
+    check(h, blocks)
+    assert h.tag_info("weights")["retained"] == 0
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")
+    check(h, blocks)
+
+
+@isolated
+def test_without_digests_a_retained_backup_is_refilled_whole_and_contents_stay_right():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    h.fail("cuLaunchKernel", rate=1.0)                        # digests fail from here on
+    p, data = blocks[0]
+    assert h.poke(p, b"\x01\x02")
+    blocks[0] = (p, b"\x01\x02" + data[2:])
+    h.release("weights", "pinned", retain=True)               # cannot tell what changed: copies all
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")                                      # succeeds; cannot digest: not retained
+    check(h, blocks)
+    assert h.tag_info("weights")["retained"] == 0
+    h.heal()
+
+
+@isolated
+def test_retain_needs_a_backup_that_keeps_contents():
+    h = Host(route="vmm")
+    fill(h, "weights", [8 * MiB])
+    for backup in ("none", "memset"):
+        with pytest.raises(ValueError, match="cpu or pinned"):
+            h.release("weights", backup, retain=True)
+    assert h.tag_info("weights")["life"] == 0
