@@ -57,6 +57,7 @@ class TagStats(TypedDict):
     released: int  # bytes waiting to be restored
     backup: str | None  # backup mode of the last release
     backup_bytes: int  # host bytes holding its backup
+    retained: bool  # a live tag keeps its backup for the next release (sleep.release(retain=True))
     budget: int | None  # the tag's own budget in bytes (Note [Tag budgets]); None: none
     headroom: int | None  # budget - allocated; None without a budget
 
@@ -295,7 +296,8 @@ def stats(device: Device = None) -> Stats:
         "by_tag": {name: {"allocated": t["allocated"]["current"], "requested": t["requested"]["current"],
                           "peak_allocated": t["allocated"]["peak"], "count": t["count"], "state": t["state"],
                           "resident": t["resident"], "released": t["released"], "backup": t["backup"],
-                          "backup_bytes": t["backup_bytes"], "budget": None if t["budget"] < 0 else t["budget"],
+                          "backup_bytes": t["backup_bytes"], "retained": bool(t["retained"]),
+                          "budget": None if t["budget"] < 0 else t["budget"],
                           "headroom": None if t["budget"] < 0 else t["budget"] - t["allocated"]["current"]}
                    for name, t in raw["tags"].items()},
         "raw": raw,
