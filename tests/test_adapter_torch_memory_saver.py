@@ -263,6 +263,8 @@ def test_what_torch_budget_cannot_honour_raises_unsupported():
         saver.retain_cpu_backup = True
     saver.retain_cpu_backup = False
     assert saver.retain_cpu_backup is False
+    with pytest.raises(Unsupported, match="_impl"):
+        saver._impl._binary_wrapper.cdll  # noqa: B018  (torch_memory_saver's own tests read its C library)
 
 
 @built

@@ -298,6 +298,14 @@ class TorchMemorySaver:
         raise UnsupportedError("disk backups: torch_budget keeps backups in host memory only "
                                "(region(enable_cpu_backup=True))")
 
+    @property
+    def _impl(self):
+        """torch_memory_saver's private implementation (its preloaded C library and memory pools),
+        which some of its own tests read: there is none to reach here."""
+        raise UnsupportedError("torch_memory_saver's private _impl (its C library, tms_* functions and memory "
+                               "pools): torch_budget implements the public API only; read "
+                               "torch_budget.sleep.tag_states() for the state of each tag")
+
     def _ensure_initialized(self):
         if self._initialized:
             return
