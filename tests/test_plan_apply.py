@@ -13,10 +13,12 @@ from torch_budget.planner import CacheCost, Profile, Reserve
 CARD = 4 << 30  # the host stand-in's device
 
 
-def sample_plan(total=CARD, non_torch=3 * MiB):
+def sample_plan(total=CARD, non_torch=3 * MiB, allocator_cache=0):
     """weights 16 MiB, activations 8, eager workspace 4, graph pools 8 + static buffers 2, KV 32
-    (capped), a 1 MiB reserve beside the peak that no tag holds, non-torch as given."""
-    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=28 * MiB + non_torch,
+    (capped), a 1 MiB reserve beside the peak that no tag holds, non-torch and what the allocator
+    cached beyond the torch peak as given."""
+    reserved = 28 * MiB + allocator_cache
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=reserved, total_used=reserved + non_torch,
                                      total=total, model_bytes=16 * MiB)
     return planner.plan(prof, CacheCost(slope=4096), eager_workspace_in_peak=4 * MiB, max_kv_bytes=32 * MiB,
                         beside_peak=[Reserve("encoder outputs", 1 * MiB, "not profiled")],
@@ -46,11 +48,22 @@ def under(host, tag, nbytes):
 def test_tag_budgets_are_the_plans_lines_summed_per_tag():
     p = sample_plan()
     assert p.tag_budgets() == EXPECTED
-    # non-torch, the reserve no component holds and the headroom are no tag's
-    assert sum(EXPECTED.values()) == p.total - p.bytes_in("non_torch") - p.bytes_in("reserve") - p.bytes_in("headroom")
+    # non-torch, the allocator cache, the reserve no component holds and the headroom are no tag's
+    assert sum(EXPECTED.values()) == p.total - sum(p.bytes_in(c) for c in planner.apply.UNBUDGETED)
     assert p.tag_budgets({"kv_pool": "cache", "weights": "params"}) == {"cache": 32 * MiB, "params": 16 * MiB}
     with pytest.raises(ValueError, match="not among"):
         p.tag_budgets({"kv": "kv"})
+
+
+def test_the_allocator_cache_is_no_tags_budget():
+    p = sample_plan(allocator_cache=2 * MiB)
+    assert p.bytes_in("allocator_cache") == 2 * MiB
+    assert p.tag_budgets() == EXPECTED  # the KV line is capped at 32 MiB, so no budget changes
+    assert "allocator_cache" in planner.apply.UNBUDGETED and "allocator_cache" not in planner.apply.TAGS
+    assert sum(EXPECTED.values()) == p.total - sum(p.bytes_in(c) for c in planner.apply.UNBUDGETED)
+    # Every category is a tag's or no tag's, never both.
+    assert set(planner.apply.TAGS) | set(planner.apply.UNBUDGETED) == set(planner.CATEGORIES)
+    assert not set(planner.apply.TAGS) & set(planner.apply.UNBUDGETED)
 
 
 def test_the_demos_tags_are_the_planners():

@@ -110,18 +110,27 @@ def test_attended_token_cap_rejects_non_positive_scheduler_limits():
 # --- Profile arithmetic --------------------------------------------------------------------------
 
 
-def test_profile_derives_activations_extra_cost_and_peak():
+def test_profile_derives_activations_extra_cost_allocator_cache_and_peak():
     p = Profile.from_measurements(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=22 * GiB,
                                   total=80 * GiB, model_bytes=16 * GiB)
     assert p.activation_bytes == 4 * GiB
     assert p.extra_cost == 1 * GiB
-    assert p.peak == 21 * GiB
+    assert p.allocator_cache == 1 * GiB
+    # What the device held at the peak: torch's peak, what its allocator cached, what is outside torch.
+    assert p.peak == 22 * GiB == p.total_used
 
 
 def test_profile_extra_cost_is_never_negative():
     p = Profile.from_measurements(torch_peak=20 * GiB, torch_used=21 * GiB, total_used=20 * GiB,
                                   total=80 * GiB, model_bytes=16 * GiB)
-    assert p.extra_cost == 0 and p.peak == 20 * GiB
+    assert p.extra_cost == 0 and p.peak == 21 * GiB
+
+
+def test_profile_allocator_cache_is_never_negative():
+    # Reserved below the allocated peak (an allocator that gave memory back after the peak).
+    p = Profile.from_measurements(torch_peak=20 * GiB, torch_used=19 * GiB, total_used=20 * GiB,
+                                  total=80 * GiB, model_bytes=16 * GiB)
+    assert p.allocator_cache == 0 and p.extra_cost == 1 * GiB and p.peak == 21 * GiB
 
 
 def test_profile_rejects_peak_below_weights():
@@ -144,10 +153,11 @@ def base_profile(**overrides):
 def expected_ledger(*, kv: int, held_back: int, **lines) -> dict:
     """The ledger a plan of base_profile() must show, from this test's own arithmetic: weights are
     the model's 16 GiB, activations the torch peak minus weights (20 - 16), non-torch the device's
-    used minus torch's reserved (22 - 21), then the lines a test adds (or overrides), the KV pool,
-    and as headroom what the planner held back (the 1 - fraction margin, caps)."""
-    return {"weights": 16 * GiB, "activations": 4 * GiB, "non-torch": 1 * GiB, **lines, "KV pool": kv,
-            "headroom": held_back}
+    used minus torch's reserved (22 - 21), the allocator cache torch's reserved minus its peak
+    (21 - 20), so a peak of 22 GiB; then the lines a test adds (or overrides), the KV pool, and as
+    headroom what the planner held back (the 1 - fraction margin, caps)."""
+    return {"weights": 16 * GiB, "activations": 4 * GiB, "non-torch": 1 * GiB, "allocator cache": 1 * GiB, **lines,
+            "KV pool": kv, "headroom": held_back}
 
 
 def check_ledger(p: Plan, expected: dict):
@@ -159,23 +169,23 @@ def check_ledger(p: Plan, expected: dict):
 
 def test_plan_available_is_fraction_of_card_minus_peak():
     p = plan(base_profile(), COST)
-    kv = math.floor((80 - 21) * GiB * 0.9)
+    kv = math.floor((80 - 22) * GiB * 0.9)
     assert p.kv_bytes == kv
     assert p.kv_tokens == kv // (128 * 1024)
-    check_ledger(p, expected_ledger(kv=kv, held_back=(80 - 21) * GiB - kv))
+    check_ledger(p, expected_ledger(kv=kv, held_back=(80 - 22) * GiB - kv))
 
 
 def test_plan_memory_outside_torch_lowers_the_budget():
     more = plan(base_profile(total_used=24 * GiB), COST)
     assert more.line("non-torch").bytes == 3 * GiB
-    assert more.kv_bytes == math.floor((80 - 23) * GiB * 0.9)
+    assert more.kv_bytes == math.floor((80 - 24) * GiB * 0.9)
 
 
 def test_plan_reserves_beside_the_peak_are_scaled_by_fraction():
     p = plan(base_profile(), COST, beside_peak=[Reserve("penalty table", 2 * GiB, "first request only")])
-    kv = math.floor((80 - 21 - 2) * GiB * 0.9)
+    kv = math.floor((80 - 22 - 2) * GiB * 0.9)
     assert p.kv_bytes == kv
-    check_ledger(p, expected_ledger(**{"penalty table": 2 * GiB}, kv=kv, held_back=(80 - 21 - 2) * GiB - kv))
+    check_ledger(p, expected_ledger(**{"penalty table": 2 * GiB}, kv=kv, held_back=(80 - 22 - 2) * GiB - kv))
 
 
 def test_reserve_increment_reserves_only_what_a_config_adds():
@@ -185,14 +195,14 @@ def test_reserve_increment_reserves_only_what_a_config_adds():
 
 def test_plan_gives_estimation_kv_back():
     p = plan(base_profile(), COST, estimation_kv_bytes=2 * GiB)
-    kv = math.floor((80 - 21 + 2) * GiB * 0.9)
+    kv = math.floor((80 - 22 + 2) * GiB * 0.9)
     assert p.kv_bytes == kv
     # The estimation KV is not charged to activations on the ledger.
-    check_ledger(p, expected_ledger(activations=4 * GiB - 2 * GiB, kv=kv, held_back=(80 - 21 + 2) * GiB - kv))
+    check_ledger(p, expected_ledger(activations=4 * GiB - 2 * GiB, kv=kv, held_back=(80 - 22 + 2) * GiB - kv))
 
 
 def test_plan_fraction_one_gives_everything_past_the_peak():
-    assert plan(base_profile(), COST, fraction=1.0).kv_bytes == (80 - 21) * GiB
+    assert plan(base_profile(), COST, fraction=1.0).kv_bytes == (80 - 22) * GiB
 
 
 @pytest.mark.parametrize("fraction,error", [(0, ValueError), (-0.1, ValueError), (1.5, ValueError),
@@ -204,24 +214,24 @@ def test_plan_rejects_a_fraction_outside_the_unit_interval_or_of_the_wrong_type(
 
 def test_plan_reserves_from_kv_are_subtracted_in_full():
     p = plan(base_profile(), COST, from_kv=[Reserve("decode graphs", 3 * GiB, "captured after KV", "graph_pools")])
-    available = math.floor((80 - 21) * GiB * 0.9)
+    available = math.floor((80 - 22) * GiB * 0.9)
     assert p.kv_bytes == available - 3 * GiB
     assert p.bytes_in("graph_pools") == 3 * GiB
     check_ledger(p, expected_ledger(**{"decode graphs": 3 * GiB}, kv=available - 3 * GiB,
-                                    held_back=(80 - 21) * GiB - available))
+                                    held_back=(80 - 22) * GiB - available))
 
 
 def test_plan_per_token_workspace_uses_the_shared_split():
     w, k = 8 * 1024, 128 * 1024
     p = plan(base_profile(), COST, workspace_bytes_per_token=w, max_batch=64, max_num_tokens=4096, max_seq_len=8192)
-    available = math.floor((80 - 21) * GiB * 0.9)
+    available = math.floor((80 - 22) * GiB * 0.9)
     # min(w * L, B * w / (k + w)) with L = min(64, 4096) * 8192: here the proportional split is smaller.
     reserve = min(w * 64 * 8192, available * w // (k + w))
     assert reserve == available * w // (k + w) > 0
     assert p.kv_bytes == available - reserve
     assert p.workspace_tokens == reserve // w
     check_ledger(p, expected_ledger(**{"per-token workspace": reserve}, kv=available - reserve,
-                                    held_back=(80 - 21) * GiB - available))
+                                    held_back=(80 - 22) * GiB - available))
 
 
 def test_plan_per_token_workspace_takes_max_seq_len_from_the_cache_cost():
@@ -239,7 +249,7 @@ def test_plan_byte_cap_lowers_the_budget():
     p = plan(base_profile(), COST, max_kv_bytes=10 * GiB)
     assert p.kv_bytes == 10 * GiB
     # Held back: the 1 - fraction margin and what the cap took, together all that is past the peak.
-    check_ledger(p, expected_ledger(kv=10 * GiB, held_back=(80 - 21) * GiB - 10 * GiB))
+    check_ledger(p, expected_ledger(kv=10 * GiB, held_back=(80 - 22) * GiB - 10 * GiB))
 
 
 def test_plan_token_cap_is_converted_to_bytes_with_the_cache_cost():
@@ -268,8 +278,9 @@ def test_plan_clamps_negative_budget_to_zero_and_reports_overcommit():
     p = plan(base_profile(torch_peak=79 * GiB, torch_used=79 * GiB, total_used=82 * GiB), COST)
     assert p.kv_bytes == 0 and p.kv_tokens == 0
     assert "OVER-COMMITTED" in p.line("headroom").reason
-    # activations 79 - 16, non-torch 82 - 79; the peak of 82 GiB exceeds the card by 2.
-    check_ledger(p, expected_ledger(activations=63 * GiB, **{"non-torch": 3 * GiB}, kv=0, held_back=-2 * GiB))
+    # activations 79 - 16, non-torch 82 - 79, no allocator cache; the peak of 82 GiB exceeds the card by 2.
+    check_ledger(p, expected_ledger(activations=63 * GiB, **{"non-torch": 3 * GiB, "allocator cache": 0}, kv=0,
+                                    held_back=-2 * GiB))
 
 
 def test_plan_clamps_when_reserves_from_kv_exceed_what_is_available():
@@ -287,9 +298,82 @@ def test_plan_steps_trace_each_stage_of_the_budget():
 
 def test_plan_splits_eager_workspace_out_of_activations():
     p = plan(base_profile(), COST, eager_workspace_in_peak=512 * MiB)
-    kv = math.floor((80 - 21) * GiB * 0.9)
+    kv = math.floor((80 - 22) * GiB * 0.9)
     check_ledger(p, expected_ledger(activations=4 * GiB - 512 * MiB, **{"eager workspace": 512 * MiB}, kv=kv,
-                                    held_back=(80 - 21) * GiB - kv))
+                                    held_back=(80 - 22) * GiB - kv))
+
+
+# --- the allocator cache: what torch reserved beyond its peak -----------------------------------
+
+
+def test_a_cached_slack_gets_its_own_line_and_the_kv_budget_shrinks_by_exactly_it():
+    # The same forward profiled twice: once on an allocator that reserves nothing beyond what it
+    # allocates (the torch peak), once with 140 MiB cached beside it (what llama-3.2-1b's profile
+    # held on an H200). Outside torch, 1 GiB both times.
+    slack = 140 * MiB
+    native = plan(base_profile(torch_used=20 * GiB, total_used=21 * GiB), COST, fraction=1.0)
+    cached = plan(base_profile(torch_used=20 * GiB + slack, total_used=21 * GiB + slack), COST, fraction=1.0)
+    line = cached.line("allocator cache")
+    assert (line.category, line.bytes) == ("allocator_cache", slack) and cached.bytes_in("allocator_cache") == slack
+    assert line.reason == "allocator's cached memory at the profiled peak: torch reserved minus torch peak"
+    assert native.kv_bytes - cached.kv_bytes == slack
+    for p, used in ((native, 21 * GiB), (cached, 21 * GiB + slack)):
+        assert sum(l.bytes for l in p.lines) == p.total
+        # Every line but the KV pool and headroom is what the device held at the profiled peak.
+        assert sum(l.bytes for l in p.lines if l.category not in ("kv_pool", "headroom")) == used
+        assert p.line("headroom").bytes == 0  # fraction 1, no caps: the KV pool takes all the rest
+    # The line sits after non-torch, and every other line is the same in both plans.
+    names = [l.name for l in cached.lines]
+    assert names.index("allocator cache") == names.index("non-torch") + 1
+    assert ({l.name: l.bytes for l in native.lines if l.name not in ("allocator cache", "KV pool")}
+            == {l.name: l.bytes for l in cached.lines if l.name not in ("allocator cache", "KV pool")})
+    assert "allocator cache 140.0 MiB" in cached.steps[1].note
+
+
+def test_the_allocator_cache_is_charged_before_the_fraction_like_the_rest_of_the_peak():
+    slack = 140 * MiB
+    cached = plan(base_profile(torch_used=20 * GiB + slack, total_used=21 * GiB + slack), COST)
+    assert cached.kv_bytes == math.floor((80 * GiB - 21 * GiB - slack) * 0.9)
+    check_ledger(cached, expected_ledger(**{"allocator cache": slack}, kv=cached.kv_bytes,
+                                         held_back=80 * GiB - 21 * GiB - slack - cached.kv_bytes))
+
+
+def test_a_native_style_profile_with_reserved_equal_to_allocated_shows_a_zero_line():
+    # Shown like non-torch (the profile's other derived line), not left out: a zero says it was read.
+    p = plan(base_profile(torch_used=20 * GiB, total_used=21 * GiB), COST)
+    assert p.line("allocator cache").bytes == 0 == p.bytes_in("allocator_cache")
+    assert sum(l.bytes for l in p.lines) == p.total
+    assert "allocator cache" in p.to_text()
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_the_allocator_cache_is_no_reserve_category():
+    with pytest.raises(ValueError, match="reservable"):
+        Reserve("fragmentation", 1 * GiB, "expected", "allocator_cache")
+
+
+def test_the_h200_profiles_predict_the_device_peak_they_measured():
+    # tools/plan_hf.py's prediction on the profiles it measured on an H200 (torch peak, torch
+    # reserved, device used as printed, in MiB; weights and StaticCache bytes from each shape): the
+    # planned worst case is the profiled one, its cache the estimation KV, so the device-wide
+    # prediction is the profile's device used (the serving processes measured 9.16, 28.43 and
+    # 33.80 GiB against 9.16, 28.29 and 33.80 profiled). Before the allocator cache line it also
+    # left out what the allocator cached (140, 90 and 130 MiB) and missed by up to 1.6 %.
+    from torch_budget.planner import hf_plan
+
+    card = 143_771 * MiB
+    for torch_peak, reserved, used, weights, cache in (
+            (8540 * MiB, 8680 * MiB, 9380 * MiB, 2357 * MiB, 4096 * MiB),
+            (28180 * MiB, 28270 * MiB, 28970 * MiB, 7672 * MiB, 18432 * MiB),
+            (33780 * MiB, 33910 * MiB, 34610 * MiB, 15316 * MiB, 16384 * MiB)):
+        prof = Profile.from_measurements(torch_peak=torch_peak, torch_used=reserved, total_used=used, total=card,
+                                         model_bytes=weights)
+        p = plan(prof, COST, estimation_kv_bytes=cache, max_kv_bytes=cache)
+        allocated, device = hf_plan.predicted_peaks(p, cache)
+        assert allocated == torch_peak
+        assert device == used == prof.peak
+        assert p.bytes_in("allocator_cache") == reserved - torch_peak
+        assert sum(l.bytes for l in p.lines) == card
 
 
 def test_plan_rejects_estimation_kv_larger_than_activations():
@@ -342,7 +426,7 @@ def test_profile_releases_cache_and_resets_peak_before_the_forward(monkeypatch):
     p = profile(lambda x: calls.append(f"forward {x}"), 7, model_bytes=16 * GiB)
     assert calls == ["sync", "empty_cache", "reset_peak", "forward 7", "sync", "stats", "mem_get_info"]
     assert (p.torch_peak, p.torch_used, p.total_used, p.total) == (20 * GiB, 21 * GiB, 22 * GiB, 80 * GiB)
-    assert (p.activation_bytes, p.extra_cost, p.peak) == (4 * GiB, 1 * GiB, 21 * GiB)
+    assert (p.activation_bytes, p.extra_cost, p.allocator_cache, p.peak) == (4 * GiB, 1 * GiB, 1 * GiB, 22 * GiB)
 
 
 def test_profile_names_missing_allocator_statistics(monkeypatch):

@@ -59,6 +59,22 @@ def test_measured_ledger_headroom_is_what_is_left_and_zero_lines_are_dropped():
     assert lines[-1].bytes == 5 * GiB
 
 
+def test_measured_ledger_puts_the_allocator_cache_after_non_torch():
+    lines = measured_ledger(10 * GiB, weights=4 * GiB, non_torch=1 * GiB, allocator_cache=256 * MiB,
+                            reserves=128 * MiB)
+    assert [(line.name, line.category) for line in lines] == [
+        ("weights", "weights"), ("non-torch", "non_torch"), ("allocator cache", "allocator_cache"),
+        ("reserves", "reserve"), ("headroom", "headroom")]
+    assert sum(line.bytes for line in lines) == 10 * GiB
+
+
+def test_every_category_has_a_colour():
+    from torch_budget.report import CATEGORIES
+    from torch_budget.report.picture import COLOURS
+
+    assert list(COLOURS) == list(CATEGORIES)
+
+
 def test_ledger_line_rejects_unknown_category_and_negative_bytes():
     with pytest.raises(ValueError, match="category"):
         LedgerLine("x", "snacks", 1, "")

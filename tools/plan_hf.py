@@ -13,8 +13,10 @@ contexts of 8 to 32 K tokens):
      case again on the planned cache: the other tags keep serving.
 
 The last lines are a table: per model, the predicted peak against the peak measured in the
-serving process (torch's allocated bytes and the device-wide used bytes), and what the push past
-the KV line gave.
+serving process, and what the push past the KV line gave. The prediction is the plan's: torch's
+allocated bytes are its weights and activations lines and the cache allocated from its KV line;
+the device-wide used bytes add its allocator cache (torch reserved minus torch peak when
+profiled) and non-torch lines.
 
     python tools/plan_hf.py [--models llama-3.2-1b,qwen3-4b,llama-3.1-8b] [--out DIR] [--fraction 0.9]
 
@@ -94,17 +96,18 @@ def serve_child(name: str, out: str) -> None:
     torch.cuda.synchronize(device)
     watch.sample()
     measured_allocated = int(torch.cuda.max_memory_allocated(device))
-    predicted_allocated = plan.bytes_in("weights") + plan.bytes_in("activations") + kv_bytes
-    predicted_device = predicted_allocated + plan.bytes_in("non_torch")
+    predicted_allocated, predicted_device = hf_plan.predicted_peaks(plan, kv_bytes)
     print(f"served {rows} x {loaded.spec.max_len} tokens ({served['generated']} generated, {served['decode_steps']} "
           f"decode steps) in {seconds:.1f} s")
 
     stats = torch_budget.stats(device)
     tags = stats["by_tag"]
-    lines = report.measured_ledger(stats["total"], weights=tags["weights"]["allocated"],
-                                   kv_pool=tags["kv"]["allocated"],
-                                   activations=tags["activations"]["peak_allocated"],
+    held = {"weights": tags["weights"]["allocated"], "kv_pool": tags["kv"]["allocated"],
+            "activations": tags["activations"]["peak_allocated"]}
+    # At the device-wide peak: what lives outside torch, and what torch reserved beyond its lines.
+    lines = report.measured_ledger(stats["total"], **held,
                                    non_torch=max(watch.peak_used - watch.reserved_at_peak, 0),
+                                   allocator_cache=max(watch.reserved_at_peak - sum(held.values()), 0),
                                    source="measured: torch_budget ledger (activations: peak)")
     budgets = report.tag_budgets(tags, planner.apply.bounds(plan.lines))
     print(report.format_table(lines, stats["total"], f"measured while serving {name} at its planned worst case",

@@ -62,13 +62,11 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
     torch_lines = weights + kv + graph_static + pools + ws_peak + activations
     cache = max(watch.reserved_at_peak - torch_lines, 0)
     why["non_torch"] = "device-wide used minus torch reserved, at the device-wide peak"
-    why["reserve"] = "allocator cache: torch reserved at the peak beyond every torch line above"
+    why["allocator_cache"] = "torch reserved at the device-wide peak beyond every torch line above"
     lines = report.measured_ledger(total, weights=weights, kv_pool=kv, activations=activations,
                                    eager_workspace=ws_peak, graph_workspace=graph_static, graph_pools=pools,
-                                   non_torch=non_torch, reserves=cache, source="measured", states=states)
-    names = {"reserve": "allocator cache"}
-    return [dataclasses.replace(line, name=names.get(line.category, line.name),
-                                reason=why.get(line.category, line.reason)) for line in lines]
+                                   non_torch=non_torch, allocator_cache=cache, source="measured", states=states)
+    return [dataclasses.replace(line, reason=why.get(line.category, line.reason)) for line in lines]
 
 
 def write_picture(report, lines, total, out: Path, title: str, budgets=()) -> None:

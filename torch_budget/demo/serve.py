@@ -136,7 +136,8 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # What the workspace tag is charged (whole blocks) is what its budget must hold.
     ws_in_peak = measure.tag_bytes(torch_budget.stats(device)["by_tag"][WORKSPACE_TAG]) if installed else meta.capacity
     print(f"  torch peak {_fmt(prof.torch_peak)}, activations {_fmt(prof.activation_bytes)} (incl. estimation KV "
-          f"{_fmt(estimation['kv'])} and workspace {_fmt(ws_in_peak)}), outside torch {_fmt(prof.extra_cost)}")
+          f"{_fmt(estimation['kv'])} and workspace {_fmt(ws_in_peak)}), allocator cache {_fmt(prof.allocator_cache)}, "
+          f"outside torch {_fmt(prof.extra_cost)}")
 
     # 4. What the decode graphs will hold, measured by capturing them once against a 2-block cache:
     # a decode step's shapes depend on the batch and max_seq_len, not on how many blocks the cache has.
@@ -256,14 +257,14 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # 9. Plan against measurement, then the ledger.
     _step(9, "predicted against measured peak")
     predicted_torch = predicted - plan.bytes_in("non_torch")
-    # Between replays a graph pool's blocks are reserved but not allocated.
-    predicted_allocated = predicted_torch - plan.bytes_in("graph_pools")
+    # Between replays a graph pool's blocks are reserved but not allocated; so is the allocator's cache.
+    predicted_allocated = predicted_torch - plan.bytes_in("graph_pools") - plan.bytes_in("allocator_cache")
     rows = [
         ("predicted peak: every plan line but headroom", predicted, None),
         (f"measured device-wide peak used (mem_get_info, {watch.samples} samples)", watch.peak_used, predicted),
-        ("predicted torch share: plan minus non-torch lines", predicted_torch, None),
+        ("predicted torch share (reserved): plan minus non-torch lines", predicted_torch, None),
         ("measured torch peak reserved (max_memory_reserved)", peak_reserved, predicted_torch),
-        ("predicted torch allocated: torch share minus graph pools", predicted_allocated, None),
+        ("predicted torch allocated: torch share minus graph pools and allocator cache", predicted_allocated, None),
         ("measured torch peak allocated (max_memory_allocated)", peak_allocated, predicted_allocated),
     ]
     width = max(len(r[0]) for r in rows)

@@ -5,12 +5,13 @@ Each component's memory is allocated under one tag (the weights under "weights",
 under "kv", ...), and a tag may have a budget of its own inside the device's (Note [Tag
 budgets] in the core). So a plan is enforced by giving each tag the bytes of its ledger lines:
 an allocation past its line is then an out-of-memory error naming the tag, while the other
-tags keep serving. Lines outside torch's allocator (non-torch) and reserves of no component
-have no tag to hold them; the headroom is the margin no tag may take, which is why the budgets
-add up to less than the card. Before anything is set, the budgets must fit in the device's:
-its own budget when one is set, else the card less what the plan puts outside torch. Budgets
-go through the public set_budget (or install(budgets=plan.budget_settings()) before install), so
-the same budget layer checks them as any other.
+tags keep serving. Lines outside torch's allocator (non-torch), the allocator's cache (torch's
+memory, but no tag allocates it) and reserves of no component have no tag to hold them; the
+headroom is the margin no tag may take, which is why the budgets add up to less than the card.
+Before anything is set, the budgets must fit in the device's: its own budget when one is set,
+else the card less what the plan puts outside torch. Budgets go through the public set_budget
+(or install(budgets=plan.budget_settings()) before install), so the same budget layer checks
+them as any other.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ TAGS = {
     "graph_workspace": "graphs",
     "graph_pools": "graphs",
 }
-# The categories no tag holds: memory outside torch, reserves of no component, the margin.
-UNBUDGETED = ("non_torch", "reserve", "headroom")
+# The categories no tag holds: memory outside torch, the allocator's cache, reserves of no
+# component, the margin.
+UNBUDGETED = ("non_torch", "allocator_cache", "reserve", "headroom")
 
 
 def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, int]:

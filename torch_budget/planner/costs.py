@@ -120,7 +120,8 @@ class Reserve:
 
     def __post_init__(self):
         non_negative_int(self.bytes, f"Reserve({self.name!r}).bytes")
-        if self.category not in CATEGORIES or self.category in ("headroom", "kv_pool", "weights"):
+        # The plan's own lines, the profile's allocator cache among them, are not reservable.
+        if self.category not in CATEGORIES or self.category in ("headroom", "kv_pool", "weights", "allocator_cache"):
             raise ValueError(f"Reserve({self.name!r}) category {self.category!r} is not a reservable ledger category")
 
     @classmethod

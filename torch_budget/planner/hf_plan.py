@@ -133,6 +133,15 @@ def rows_within(plan, loaded: Loaded, cache_bytes: int, dtype: str = "bfloat16")
     return max(min(spec.batch, (plan.kv_bytes - fixed) // row), 0)
 
 
+def predicted_peaks(plan, kv_bytes: int) -> tuple[int, int]:
+    """The peak the plan predicts for serving its worst case on a KV cache of `kv_bytes` (the
+    cache allocated from its KV line): torch's allocated bytes (its weights and activations lines
+    and that cache) and the device's used bytes (those, its allocator cache and its non-torch
+    lines)."""
+    allocated = plan.bytes_in("weights") + plan.bytes_in("activations") + kv_bytes
+    return allocated, allocated + plan.bytes_in("allocator_cache") + plan.bytes_in("non_torch")
+
+
 def serve(loaded: Loaded, cache, batch: int, *, device, watch=None, seed: int = 0) -> dict:
     """Serve `batch` requests of the worst case through the scheduler (they join the cache
     together: its rows move in lock-step): prefill, then decode to `new_tokens` each. Returns

@@ -1,9 +1,10 @@
 """The ledger of one card: its lines and their text table.
 
 A ledger is a list of `LedgerLine`s whose bytes add up to the card: weights, KV pool,
-activations, eager and graph workspaces, graph pools, memory outside torch, reserves, and the
-headroom that is left. `plan()` produces one; `torch_budget.report` builds one from numbers read
-off a running process, reads one from JSON and draws one. Both render the same way, so a plan
+activations, eager and graph workspaces, graph pools, memory outside torch, the allocator's
+cache (what torch reserved beyond what it allocated), reserves, and the headroom that is
+left. `plan()` produces one; `torch_budget.report` builds one from numbers read off a running
+process, reads one from JSON and draws one. Both render the same way, so a plan
 and a measurement can be compared side by side.
 
 A line whose memory is released (a tag put to sleep, torch_budget.sleep) carries a `state`
@@ -32,6 +33,7 @@ CATEGORIES = {
     "graph_workspace": "graph workspace",
     "graph_pools": "graph pools",
     "non_torch": "non-torch",
+    "allocator_cache": "allocator cache",
     "reserve": "reserves",
     "headroom": "headroom",
 }

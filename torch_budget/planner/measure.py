@@ -12,7 +12,9 @@ from torch_budget._validate import non_negative_int
 
 @dataclass(frozen=True)
 class Profile:
-    """What one profiling forward held. The last four fields are derived (see `from_measurements`)."""
+    """What one profiling forward held. The first five fields are what was measured (or given);
+    activation_bytes, extra_cost and peak are derived from them, as is `allocator_cache` (see
+    `from_measurements`)."""
 
     torch_peak: int  # allocated_bytes.all.peak over the forward, weights included
     torch_used: int  # bytes torch's allocator holds from the device (reserved) after the forward
@@ -21,15 +23,26 @@ class Profile:
     model_bytes: int
     activation_bytes: int
     extra_cost: int  # memory outside torch: context, NCCL, other libraries
-    peak: int
+    peak: int  # device-wide bytes at the peak: torch peak + allocator cache + extra_cost
     source: str = "measured"
+
+    @property
+    def allocator_cache(self) -> int:
+        """Bytes torch's allocator held beyond its allocated peak: reserved minus the torch peak,
+        never negative. Memory the device really holds at the peak (cached blocks, rounding), so
+        it is part of `peak`; 0 when the allocator held nothing it had not handed out."""
+        return max(self.torch_used - self.torch_peak, 0)
 
     @classmethod
     def from_measurements(cls, *, torch_peak: int, torch_used: int, total_used: int, total: int,
                           model_bytes: int, source: str = "given") -> "Profile":
         """Derive the profile from the four readings (also how tests and planners without a
         device inject numbers). A torch peak below the weights means the weights were not
-        resident when profiling ran, which would hide their bytes: an error, not a clamp."""
+        resident when profiling ran, which would hide their bytes: an error, not a clamp.
+
+        The peak is what the device held: the torch peak, what torch's allocator cached beyond
+        it (`allocator_cache`) and what lives outside torch (`extra_cost`); with reserved bytes
+        at least the torch peak and device used at least reserved, that is `total_used`."""
         for name, value in (("torch_peak", torch_peak), ("torch_used", torch_used), ("total_used", total_used),
                             ("total", total), ("model_bytes", model_bytes)):
             non_negative_int(value, name)
@@ -41,9 +54,10 @@ class Profile:
                 "before profiling, or pass the bytes the weights really occupy"
             )
         extra = max(total_used - torch_used, 0)
+        cache = max(torch_used - torch_peak, 0)
         return cls(torch_peak=torch_peak, torch_used=torch_used, total_used=total_used, total=total,
                    model_bytes=model_bytes, activation_bytes=torch_peak - model_bytes, extra_cost=extra,
-                   peak=torch_peak + extra, source=source)
+                   peak=torch_peak + cache + extra, source=source)
 
 
 def profile(fn: Callable, *args, model_bytes: int, device=None, **kwargs) -> Profile:
@@ -56,7 +70,8 @@ def profile(fn: Callable, *args, model_bytes: int, device=None, **kwargs) -> Pro
 
     torch_used is the allocator's *reserved* bytes, not its allocated bytes: blocks it caches
     after the forward are torch's, and counting them as non-torch would charge the activations
-    twice.
+    twice. What it reserved beyond the torch peak is the allocator's cache
+    (`Profile.allocator_cache`), memory the device holds at the peak: the profile's peak counts it.
     """
     import torch
 

@@ -140,8 +140,9 @@ def described_profile(shape: ModelShape, *, total: int, num_tokens: int, num_seq
     """What one worst-case prefill of this model would hold on a card of `total` bytes, for
     planning without a device: weights computed from the shape and activations estimated from
     shapes for `num_tokens` tokens in `num_sequences` sequences, unless given; memory outside
-    torch as given (0 when unknown). Returns the profile and, per ledger line, where its figure
-    came from (the `notes` of `plan`)."""
+    torch as given (0 when unknown); no allocator cache (torch reserved taken as its peak).
+    Returns the profile and, per ledger line, where its figure came from (the `notes` of
+    `plan`)."""
     w = weight_bytes(shape) if weights is None else weights
     if activations is None:
         a = estimate_activation_bytes(shape, num_tokens, num_sequences)
@@ -154,5 +155,6 @@ def described_profile(shape: ModelShape, *, total: int, num_tokens: int, num_seq
         "weights": "computed from the shape" if weights is None else "given",
         "activations": act_note,
         "non-torch": "given" if non_torch else "not measured, taken as 0",
+        "allocator cache": "not measured, taken as 0",
     }
     return prof, notes

@@ -146,7 +146,10 @@ def plan(
     """Plan the KV budget of one card (every rank calls it when torch.distributed is up).
 
     Note [Planner steps]
-    1-2. `profile` gives the peak: torch's peak plus what lives outside torch.
+    1-2. `profile` gives the peak, what the device held: torch's peak, the allocator's cache at it
+       (torch reserved minus torch peak: memory the device holds though no tensor does) and what
+       lives outside torch. The ledger has lines for all three (weights and activations split
+       torch's peak), so what the device really held at the peak is what the KV budget is cut from.
     3. `beside_peak` reserves sit next to the peak: things the profiling forward did not hold
        (capacity-sized fixed workspaces, first-request-only increments, encoder outputs).
     4. `available = (total - peak + estimation_kv_bytes) * fraction`; KV memory that existed only
@@ -162,8 +165,8 @@ def plan(
     A negative budget at any step is clamped to 0; the headroom line then goes negative and
     shows by how much the card is over-committed.
 
-    `notes` maps a ledger line name ("weights", "activations", "non-torch") to text appended to its
-    reason, e.g. where a figure came from when it was not measured.
+    `notes` maps a ledger line name ("weights", "activations", "non-torch", "allocator cache") to
+    text appended to its reason, e.g. where a figure came from when it was not measured.
     """
     _fraction(fraction, "fraction")
     non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
@@ -193,7 +196,7 @@ def plan(
                           f"device used {format_bytes(profile.total_used)} ({profile.source})"))
     steps.append(PlanStep(2, "peak", None,
                           f"activations {format_bytes(profile.activation_bytes)}, non-torch {format_bytes(profile.extra_cost)}, "
-                          f"peak {format_bytes(profile.peak)}"))
+                          f"allocator cache {format_bytes(profile.allocator_cache)}, peak {format_bytes(profile.peak)}"))
 
     # 3. reserves beside the peak
     beside = sum(r.bytes for r in beside_peak)
@@ -262,6 +265,8 @@ def plan(
                                 "held during the profiling forward (part of the torch peak)"))
     lines.append(LedgerLine("non-torch", "non_torch", profile.extra_cost,
                             "device used minus torch reserved: context, NCCL, other libraries"))
+    lines.append(LedgerLine("allocator cache", "allocator_cache", profile.allocator_cache,
+                            "allocator's cached memory at the profiled peak: torch reserved minus torch peak"))
     lines += [LedgerLine(r.name, r.category, r.bytes, f"beside the peak: {r.reason}") for r in beside_peak]
     lines += [LedgerLine(r.name, r.category, r.bytes, f"from the KV budget: {r.reason}") for r in from_kv]
     if ws.bytes:

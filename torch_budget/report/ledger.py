@@ -24,6 +24,7 @@ def measured_ledger(
     graph_workspace: int = 0,
     graph_pools: int = 0,
     non_torch: int = 0,
+    allocator_cache: int = 0,
     reserves: int = 0,
     source: str = "measured",
     states: dict | None = None,
@@ -41,6 +42,7 @@ def measured_ledger(
         "graph_workspace": graph_workspace,
         "graph_pools": graph_pools,
         "non_torch": non_torch,
+        "allocator_cache": allocator_cache,
         "reserve": reserves,
     }
     states = states or {}

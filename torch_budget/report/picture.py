@@ -20,6 +20,7 @@ COLOURS = {
     "graph_workspace": "#CC79A7",
     "graph_pools": "#882255",
     "non_torch": "#56B4E9",
+    "allocator_cache": "#332288",
     "reserve": "#999933",
     "headroom": "#DDDDDD",
 }
