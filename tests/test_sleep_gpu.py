@@ -369,3 +369,39 @@ def cpu_backup_and_sleeping_round_trip():
     assert_same(weights, ref, "after sleeping() whose body raised")
     assert torch_budget.sleep.host_pool_stats()["pinned_at_release"] > 0, "no pool was reserved, so the release pinned"
     print("CPU OK")
+
+
+def test_a_retained_backup_copies_only_the_granule_that_changed(fresh):
+    out = fresh(retained_backup_copies_only_the_granule_that_changed)
+    assert "retained ok" in out
+
+
+def retained_backup_copies_only_the_granule_that_changed():
+    torch_budget.install()
+    with torch_budget.region("weights"):
+        w = torch.randint(0, 255, (64 * MiB,), dtype=torch.uint8, device="cuda")  # 32 granules
+        small = torch.randint(0, 255, (1000,), dtype=torch.uint8, device="cuda")
+    expected, expected_small = w.clone(), small.clone()
+    resident = torch_budget.sleep.tag_states()["weights"]["resident"]
+    first = torch_budget.release("weights", backup="pinned", retain=True)
+    assert first["backup_bytes"] == resident
+    torch_budget.restore("weights")
+    assert torch_budget.sleep.tag_states()["weights"]["retained"]
+    again = torch_budget.release("weights", backup="pinned", retain=True)
+    assert again["backup_bytes"] == 0 and again["bytes"] == resident    # nothing changed: nothing copied
+    torch_budget.restore("weights")
+    assert torch.equal(w, expected) and torch.equal(small, expected_small)
+    base = w.data_ptr()
+    for g in range((base + w.numel() - 1) // (2 * MiB) - base // (2 * MiB) + 1):
+        # One byte in granule g of the tensor changes on the device; only that granule is copied.
+        i = min(max((base // (2 * MiB) + g) * 2 * MiB - base, 0) + 77 * g % 4096, w.numel() - 1)
+        w[i:i + 1].add_(1)
+        expected[i:i + 1].add_(1)
+        rep = torch_budget.release("weights", backup="pinned", retain=True)
+        assert rep["backup_bytes"] == 2 * MiB, (g, rep)
+        torch_budget.restore("weights")
+        assert torch.equal(w, expected), g
+    assert torch.equal(small, expected_small)
+    assert torch_budget.sleep.drop_backup("weights") == resident
+    assert torch_budget.sleep.host_pool_stats()["used"] == 0
+    print("retained ok")

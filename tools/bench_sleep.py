@@ -173,7 +173,7 @@ def empty_host_cache(torch):
 def run(torch, tb, total, repeat):
     bench = types.SimpleNamespace()
     sizes = tensor_sizes(total)
-    bench.weights = Weights(torch, tb, sizes, "weights", seed=1)
+    bench.weights = run.weights = Weights(torch, tb, sizes, "weights", seed=1)
     bench.engines = Weights(torch, tb, sizes, "engines", seed=1)
     with tb.region("baseline"):
         bench.device = torch.empty(total, dtype=torch.uint8, device="cuda")
@@ -211,6 +211,62 @@ def print_table(medians, total, notes):
         rel, res = m["release_s"], m["restore_s"]
         print(f"{name:32} {rel * 1e3:11.1f} {rel * 1e3 / gib:8.1f} {total / rel / GB:7.1f}   "
               f"{res * 1e3:11.1f} {res * 1e3 / gib:8.1f} {total / res / GB:7.1f}   {notes.get(name, '')}".rstrip())
+
+
+RETAIN_SHARE = 32  # the changed run: one granule in this many
+
+
+def retained(torch, tb, bench, repeat):
+    """Retained pinned backups (Note [Retained backups]): after a first cycle that copies
+    everything, `repeat` releases of the unchanged weights (nothing to copy: an unmap each), then
+    `repeat` releases after one byte changed in every RETAIN_SHARE-th granule of the weights
+    (those granules, and only those, to copy). Contents are checked after every restore."""
+    weights = bench.weights
+    tb.release("weights", backup="pinned", retain=True)
+    tb.restore("weights")
+    weights.verify("retained backup, first cycle")
+    unchanged, changed = [], []
+    for _ in range(repeat):
+        release_s, rep = timed(torch, lambda: tb.release("weights", backup="pinned", retain=True))
+        restore_s, _ = timed(torch, lambda: tb.restore("weights"))
+        weights.verify("retained backup, unchanged")
+        unchanged.append({"release_s": release_s, "restore_s": restore_s, "copied": rep["backup_bytes"]})
+    granules = sorted({(t.data_ptr() + off) // (2 * MiB) for t in weights.tensors
+                       for off in range(0, t.numel(), 2 * MiB)} |
+                      {(t.data_ptr() + t.numel() - 1) // (2 * MiB) for t in weights.tensors})
+    picked = granules[::RETAIN_SHARE]
+    for r in range(repeat):
+        for g in picked:  # one byte of each picked granule, inside some tensor
+            t = next(t for t in weights.tensors if t.data_ptr() < (g + 1) * 2 * MiB and
+                     t.data_ptr() + t.numel() > g * 2 * MiB)
+            lo = max(g * 2 * MiB - t.data_ptr(), 0)
+            hi = min((g + 1) * 2 * MiB - t.data_ptr(), t.numel())
+            i = lo + r % (hi - lo)
+            t[i:i + 1].add_(1)
+        weights.sums, weights.samples = weights.checks()
+        release_s, rep = timed(torch, lambda: tb.release("weights", backup="pinned", retain=True))
+        restore_s, _ = timed(torch, lambda: tb.restore("weights"))
+        weights.verify("retained backup, changed")
+        changed.append({"release_s": release_s, "restore_s": restore_s, "copied": rep["backup_bytes"]})
+    tb.sleep.drop_backup("weights")
+    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
+    return {"unchanged_release_ms": med(unchanged, "release_s") * 1e3,
+            "unchanged_copied": int(max(x["copied"] for x in unchanged)),
+            "changed_release_ms": med(changed, "release_s") * 1e3,
+            "changed_copied": int(med(changed, "copied")), "changed_expected": len(picked) * 2 * MiB,
+            "restore_gbps": weights_bytes(weights) / med(unchanged + changed, "restore_s") / GB}
+
+
+def weights_bytes(weights):
+    return sum(t.numel() for t in weights.tensors)
+
+
+def report_retained(ret, total):
+    print(f"\nretained pinned backup, {total / GiB:.2f} GiB: release of the unchanged weights "
+          f"{ret['unchanged_release_ms']:.1f} ms (goal <= 10 ms), {ret['unchanged_copied']} bytes copied; with one "
+          f"granule in {RETAIN_SHARE} changed {ret['changed_release_ms']:.1f} ms, {ret['changed_copied'] / MiB:.0f} MiB "
+          f"copied of {ret['changed_expected'] / MiB:.0f} MiB changed; restore {ret['restore_gbps']:.1f} GB/s "
+          "(contents verified after every restore)")
 
 
 def report(medians, total, pool, emptied, repeat):
@@ -278,10 +334,14 @@ def main(argv=None):
         return 1
     try:
         medians, emptied = run(torch, tb, total, args.repeat)
+        ret = retained(torch, tb, types.SimpleNamespace(weights=run.weights), args.repeat)
     except ContentsChanged as e:
         print(f"bench_sleep: {e}")
         print("RESULT bench_sleep failed=contents")
         return 1
+    report_retained(ret, total)
+    print("RESULT bench_sleep_retained " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in ret.items()))
     report(medians, total, tb.sleep.host_pool_stats(), emptied, args.repeat)
     return 0
 
