@@ -243,6 +243,13 @@ int tb_restore_tag(int device, int tag) {
   return d->restore_tag(tag) ? 0 : code();
 }
 
+int tb_retain_tag_backup(int device, int tag, int on) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  return d->retain_tag_backup(tag, on != 0) ? 0 : code();
+}
+
 int tb_drop_tag_backup(int device, int tag) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);

@@ -83,6 +83,8 @@ TB_API int tb_release_tag(int device, int tag, int backup);
 TB_API int tb_restore_tag(int device, int tag);
 // Gives back the backup a live tag retained.
 TB_API int tb_drop_tag_backup(int device, int tag);
+// While the tag is released with a cpu / pinned backup: whether its restore keeps the backup.
+TB_API int tb_retain_tag_backup(int device, int tag, int on);
 // out: life (0 live, 1 released, 2 restoring), backup (-1 never released), resident bytes,
 // released bytes, device bytes and backup bytes the last release / restore moved, host
 // bytes of the backup held, 1 when a live tag retains its backup.

@@ -268,6 +268,9 @@ class Host:
         mode = self.BACKUPS[backup] | (0x100 if retain else 0)
         _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), mode))
 
+    def retain(self, tag, on, device=0):
+        _native.check(self.lib, self.lib.tb_retain_tag_backup(device, self.tag(tag), int(on)))
+
     def drop_backup(self, tag, device=0):
         _native.check(self.lib, self.lib.tb_drop_tag_backup(device, self.tag(tag)))
 

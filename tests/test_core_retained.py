@@ -170,3 +170,26 @@ def test_retain_needs_a_backup_that_keeps_contents():
         with pytest.raises(ValueError, match="cpu or pinned"):
             h.release("weights", backup, retain=True)
     assert h.tag_info("weights")["life"] == 0
+
+
+@isolated
+def test_whether_the_restore_keeps_the_backup_can_change_while_released():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    h.release("weights", "pinned")                            # not asked to retain
+    h.retain("weights", True)                                 # decided before the restore
+    h.restore("weights")
+    check(h, blocks)
+    assert h.tag_info("weights")["retained"] == 1
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == 0
+    h.retain("weights", False)
+    h.restore("weights")
+    check(h, blocks)
+    assert h.tag_info("weights")["retained"] == 0 and h.host_pool()["used"] == 0
+    with pytest.raises(RuntimeError, match="not released"):
+        h.retain("weights", True)
+    h.release("weights", "memset")
+    with pytest.raises(ValueError, match="cpu or pinned"):
+        h.retain("weights", True)
+    h.restore("weights")

@@ -66,6 +66,7 @@ def _core_signatures():
         "tb_release_tag": (i, [i, i, i]),
         "tb_restore_tag": (i, [i, i]),
         "tb_drop_tag_backup": (i, [i, i]),
+        "tb_retain_tag_backup": (i, [i, i, i]),
         "tb_tag_info": (i, [i, i, _c_i64_8]),
         "tb_pool_tag": (i, [i, u64, u64]),
         "tb_ptr_tag": (i, [vp]),

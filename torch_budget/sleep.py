@@ -44,7 +44,8 @@ from ._runtime import Device, Tags
 from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
-__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states", "released_tags",
+__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states", "holds",
+           "released_tags",
            "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
@@ -189,9 +190,12 @@ def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
     return _report(targets, moved, backed, start)
 
 
-def _restore(lib, targets) -> SleepReport:
+def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
     start = time.perf_counter()
     moved = backed = 0
+    if retain is not None:
+        for dev, tag, _ in targets:
+            _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
     for dev, tag, _ in targets:
         _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
         b, k = _moved(lib, dev, tag)
@@ -221,17 +225,21 @@ def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = No
     return _release(lib, _targets(lib, tags, device, _LIVE), backup, retain)
 
 
-def restore(tags: Tags = None, device: Device = None) -> SleepReport:
+def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = None) -> SleepReport:
     """Maps memory back behind `tags` (a name or names; None: every released tag) at the
     addresses they had, on `device` (None: the current device; "all": every device where the
-    tag is released), and copies their backups in. Returns the same keys as release().
+    tag is released), and copies their backups in. `retain` (None: as the release asked) says
+    whether a cpu or pinned backup is kept for the next release. Returns the same keys as
+    release().
 
     A tag that is not released raises TagStateError before anything is restored. Raises (tag
     left released, backup kept) when the memory cannot be had; the tags restored before the
     failure stay restored.
     """
     lib = _runtime.require_installed("torch_budget.restore()")
-    return _restore(lib, _targets(lib, tags, device, _RELEASED))
+    if retain is not None and not isinstance(retain, bool):
+        raise TypeError(f"retain must be a bool or None, got {type(retain).__name__}")
+    return _restore(lib, _targets(lib, tags, device, _RELEASED), retain)
 
 
 @contextlib.contextmanager
@@ -309,6 +317,13 @@ def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: It
         raise TagStateError(
             f"{what} belongs to tag {name!r}, which is {STATES[life]} on device {dev}: "
             f"torch_budget.restore({name!r}) before replaying")
+
+
+def holds(tag: str, tensor) -> bool:
+    """Whether `tensor`'s memory was allocated under `tag` (no tag is held by an unknown name)."""
+    lib = _runtime.require_installed("torch_budget.sleep.holds()")
+    found = lib.tb_ptr_tag(_native.ctypes.c_void_p(tensor.untyped_storage().data_ptr()))
+    return found > 0 and lib.tb_tag_find(tag_names(tag)[0].encode()) == found
 
 
 def released_tags() -> dict[str, str]:

@@ -152,6 +152,7 @@ class DeviceAllocator {
   bool release_tag(int tag, int backup);  // backup: a Backup, with kBackupRetain or-ed in for cpu / pinned
   bool restore_tag(int tag);
   bool drop_tag_backup(int tag);          // Note [Retained backups]
+  bool retain_tag_backup(int tag, bool on);
   TagView tag_view(int tag);
   // The tag a graph pool was created under, -1 for an unknown pool.
   int pool_tag(const PoolId& id);

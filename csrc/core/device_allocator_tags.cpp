@@ -63,6 +63,12 @@ bool DeviceAllocator::restore_tag(int tag) {
   return false;
 }
 
+bool DeviceAllocator::retain_tag_backup(int tag, bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
+  return tags_.set_retain(tag, on, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
+}
+
 bool DeviceAllocator::drop_tag_backup(int tag) {
   std::lock_guard<std::mutex> lock(mu_);
   TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);

@@ -154,6 +154,18 @@ bool TagArenas::restore(int tag, size_t* needed) {
   return true;
 }
 
+bool TagArenas::set_retain(int tag, bool on, const std::string& name) {
+  TagState& st = state_[tag];
+  TB_REQUIRE(st.life == kTagReleased, kState, name + " is not released: a restore's retention is set while released",
+             false);
+  TB_REQUIRE(!on || st.backup == kBackupCpu || st.backup == kBackupPinned, kInvalidArgument,
+             name + " was released with backup " + backup_name(st.backup) + ": only a cpu or pinned backup can be "
+             "retained",
+             false);
+  st.retain = on;
+  return true;
+}
+
 bool TagArenas::drop_retained(int tag, const std::string& name) {
   TagState& st = state_[tag];
   TB_REQUIRE(st.life == kTagLive, kState, name + " is released: its backup holds its contents until the restore",

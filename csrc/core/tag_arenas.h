@@ -60,6 +60,9 @@ class TagArenas {
   bool release(int tag, Backup backup, bool retain, const std::string& name);
   // Gives back the backup a live `tag` retained; false + kState when the tag is released.
   bool drop_retained(int tag, const std::string& name);
+  // While `tag` is released with a cpu or pinned backup: whether its restore keeps the backup
+  // (what the release asked, until changed here). false + kState otherwise.
+  bool set_retain(int tag, bool on, const std::string& name);
   // Restores `tag`, released (the owner checked). On failure the tag stays released with
   // its backup; *needed gets the bytes the restore had to map.
   bool restore(int tag, size_t* needed);
