@@ -17,7 +17,9 @@ Each configuration runs in a fresh process (each replaces how torch allocates):
   - torch_budget: torch_budget.adapters.torch_memory_saver, as `torch_memory_saver`;
   - torch_memory_saver, hook_mode "torch" (torch's pluggable allocator in a MemPool);
   - the same with retain_cpu_backup = True (its host backups are kept across resume and
-    reused by the next pause), when the package has that attribute.
+    reused by the next pause), when the package has that attribute;
+  - with --retained, torch_budget with retain_cpu_backup = True (retained backups: a pause
+    copies only what changed since the resume, here nothing).
 The workload: hook_mode = "torch"; under region(tag="weights", enable_cpu_backup=True), --gib
 GiB as about 66 uint8 and bf16 tensors per 8 GiB, 2 MiB to 512 MiB (seeded), filled with seeded
 random contents; a checksum of every 2 MiB block of every tensor; then --cycles cycles of
@@ -83,6 +85,9 @@ CONFIGS = (
     Config("tms", "torch_memory_saver", real=True),
     Config("tms_retain", "torch_memory_saver, retain_cpu_backup", real=True, retain=True),
 )
+# --retained adds torch_budget's retained backups: a pause of unchanged weights copies nothing
+# (Note [Retained backups]).
+TB_RETAIN = Config("tb_retain", "torch_budget (adapter), retain_cpu_backup", real=False, retain=True)
 
 
 # ---------------------------------------------------------------- staging and building
@@ -449,6 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cycles", type=int, default=4, help="pause/resume cycles per process (default 4; >= 2)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each running every configuration (default 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retained", action="store_true", help="also torch_budget with retain_cpu_backup = True")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one process may take (default 300)")
     ap.add_argument("--stage", metavar="SOURCE", help="copy torch_memory_saver's source (a checkout or a bare "
                     "git directory) into .tms_src/, then go on")
@@ -484,6 +490,7 @@ def main(argv=None) -> int:
     print(f"bench_tms: {len(plan)} tensors of {min(sizes) / MiB:.0f} to {max(sizes) / MiB:.0f} "
           f"MiB ({sum(d == 'bfloat16' for _, d in plan)} bf16), {total / GiB:.2f} GiB under tag {TAG!r}; "
           f"{args.cycles} cycles per process, {args.rounds} rounds")
+    all_configs = list(CONFIGS) + ([TB_RETAIN] if args.retained else [])
     ok, said = build(SRC, torch.__version__, int(torch.version.cuda.split(".")[0]))
     tms, tms_why = "ran", None
     if ok:
@@ -492,11 +499,11 @@ def main(argv=None) -> int:
             with open(os.path.join(SRC, "STAGED_FROM")) as f:
                 origin = f.read().strip()
         print(f"bench_tms: torch_memory_saver from {SRC} (staged from {origin}): {said}")
-        configs = list(CONFIGS)
+        configs = list(all_configs)
     else:
         tms, tms_why = "unavailable", "not_staged" if staged_problem(SRC) else "build_failed"
         print(f"bench_tms: torch_memory_saver unavailable, torch_budget measured alone: {said}")
-        configs = [c for c in CONFIGS if not c.real]
+        configs = [c for c in all_configs if not c.real]
 
     per_round, failures = [], {}
     with tempfile.TemporaryDirectory(prefix="tms-shim-") as tmp:
@@ -528,7 +535,7 @@ def main(argv=None) -> int:
         print("RESULT bench_tms failed=" + ",".join(failures))
         return 1
     medians, ratios = summarize(rounds)
-    print_table(CONFIGS, medians, ratios, len(rounds))
+    print_table(all_configs, medians, ratios, len(rounds))
     for key, why in failures.items():
         print(f"{key} failed in at least one round: {why}")
     if tms == "ran" and any(k.startswith("tms") for k in failures) and not any(k.startswith("tms") for k in medians):

@@ -19,6 +19,11 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          emptied on exit, as torch_memory_saver drops its pool
   enable_cpu_backup      backup "pinned" at pause (cpu_backup_backend="mmap": "cpu", pageable
                          host memory); without it "none": contents are undefined after resume
+  retain_cpu_backup      True: a resume keeps the cpu / pinned backups (torch_budget.restore(...,
+                         retain=True)), and the next pause copies only what changed since
+                         (Note [Retained backups]): an unchanged model pauses without a copy.
+                         Read at pause and at resume, as torch_memory_saver reads it at resume;
+                         TMS_RETAIN_CPU_BACKUP=1 sets it at start
   enabled                True
   hook_mode              "preload" or "torch", before first use; both mean torch_budget serves
                          every allocation (cuda_graph works in either)
@@ -27,9 +32,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: disk backups (enable_disk_backup,
-set_disk_backup_dir), memory_margin_bytes above 0, retain_cpu_backup = True (or
-TMS_RETAIN_CPU_BACKUP), get_cpu_backup of a paused tensor (a live one has no backup: None, as
-in torch_memory_saver), and TMS_INIT_ENABLE (every allocation of every thread under "default").
+set_disk_backup_dir), memory_margin_bytes above 0, get_cpu_backup of a paused tensor or of one
+whose backup is retained (backups are not readable from Python; a live one without a retained
+backup has none: None, as in torch_memory_saver), TMS_INIT_ENABLE (every allocation of every
+thread under "default") and its private _impl.
 
 Importing this module installs torch_budget (torch_budget.install(), settings from
 TORCH_BUDGET_CONF) when a CUDA device is there and CUDA is not yet initialised: torch's
@@ -127,14 +133,11 @@ def _check_environment() -> None:
         raise UnsupportedError(
             "TMS_INIT_ENABLE=1 puts every allocation of every thread under tag 'default'; torch_budget tags "
             "by scope: wrap the allocations in torch_memory_saver.region() and unset TMS_INIT_ENABLE")
-    if _env_flag("TMS_RETAIN_CPU_BACKUP"):
-        raise UnsupportedError(_RETAIN)
+    _env_flag("TMS_RETAIN_CPU_BACKUP")
     _default_backend()
 
 
-_RETAIN = ("retain_cpu_backup: torch_budget frees a backup when it restores it, so get_cpu_backup cannot "
-           "see it after resume; the pinned host memory itself stays in torch_budget's host pool for the "
-           "next pause (torch_budget.sleep.reserve_host_pool pins it ahead)")
+_COPYING = ("pinned", "cpu")  # backups with contents, which a resume can retain
 
 
 def _install() -> None:
@@ -152,6 +155,7 @@ class TorchMemorySaver:
     def __init__(self):
         self._hook_mode: HookMode = "preload"
         self._initialized = False
+        self._retain: Optional[bool] = None  # None: TMS_RETAIN_CPU_BACKUP, read at first use
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
@@ -211,7 +215,8 @@ class TorchMemorySaver:
             done: list[list[str]] = []
             try:
                 for backup, group in sorted(by_backup.items()):
-                    torch_budget.release(group, backup=backup, device="all")
+                    torch_budget.release(group, backup=backup, device="all",
+                                         retain=self._retain and backup in _COPYING)
                     done.append(group)
             except BaseException:
                 for group in reversed(done):  # all or nothing, as release() is for one backup
@@ -232,7 +237,12 @@ class TorchMemorySaver:
                 if names and tag is not None:
                     raise TagStateError(f"torch_memory_saver.resume({tag!r}): tag {tag!r} is not paused")
                 return
-            torch_budget.restore(paused, device="all")
+            copying = [n for n in paused if names[n] in _COPYING]
+            if copying:  # torch_memory_saver decides at resume whether the backups stay
+                torch_budget.restore(copying, device="all", retain=self._retain)
+            rest = [n for n in paused if n not in copying]
+            if rest:
+                torch_budget.restore(rest, device="all")
 
     @property
     def enabled(self):
@@ -266,19 +276,18 @@ class TorchMemorySaver:
     @property
     def retain_cpu_backup(self) -> bool:
         self._ensure_initialized()
-        return False
+        return self._retain
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool):
         if not isinstance(value, bool):
             raise TypeError(f"retain_cpu_backup must be a bool, got {type(value).__name__} ({value!r})")
         self._ensure_initialized()
-        if value:
-            raise UnsupportedError(_RETAIN)
+        self._retain = value
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
-        """None for a tensor that is not paused (it has no backup, as in torch_memory_saver
-        without retain_cpu_backup); a paused one's backup cannot be read (UnsupportedError)."""
+        """None for a tensor that is not paused and whose tag retains no backup (it has none, as in
+        torch_memory_saver); a backup that exists cannot be read from Python (UnsupportedError)."""
         import torch
 
         self._ensure_initialized()
@@ -292,6 +301,10 @@ class TorchMemorySaver:
         except TagStateError:
             raise UnsupportedError("get_cpu_backup of a paused tensor: torch_budget's backups are not readable "
                                    "from Python; resume() its tag and read the tensor") from None
+        if any(sleep.tag_states(x.device.index).get(name, {}).get("retained") for name in _registry.of(None)
+               if sleep.holds(name, x)):
+            raise UnsupportedError("get_cpu_backup of a tensor whose backup is retained (retain_cpu_backup): "
+                                   "torch_budget's backups are not readable from Python; read the tensor")
         return None
 
     def set_disk_backup_dir(self, path: str):
@@ -311,6 +324,8 @@ class TorchMemorySaver:
             return
         _check_environment()
         _install()
+        if self._retain is None:
+            self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
         self._initialized = True
 
 
