@@ -74,10 +74,10 @@ def twenty_cycles_keep_pinned_weights_bitwise_and_zero_memset_kv():
         assert r["bytes"] == kv_resident and r["backup_bytes"] == 0, (cycle, kv_backup, r, kv_resident)
         st = torch_budget.sleep.tag_states(device=0)
         expect_w = {"state": "released", "resident": 0, "released": w_resident, "backup": "pinned",
-                    "backup_bytes": w_backup}
+                    "backup_bytes": w_backup, "retained": False}
         assert st["weights"] == expect_w, (cycle, st["weights"], expect_w)
         expect_kv = {"state": "released", "resident": 0, "released": kv_resident, "backup": kv_backup,
-                     "backup_bytes": 0}
+                     "backup_bytes": 0, "retained": False}
         assert st["kv"] == expect_kv, (cycle, st["kv"], expect_kv)
         assert torch_budget.sleep.released_tags() == {"weights": "pinned", "kv": kv_backup}
         assert torch_budget.sleep.host_pool_stats()["used"] >= w_backup, torch_budget.sleep.host_pool_stats()

@@ -7,6 +7,7 @@ namespace tb {
 namespace {
 
 constexpr unsigned kThreads = 256;
+constexpr unsigned kParts = 8;  // blocks per chunk: a 2 MiB granule is 8 blocks of 256 KiB
 
 uint64_t fmix64(uint64_t k) {
   k ^= k >> 33;
@@ -52,34 +53,70 @@ bool Digester::available(std::string* why) {
   return state_ == 1;
 }
 
-bool Digester::digest(CUstream stream, uintptr_t va, size_t chunks, size_t chunk_bytes, std::vector<Digest>* out) {
+bool Digester::begin(size_t chunks) {
   std::string why;
   TB_REQUIRE(available(&why), kNotAvailable, why, false);
-  TB_REQUIRE(chunk_bytes % 8 == 0, kInvalidArgument, "internal: digest chunks of " + std::to_string(chunk_bytes) +
-             " bytes", false);
-  if (chunks == 0) return true;
+  batches_.clear();
+  used_ = 0;
+  if (chunks <= capacity_) return true;
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   const DriverApi* d = driver();
-  if (chunks > scratch_chunks_) {
-    if (scratch_ != 0) d->memFree(scratch_);
-    scratch_ = 0;
-    scratch_chunks_ = 0;
-    TB_DRIVER_CHECK(d->memAlloc(&scratch_, chunks * sizeof(Digest)), false);
-    scratch_chunks_ = chunks;
+  if (addresses_ != 0) d->memFree(addresses_);
+  if (digests_ != 0) d->memFree(digests_);
+  if (results_ != nullptr) d->memFreeHost(results_);
+  addresses_ = digests_ = 0;
+  results_ = nullptr;
+  capacity_ = 0;
+  TB_DRIVER_CHECK(d->memAlloc(&addresses_, chunks * sizeof(uint64_t)), false);
+  TB_DRIVER_CHECK(d->memAlloc(&digests_, chunks * sizeof(Digest)), false);
+  void* host = nullptr;
+  TB_DRIVER_CHECK(d->memHostAlloc(&host, chunks * sizeof(Digest), 0), false);
+  results_ = static_cast<uint64_t*>(host);
+  capacity_ = chunks;
+  return true;
+}
+
+bool Digester::start(CUstream stream, const std::vector<uintptr_t>& addresses, size_t chunk_bytes, size_t* batch) {
+  const size_t n = addresses.size();
+  TB_REQUIRE(chunk_bytes % 8 == 0 && used_ + n <= capacity_, kInvalidArgument,
+             "internal: a digest batch past begin()'s room, or chunks of " + std::to_string(chunk_bytes) + " bytes",
+             false);
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const DriverApi* d = driver();
+  if (batches_.size() == events_.size()) {
+    CUevent e = nullptr;
+    TB_DRIVER_CHECK(d->eventCreate(&e, CU_EVENT_DISABLE_TIMING), false);
+    events_.push_back(e);
   }
-  TB_DRIVER_CHECK(d->memsetD8Async(scratch_, 0, chunks * sizeof(Digest), stream), false);
-  CUdeviceptr base = va;
-  unsigned long long words = chunk_bytes / 8;
-  CUdeviceptr dst = scratch_;
-  void* params[] = {&base, &words, &dst};
-  TB_DRIVER_CHECK(d->launchKernel(kernel_, static_cast<unsigned>(chunks), 1, 1, kThreads, 1, 1, 0, stream, params,
-                                  nullptr),
-                  false);
-  host_.resize(chunks * 2);
-  TB_DRIVER_CHECK(d->memcpyDtoHAsync(host_.data(), scratch_, chunks * sizeof(Digest), stream), false);
-  TB_DRIVER_CHECK(d->streamSynchronize(stream), false);
-  for (size_t i = 0; i < chunks; ++i) out->push_back(Digest{host_[2 * i], host_[2 * i + 1]});
+  const CUevent done = events_[batches_.size()];
+  if (n > 0) {
+    const CUdeviceptr at_addresses = addresses_ + used_ * sizeof(uint64_t);
+    CUdeviceptr at_digests = digests_ + used_ * sizeof(Digest);
+    TB_DRIVER_CHECK(d->memcpyHtoDAsync(at_addresses, addresses.data(), n * sizeof(uint64_t), stream), false);
+    TB_DRIVER_CHECK(d->memsetD8Async(at_digests, 0, n * sizeof(Digest), stream), false);
+    unsigned long long words = chunk_bytes / 8;
+    unsigned int parts = words % kParts == 0 ? kParts : 1;
+    CUdeviceptr chunks = at_addresses;
+    void* params[] = {&chunks, &words, &parts, &at_digests};
+    TB_DRIVER_CHECK(d->launchKernel(kernel_, static_cast<unsigned>(n * parts), 1, 1, kThreads, 1, 1, 0, stream,
+                                    params, nullptr),
+                    false);
+    TB_DRIVER_CHECK(d->memcpyDtoHAsync(results_ + 2 * used_, at_digests, n * sizeof(Digest), stream), false);
+  }
+  TB_DRIVER_CHECK(d->eventRecord(done, stream), false);
+  batches_.push_back(Batch{used_, n, done});
+  used_ += n;
+  *batch = batches_.size() - 1;
+  return true;
+}
+
+bool Digester::finish(size_t batch, std::vector<Digest>* out) {
+  TB_REQUIRE(batch < batches_.size(), kInvalidArgument, "internal: no digest batch " + std::to_string(batch), false);
+  const Batch& b = batches_[batch];
+  TB_DRIVER_CHECK(driver()->eventSynchronize(b.done), false);
+  for (size_t i = b.first; i < b.first + b.count; ++i) out->push_back(Digest{results_[2 * i], results_[2 * i + 1]});
   return true;
 }
 

@@ -2,6 +2,11 @@
 // (Note [Retained backups], tag_sleep.h): the kernel is csrc/kernels/digest.cu, shipped as
 // PTX the driver compiles when it is first used, so nothing here needs the CUDA toolkit.
 //
+// Use: begin(n) makes room for n chunks; start() queues a batch of chunks on a stream (their
+// addresses go to the device, one launch digests them, the digests come back into pinned host
+// memory, an event marks the end) and returns at once; finish() waits for one batch. So the host
+// can act on the first batches while the device digests the later ones.
+//
 // Lock rule: owned by one device's TagMover, used under that device's lock.
 #pragma once
 
@@ -19,7 +24,7 @@ namespace tb {
 
 using Digest = std::array<uint64_t, 2>;
 
-// The digest of `words` 8-byte words, as the kernel computes it for one chunk.
+// The digest of `n` 8-byte words, as the kernel computes it for one chunk.
 Digest digest_host(const uint64_t* words, size_t n);
 
 class Digester {
@@ -30,19 +35,31 @@ class Digester {
 
   // Whether digests can be computed on this device (the PTX loads); *why says why not.
   bool available(std::string* why);
-  // Appends the digests of the `chunks` chunks of `chunk_bytes` (a multiple of 8) from `va`,
-  // computed on `stream`, which this waits for. false + error.
-  bool digest(CUstream stream, uintptr_t va, size_t chunks, size_t chunk_bytes, std::vector<Digest>* out);
+  // Room for `chunks` chunks in the batches that follow; forgets earlier batches. false + error.
+  bool begin(size_t chunks);
+  // Queues the digests of the chunks of `chunk_bytes` (a multiple of 8) at `addresses` on
+  // `stream`; *batch: its number for finish(). false + error.
+  bool start(CUstream stream, const std::vector<uintptr_t>& addresses, size_t chunk_bytes, size_t* batch);
+  // Waits for `batch` and appends its digests, in the order of its addresses. false + error.
+  bool finish(size_t batch, std::vector<Digest>* out);
 
  private:
+  struct Batch {
+    size_t first, count;
+    CUevent done;
+  };
   const DeviceContext& ctx_;
   int state_ = 0;  // 0 not tried, 1 loaded, -1 unavailable
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction kernel_ = nullptr;
-  CUdeviceptr scratch_ = 0;  // 16 bytes per chunk, grown as needed
-  size_t scratch_chunks_ = 0;
-  std::vector<uint64_t> host_;
+  size_t capacity_ = 0;          // chunks the buffers hold
+  CUdeviceptr addresses_ = 0;    // device: 8 bytes per chunk
+  CUdeviceptr digests_ = 0;      // device: 16 bytes per chunk
+  uint64_t* results_ = nullptr;  // pinned host: 16 bytes per chunk
+  size_t used_ = 0;
+  std::vector<Batch> batches_;
+  std::vector<CUevent> events_;  // one per batch, kept for the next begin()
 };
 
 }  // namespace tb

@@ -15,179 +15,200 @@ constexpr const char kDigestPtx[] = R"PTX(
 .visible .entry tb_digest(
 	.param .u64 tb_digest_param_0,
 	.param .u64 tb_digest_param_1,
-	.param .u64 tb_digest_param_2
+	.param .u32 tb_digest_param_2,
+	.param .u64 tb_digest_param_3
 )
 {
-	.reg .pred 	%p<24>;
-	.reg .b32 	%r<54>;
-	.reg .b64 	%rd<80>;
+	.reg .pred 	%p<25>;
+	.reg .b32 	%r<59>;
+	.reg .b64 	%rd<90>;
 
 
-	ld.param.u64 	%rd15, [tb_digest_param_0];
-	ld.param.u64 	%rd16, [tb_digest_param_1];
-	ld.param.u64 	%rd17, [tb_digest_param_2];
+	ld.param.u64 	%rd19, [tb_digest_param_0];
+	ld.param.u64 	%rd20, [tb_digest_param_1];
+	ld.param.u32 	%r4, [tb_digest_param_2];
+	ld.param.u64 	%rd21, [tb_digest_param_3];
 	mov.u32 	%r1, %ctaid.x;
-	mov.u32 	%r2, %tid.x;
-	cvt.u64.u32 	%rd1, %r2;
-	setp.ge.u64 	%p1, %rd1, %rd16;
-	mov.u64 	%rd78, 0;
-	mov.u64 	%rd79, %rd78;
-	@%p1 bra 	$L__BB0_3;
+	div.u32 	%r2, %r1, %r4;
+	cvt.u64.u32 	%rd1, %r4;
+	and.b64  	%rd22, %rd20, -4294967296;
+	setp.eq.s64 	%p1, %rd22, 0;
+	@%p1 bra 	$L__BB0_2;
 
-	mov.u32 	%r3, %ntid.x;
-	cvt.u64.u32 	%rd2, %r3;
-	cvt.u64.u32 	%rd22, %r1;
-	mul.lo.s64 	%rd3, %rd22, %rd16;
-	cvta.to.global.u64 	%rd4, %rd15;
-	mov.u64 	%rd79, 0;
-	mov.u64 	%rd75, %rd1;
-	mov.u64 	%rd78, %rd79;
+	div.u64 	%rd84, %rd20, %rd1;
+	bra.uni 	$L__BB0_3;
 
 $L__BB0_2:
-	add.s64 	%rd23, %rd75, %rd3;
-	shl.b64 	%rd24, %rd23, 3;
-	add.s64 	%rd25, %rd4, %rd24;
-	mul.lo.s64 	%rd26, %rd75, -7046029254386353131;
-	ld.global.nc.u64 	%rd27, [%rd25];
-	xor.b64  	%rd28, %rd27, %rd26;
-	shr.u64 	%rd29, %rd28, 33;
-	xor.b64  	%rd30, %rd29, %rd28;
-	mul.lo.s64 	%rd31, %rd30, -49064778989728563;
-	shr.u64 	%rd32, %rd31, 33;
-	xor.b64  	%rd33, %rd32, %rd31;
-	mul.lo.s64 	%rd34, %rd33, -4265267296055464877;
-	shr.u64 	%rd35, %rd34, 33;
-	xor.b64  	%rd36, %rd35, %rd34;
-	add.s64 	%rd78, %rd36, %rd78;
-	add.s64 	%rd37, %rd27, 7146057691288625177;
-	shl.b64 	%rd38, %rd75, 1;
-	or.b64  	%rd39, %rd38, 1;
-	mul.lo.s64 	%rd40, %rd37, %rd39;
-	shr.u64 	%rd41, %rd40, 33;
-	xor.b64  	%rd42, %rd41, %rd40;
-	mul.lo.s64 	%rd43, %rd42, -49064778989728563;
-	shr.u64 	%rd44, %rd43, 33;
-	xor.b64  	%rd45, %rd44, %rd43;
-	mul.lo.s64 	%rd46, %rd45, -4265267296055464877;
-	shr.u64 	%rd47, %rd46, 33;
-	xor.b64  	%rd48, %rd47, %rd46;
-	add.s64 	%rd79, %rd48, %rd79;
-	add.s64 	%rd75, %rd75, %rd2;
-	setp.lt.u64 	%p2, %rd75, %rd16;
-	@%p2 bra 	$L__BB0_2;
+	cvt.u32.u64 	%r5, %rd1;
+	cvt.u32.u64 	%r6, %rd20;
+	div.u32 	%r7, %r6, %r5;
+	cvt.u64.u32 	%rd84, %r7;
 
 $L__BB0_3:
-	// begin inline asm
-	mov.b64 {%r4,%r5}, %rd78;
-	// end inline asm
-	mov.u32 	%r44, 2;
-	mov.u32 	%r45, 31;
-	mov.u32 	%r46, 16;
-	mov.u32 	%r47, -1;
-	shfl.sync.down.b32 	%r7|%p3, %r5, %r46, %r45, %r47;
-	shfl.sync.down.b32 	%r6|%p4, %r4, %r46, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd50, {%r6,%r7};
-	// end inline asm
-	add.s64 	%rd53, %rd50, %rd78;
-	// begin inline asm
-	mov.b64 {%r8,%r9}, %rd79;
-	// end inline asm
-	shfl.sync.down.b32 	%r11|%p5, %r9, %r46, %r45, %r47;
-	shfl.sync.down.b32 	%r10|%p6, %r8, %r46, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd52, {%r10,%r11};
-	// end inline asm
-	add.s64 	%rd55, %rd52, %rd79;
-	// begin inline asm
-	mov.b64 {%r12,%r13}, %rd53;
-	// end inline asm
-	mov.u32 	%r48, 8;
-	shfl.sync.down.b32 	%r15|%p7, %r13, %r48, %r45, %r47;
-	shfl.sync.down.b32 	%r14|%p8, %r12, %r48, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd54, {%r14,%r15};
-	// end inline asm
-	add.s64 	%rd57, %rd54, %rd53;
-	// begin inline asm
-	mov.b64 {%r16,%r17}, %rd55;
-	// end inline asm
-	shfl.sync.down.b32 	%r19|%p9, %r17, %r48, %r45, %r47;
-	shfl.sync.down.b32 	%r18|%p10, %r16, %r48, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd56, {%r18,%r19};
-	// end inline asm
-	add.s64 	%rd59, %rd56, %rd55;
-	// begin inline asm
-	mov.b64 {%r20,%r21}, %rd57;
-	// end inline asm
-	mov.u32 	%r49, 4;
-	shfl.sync.down.b32 	%r23|%p11, %r21, %r49, %r45, %r47;
-	shfl.sync.down.b32 	%r22|%p12, %r20, %r49, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd58, {%r22,%r23};
-	// end inline asm
-	add.s64 	%rd61, %rd58, %rd57;
-	// begin inline asm
-	mov.b64 {%r24,%r25}, %rd59;
-	// end inline asm
-	shfl.sync.down.b32 	%r27|%p13, %r25, %r49, %r45, %r47;
-	shfl.sync.down.b32 	%r26|%p14, %r24, %r49, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd60, {%r26,%r27};
-	// end inline asm
-	add.s64 	%rd63, %rd60, %rd59;
-	// begin inline asm
-	mov.b64 {%r28,%r29}, %rd61;
-	// end inline asm
-	shfl.sync.down.b32 	%r31|%p15, %r29, %r44, %r45, %r47;
-	shfl.sync.down.b32 	%r30|%p16, %r28, %r44, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd62, {%r30,%r31};
-	// end inline asm
-	add.s64 	%rd65, %rd62, %rd61;
-	// begin inline asm
-	mov.b64 {%r32,%r33}, %rd63;
-	// end inline asm
-	shfl.sync.down.b32 	%r35|%p17, %r33, %r44, %r45, %r47;
-	shfl.sync.down.b32 	%r34|%p18, %r32, %r44, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd64, {%r34,%r35};
-	// end inline asm
-	add.s64 	%rd67, %rd64, %rd63;
-	// begin inline asm
-	mov.b64 {%r36,%r37}, %rd65;
-	// end inline asm
-	mov.u32 	%r50, 1;
-	shfl.sync.down.b32 	%r39|%p19, %r37, %r50, %r45, %r47;
-	shfl.sync.down.b32 	%r38|%p20, %r36, %r50, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd66, {%r38,%r39};
-	// end inline asm
-	add.s64 	%rd13, %rd66, %rd65;
-	// begin inline asm
-	mov.b64 {%r40,%r41}, %rd67;
-	// end inline asm
-	shfl.sync.down.b32 	%r43|%p21, %r41, %r50, %r45, %r47;
-	shfl.sync.down.b32 	%r42|%p22, %r40, %r50, %r45, %r47;
-	// begin inline asm
-	mov.b64 %rd68, {%r42,%r43};
-	// end inline asm
-	add.s64 	%rd14, %rd68, %rd67;
-	cvt.u32.u64 	%r51, %rd1;
-	and.b32  	%r52, %r51, 31;
-	setp.ne.s32 	%p23, %r52, 0;
-	@%p23 bra 	$L__BB0_5;
+	rem.u32 	%r8, %r1, %r4;
+	cvt.u64.u32 	%rd25, %r8;
+	mul.lo.s64 	%rd26, %rd84, %rd25;
+	mov.u32 	%r3, %tid.x;
+	cvt.u64.u32 	%rd27, %r3;
+	add.s64 	%rd85, %rd26, %rd27;
+	add.s64 	%rd6, %rd26, %rd84;
+	setp.ge.u64 	%p2, %rd85, %rd6;
+	mov.u64 	%rd88, 0;
+	mov.u64 	%rd89, %rd88;
+	@%p2 bra 	$L__BB0_6;
 
-	shl.b32 	%r53, %r1, 1;
-	cvta.to.global.u64 	%rd69, %rd17;
-	mul.wide.u32 	%rd70, %r53, 8;
-	add.s64 	%rd71, %rd69, %rd70;
-	atom.global.add.u64 	%rd72, [%rd71], %rd13;
-	add.s64 	%rd73, %rd71, 8;
-	atom.global.add.u64 	%rd74, [%rd73], %rd14;
+	cvta.to.global.u64 	%rd30, %rd19;
+	mul.wide.u32 	%rd31, %r2, 8;
+	add.s64 	%rd32, %rd30, %rd31;
+	ld.global.nc.u64 	%rd7, [%rd32];
+	mov.u32 	%r9, %ntid.x;
+	cvt.u64.u32 	%rd8, %r9;
+	mov.u64 	%rd89, 0;
+	mov.u64 	%rd88, %rd89;
 
 $L__BB0_5:
+	mul.lo.s64 	%rd33, %rd85, -7046029254386353131;
+	shl.b64 	%rd34, %rd85, 3;
+	add.s64 	%rd35, %rd7, %rd34;
+	ld.u64 	%rd36, [%rd35];
+	xor.b64  	%rd37, %rd36, %rd33;
+	shr.u64 	%rd38, %rd37, 33;
+	xor.b64  	%rd39, %rd38, %rd37;
+	mul.lo.s64 	%rd40, %rd39, -49064778989728563;
+	shr.u64 	%rd41, %rd40, 33;
+	xor.b64  	%rd42, %rd41, %rd40;
+	mul.lo.s64 	%rd43, %rd42, -4265267296055464877;
+	shr.u64 	%rd44, %rd43, 33;
+	xor.b64  	%rd45, %rd44, %rd43;
+	add.s64 	%rd88, %rd45, %rd88;
+	add.s64 	%rd46, %rd36, 7146057691288625177;
+	shl.b64 	%rd47, %rd85, 1;
+	or.b64  	%rd48, %rd47, 1;
+	mul.lo.s64 	%rd49, %rd46, %rd48;
+	shr.u64 	%rd50, %rd49, 33;
+	xor.b64  	%rd51, %rd50, %rd49;
+	mul.lo.s64 	%rd52, %rd51, -49064778989728563;
+	shr.u64 	%rd53, %rd52, 33;
+	xor.b64  	%rd54, %rd53, %rd52;
+	mul.lo.s64 	%rd55, %rd54, -4265267296055464877;
+	shr.u64 	%rd56, %rd55, 33;
+	xor.b64  	%rd57, %rd56, %rd55;
+	add.s64 	%rd89, %rd57, %rd89;
+	add.s64 	%rd85, %rd85, %rd8;
+	setp.lt.u64 	%p3, %rd85, %rd6;
+	@%p3 bra 	$L__BB0_5;
+
+$L__BB0_6:
+	// begin inline asm
+	mov.b64 {%r10,%r11}, %rd88;
+	// end inline asm
+	mov.u32 	%r50, 2;
+	mov.u32 	%r51, 31;
+	mov.u32 	%r52, 16;
+	mov.u32 	%r53, -1;
+	shfl.sync.down.b32 	%r13|%p4, %r11, %r52, %r51, %r53;
+	shfl.sync.down.b32 	%r12|%p5, %r10, %r52, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd59, {%r12,%r13};
+	// end inline asm
+	add.s64 	%rd62, %rd59, %rd88;
+	// begin inline asm
+	mov.b64 {%r14,%r15}, %rd89;
+	// end inline asm
+	shfl.sync.down.b32 	%r17|%p6, %r15, %r52, %r51, %r53;
+	shfl.sync.down.b32 	%r16|%p7, %r14, %r52, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd61, {%r16,%r17};
+	// end inline asm
+	add.s64 	%rd64, %rd61, %rd89;
+	// begin inline asm
+	mov.b64 {%r18,%r19}, %rd62;
+	// end inline asm
+	mov.u32 	%r54, 8;
+	shfl.sync.down.b32 	%r21|%p8, %r19, %r54, %r51, %r53;
+	shfl.sync.down.b32 	%r20|%p9, %r18, %r54, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd63, {%r20,%r21};
+	// end inline asm
+	add.s64 	%rd66, %rd63, %rd62;
+	// begin inline asm
+	mov.b64 {%r22,%r23}, %rd64;
+	// end inline asm
+	shfl.sync.down.b32 	%r25|%p10, %r23, %r54, %r51, %r53;
+	shfl.sync.down.b32 	%r24|%p11, %r22, %r54, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd65, {%r24,%r25};
+	// end inline asm
+	add.s64 	%rd68, %rd65, %rd64;
+	// begin inline asm
+	mov.b64 {%r26,%r27}, %rd66;
+	// end inline asm
+	mov.u32 	%r55, 4;
+	shfl.sync.down.b32 	%r29|%p12, %r27, %r55, %r51, %r53;
+	shfl.sync.down.b32 	%r28|%p13, %r26, %r55, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd67, {%r28,%r29};
+	// end inline asm
+	add.s64 	%rd70, %rd67, %rd66;
+	// begin inline asm
+	mov.b64 {%r30,%r31}, %rd68;
+	// end inline asm
+	shfl.sync.down.b32 	%r33|%p14, %r31, %r55, %r51, %r53;
+	shfl.sync.down.b32 	%r32|%p15, %r30, %r55, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd69, {%r32,%r33};
+	// end inline asm
+	add.s64 	%rd72, %rd69, %rd68;
+	// begin inline asm
+	mov.b64 {%r34,%r35}, %rd70;
+	// end inline asm
+	shfl.sync.down.b32 	%r37|%p16, %r35, %r50, %r51, %r53;
+	shfl.sync.down.b32 	%r36|%p17, %r34, %r50, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd71, {%r36,%r37};
+	// end inline asm
+	add.s64 	%rd74, %rd71, %rd70;
+	// begin inline asm
+	mov.b64 {%r38,%r39}, %rd72;
+	// end inline asm
+	shfl.sync.down.b32 	%r41|%p18, %r39, %r50, %r51, %r53;
+	shfl.sync.down.b32 	%r40|%p19, %r38, %r50, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd73, {%r40,%r41};
+	// end inline asm
+	add.s64 	%rd76, %rd73, %rd72;
+	// begin inline asm
+	mov.b64 {%r42,%r43}, %rd74;
+	// end inline asm
+	mov.u32 	%r56, 1;
+	shfl.sync.down.b32 	%r45|%p20, %r43, %r56, %r51, %r53;
+	shfl.sync.down.b32 	%r44|%p21, %r42, %r56, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd75, {%r44,%r45};
+	// end inline asm
+	add.s64 	%rd17, %rd75, %rd74;
+	// begin inline asm
+	mov.b64 {%r46,%r47}, %rd76;
+	// end inline asm
+	shfl.sync.down.b32 	%r49|%p22, %r47, %r56, %r51, %r53;
+	shfl.sync.down.b32 	%r48|%p23, %r46, %r56, %r51, %r53;
+	// begin inline asm
+	mov.b64 %rd77, {%r48,%r49};
+	// end inline asm
+	add.s64 	%rd18, %rd77, %rd76;
+	and.b32  	%r57, %r3, 31;
+	setp.ne.s32 	%p24, %r57, 0;
+	@%p24 bra 	$L__BB0_8;
+
+	shl.b32 	%r58, %r2, 1;
+	cvta.to.global.u64 	%rd78, %rd21;
+	mul.wide.u32 	%rd79, %r58, 8;
+	add.s64 	%rd80, %rd78, %rd79;
+	atom.global.add.u64 	%rd81, [%rd80], %rd17;
+	add.s64 	%rd82, %rd80, 8;
+	atom.global.add.u64 	%rd83, [%rd82], %rd18;
+
+$L__BB0_8:
 	ret;
 
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
 
 #include "budget.h"
 #include "error.h"
@@ -107,8 +108,25 @@ bool TagMover::copy(const Piece& p, bool to_device, const TagState& state, const
   return true;
 }
 
-bool TagMover::digest(const Piece& p, std::vector<Digest>* out) {
-  return digester_.digest(stream_, p.seg->base + p.first * vmm_.granule(), p.count, vmm_.granule(), out);
+bool TagMover::start_digests(const std::vector<Piece>& pieces, std::vector<size_t>* batch_of) {
+  const size_t g = vmm_.granule();
+  size_t granules = 0;
+  for (const Piece& p : pieces) granules += p.count;
+  if (!digester_.begin(granules)) return false;
+  std::vector<uintptr_t> addresses;
+  size_t started = 0;  // batches queued so far: the next one is number `started`
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& p = pieces[i];
+    for (size_t j = 0; j < p.count; ++j) addresses.push_back(p.seg->base + (p.first + j) * g);
+    batch_of->push_back(started);
+    if (addresses.size() * g >= kDigestBatchBytes || i + 1 == pieces.size()) {
+      size_t batch = 0;
+      if (!digester_.start(stream_, addresses, g, &batch)) return false;
+      addresses.clear();
+      ++started;
+    }
+  }
+  return true;
 }
 
 bool TagMover::reusable(const std::vector<Piece>& pieces, Backup mode, const TagState& state) const {
@@ -178,24 +196,16 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     total += p.count * g;
   }
   const bool copies = mode == kBackupCpu || mode == kBackupPinned;
-  // Note [Retained backups]: the granules of each piece whose digest changed since the
-  // restore (none computed: all of them).
-  std::vector<std::vector<bool>> stale;
+  // Note [Retained backups]: the device digests every piece, batch by batch, while the host
+  // drops the pieces whose granules all kept their digest and copies the granules that changed.
   const bool reuse = copies && reusable(pieces, mode, *state);
+  std::vector<Digest> before;
+  std::vector<size_t> batch_of;
+  bool digested = false;
   if (reuse) {
-    std::vector<Digest> now;
-    bool digested = true;
-    for (const Piece& p : pieces)
-      if (!(digested = digest(p, &now))) break;
-    if (digested) {
-      size_t k = 0;
-      for (const Piece& p : pieces) {
-        stale.emplace_back(p.count);
-        for (size_t j = 0; j < p.count; ++j, ++k) stale.back()[j] = now[k] != state->digests[k];
-      }
-    } else {
-      clear_error();  // the backup is still whole: copy everything into it
-    }
+    before = std::move(state->digests);
+    digested = start_digests(pieces, &batch_of);
+    if (!digested) clear_error();  // the backup is still whole: copy everything into it
     state->kept.clear();
     state->digests.clear();
   } else {
@@ -228,25 +238,56 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   }
   const DriverApi* d = driver();
   const size_t n = pieces.size(), w = events_.size();
-  auto settle = [&](size_t i) {  // piece i's copy is complete: drop it
-    CUresult r = d->eventSynchronize(events_[i % w]);
+  std::deque<std::pair<size_t, size_t>> pending;  // (piece, event slot) whose copy is queued
+  size_t recorded = 0;
+  auto settle = [&]() {  // the oldest queued copy is complete: drop its piece
+    const auto [i, slot] = pending.front();
+    pending.pop_front();
+    CUresult r = d->eventSynchronize(events_[slot]);
     if (r != CUDA_SUCCESS) return fail_driver(r, "cuEventSynchronize", __FILE__, __LINE__);
     drop_piece(pieces[i]);
     state->pieces.push_back(pieces[i]);
     return true;
   };
+  std::vector<Digest> now;
+  size_t finished = 0, at = 0;  // digest batches waited for; digests of the pieces before this one
+  std::vector<bool> stale;
   bool ok = true;
-  size_t settled = 0;
   for (size_t i = 0; i < n && ok; ++i) {
-    if (i >= w) ok = settle(settled++);
-    if (ok) ok = copy(pieces[i], false, *state, stale.empty() ? nullptr : &stale[i]);
+    const Piece& p = pieces[i];
+    const std::vector<bool>* only = nullptr;
+    if (digested) {
+      while (digested && finished <= batch_of[i]) digested = digester_.finish(finished++, &now);
+      if (!digested) {
+        clear_error();  // from here on, copy every granule
+      } else {
+        stale.assign(p.count, false);
+        bool any = false;
+        for (size_t j = 0; j < p.count; ++j) any |= (stale[j] = now[at + j] != before[at + j]);
+        only = &stale;
+        if (!any) {  // unchanged since the restore: its backup is already right
+          drop_piece(p);
+          state->pieces.push_back(p);
+          at += p.count;
+          continue;
+        }
+      }
+    }
+    at += p.count;
+    if (pending.size() >= w) ok = settle();
+    if (ok) ok = copy(p, false, *state, only);
     if (ok) {
-      CUresult r = d->eventRecord(events_[i % w], stream_);
+      const size_t slot = recorded++ % w;
+      CUresult r = d->eventRecord(events_[slot], stream_);
       ok = r == CUDA_SUCCESS || fail_driver(r, "cuEventRecord", __FILE__, __LINE__);
+      if (ok) pending.emplace_back(i, slot);
     }
   }
-  while (ok && settled < n) ok = settle(settled++);
+  while (ok && !pending.empty()) ok = settle();
   if (ok) {
+    // Pieces in the order of the backup, as the next release lists them (reusable()).
+    std::sort(state->pieces.begin(), state->pieces.end(),
+              [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
     state->last_backup_bytes = static_cast<int64_t>(copied_);
     return true;
   }
@@ -270,12 +311,14 @@ void TagMover::keep_digests(TagState* state) {
   for (const Piece& p : state->pieces)
     for (size_t i = p.first; i < p.first + p.count; ++i)
       if (p.seg->granules[i] == 0) return;
+  std::vector<size_t> batch_of;
   std::vector<Digest> digests;
-  for (const Piece& p : state->pieces) {
-    if (!digest(p, &digests)) {
-      clear_error();  // the restore itself succeeded; the next release copies everything
-      return;
-    }
+  bool ok = start_digests(state->pieces, &batch_of);
+  const size_t batches = batch_of.empty() ? 0 : batch_of.back() + 1;
+  for (size_t b = 0; b < batches && ok; ++b) ok = digester_.finish(b, &digests);
+  if (!ok) {
+    clear_error();  // the restore itself succeeded; the next release copies everything
+    return;
   }
   state->kept = state->pieces;
   state->digests = std::move(digests);

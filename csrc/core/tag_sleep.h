@@ -114,8 +114,10 @@ class TagMover {
   // Copies the mapped granules of `p` between the device and its backup (`only`: those of
   // them it marks).
   bool copy(const Piece& p, bool to_device, const TagState& state, const std::vector<bool>* only = nullptr);
-  // Appends the digests of every granule of `p` (all mapped).
-  bool digest(const Piece& p, std::vector<Digest>* out);
+  // Queues the digests of every granule of `pieces` (all mapped) in batches of about
+  // kDigestBatchBytes; batch_of[i]: the batch holding piece i, for digester_.finish().
+  static constexpr size_t kDigestBatchBytes = 256 << 20;
+  bool start_digests(const std::vector<Piece>& pieces, std::vector<size_t>* batch_of);
   // After a restore of a retained backup: keeps its pieces and their digests when every
   // granule is mapped again (Note [Retained backups]).
   void keep_digests(TagState* state);

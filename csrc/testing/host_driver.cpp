@@ -601,20 +601,29 @@ CUresult h_launch(CUfunction f, unsigned gx, unsigned, unsigned, unsigned, unsig
                   void** params, void**) {
   HOST_ENTRY("cuLaunchKernel");
   if (f != reinterpret_cast<CUfunction>(const_cast<int*>(&kDigestFunction))) return CUDA_ERROR_INVALID_HANDLE;
-  const uintptr_t base = *static_cast<CUdeviceptr*>(params[0]);
+  const uintptr_t table = *static_cast<CUdeviceptr*>(params[0]);
   const size_t words = *static_cast<unsigned long long*>(params[1]);
-  const uintptr_t out = *static_cast<CUdeviceptr*>(params[2]);
+  const unsigned parts = *static_cast<unsigned*>(params[2]);
+  const uintptr_t out = *static_cast<CUdeviceptr*>(params[3]);
+  if (parts == 0 || gx % parts != 0) return CUDA_ERROR_INVALID_VALUE;
   std::vector<uint64_t> chunk(words);
-  for (unsigned b = 0; b < gx; ++b) {
-    uint8_t* at = reinterpret_cast<uint8_t*>(chunk.data());
-    CUresult r = visit_device(base + b * words * 8, words * 8, [&](uint8_t* p, size_t n) {
+  for (unsigned c = 0; c < gx / parts; ++c) {
+    uint64_t base = 0;
+    uint8_t* at = reinterpret_cast<uint8_t*>(&base);
+    CUresult r = visit_device(table + c * sizeof(uint64_t), sizeof(uint64_t), [&](uint8_t* p, size_t n) {
+      std::memcpy(at, p, n);
+      at += n;
+    });
+    if (r != CUDA_SUCCESS) return r;
+    at = reinterpret_cast<uint8_t*>(chunk.data());
+    r = visit_device(base, words * 8, [&](uint8_t* p, size_t n) {
       std::memcpy(at, p, n);
       at += n;
     });
     if (r != CUDA_SUCCESS) return r;
     const tb::Digest d = tb::digest_host(chunk.data(), words);
     const uint8_t* in = reinterpret_cast<const uint8_t*>(d.data());
-    r = visit_device(out + b * sizeof(tb::Digest), sizeof(tb::Digest), [&](uint8_t* p, size_t n) {
+    r = visit_device(out + c * sizeof(tb::Digest), sizeof(tb::Digest), [&](uint8_t* p, size_t n) {
       std::memcpy(p, in, n);
       in += n;
     });
