@@ -125,6 +125,11 @@ int tb_push_scope(int route, int tag) {
   return push_scope(route, tag) ? 0 : code();
 }
 
+int tb_set_default_tag(int tag) {
+  clear_error();
+  return set_default_tag(tag) ? 0 : code();
+}
+
 int tb_pop_scope(void) {
   clear_error();
   return pop_scope() ? 0 : code();

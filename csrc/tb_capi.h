@@ -44,6 +44,7 @@ TB_API int tb_record_stream(void* ptr, void* stream, int stream_device);
 
 // --- scopes and tags
 TB_API int tb_push_scope(int route, int tag);  // route -1 / tag -1 keep the enclosing one
+TB_API int tb_set_default_tag(int tag);        // the tag outside every scope, on every thread (0: none)
 TB_API int tb_pop_scope(void);
 TB_API int tb_tag_id(const char* name);        // registers on first use; < 0 on error
 

@@ -40,6 +40,31 @@ def test_region_charges_its_allocations_to_its_tag_and_route():
 
 
 @isolated
+def test_the_default_tag_charges_what_every_thread_allocates_outside_a_region():
+    import threading
+
+    from torch_budget import allocator
+
+    host = _installed_host()
+    allocator.set_default_tag("everything")
+    host.malloc(2 * MiB)
+    other = threading.Thread(target=lambda: host.malloc(4 * MiB))  # another thread, no scope of its own
+    other.start()
+    other.join()
+    with torch_budget.region("kv"):
+        host.malloc(1 * MiB)
+    with torch_budget.region("untagged"):               # an untagged scope inside
+        host.malloc(8 * MiB)
+    allocator.set_default_tag(None)
+    host.malloc(16 * MiB)
+    tags = torch_budget.stats()["by_tag"]
+    assert tags["everything"]["allocated"] == 6 * MiB and tags["kv"]["allocated"] == 1 * MiB
+    assert tags["untagged"]["allocated"] == 24 * MiB
+    with pytest.raises(TypeError):
+        allocator.set_default_tag(3)
+
+
+@isolated
 def test_install_and_region_take_the_same_routes_through_one_validator():
     host = _installed_host(route="auto")
     with torch_budget.region("a", route="auto"):  # the first route the device supports, as in install()

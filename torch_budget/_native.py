@@ -49,6 +49,7 @@ def _core_signatures():
         "tb_free_checked": (i, [vp]),
         "tb_record_stream": (i, [vp, vp, i]),
         "tb_push_scope": (i, [i, i]),
+        "tb_set_default_tag": (i, [i]),
         "tb_pop_scope": (i, []),
         "tb_tag_id": (i, [cp]),
         "tb_set_budget": (i, [i, i64, d]),

@@ -237,6 +237,16 @@ def _route_id(route) -> int:
     return config.ROUTES["vmm" if name == config.AUTO else name]
 
 
+def set_default_tag(tag: str | None) -> None:
+    """Charges every allocation made outside all region() scopes, on every thread, to `tag`
+    (None: untagged again), as if the whole process ran inside region(tag). Memory under a tag
+    can be released only on the VMM route: install()'s route must be "vmm" (or "auto" on a
+    device with VMM) for it to sleep. region("untagged") opens an untagged scope inside."""
+    lib = _runtime.require_installed("torch_budget.allocator.set_default_tag()")
+    tag_id = 0 if tag is None else _tag_id(lib, tag_name(tag))
+    _native.check(lib, lib.tb_set_default_tag(tag_id))
+
+
 @contextlib.contextmanager
 def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     """`with torch_budget.region("kv"):` charges the allocations inside to tag "kv" (and

@@ -13,6 +13,7 @@ namespace {
 // Plain storage only (no destructors): allocations and frees can arrive during
 // process exit, after thread-local and static objects with destructors are gone.
 std::atomic<int> g_default_route{kRouteSync};
+std::atomic<int> g_default_tag{0};
 thread_local Scope t_stack[kMaxScopeDepth];
 thread_local int t_depth = 0;
 // Scopes open on all threads together. While it is zero no thread has a scope, so the
@@ -30,8 +31,15 @@ int g_tag_count = 1;
 void set_default_route(int route) { g_default_route.store(route, std::memory_order_relaxed); }
 int default_route() { return g_default_route.load(std::memory_order_relaxed); }
 
+bool set_default_tag(int tag) {
+  TB_REQUIRE(tag >= 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
+  g_default_tag.store(tag, std::memory_order_relaxed);
+  return true;
+}
+int default_tag() { return g_default_tag.load(std::memory_order_relaxed); }
+
 Scope current_scope() {
-  if (g_open_scopes.load(std::memory_order_relaxed) == 0 || t_depth == 0) return Scope{default_route(), 0};
+  if (g_open_scopes.load(std::memory_order_relaxed) == 0 || t_depth == 0) return Scope{default_route(), default_tag()};
   return t_stack[t_depth - 1];
 }
 

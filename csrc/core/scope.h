@@ -1,4 +1,4 @@
-// Routing scopes: a process-wide default route plus a per-thread stack of
+// Routing scopes: a process-wide default route and tag plus a per-thread stack of
 // (route, tag) pushed and popped like `with` blocks.
 //
 // The stack is thread_local, so scopes on one thread never leak into another; the
@@ -21,6 +21,10 @@ struct Scope {
 // Route used when no scope is open (set by install()).
 void set_default_route(int route);
 int default_route();
+// Tag used when no scope is open, on every thread (0: untagged). false (kInvalidArgument) on an
+// unknown tag.
+bool set_default_tag(int tag);
+int default_tag();
 
 // The scope in force on this thread.
 Scope current_scope();
