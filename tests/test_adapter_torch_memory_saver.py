@@ -329,12 +329,37 @@ def test_bad_arguments_raise_before_anything_is_done():
 
 
 @built
-@pytest.mark.parametrize("variable, says", [("TMS_INIT_ENABLE", "TMS_INIT_ENABLE=1")])
-def test_variables_that_change_torch_memory_saver_beyond_reach_raise(variable, says):
+@pytest.mark.parametrize("cpu_backup", ["1", "0"])
+def test_tms_init_enable_puts_every_allocation_outside_a_region_under_default(cpu_backup):
     @isolated
     def body():
-        _, module = _saver(**{variable: "1"})
-        with pytest.raises(module.UnsupportedError, match=says):
+        host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP=cpu_backup)
+        saver = module.torch_memory_saver
+        assert saver.retain_cpu_backup is False       # first use: installs, then the default tag
+        outside = _alloc(host, 4 * MiB, b"o")         # no region: under tag "default"
+        with saver.region("kv"):
+            kv = _alloc(host, 2 * MiB, b"k")
+        name = "default+pinned" if cpu_backup == "1" else "default"
+        assert torch_budget.stats()["by_tag"][name]["allocated"] >= 4 * MiB
+        saver.pause()
+        assert sleep.tag_states()[name]["state"] == sleep.tag_states()["kv"]["state"] == "released"
+        with saver.region("kv"):
+            with saver.disable():
+                free = _alloc(host, 2 * MiB, b"d")    # untagged inside disable(): not paused
+        assert host.peek(free, 4096) == b"d" * 4096
+        saver.resume()
+        assert (host.peek(outside, 4096) == b"o" * 4096) == (cpu_backup == "1")
+        assert host.peek(kv, 4096) is not None
+
+    body()
+
+
+@built
+def test_tms_variables_with_values_it_would_refuse_raise():
+    @isolated
+    def body():
+        _, module = _saver(TMS_INIT_ENABLE="maybe")
+        with pytest.raises(InvalidArgumentError, match="TMS_INIT_ENABLE"):
             module.torch_memory_saver.pause()
 
     body()

@@ -34,8 +34,9 @@ What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: disk backups (enable_disk_backup,
 set_disk_backup_dir), memory_margin_bytes above 0, get_cpu_backup of a paused tensor or of one
 whose backup is retained (backups are not readable from Python; a live one without a retained
-backup has none: None, as in torch_memory_saver), TMS_INIT_ENABLE (every allocation of every
-thread under "default") and its private _impl.
+backup has none: None, as in torch_memory_saver) and its private _impl. TMS_INIT_ENABLE=1 puts
+every allocation outside a region, on every thread, under tag "default" (torch_budget's default
+tag; TMS_INIT_ENABLE_CPU_BACKUP=1 backs it up), from the import on.
 
 Importing this module installs torch_budget (torch_budget.install(), settings from
 TORCH_BUDGET_CONF) when a CUDA device is there and CUDA is not yet initialised: torch's
@@ -128,12 +129,9 @@ def _default_backend() -> str:
 
 
 def _check_environment() -> None:
-    """torch_memory_saver's variables that would change behaviour torch_budget cannot follow."""
-    if _env_flag("TMS_INIT_ENABLE"):
-        raise UnsupportedError(
-            "TMS_INIT_ENABLE=1 puts every allocation of every thread under tag 'default'; torch_budget tags "
-            "by scope: wrap the allocations in torch_memory_saver.region() and unset TMS_INIT_ENABLE")
-    _env_flag("TMS_RETAIN_CPU_BACKUP")
+    """torch_memory_saver's variables, checked for values it would refuse."""
+    for name in ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_RETAIN_CPU_BACKUP"):
+        _env_flag(name)
     _default_backend()
 
 
@@ -141,11 +139,28 @@ _COPYING = ("pinned", "cpu")  # backups with contents, which a resume can retain
 
 
 def _install() -> None:
-    """install() unless torch_budget serves this process already; says why when it cannot."""
+    """install() unless torch_budget serves this process already; says why when it cannot. Then
+    TMS_INIT_ENABLE=1 puts every allocation outside a region under tag 'default'."""
     ensure_installed(lambda e: (
         "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
         "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
         f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}"))
+    if _env_flag("TMS_INIT_ENABLE"):
+        _init_enable()
+
+
+def _init_enable() -> None:
+    """torch_memory_saver's TMS_INIT_ENABLE: from the start, every allocation of every thread outside
+    a region is under tag 'default', backed up when TMS_INIT_ENABLE_CPU_BACKUP=1 (with the backend
+    of TMS_INIT_CPU_BACKUP_BACKEND): torch_budget's default tag (allocator.set_default_tag)."""
+    from torch_budget import allocator
+
+    route = torch_budget.install()["route"]
+    if route != "vmm":
+        raise UnsupportedError(f"TMS_INIT_ENABLE=1 with torch_budget's route {route!r}: only memory of the vmm "
+                               "route can be paused; install torch_budget with route='vmm' (the default)")
+    backup = _BACKENDS[_default_backend()] if _env_flag("TMS_INIT_ENABLE_CPU_BACKUP") else "none"
+    allocator.set_default_tag(_registry.register(_TAG_DEFAULT, backup))
 
 
 class TorchMemorySaver:
