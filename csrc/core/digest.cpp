@@ -58,28 +58,46 @@ bool Digester::begin(size_t chunks) {
   TB_REQUIRE(available(&why), kNotAvailable, why, false);
   batches_.clear();
   used_ = 0;
-  if (chunks <= capacity_) return true;
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   const DriverApi* d = driver();
+  if (chunks > host_capacity_) {  // pinned results: kept for the next release
+    if (results_ != nullptr) d->memFreeHost(results_);
+    results_ = nullptr;
+    host_capacity_ = 0;
+    void* host = nullptr;
+    TB_DRIVER_CHECK(d->memHostAlloc(&host, chunks * sizeof(Digest), 0), false);
+    results_ = static_cast<uint64_t*>(host);
+    host_capacity_ = chunks;
+  }
+  if (chunks <= capacity_) return true;
   if (addresses_ != 0) d->memFree(addresses_);
   if (digests_ != 0) d->memFree(digests_);
-  if (results_ != nullptr) d->memFreeHost(results_);
   addresses_ = digests_ = 0;
-  results_ = nullptr;
   capacity_ = 0;
   TB_DRIVER_CHECK(d->memAlloc(&addresses_, chunks * sizeof(uint64_t)), false);
   TB_DRIVER_CHECK(d->memAlloc(&digests_, chunks * sizeof(Digest)), false);
-  void* host = nullptr;
-  TB_DRIVER_CHECK(d->memHostAlloc(&host, chunks * sizeof(Digest), 0), false);
-  results_ = static_cast<uint64_t*>(host);
   capacity_ = chunks;
   return true;
 }
 
+void Digester::end(CUstream stream) {
+  if (capacity_ == 0) return;
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return;
+  const DriverApi* d = driver();
+  d->streamSynchronize(stream);  // nothing queued may still use the buffers
+  d->memFree(addresses_);
+  d->memFree(digests_);
+  addresses_ = digests_ = 0;
+  capacity_ = 0;
+  batches_.clear();
+  used_ = 0;
+}
+
 bool Digester::start(CUstream stream, const std::vector<uintptr_t>& addresses, size_t chunk_bytes, size_t* batch) {
   const size_t n = addresses.size();
-  TB_REQUIRE(chunk_bytes % 8 == 0 && used_ + n <= capacity_, kInvalidArgument,
+  TB_REQUIRE(chunk_bytes % 8 == 0 && used_ + n <= capacity_ && used_ + n <= host_capacity_, kInvalidArgument,
              "internal: a digest batch past begin()'s room, or chunks of " + std::to_string(chunk_bytes) + " bytes",
              false);
   ContextGuard guard(ctx_.ctx);

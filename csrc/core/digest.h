@@ -5,7 +5,8 @@
 // Use: begin(n) makes room for n chunks; start() queues a batch of chunks on a stream (their
 // addresses go to the device, one launch digests them, the digests come back into pinned host
 // memory, an event marks the end) and returns at once; finish() waits for one batch. So the host
-// can act on the first batches while the device digests the later ones.
+// can act on the first batches while the device digests the later ones. end() frees the device
+// buffers (24 bytes per chunk), so between releases the driver holds nothing the ledger does not.
 //
 // Lock rule: owned by one device's TagMover, used under that device's lock.
 #pragma once
@@ -42,6 +43,9 @@ class Digester {
   bool start(CUstream stream, const std::vector<uintptr_t>& addresses, size_t chunk_bytes, size_t* batch);
   // Waits for `batch` and appends its digests, in the order of its addresses. false + error.
   bool finish(size_t batch, std::vector<Digest>* out);
+  // Gives the device buffers back (they are outside the budget and the ledger: held only while
+  // a release or restore digests), after waiting for what was queued on `stream`.
+  void end(CUstream stream);
 
  private:
   struct Batch {
@@ -53,7 +57,8 @@ class Digester {
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction kernel_ = nullptr;
-  size_t capacity_ = 0;          // chunks the buffers hold
+  size_t capacity_ = 0;          // chunks the device buffers hold
+  size_t host_capacity_ = 0;     // chunks `results_` holds
   CUdeviceptr addresses_ = 0;    // device: 8 bytes per chunk
   CUdeviceptr digests_ = 0;      // device: 16 bytes per chunk
   uint64_t* results_ = nullptr;  // pinned host: 16 bytes per chunk

@@ -202,6 +202,11 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   std::vector<Digest> before;
   std::vector<size_t> batch_of;
   bool digested = false;
+  struct EndDigests {  // the digest buffers go back however the release ends
+    Digester& digester;
+    CUstream stream;
+    ~EndDigests() { digester.end(stream); }
+  } end_digests{digester_, stream_};
   if (reuse) {
     before = std::move(state->digests);
     digested = start_digests(pieces, &batch_of);
@@ -316,6 +321,7 @@ void TagMover::keep_digests(TagState* state) {
   bool ok = start_digests(state->pieces, &batch_of);
   const size_t batches = batch_of.empty() ? 0 : batch_of.back() + 1;
   for (size_t b = 0; b < batches && ok; ++b) ok = digester_.finish(b, &digests);
+  digester_.end(stream_);
   if (!ok) {
     clear_error();  // the restore itself succeeded; the next release copies everything
     return;
