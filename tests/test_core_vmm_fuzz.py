@@ -101,7 +101,7 @@ class Program:
                 if self.released:
                     h.restore("t")
                 else:
-                    h.release("t", backup="cpu")
+                    h.release("t", backup="cpu", retain=rng.random() < 0.5)  # Note [Retained backups]
                 self.released = not self.released
             except (MemoryError, ValueError, RuntimeError):
                 pass

@@ -62,7 +62,7 @@ def program(seed, n):
         elif r < 0.97:
             ops.append(("empty_cache",))
         elif r < 0.985:
-            ops.append(("sleep", rng.choice(["none", "memset", "cpu", "pinned"])))
+            ops.append(("sleep", rng.choice(["none", "memset", "cpu", "pinned", "cpu+retain", "pinned+retain"])))
         else:
             ops.append(("budget", rng.choice([1.0, 0.5, 0.25])))
     return ops
@@ -210,18 +210,19 @@ def run(seed, n, installed, faults, skip, share, without=()):
             elif kind == "empty_cache":
                 torch.cuda.empty_cache()
             elif kind == "sleep" and installed and tagged:
-                tb.release("fuzz", backup=op[1])
+                backup, _, retain = op[1].partition("+")  # retained: the next release copies what changed
+                tb.release("fuzz", backup=backup, retain=bool(retain))
                 tb.restore("fuzz")
                 for tid in tagged:
                     t, s = tensors[tid]
-                    if op[1] in ("cpu", "pinned"):
+                    if backup in ("cpu", "pinned"):
                         check(t, tid)
                         used_on(t, s, 0)
                     else:
                         # Read and refilled on its own stream: a read on another stream
                         # would race the refill.
                         with torch.cuda.stream(streams[s]):
-                            if op[1] == "memset":
+                            if backup == "memset":
                                 bad[i].add_((t != 0).sum())
                             t.copy_(pattern(tid, t.numel()))
             elif kind == "budget" and installed:
