@@ -18,7 +18,7 @@ summary=()
 if has build || [ ! -e torch_budget/_C*.so ]; then
   echo "== build"
   start=$(date +%s)
-  TORCH_BUDGET_BUILD=${TORCH_BUDGET_BUILD:-_C} MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  TORCH_BUDGET_BUILD=${TORCH_BUDGET_BUILD:-_C,_host_core} MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   summary+=("build        $(( $(date +%s) - start )) s")
 fi
 
