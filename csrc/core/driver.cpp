@@ -142,8 +142,7 @@ ContextGuard::ContextGuard(CUcontext target) {
 ContextGuard::~ContextGuard() {
   if (!switched_) return;
   // A restore that fails would silently move the caller to our device: retry.
-  for (int attempt = 0; attempt < 8; ++attempt)
-    if (driver()->ctxSetCurrent(previous_) == CUDA_SUCCESS) return;
+  retry_driver([&] { return driver()->ctxSetCurrent(previous_); }, 8);
 }
 
 RelaxedCaptureMode::RelaxedCaptureMode(bool active) : active_(active && driver() != nullptr) {
@@ -154,8 +153,7 @@ RelaxedCaptureMode::RelaxedCaptureMode(bool active) : active_(active && driver()
 
 RelaxedCaptureMode::~RelaxedCaptureMode() {
   if (!active_) return;
-  for (int attempt = 0; attempt < 8; ++attempt)
-    if (driver()->threadExchangeStreamCaptureMode(&previous_) == CUDA_SUCCESS) return;
+  retry_driver([&] { return driver()->threadExchangeStreamCaptureMode(&previous_); }, 8);
 }
 
 }  // namespace tb

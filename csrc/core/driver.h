@@ -98,6 +98,17 @@ struct DriverApi {
 // The table in use; nullptr until a driver was loaded or installed.
 const DriverApi* driver();
 
+// Calls `call` (a driver call returning CUresult) until it succeeds, at most `attempts`
+// times, for calls whose refusal would leave state the caller cannot account for (an unmap,
+// restoring the caller's context); returns the last result.
+template <typename F>
+CUresult retry_driver(F call, int attempts = 4) {
+  CUresult r = CUDA_SUCCESS;
+  for (int attempt = 0; attempt < attempts; ++attempt)
+    if ((r = call()) == CUDA_SUCCESS) break;
+  return r;
+}
+
 // Fills the table from libcuda.so.1. Returns false with a reason when the library
 // or a base entry point is missing.
 bool load_cuda_driver(std::string* why);

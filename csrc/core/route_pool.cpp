@@ -30,14 +30,11 @@ bool PoolRoute::init() {
 bool PoolRoute::reserved(size_t* out) const {
   // The ledger mirrors this figure: a failed read is retried rather than guessed.
   cuuint64_t v = 0;
-  CUresult r = CUDA_SUCCESS;
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    if ((r = driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v)) == CUDA_SUCCESS) {
-      *out = static_cast<size_t>(v);
-      return true;
-    }
-  }
-  return fail_driver(r, "cuMemPoolGetAttribute", __FILE__, __LINE__);
+  const CUresult r =
+      retry_driver([&] { return driver()->memPoolGetAttribute(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v); });
+  if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemPoolGetAttribute", __FILE__, __LINE__);
+  *out = static_cast<size_t>(v);
+  return true;
 }
 
 bool PoolRoute::used(size_t* out) const {

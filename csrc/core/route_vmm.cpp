@@ -364,10 +364,8 @@ void VmmRoute::traced(TraceAction action, const Segment& seg, uintptr_t va, size
 }
 
 bool VmmRoute::unmap_range(uintptr_t va, size_t bytes) {
-  CUresult r = CUDA_SUCCESS;
-  for (int attempt = 0; attempt < 4; ++attempt)
-    if ((r = driver()->memUnmap(va, bytes)) == CUDA_SUCCESS) return true;
-  return fail_driver(r, "cuMemUnmap", __FILE__, __LINE__);
+  const CUresult r = retry_driver([&] { return driver()->memUnmap(va, bytes); });
+  return r == CUDA_SUCCESS || fail_driver(r, "cuMemUnmap", __FILE__, __LINE__);
 }
 
 bool VmmRoute::unmap_granule(Segment& seg, size_t index) {

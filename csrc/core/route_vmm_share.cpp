@@ -91,20 +91,6 @@ bool VmmRoute::export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_s
   return true;
 }
 
-namespace {
-
-// Cleanup calls of a failed split are retried a few times, as unmaps are elsewhere: a refusal
-// there would leave memory the ledger no longer counts.
-template <typename F>
-CUresult retried(F call) {
-  CUresult r = CUDA_SUCCESS;
-  for (int attempt = 0; attempt < 4; ++attempt)
-    if ((r = call()) == CUDA_SUCCESS) break;
-  return r;
-}
-
-}  // namespace
-
 bool VmmRoute::split_mapping(Segment& seg, size_t head, size_t piece) {
   const DriverApi* d = driver();
   const size_t count = seg.span[head], bytes = count * granule_, piece_bytes = piece * granule_;
@@ -121,16 +107,17 @@ bool VmmRoute::split_mapping(Segment& seg, size_t head, size_t piece) {
   size_t at_scratch = 0, at_va = 0;  // bytes of new handles mapped at the scratch range, at va
   CUresult r = CUDA_SUCCESS;
   const char* call = "cuMemAddressReserve";
+  // Cleanup calls are retried: a refusal there would leave memory the ledger no longer counts.
   auto undo = [&](bool old_unmapped) {
     fail_driver(r, call, __FILE__, __LINE__);
     const std::string msg = last_error_message();
-    if (at_va > 0) retried([&] { return d->memUnmap(va, at_va); });
-    if (old_unmapped && retried([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS)
-      retried([&] { return d->memSetAccess(va, bytes, access_.data(), access_.size()); });
-    if (at_scratch > 0) retried([&] { return d->memUnmap(scratch, at_scratch); });
-    if (scratch != 0) retried([&] { return d->memAddressFree(scratch, bytes); });
+    if (at_va > 0) retry_driver([&] { return d->memUnmap(va, at_va); });
+    if (old_unmapped && retry_driver([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS)
+      retry_driver([&] { return d->memSetAccess(va, bytes, access_.data(), access_.size()); });
+    if (at_scratch > 0) retry_driver([&] { return d->memUnmap(scratch, at_scratch); });
+    if (scratch != 0) retry_driver([&] { return d->memAddressFree(scratch, bytes); });
     for (CUmemGenericAllocationHandle h : handles) {
-      if (retried([&] { return d->memRelease(h); }) == CUDA_SUCCESS) {
+      if (retry_driver([&] { return d->memRelease(h); }) == CUDA_SUCCESS) {
         budget_.uncharge(piece_bytes, placement(seg));
       } else {
         stuck_runs_.emplace_back(h, piece_bytes);  // still charged: retried later
@@ -168,7 +155,7 @@ bool VmmRoute::split_mapping(Segment& seg, size_t head, size_t piece) {
   }
   call = "cuMemSetAccess";
   if ((r = d->memSetAccess(va, bytes, access_.data(), access_.size())) != CUDA_SUCCESS) return undo(true);
-  retried([&] { return d->memAddressFree(scratch, bytes); });
+  retry_driver([&] { return d->memAddressFree(scratch, bytes); });
   bump(ledger_.num_device_alloc, static_cast<int64_t>(handles.size()));
   note_unmap(seg, head);
   for (size_t i = 0; i < handles.size(); ++i) {
