@@ -44,12 +44,12 @@ from ._runtime import Device, Tags
 from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
-__all__ = ["BACKUPS", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states", "holds",
-           "released_tags",
-           "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
+__all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
+           "tag_of", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
+RETAINABLE = ("cpu", "pinned")  # backups that keep contents, which release(retain=True) can keep
 _RETAIN = 0x100  # or-ed into a cpu / pinned mode (kBackupRetain)
 DEFAULT_BACKUP = "pinned"
 STATES = ("live", "released", "restoring")
@@ -153,7 +153,7 @@ def _backup_id(backup, retain: bool = False) -> int:
         raise InvalidArgumentError(f"unknown backup {backup!r}: expected one of {', '.join(BACKUPS)}")
     if not isinstance(retain, bool):
         raise TypeError(f"retain must be a bool, got {type(retain).__name__}")
-    if retain and backup not in ("cpu", "pinned"):
+    if retain and backup not in RETAINABLE:
         raise InvalidArgumentError(f"retain=True keeps a backup past the restore: it needs backup 'cpu' or 'pinned', "
                                    f"not {backup!r}")
     return BACKUPS[backup] | (_RETAIN if retain else 0)
@@ -265,7 +265,7 @@ def drop_backup(tags: Tags = None, device: Device = None) -> int:
     raises TagStateError: its backup holds its contents."""
     lib = _runtime.require_installed("torch_budget.sleep.drop_backup()")
     devices = _runtime.served_devices(lib) if _runtime.is_all(device) else [_runtime.device_index(device)]
-    names = tag_names(tags) if tags is not None else None
+    names = tag_names(tags)
     freed = 0
     for dev in devices:
         for name, state in tag_states(dev).items():
@@ -308,22 +308,31 @@ def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: It
     if pool is not None:
         tags.add((lib.tb_pool_tag(dev, int(pool[0]), int(pool[1])), "its graph pool"))
     for t in tensors:
-        tags.add((lib.tb_ptr_tag(_native.ctypes.c_void_p(t.untyped_storage().data_ptr())), "a static buffer"))
+        tags.add((_ptr_tag(lib, t), "a static buffer"))
     for tag, what in sorted(tags, key=lambda x: x[0]):
         life = _life(lib, dev, tag) if tag > 0 else _LIVE
         if life == _LIVE:
             continue
-        name = next((n for n in tag_states(dev) if lib.tb_tag_find(n.encode()) == tag), str(tag))
+        name = _name_of(lib, dev, tag) or str(tag)
         raise TagStateError(
             f"{what} belongs to tag {name!r}, which is {STATES[life]} on device {dev}: "
             f"torch_budget.restore({name!r}) before replaying")
 
 
-def holds(tag: str, tensor) -> bool:
-    """Whether `tensor`'s memory was allocated under `tag` (no tag is held by an unknown name)."""
-    lib = _runtime.require_installed("torch_budget.sleep.holds()")
-    found = lib.tb_ptr_tag(_native.ctypes.c_void_p(tensor.untyped_storage().data_ptr()))
-    return found > 0 and lib.tb_tag_find(tag_names(tag)[0].encode()) == found
+def _ptr_tag(lib, tensor) -> int:
+    """The tag id of the block under `tensor`'s storage (0 untagged, -1 not torch_budget's)."""
+    return lib.tb_ptr_tag(_native.ctypes.c_void_p(tensor.untyped_storage().data_ptr()))
+
+
+def _name_of(lib, device: int, tag: int) -> str | None:
+    return next((n for n in tag_states(device) if lib.tb_tag_find(n.encode()) == tag), None)
+
+
+def tag_of(tensor) -> str | None:
+    """The tag `tensor`'s memory was allocated under; None when untagged or not torch_budget's."""
+    lib = _runtime.require_installed("torch_budget.sleep.tag_of()")
+    tag = _ptr_tag(lib, tensor)
+    return _name_of(lib, tensor.device.index, tag) if tag > 0 else None
 
 
 def released_tags() -> dict[str, str]:

@@ -135,9 +135,6 @@ def _check_environment() -> None:
     _default_backend()
 
 
-_COPYING = ("pinned", "cpu")  # backups with contents, which a resume can retain
-
-
 def _install() -> None:
     """install() unless torch_budget serves this process already; says why when it cannot. Then
     TMS_INIT_ENABLE=1 puts every allocation outside a region under tag 'default'."""
@@ -231,7 +228,7 @@ class TorchMemorySaver:
             try:
                 for backup, group in sorted(by_backup.items()):
                     torch_budget.release(group, backup=backup, device="all",
-                                         retain=self._retain and backup in _COPYING)
+                                         retain=self._retain and backup in sleep.RETAINABLE)
                     done.append(group)
             except BaseException:
                 for group in reversed(done):  # all or nothing, as release() is for one backup
@@ -252,7 +249,7 @@ class TorchMemorySaver:
                 if names and tag is not None:
                     raise TagStateError(f"torch_memory_saver.resume({tag!r}): tag {tag!r} is not paused")
                 return
-            copying = [n for n in paused if names[n] in _COPYING]
+            copying = [n for n in paused if names[n] in sleep.RETAINABLE]
             if copying:  # torch_memory_saver decides at resume whether the backups stay
                 torch_budget.restore(copying, device="all", retain=self._retain)
             rest = [n for n in paused if n not in copying]
@@ -316,8 +313,8 @@ class TorchMemorySaver:
         except TagStateError:
             raise UnsupportedError("get_cpu_backup of a paused tensor: torch_budget's backups are not readable "
                                    "from Python; resume() its tag and read the tensor") from None
-        if any(sleep.tag_states(x.device.index).get(name, {}).get("retained") for name in _registry.of(None)
-               if sleep.holds(name, x)):
+        name = sleep.tag_of(x)
+        if name is not None and sleep.tag_states(x.device.index)[name]["retained"]:
             raise UnsupportedError("get_cpu_backup of a tensor whose backup is retained (retain_cpu_backup): "
                                    "torch_budget's backups are not readable from Python; read the tensor")
         return None
