@@ -173,7 +173,7 @@ def empty_host_cache(torch):
 def run(torch, tb, total, repeat):
     bench = types.SimpleNamespace()
     sizes = tensor_sizes(total)
-    bench.weights = run.weights = Weights(torch, tb, sizes, "weights", seed=1)
+    bench.weights = Weights(torch, tb, sizes, "weights", seed=1)
     bench.engines = Weights(torch, tb, sizes, "engines", seed=1)
     with tb.region("baseline"):
         bench.device = torch.empty(total, dtype=torch.uint8, device="cuda")
@@ -199,7 +199,7 @@ def run(torch, tb, total, repeat):
             runs[name].append(fn(torch, tb, bench))
     medians = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
     medians[FIRST] = bench.first
-    return medians, emptied
+    return medians, emptied, retained(torch, tb, bench, repeat)
 
 
 def print_table(medians, total, notes):
@@ -333,8 +333,7 @@ def main(argv=None):
         print("RESULT bench_sleep failed=device_memory")
         return 1
     try:
-        medians, emptied = run(torch, tb, total, args.repeat)
-        ret = retained(torch, tb, types.SimpleNamespace(weights=run.weights), args.repeat)
+        medians, emptied, ret = run(torch, tb, total, args.repeat)
     except ContentsChanged as e:
         print(f"bench_sleep: {e}")
         print("RESULT bench_sleep failed=contents")
