@@ -29,6 +29,25 @@ def check(h, blocks):
         assert h.peek(p, len(data)) == data
 
 
+def retained_cycle(backup="pinned"):
+    """A host with SIZES under tag "weights", released and restored once with a retained
+    `backup`: (host, blocks, resident bytes)."""
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    h.release("weights", backup, retain=True)
+    h.restore("weights")
+    return h, blocks, resident
+
+
+def copies_everything(h, blocks, resident, backup="pinned"):
+    """The next retained release copies every resident byte; the restore brings the contents back."""
+    h.release("weights", backup, retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")
+    check(h, blocks)
+
+
 @pytest.mark.parametrize("backup", ["pinned", "cpu"])
 @isolated
 def test_an_unchanged_tag_is_released_again_without_a_copy(backup):
@@ -53,10 +72,7 @@ def test_an_unchanged_tag_is_released_again_without_a_copy(backup):
 
 @isolated
 def test_one_changed_byte_in_any_granule_is_found_and_only_that_granule_is_copied():
-    h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, blocks, _ = retained_cycle()
     for n, g in enumerate(granules_of(h, blocks)):
         # One byte of this granule that some block covers changes (a weight update).
         owner = next(i for i, (p, data) in enumerate(blocks) if p <= max(g, p) < p + len(data) and
@@ -75,29 +91,15 @@ def test_one_changed_byte_in_any_granule_is_found_and_only_that_granule_is_copie
 
 @isolated
 def test_new_allocations_in_the_tag_make_the_next_release_copy_everything():
-    h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, blocks, _ = retained_cycle()
     blocks += fill(h, "weights", [8 * MiB])
-    resident = h.tag_info("weights")["resident"]
-    h.release("weights", "pinned", retain=True)
-    assert h.tag_info("weights")["last_backup"] == resident
-    h.restore("weights")
-    check(h, blocks)
+    copies_everything(h, blocks, h.tag_info("weights")["resident"])
 
 
 @isolated
 def test_a_release_without_retain_or_with_another_backup_drops_the_retained_one():
-    h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
-    resident = h.tag_info("weights")["resident"]
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
-    h.release("weights", "cpu", retain=True)                  # another backup: a whole copy
-    assert h.tag_info("weights")["last_backup"] == resident
-    h.restore("weights")
-    check(h, blocks)
+    h, blocks, resident = retained_cycle()
+    copies_everything(h, blocks, resident, "cpu")            # another backup: a whole copy
     h.release("weights", "cpu")                               # not retained: freed at the restore
     assert h.tag_info("weights")["last_backup"] == 0          # still the retained backup's
     h.restore("weights")
@@ -109,11 +111,7 @@ def test_a_release_without_retain_or_with_another_backup_drops_the_retained_one(
 
 @isolated
 def test_drop_backup_gives_the_host_memory_back_and_the_next_release_copies_everything():
-    h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
-    resident = h.tag_info("weights")["resident"]
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, blocks, resident = retained_cycle()
     assert h.host_pool()["used"] == resident
     h.drop_backup("weights")
     info = h.tag_info("weights")
@@ -136,20 +134,12 @@ def test_a_tensor_freed_during_the_sleep_ends_the_retention():
     h.restore("weights")
     check(h, blocks)
     assert h.tag_info("weights")["retained"] == 0
-    resident = h.tag_info("weights")["resident"]
-    h.release("weights", "pinned", retain=True)
-    assert h.tag_info("weights")["last_backup"] == resident
-    h.restore("weights")
-    check(h, blocks)
+    copies_everything(h, blocks, h.tag_info("weights")["resident"])
 
 
 @isolated
 def test_without_digests_a_retained_backup_is_refilled_whole_and_contents_stay_right():
-    h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
-    resident = h.tag_info("weights")["resident"]
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, blocks, resident = retained_cycle()
     h.fail("cuLaunchKernel", rate=1.0)                        # digests fail from here on
     p, data = blocks[0]
     assert h.poke(p, b"\x01\x02")
