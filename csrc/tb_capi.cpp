@@ -290,6 +290,79 @@ int tb_ptr_tag(void* ptr) {
   return Allocator::get().lookup(ptr, &device, &info) ? info.tag : -1;
 }
 
+namespace {
+
+// Note [Reading backups]: the backup of a range of the live block at `base`, on whichever device
+// holds it. false + error; else *space null when there is none.
+bool find_backup(void* base, int64_t offset, int64_t bytes, bool view, std::vector<HostExtent>* spans,
+                 std::shared_ptr<BackupSpace>* space) {
+  TB_REQUIRE(offset >= 0 && bytes >= 0, kInvalidArgument,
+             "a backup range needs a non-negative offset and size, got offset " + std::to_string(offset) +
+                 " and " + std::to_string(bytes) + " bytes",
+             false);
+  Allocator& a = Allocator::get();
+  for (int i = 0; i < kMaxDevices; ++i) {
+    DeviceAllocator* d = a.device_if_ready(i);
+    bool found = false;
+    if (d == nullptr) continue;
+    if (!d->backup_of(reinterpret_cast<uintptr_t>(base), static_cast<size_t>(offset), static_cast<size_t>(bytes),
+                      view, spans, space, &found))
+      return false;
+    if (found) return true;
+  }
+  set_error(kInvalidArgument, "no live block of torch_budget's starts at " +
+                                  std::to_string(reinterpret_cast<uintptr_t>(base)));
+  return false;
+}
+
+struct BackupView {
+  std::shared_ptr<BackupSpace> space;
+};
+
+}  // namespace
+
+int tb_backup_read(void* base, int64_t offset, int64_t bytes, void* dst, int* found) {
+  clear_error();
+  *found = 0;
+  std::vector<HostExtent> spans;
+  std::shared_ptr<BackupSpace> space;
+  if (!find_backup(base, offset, bytes, false, &spans, &space)) return code();
+  if (!space) return 0;
+  auto* out = static_cast<uint8_t*>(dst);
+  for (const HostExtent& s : spans) {  // outside every lock: the reference keeps the memory
+    std::memcpy(out, s.ptr, s.bytes);
+    out += s.bytes;
+  }
+  *found = 1;
+  return 0;
+}
+
+int tb_backup_view(void* base, int64_t offset, int64_t bytes, void** host, void** view) {
+  clear_error();
+  *host = nullptr;
+  *view = nullptr;
+  std::vector<HostExtent> spans;
+  std::shared_ptr<BackupSpace> space;
+  if (!find_backup(base, offset, bytes, true, &spans, &space)) return code();
+  if (!space) return 0;
+  if (spans.size() > 1) {
+    set_error(kNotAvailable, "the backup holds these " + std::to_string(bytes) + " bytes in " +
+                                 std::to_string(spans.size()) + " separate pieces of host memory: read a copy");
+    return kNotAvailable;
+  }
+  space->views.fetch_add(1);
+  *host = spans.empty() ? nullptr : spans[0].ptr;
+  *view = new BackupView{std::move(space)};
+  return 0;
+}
+
+void tb_backup_view_end(void* view) {
+  auto* v = static_cast<BackupView*>(view);
+  if (v == nullptr) return;
+  v->space->views.fetch_sub(1);
+  delete v;  // the last reference frees the space (Note [Reading backups])
+}
+
 int tb_trim_tag(int device, int tag, int64_t* returned) {
   clear_error();
   *returned = 0;

@@ -90,6 +90,15 @@ TB_API int tb_retain_tag_backup(int device, int tag, int on);
 // released bytes, device bytes and backup bytes the last release / restore moved, host
 // bytes of the backup held, 1 when a live tag retains its backup.
 TB_API int tb_tag_info(int device, int tag, int64_t out[8]);
+// Note [Reading backups] (core/tag_sleep.h): the backup of bytes [offset, offset + bytes) of the
+// live block at `base`, while its tag is released or retains its backup. tb_backup_read copies
+// it into dst; tb_backup_view gives its address in place (*host) and a handle (*view) that keeps
+// that host memory alive until tb_backup_view_end(*view), a restore included. *found = 0 / both
+// null, nothing copied, when the block's tag has no backup with contents now. A view needs the
+// bytes in one piece of host memory (else kNotAvailable).
+TB_API int tb_backup_read(void* base, int64_t offset, int64_t bytes, void* dst, int* found);
+TB_API int tb_backup_view(void* base, int64_t offset, int64_t bytes, void** host, void** view);
+TB_API void tb_backup_view_end(void* view);
 // The tag of graph pool (id0, id1) / of the live block at `ptr`; -1 when there is none.
 TB_API int tb_pool_tag(int device, uint64_t id0, uint64_t id1);
 TB_API int tb_ptr_tag(void* ptr);

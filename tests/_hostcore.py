@@ -283,6 +283,24 @@ class Host:
         keys = ["life", "backup", "resident", "released", "last_device", "last_backup", "backup_bytes", "retained"]
         return dict(zip(keys, out))
 
+    def backup_read(self, ptr, nbytes, offset=0):
+        """The backup of bytes [offset, offset + nbytes) of the live block at `ptr` (Note [Reading
+        backups]); None when its tag has none with contents."""
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        found = ctypes.c_int(0)
+        _native.check(self.lib, self.lib.tb_backup_read(ptr, offset, nbytes, buf, ctypes.byref(found)))
+        return buf.raw[:nbytes] if found.value else None
+
+    def backup_view(self, ptr, nbytes, offset=0):
+        """(host address, handle) of the backup of those bytes in place, or None; end the handle
+        with backup_view_end."""
+        host, view = ctypes.c_void_p(), ctypes.c_void_p()
+        _native.check(self.lib, self.lib.tb_backup_view(ptr, offset, nbytes, ctypes.byref(host), ctypes.byref(view)))
+        return (host.value, view.value) if view.value else None
+
+    def backup_view_end(self, view):
+        self.lib.tb_backup_view_end(view)
+
     def trim(self, tag, device=0):
         out = ctypes.c_int64()
         _native.check(self.lib, self.lib.tb_trim_tag(device, self.tag(tag), ctypes.byref(out)))

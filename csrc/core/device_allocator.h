@@ -154,6 +154,10 @@ class DeviceAllocator {
   bool drop_tag_backup(int tag);          // Note [Retained backups]
   bool retain_tag_backup(int tag, bool on);
   TagView tag_view(int tag);
+  // Note [Reading backups] (tag_sleep.h): the backup of bytes [offset, offset + bytes) of the
+  // live block at `base` (*found: it is one of this device's), as TagArenas::backup_of.
+  bool backup_of(uintptr_t base, size_t offset, size_t bytes, bool view, std::vector<HostExtent>* spans,
+                 std::shared_ptr<BackupSpace>* space, bool* found);
   // The tag a graph pool was created under, -1 for an unknown pool.
   int pool_tag(const PoolId& id);
   // Gives the clean cached memory of `tag`'s own pool back to the driver, after

@@ -80,6 +80,27 @@ TagView DeviceAllocator::tag_view(int tag) {
   return tags_.view(tag);
 }
 
+bool DeviceAllocator::backup_of(uintptr_t base, size_t offset, size_t bytes, bool view, std::vector<HostExtent>* spans,
+                                std::shared_ptr<BackupSpace>* space, bool* found) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spans->clear();
+  space->reset();
+  Block* b = live_.find(base);
+  *found = b != nullptr;
+  if (b == nullptr) return true;
+  TB_REQUIRE(offset <= b->size && bytes <= b->size - offset, kInvalidArgument,
+             "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) + ") lie outside the block of " +
+                 std::to_string(b->size) + " bytes at " + std::to_string(base),
+             false);
+  if (b->route != kRouteVmm) return true;  // only VMM memory is released, so only it has backups
+  if (!tags_.backup_of(b->tag, base + offset, bytes, view, spans, space)) {
+    set_error(kState, "backup of tag '" + tag_name(b->tag) + "' on device " + std::to_string(ctx_.device) + ": " +
+                          last_error_message());
+    return false;
+  }
+  return true;
+}
+
 int DeviceAllocator::pool_tag(const PoolId& id) {
   std::lock_guard<std::mutex> lock(mu_);
   PrivatePool* p = graphs_.find(id);

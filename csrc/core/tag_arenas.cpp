@@ -175,6 +175,20 @@ bool TagArenas::drop_retained(int tag, const std::string& name) {
   return true;
 }
 
+bool TagArenas::backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::vector<HostExtent>* spans,
+                          std::shared_ptr<BackupSpace>* space) {
+  spans->clear();
+  space->reset();
+  if (vmm_ == nullptr || tag <= 0 || tag >= kMaxTags) return true;
+  TagState& st = state_[tag];
+  const bool readable = st.space != nullptr && (st.life == kTagReleased || !st.kept.empty());
+  if (!readable) return true;
+  if (!st.locate(ptr, bytes, vmm_->granule(), spans)) return false;
+  if (view) st.exposed = true;
+  *space = st.space;
+  return true;
+}
+
 TagView TagArenas::view(int tag) const {
   TagView v{};
   if (tag < 0 || tag >= kMaxTags) return v;

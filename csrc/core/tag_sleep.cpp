@@ -20,14 +20,17 @@ const char* tag_life_name(int life) {
   return life >= 0 && life <= kTagRestoring ? names[life] : "?";
 }
 
-void TagState::drop_backup() {
+BackupSpace::~BackupSpace() {
   if (pageable) {
     for (const HostExtent& e : host) std::free(e.ptr);
   } else if (!host.empty()) {
     HostPool::get().give_back(host);
   }
-  host.clear();
-  pageable = false;
+}
+
+void TagState::drop_backup() {
+  space.reset();  // freed here unless a reader still holds it (Note [Reading backups])
+  exposed = false;
   backup_bytes = 0;
   kept.clear();
   digests.clear();
@@ -56,6 +59,34 @@ bool for_host(const std::vector<HostExtent>& host, size_t offset, size_t bytes, 
 }
 
 }  // namespace
+
+bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<HostExtent>* spans) const {
+  spans->clear();
+  if (!space || bytes == 0) return true;
+  // The backup's pieces: those waiting for a restore, else those a live tag retains.
+  const std::vector<Piece>& from = life == kTagLive ? kept : pieces;
+  for (uintptr_t at = ptr, end = ptr + bytes; at < end;) {
+    const Piece* p = nullptr;
+    for (const Piece& q : from) {
+      const uintptr_t lo = q.seg->base + q.first * granule;
+      if (at >= lo && at < lo + q.count * granule) {
+        p = &q;
+        break;
+      }
+    }
+    TB_REQUIRE(p != nullptr, kState, "the backup does not hold the bytes at offset " +
+                                         std::to_string(at - ptr) + " of the range", false);
+    const uintptr_t lo = p->seg->base + p->first * granule;
+    const size_t n = std::min<uintptr_t>(end, lo + p->count * granule) - at;
+    for_host(space->host, p->offset + (at - lo), n, [&](uint8_t* host, size_t len) {
+      if (!spans->empty() && spans->back().ptr + spans->back().bytes == host) spans->back().bytes += len;
+      else spans->push_back(HostExtent{host, len});
+      return true;
+    });
+    at += n;
+  }
+  return true;
+}
 
 bool TagMover::ready() {
   if (stream_ != nullptr) return true;
@@ -94,7 +125,7 @@ bool TagMover::copy(const Piece& p, bool to_device, const TagState& state, const
     size_t to = from;
     while (to < p.count && wanted(to)) ++to;
     uintptr_t va = p.seg->base + (p.first + from) * g;
-    const bool ok = for_host(state.host, p.offset + from * g, (to - from) * g, [&](uint8_t* host, size_t bytes) {
+    const bool ok = for_host(state.space->host, p.offset + from * g, (to - from) * g, [&](uint8_t* host, size_t bytes) {
       CUresult r = to_device ? d->memcpyHtoDAsync(va, host, bytes, stream_)
                              : d->memcpyDtoHAsync(host, va, bytes, stream_);
       va += bytes;
@@ -130,7 +161,7 @@ bool TagMover::start_digests(const std::vector<Piece>& pieces, std::vector<size_
 }
 
 bool TagMover::reusable(const std::vector<Piece>& pieces, Backup mode, const TagState& state) const {
-  if (state.kept.empty() || state.host.empty() || mode != state.backup || pieces.size() != state.kept.size())
+  if (state.kept.empty() || !state.space || mode != state.backup || pieces.size() != state.kept.size())
     return false;
   size_t granules = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -207,9 +238,11 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     CUstream stream;
     ~EndDigests() { digester.end(stream); }
   } end_digests{digester_, stream_};
+  // Note [Reading backups]: a backup a zero-copy view exposed may hold what the view wrote.
+  const bool exposed = reuse && (state->exposed || state->space->views.load() > 0);
   if (reuse) {
     before = std::move(state->digests);
-    digested = start_digests(pieces, &batch_of);
+    digested = !exposed && start_digests(pieces, &batch_of);
     if (!digested) clear_error();  // the backup is still whole: copy everything into it
     state->kept.clear();
     state->digests.clear();
@@ -223,17 +256,20 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   state->last_backup_bytes = 0;
   copied_ = 0;
   if (copies && total > 0 && !reuse) {
+    auto space = std::make_shared<BackupSpace>();
     if (mode == kBackupPinned) {
-      if (!HostPool::get().take(total, &state->host)) return false;
+      if (!HostPool::get().take(total, &space->host)) return false;
     } else {
       void* p = std::malloc(total);
       TB_REQUIRE(p != nullptr, kOutOfMemory,
                  "cannot allocate " + format_size(total) + " of host memory for a cpu backup", false);
-      state->host.push_back(HostExtent{static_cast<uint8_t*>(p), total});
-      state->pageable = true;
+      space->host.push_back(HostExtent{static_cast<uint8_t*>(p), total});
+      space->pageable = true;
     }
+    state->space = std::move(space);
     state->backup_bytes = total;
   }
+  if (state->space) state->exposed = state->space->views.load() > 0;
   if (!copies) {
     for (const Piece& p : pieces) {
       drop_piece(p);
@@ -343,7 +379,7 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
     ok = map_piece(p, needed[k], &mapped);
     if (!ok) break;
     if (state->backup == kBackupMemset) ok = fill_zero(p);
-    else if (!state->host.empty()) ok = copy(p, true, *state);
+    else if (state->space) ok = copy(p, true, *state);
   }
   if (ok) {
     CUresult r = d->streamSynchronize(stream_);
@@ -352,7 +388,7 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
   state->last_device_bytes = static_cast<int64_t>(mapped.size() * vmm_.granule());
   if (ok) {
     state->last_backup_bytes = static_cast<int64_t>(copied_);
-    if (state->retain && !state->host.empty()) keep_digests(state);
+    if (state->retain && state->space) keep_digests(state);
     return true;
   }
   const ErrorCode code = last_error_code();

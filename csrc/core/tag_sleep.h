@@ -42,12 +42,26 @@
 // retained backup is dropped and the release copies everything, as without retention. A
 // retained backup is counted in backup_bytes while the tag is live, and drop_retained()
 // gives it back.
+//
+// Note [Reading backups]
+// A backup can be read from the host while it exists: while its tag is released, and while a
+// live tag retains it. TagArenas::backup_of() finds where the bytes of a range of one live
+// block wait (spans of the backup space) and hands out a shared reference to that space, so a
+// reader -- a copy in progress, or a zero-copy view owned by Python -- keeps the host memory
+// alive past the restore that drops the backup (the space is freed, or its pinned extents go
+// back to the HostPool, when its last reference goes, on whichever thread that is). A
+// zero-copy view may be written to: while the tag sleeps the restore copies what the view
+// holds, as torch_memory_saver's backups do. A view of a retained backup exposes it: the next
+// release copies every granule into the space (digests only tell what the device changed),
+// and the backup stays exposed while a view of it is alive.
 #pragma once
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "block_cache.h"
@@ -74,13 +88,26 @@ struct Piece {
   size_t offset;  // into the tag's backup space
 };
 
+// The host memory of one backup: pinned extents of the HostPool, or one pageable buffer.
+// Shared by the tag that owns it and by readers of it (Note [Reading backups]); freed with
+// the last reference.
+struct BackupSpace {
+  std::vector<HostExtent> host;  // in order of the backup's offsets
+  bool pageable = false;
+  std::atomic<int> views{0};     // zero-copy views alive (Note [Reading backups])
+  BackupSpace() = default;
+  BackupSpace(const BackupSpace&) = delete;
+  BackupSpace& operator=(const BackupSpace&) = delete;
+  ~BackupSpace();
+};
+
 struct TagState {
   TagLife life = kTagLive;
   Backup backup = kBackupNone;
-  std::vector<Piece> pieces;          // released, waiting for a restore
-  std::vector<HostExtent> host;       // the backup space, in order (pinned extents or one pageable buffer)
-  bool pageable = false;
-  size_t backup_bytes = 0;            // bytes of the backup space
+  std::vector<Piece> pieces;            // released, waiting for a restore
+  std::shared_ptr<BackupSpace> space;   // the backup's host memory; null: none
+  size_t backup_bytes = 0;              // bytes of the backup space
+  bool exposed = false;                 // a zero-copy view of the backup was taken (Note [Reading backups])
   int64_t last_device_bytes = 0;      // device bytes the last release / restore moved
   int64_t last_backup_bytes = 0;      // bytes it copied
   // Note [Retained backups]: whether the last release asked to retain its backup; while live,
@@ -90,6 +117,10 @@ struct TagState {
   std::vector<Piece> kept;
   std::vector<Digest> digests;
   void drop_backup();  // drops a retained backup too
+  // Note [Reading backups]: the spans of the backup space holding device bytes [ptr, ptr +
+  // bytes) (granule: the VMM granule), merged where adjacent; false + kState when a part of the
+  // range is in none of the backup's pieces.
+  bool locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<HostExtent>* spans) const;
 };
 
 // The copy machinery of one device: a private stream and a window of events.

@@ -1,0 +1,163 @@
+"""Reading backups (Note [Reading backups], csrc/core/tag_sleep.h), over the host stand-in: while
+a tag is released with a cpu or pinned backup, or a live tag retains one, the bytes of a live
+block as the backup holds them, copied or in place; a view keeps its host memory alive past the
+restore, what is written to it while the tag sleeps is restored, and a retained backup a view
+exposed is copied whole at its next release."""
+import ctypes
+
+import pytest
+
+from _hostcore import MiB, Host, isolated
+from torch_budget import _native
+from torch_budget.errors import InvalidArgumentError, TorchBudgetError
+from test_core_sleep import fill
+
+pytestmark = pytest.mark.built("_host_core")
+
+SIZES = [6 * MiB, 1000, 150 * MiB, 5 * MiB + 3]  # small, multi-granule, multi-piece, odd
+
+
+def at(address, n):
+    return ctypes.string_at(address, n)
+
+
+@pytest.mark.parametrize("backup", ["pinned", "cpu"])
+@isolated
+def test_a_released_tag_backup_reads_back_every_block_copied_and_in_place(backup):
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    h.release("weights", backup)
+    for p, data in blocks:
+        assert h.backup_read(p, len(data)) == data
+        host, view = h.backup_view(p, len(data))
+        assert at(host, len(data)) == data
+        h.backup_view_end(view)
+        # A range inside the block, across a granule boundary.
+        if len(data) > 3 * MiB:
+            lo, n = 2 * MiB - 5, MiB + 10
+            assert h.backup_read(p, n, offset=lo) == data[lo:lo + n]
+            host, view = h.backup_view(p, n, offset=lo)
+            assert at(host, n) == data[lo:lo + n]
+            h.backup_view_end(view)
+    h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+
+
+@pytest.mark.parametrize("backup", ["none", "memset"])
+@isolated
+def test_no_backup_is_read_where_none_holds_contents(backup):
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [4 * MiB])
+    assert h.backup_read(p, len(data)) is None  # live, nothing retained
+    assert h.backup_view(p, len(data)) is None
+    h.release("weights", backup)
+    assert h.backup_read(p, len(data)) is None
+    assert h.backup_view(p, len(data)) is None
+    h.restore("weights")
+    h.release("weights", "pinned")  # not retained: gone after the restore
+    h.restore("weights")
+    assert h.backup_read(p, len(data)) is None
+
+
+@isolated
+def test_a_view_keeps_a_pinned_backup_alive_past_the_restore_and_gives_it_back_when_it_ends():
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [8 * MiB])
+    h.release("weights", "pinned")
+    host, view = h.backup_view(p, len(data))
+    h.restore("weights")  # not retained: the tag lets go of its backup
+    assert h.tag_info("weights")["backup_bytes"] == 0
+    assert h.host_pool()["used"] == 8 * MiB, "the view's memory went back to the pool while the view lived"
+    assert at(host, len(data)) == data
+    h.release("weights", "pinned")  # a new backup, in other host memory
+    assert h.host_pool()["used"] == 16 * MiB
+    h.restore("weights")
+    h.backup_view_end(view)
+    assert h.host_pool()["used"] == 0
+    assert h.peek(p, len(data)) == data
+
+
+@isolated
+def test_what_a_view_writes_while_the_tag_sleeps_is_restored():
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [6 * MiB])
+    h.release("weights", "pinned")
+    host, view = h.backup_view(p, len(data))
+    patch = b"\x5a" * 4096
+    ctypes.memmove(host + 3 * MiB, patch, len(patch))
+    h.restore("weights")
+    h.backup_view_end(view)
+    assert h.peek(p, len(data)) == data[:3 * MiB] + patch + data[3 * MiB + len(patch):]
+
+
+@isolated
+def test_a_retained_backup_is_read_while_live_at_the_same_address_and_a_view_makes_the_next_release_copy_all():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", SIZES)
+    resident = h.tag_info("weights")["resident"]
+    p, data = blocks[2]
+    h.release("weights", "pinned", retain=True)
+    host, view = h.backup_view(p, len(data))
+    h.backup_view_end(view)
+    h.restore("weights")
+    assert h.backup_read(p, len(data)) == data  # live and retained: still readable
+    host2, view = h.backup_view(p, len(data))
+    assert host2 == host
+    h.backup_view_end(view)
+    # The views exposed the backup: the next release trusts no digest and copies everything.
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == resident
+    h.restore("weights")
+    # Nothing viewed since: an unchanged release copies nothing again.
+    h.release("weights", "pinned", retain=True)
+    assert h.tag_info("weights")["last_backup"] == 0
+    h.restore("weights")
+    for q, d in blocks:
+        assert h.peek(q, len(d)) == d
+
+
+@isolated
+def test_a_write_through_a_view_of_a_live_retained_backup_is_overwritten_by_the_next_release():
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [6 * MiB])
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    host, view = h.backup_view(p, len(data))
+    ctypes.memmove(host, b"\x00" * 4096, 4096)  # the device still holds data
+    h.release("weights", "pinned", retain=True)  # the view is still alive: copies everything
+    assert at(host, len(data)) == data
+    h.backup_view_end(view)
+    h.restore("weights")
+    assert h.peek(p, len(data)) == data
+
+
+@isolated
+def test_a_backup_split_over_host_chunks_is_read_as_a_copy_and_refuses_a_view():
+    h = Host(route="vmm")
+    _native.check(h.lib, h.lib.tb_host_pool_reserve(2 * MiB))  # the backup below needs a second chunk
+    (p, data), = fill(h, "weights", [6 * MiB])
+    h.release("weights", "pinned")
+    assert h.host_pool()["chunks"] == 2
+    assert h.backup_read(p, len(data)) == data
+    with pytest.raises(TorchBudgetError, match="separate pieces of host memory"):
+        h.backup_view(p, len(data))
+    host, view = h.backup_view(p, MiB, offset=3 * MiB)  # within one chunk: a view
+    assert at(host, MiB) == data[3 * MiB:4 * MiB]
+    h.backup_view_end(view)
+    h.restore("weights")
+
+
+@isolated
+def test_bad_ranges_and_pointers_raise_naming_the_problem():
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [4 * MiB])
+    h.release("weights", "pinned")
+    with pytest.raises(InvalidArgumentError, match="outside the block"):
+        h.backup_read(p, 4 * MiB, offset=1)
+    with pytest.raises(InvalidArgumentError, match="no live block"):
+        h.backup_read(p + 4096, 16)
+    with pytest.raises(InvalidArgumentError, match="non-negative"):
+        h.backup_read(p, 16, offset=-1)
+    h.restore("weights")
+    assert h.peek(p, len(data)) == data
