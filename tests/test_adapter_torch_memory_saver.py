@@ -414,7 +414,7 @@ def test_cpu_backup_keeps_contents_on_a_device(fresh):
 
 
 def cpu_backup_keeps_contents_on_a_device():
-    from torch_budget.adapters.torch_memory_saver import UnsupportedError, torch_memory_saver
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
     import torch
 
     with torch_memory_saver.region(enable_cpu_backup=True):
@@ -425,14 +425,51 @@ def cpu_backup_keeps_contents_on_a_device():
         without_backup = torch.full((20_000_000,), 20, dtype=torch.uint8, device="cuda")
     assert torch_memory_saver.get_cpu_backup(typed) is None  # live: no backup
     torch_memory_saver.pause()
-    with pytest.raises(UnsupportedError):
-        torch_memory_saver.get_cpu_backup(typed)
+    copied = torch_memory_saver.get_cpu_backup(typed)
+    assert copied.dtype == torch.float32 and copied.shape == typed.shape and torch.equal(copied, expected)
+    view = torch_memory_saver.get_cpu_backup(typed, zero_copy=True)
+    assert torch.equal(view, expected) and view.is_pinned()  # the pinned backup itself
+    assert torch_memory_saver.get_cpu_backup(without_backup) is None
     unrelated = torch.full((20_000_000,), 30, dtype=torch.uint8, device="cuda")  # takes some of the freed memory
     torch_memory_saver.resume()
     assert with_backup[:3].tolist() == [10, 10, 10] and torch.equal(typed.cpu(), expected)
     assert without_backup[:3].tolist() != [20, 20, 20]
     assert torch_memory_saver.get_cpu_backup(typed) is None
+    assert torch.equal(view, expected), "the zero-copy view dangled after the resume"
     assert int(unrelated[0]) == 30
+
+
+@gpu
+def test_zero_copy_backups_keep_their_address_while_retained_as_torch_memory_saver_does(fresh):
+    fresh(zero_copy_backups_keep_their_address_while_retained)
+
+
+def zero_copy_backups_keep_their_address_while_retained():
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+    import torch
+
+    expected = torch.arange(3 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
+    with torch_memory_saver.region(tag="w", enable_cpu_backup=True):
+        weights = expected.cuda()
+    torch_memory_saver.pause("w")
+    first = torch_memory_saver.get_cpu_backup(weights, zero_copy=True)
+    address = first.data_ptr()
+    assert torch.equal(first, expected)
+    torch_memory_saver.retain_cpu_backup = True
+    del first
+    torch_memory_saver.resume("w")
+    kept = torch_memory_saver.get_cpu_backup(weights, zero_copy=True)
+    assert kept.data_ptr() == address and torch.equal(kept, expected) and torch.equal(weights.cpu(), expected)
+    del kept
+    changed = expected.flip(0).contiguous()
+    weights.copy_(changed)
+    torch_memory_saver.pause("w")  # retained: the same host memory takes the new contents
+    again = torch_memory_saver.get_cpu_backup(weights, zero_copy=True)
+    assert again.data_ptr() == address and torch.equal(again, changed)
+    torch_memory_saver.retain_cpu_backup = False
+    del again
+    torch_memory_saver.resume("w")
+    assert torch_memory_saver.get_cpu_backup(weights) is None and torch.equal(weights.cpu(), changed)
 
 
 @pytest.mark.exclusive  # reads device-wide free memory

@@ -21,6 +21,12 @@ drops the rest at once, so sleeping an unchanged model costs an unmap, not a cop
 link. A live tag's retained backup shows in tag_states() ("retained", "backup_bytes");
 drop_backup() gives it back.
 
+Reading a backup (`backup_of(tensor)`): while a tensor's tag is released with a cpu or pinned
+backup, or a live tag retains one, the tensor's contents as the backup holds them, as a CPU
+tensor: a copy, or (`copy=False`) a view of the backup's host memory itself, which keeps that
+memory alive as long as the view lives, past the restore. What is written to a view while
+the tag sleeps is what the restore puts back (Note [Reading backups], csrc/core/tag_sleep.h).
+
 Arguments, as everywhere in the package: `tags=None` is every tag (untagged memory is
 never released), `device=None` the current device and `device="all"` every device
 torch_budget serves.
@@ -45,7 +51,7 @@ from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
-           "tag_of", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
+           "tag_of", "backup_of", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
@@ -333,6 +339,60 @@ def tag_of(tensor) -> str | None:
     lib = _runtime.require_installed("torch_budget.sleep.tag_of()")
     tag = _ptr_tag(lib, tensor)
     return _name_of(lib, tensor.device.index, tag) if tag > 0 else None
+
+
+class _BackupView:
+    """Keeps a zero-copy view's backup memory alive (tb_backup_view) until it is collected."""
+
+    def __init__(self, lib, handle):
+        self._lib, self._handle = lib, handle
+
+    def __del__(self):
+        self._lib.tb_backup_view_end(self._handle)
+
+
+def backup_of(tensor, *, copy: bool = True):
+    """The contents of a contiguous CUDA `tensor` as its backup holds them: a CPU tensor of the
+    same dtype and shape while the tensor's tag is released with a cpu or pinned backup, or
+    while a live tag retains its backup; None while there is no backup with contents (a live
+    tag without a retained backup, a release with backup "none" or "memset", untagged memory).
+
+    copy=False returns a view of the backup's host memory instead (zero copy, pinned for a
+    pinned backup): it keeps that memory alive while it lives, also after the restore drops the
+    backup; written while the tag sleeps, it is what the restore puts back; and a retained
+    backup with a view taken copies everything at its next release. A backup that holds the
+    tensor's bytes in separate pieces of host memory has no view (InvalidArgumentError: read a
+    copy)."""
+    import torch
+
+    lib = _runtime.require_installed("torch_budget.sleep.backup_of()")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"backup_of takes a tensor, got {type(tensor).__name__}")
+    if not tensor.is_cuda or not tensor.is_contiguous():
+        raise InvalidArgumentError(f"backup_of takes a contiguous CUDA tensor, got {tensor.device} tensor "
+                                   f"with shape {tuple(tensor.shape)} and stride {tensor.stride()}")
+    base = tensor.untyped_storage().data_ptr()
+    offset, nbytes = tensor.data_ptr() - base, tensor.nbytes
+    c = _native.ctypes
+    if copy:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        found = c.c_int(0)
+        _native.check(lib, lib.tb_backup_read(c.c_void_p(base), offset, nbytes, c.c_void_p(out.data_ptr()),
+                                              c.byref(found)), state=TagStateError)
+        return out if found.value else None
+    host, handle = c.c_void_p(), c.c_void_p()
+    rc = lib.tb_backup_view(c.c_void_p(base), offset, nbytes, c.byref(host), c.byref(handle))
+    if rc == _native.NOT_AVAILABLE:
+        raise InvalidArgumentError(_native.error(lib, rc).args[0])
+    _native.check(lib, rc, state=TagStateError)
+    if not handle.value:
+        return None
+    keep = _BackupView(lib, handle.value)
+    if nbytes == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)  # nothing to view; the handle ends here
+    buf = (c.c_uint8 * nbytes).from_address(host.value)
+    buf.keep = keep  # the view's storage holds buf, buf holds the handle
+    return torch.frombuffer(buf, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
 def released_tags() -> dict[str, str]:

@@ -32,10 +32,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: disk backups (enable_disk_backup,
-set_disk_backup_dir), memory_margin_bytes above 0, get_cpu_backup of a paused tensor or of one
-whose backup is retained (backups are not readable from Python; a live one without a retained
-backup has none: None, as in torch_memory_saver) and its private _impl. TMS_INIT_ENABLE=1 puts
-every allocation outside a region, on every thread, under tag "default" (torch_budget's default
+set_disk_backup_dir), memory_margin_bytes above 0 and its private _impl. get_cpu_backup reads
+torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
+memory alive while it lives, so it never dangles after a resume. TMS_INIT_ENABLE=1 puts every
+allocation outside a region, on every thread, under tag "default" (torch_budget's default
 tag; TMS_INIT_ENABLE_CPU_BACKUP=1 backs it up), from the import on.
 
 Importing this module installs torch_budget (torch_budget.install(), settings from
@@ -298,26 +298,16 @@ class TorchMemorySaver:
         self._retain = value
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
-        """None for a tensor that is not paused and whose tag retains no backup (it has none, as in
-        torch_memory_saver); a backup that exists cannot be read from Python (UnsupportedError)."""
+        """The CPU backup of `x` while its tag is paused with a CPU backup, or while a resumed tag
+        retains one (retain_cpu_backup); None while it has none. A copy, or with zero_copy=True
+        the backup's host memory itself (torch_budget.sleep.backup_of: the view keeps that memory
+        alive, past a resume too)."""
         import torch
 
         self._ensure_initialized()
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"get_cpu_backup takes a tensor, got {type(x).__name__}")
-        if not x.is_cuda or not x.is_contiguous():
-            raise InvalidArgumentError(f"get_cpu_backup takes a contiguous CUDA tensor, got {x.device} "
-                                       f"with shape {tuple(x.shape)} and stride {x.stride()}")
-        try:
-            sleep.check_awake(x.device, tensors=[x])
-        except TagStateError:
-            raise UnsupportedError("get_cpu_backup of a paused tensor: torch_budget's backups are not readable "
-                                   "from Python; resume() its tag and read the tensor") from None
-        name = sleep.tag_of(x)
-        if name is not None and sleep.tag_states(x.device.index)[name]["retained"]:
-            raise UnsupportedError("get_cpu_backup of a tensor whose backup is retained (retain_cpu_backup): "
-                                   "torch_budget's backups are not readable from Python; read the tensor")
-        return None
+        return sleep.backup_of(x, copy=not zero_copy)
 
     def set_disk_backup_dir(self, path: str):
         raise UnsupportedError("disk backups: torch_budget keeps backups in host memory only "
