@@ -2,6 +2,7 @@
 Note [Packing time]), tag release / restore, sharing, budgets and injected driver failures, with
 the ledger and every live byte checked as they run (the GPU fuzzer, tools/fuzz_gpu.py, does this
 on a device; this one reaches the error paths the driver seldom takes)."""
+import ctypes
 import random
 import struct
 
@@ -28,10 +29,11 @@ def stamp(sig, offset):
 
 
 class Program:
-    def __init__(self, seed, budget=-1, fault_rate=0.0, tags=False, share=False, dirty=False, packing_time=1.0):
+    def __init__(self, seed, budget=-1, fault_rate=0.0, tags=False, share=False, dirty=False, packing_time=1.0,
+                 library="_host_core"):
         self.rng = random.Random(seed)
         self.budget, self.tags, self.share, self.dirty = budget, tags, share, dirty
-        self.h = Host(capacity=4 * GiB, route="vmm", budget=budget, packing_time=packing_time)
+        self.h = Host(capacity=4 * GiB, route="vmm", budget=budget, packing_time=packing_time, library=library)
         self.h.free(self.h.malloc(1 * MiB, S1))  # the device exists before any fault
         if tags:
             self.h.tag("t")
@@ -82,6 +84,18 @@ class Program:
             except (ValueError, RuntimeError):
                 pass
 
+    def read_backups(self):
+        """Note [Reading backups]: a few of the released tag's blocks read back their stamps from
+        the backup, copied and in place."""
+        tagged = [p for p in self.live if p not in self.untagged]
+        for ptr in self.rng.sample(tagged, min(3, len(tagged))):
+            size, sig = self.live[ptr]
+            off = self.rng.choice(probes(size))
+            assert self.h.backup_read(ptr, 8, offset=off) == stamp(sig, off), f"backup of {ptr:#x}+{off:#x}"
+            host, view = self.h.backup_view(ptr, 8, offset=off)
+            assert ctypes.string_at(host, 8) == stamp(sig, off)
+            self.h.backup_view_end(view)
+
     def step(self):
         rng, h = self.rng, self.h
         if self.dirty and rng.random() < 0.05:
@@ -105,6 +119,9 @@ class Program:
                 self.released = not self.released
             except (MemoryError, ValueError, RuntimeError):
                 pass
+            else:
+                if self.released:
+                    self.read_backups()
         else:
             try:
                 h.empty_cache()
@@ -145,12 +162,16 @@ def run(seed, ops, **config):
     return program.finish()
 
 
-@pytest.mark.parametrize("config", [
-    {},
-    {"budget": 1 * GiB},
-    {"fault_rate": 0.02, "dirty": True},
-    {"tags": True, "share": True, "budget": 1536 * MiB, "fault_rate": 0.01},
-], ids=["moves", "budget", "faults", "tags-share-budget-faults"])
+# The configurations both this test and the long run (tools/fuzz_host.py) cover.
+CONFIGS = {
+    "moves": {},
+    "budget": {"budget": 1 * GiB},
+    "faults": {"fault_rate": 0.02, "dirty": True},
+    "tags-share-budget-faults": {"tags": True, "share": True, "budget": 1536 * MiB, "fault_rate": 0.01},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_random_programs_keep_the_ledger_and_every_live_byte(config):
     for seed in (11, 12):
         moves = in_child(run, seed, 1500, **config)
