@@ -115,12 +115,18 @@ def test_cache_info_counts_only_mapped_free_memory_within_the_budget():
 
 
 def _line_pressed(h, stream=S1):
-    """A device whose reserved memory sits at its packing line, with one large clean free block
-    (512 MiB, wholly mapped) and live blocks around it."""
+    """A device whose reserved memory sits at its packing line, with 512 MiB of clean free
+    blocks (eight of 64 MiB, wholly mapped) between live blocks. Each is too small for the
+    96 MiB requests below, so another stream cannot simply adopt one (Note [Adopting clean
+    blocks]): what they need moves."""
     keep = [h.malloc(256 * MiB, stream), h.malloc(256 * MiB, stream)]
-    big = h.malloc(512 * MiB, stream)
+    holes = []
+    for _ in range(8):
+        holes.append(h.malloc(64 * MiB, stream))
+        keep.append(h.malloc(2 * MiB, stream))
     keep.append(h.malloc(256 * MiB, stream))
-    h.free(big)
+    for p in holes:
+        h.free(p)
     return keep
 
 
@@ -129,13 +135,13 @@ def test_packing_takes_from_a_free_block_only_what_the_line_needs():
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
     keep = _line_pressed(h)
     before = h.reserved()
-    extra = h.malloc(96 * MiB, S2)  # another stream: new memory past the line, taken from the free block
+    extra = h.malloc(96 * MiB, S2)  # another stream: new memory past the line, taken from the free blocks
     given_back = before + 96 * MiB - h.reserved()
     # Old behaviour: the whole 512 MiB block went back, and the next 512 MiB request mapped it again.
     assert 0 < given_back <= 96 * MiB + 64 * MiB, given_back / MiB
     h.free(extra)
     maps = h.counters()["maps"]
-    again = h.malloc(320 * MiB)  # fits the front of the free block, still mapped
+    again = h.malloc(48 * MiB)  # fits the front of a free block, still mapped
     assert h.counters()["maps"] == maps
     for p in keep + [again]:
         h.free(p)
@@ -144,7 +150,7 @@ def test_packing_takes_from_a_free_block_only_what_the_line_needs():
 @isolated
 def test_a_move_maps_the_handles_it_gave_back_instead_of_creating_new_ones():
     # Note [Moving handles]: what the line needs of S2's 96 MiB (all but the 2 % slack) comes
-    # from S1's free block as the 16 MiB runs it held, mapped again without a create or release.
+    # from S1's free blocks as the 16 MiB runs they held, mapped again without a create or release.
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
     keep = _line_pressed(h)
     created, released = h.stats()["num_device_alloc"], h.stats()["num_device_free"]
@@ -184,7 +190,7 @@ def test_without_packing_time_allocations_grow_past_the_line_instead_of_moving(s
     h = Host(capacity=16 * GiB, route="vmm", packing_time=share)
     keep = _line_pressed(h)
     before = h.reserved()
-    extra = h.malloc(96 * MiB, S2)  # cannot use S1's free block: new memory, past the line
+    extra = h.malloc(96 * MiB, S2)  # no S1 free block is large enough: new memory, past the line
     st = h.stats()
     if share == 0.0:
         assert st["num_reclaims"] == 0 and h.reserved() == before + 96 * MiB
@@ -230,16 +236,21 @@ def test_the_packing_line_follows_reset_peak_memory_stats():
 
 @isolated
 def test_a_move_under_a_tight_budget_neither_fails_nor_leaks():
-    # After a reset of the peaks the line is 2 % over the 770 MiB live, so S2's 40 MiB takes S1's
-    # whole 48 MiB free block (three 16 MiB runs): two runs fit S2's, the third fits none and
-    # goes back, and S2's 8 MiB tail is new memory within the 824 MiB budget.
+    # After a reset of the peaks the line is 2 % over the 770 MiB live, so tag kv's 40 MiB (its own
+    # pool, which cannot adopt the default pool's blocks: Note [Adopting clean blocks]) takes the
+    # whole 48 MiB free block (three 16 MiB runs): two runs fit kv's, the third fits none and goes
+    # back, and kv's 8 MiB tail is new memory within the 824 MiB budget.
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0, budget=824 * MiB)
     keep = [h.malloc(256 * MiB) for _ in range(3)]
     hole = h.malloc(48 * MiB)
     keep.append(h.malloc(2 * MiB))  # S1's arena ends in a live block: the hole stays a free block
     h.free(hole)
     h.reset_peaks()
-    extra = h.malloc(40 * MiB, S2)
+    h.push("vmm", "kv")
+    try:
+        extra = h.malloc(40 * MiB, S1)
+    finally:
+        h.pop()
     st = h.stats()
     assert st["num_moves"] == 2 and st["num_alloc_retries"] == 0 and st["num_ooms"] == 0, st
     assert h.reserved() == 810 * MiB
@@ -251,16 +262,21 @@ def test_a_move_under_a_tight_budget_neither_fails_nor_leaks():
 
 @isolated
 def test_on_a_full_card_kept_handles_go_back_before_new_memory_is_asked_for():
-    # No budget: the card is the limit. The line moves S1's 16 MiB hole for S2's 10 MiB, whose
-    # run fits no kept 16 MiB handle; that handle still holds the card's memory, so it goes back
-    # before the create, which then fits, with no retry (a device sync and the whole cache).
+    # No budget: the card is the limit. The line moves the 16 MiB hole for tag kv's 10 MiB (its own
+    # pool: no adoption), whose run fits no kept 16 MiB handle; that handle still holds the card's
+    # memory, so it goes back before the create, which then fits, with no retry (a device sync and
+    # the whole cache).
     h = Host(capacity=790 * MiB, route="vmm", packing_time=1.0)
     keep = [h.malloc(256 * MiB) for _ in range(3)]
     hole = h.malloc(16 * MiB)
     keep.append(h.malloc(2 * MiB))
     h.free(hole)
     h.reset_peaks()
-    keep.append(h.malloc(10 * MiB, S2))
+    h.push("vmm", "kv")
+    try:
+        keep.append(h.malloc(10 * MiB, S1))
+    finally:
+        h.pop()
     st = h.stats()
     assert st["num_alloc_retries"] == 0 and st["num_reclaims"] == 1 and h.counters()["syncs"] == 0, st
     for p in keep:

@@ -135,14 +135,17 @@ Block* BlockPool::split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet:
   return tail;
 }
 
-FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end) const {
-  *at_end = false;
+size_t BlockPool::span(const Block* b, size_t rounded) const {
   // What handing out the front of `b` covers: all of it when it is too small to split.
-  auto span = [&](const Block* b) {
-    return !no_split_ && b->size - rounded >= min_split_remainder(b->segment->small) ? rounded : b->size;
-  };
+  return !no_split_ && b->size - rounded >= min_split_remainder(b->segment->small) ? rounded : b->size;
+}
+
+FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end,
+                                   size_t* missing) const {
+  *at_end = false;
   // Fully backed: the hot path, no driver call and no further look.
-  if (backing_->unbacked(*(*it)->segment, (*it)->ptr, span(*it)) == 0) return it;
+  *missing = backing_->unbacked(*(*it)->segment, (*it)->ptr, span(*it, rounded));
+  if (*missing == 0) return it;
   constexpr int kCandidates = 16;
   const CUstream stream = (*it)->stream;
   FreeSet::iterator best = fs.end();
@@ -151,17 +154,46 @@ FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rou
   for (auto c = it; c != fs.end() && (*c)->stream == stream && looked < kCandidates; ++c, ++looked) {
     const Block* b = *c;
     const Segment& seg = *b->segment;
-    const size_t front = backing_->unbacked(seg, b->ptr, span(b));
+    const size_t front = backing_->unbacked(seg, b->ptr, span(b, rounded));
     // A block too small to split is handed out whole: only its front is a placement.
-    const bool splits = span(b) == rounded && b->size > rounded;
+    const bool splits = span(b, rounded) == rounded && b->size > rounded;
     const size_t back = splits ? backing_->unbacked(seg, b->ptr + b->size - rounded, rounded) : SIZE_MAX;
-    const size_t missing = std::min(front, back);
-    if (missing < best_missing) {
+    const size_t m = std::min(front, back);
+    if (m < best_missing) {
       best = c;
-      best_missing = missing;
+      best_missing = m;
       *at_end = back < front;
-      if (missing == 0) break;
+      if (m == 0) break;
     }
+  }
+  *missing = best_missing;
+  return best;
+}
+
+FreeSet::iterator BlockPool::adoptable(FreeSet& fs, size_t rounded, CUstream stream) const {
+  constexpr int kCandidates = 8;
+  FreeSet::iterator best = fs.end();
+  Block key;
+  // Stream by stream, only those with free blocks: the set is ordered by (stream, size, address).
+  for (auto group = fs.begin(); group != fs.end();) {
+    const CUstream s = (*group)->stream;
+    key.stream = s;
+    if (s != stream) {
+      key.size = rounded;
+      key.ptr = 0;
+      int looked = 0;
+      for (auto c = fs.lower_bound(&key); c != fs.end() && (*c)->stream == s && looked < kCandidates; ++c, ++looked) {
+        const Block* b = *c;
+        if (best != fs.end() && b->size >= (*best)->size) break;
+        if (clock_->clean(s, b->freed_at) && backing_->unbacked(*b->segment, b->ptr, span(b, rounded)) == 0) {
+          best = c;
+          break;
+        }
+      }
+    }
+    key.size = SIZE_MAX;
+    key.ptr = UINTPTR_MAX;
+    group = fs.upper_bound(&key);
   }
   return best;
 }
@@ -175,7 +207,23 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   key.size = rounded;
   key.ptr = 0;
   auto it = fs.lower_bound(&key);
-  if (it == fs.end() || (*it)->stream != stream) {
+  const bool own = it != fs.end() && (*it)->stream == stream;
+  bool at_end = false;
+  size_t missing = SIZE_MAX;
+  if (own) it = place(fs, it, rounded, &at_end, &missing);
+  if (missing != 0 && adopt_clean_) {  // Note [Adopting clean blocks]
+    clock_->refresh();  // what completed since: the alternative is new memory, tens of us
+    auto other = adoptable(fs, rounded, stream);
+    if (other != fs.end()) {
+      Block* b = *other;
+      FreeSet::node_type node = fs.extract(other);
+      // The remainder stays its old stream's, clean there.
+      if (!no_split_ && b->size - rounded >= min_split_remainder(small)) split(b, rounded, fs, std::move(node));
+      b->stream = stream;  // clean: its old stream's work on it is done
+      return activate(b, size);
+    }
+  }
+  if (!own) {
     TB_REQUIRE(grow, kOutOfMemory, "no cached block fits", nullptr);
     if (!backing_->grow(*this, rounded, small, stream)) return nullptr;
     it = fs.lower_bound(&key);
@@ -183,9 +231,8 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
       set_error(kDriverError, "internal: a new segment did not provide a fitting block");
       return nullptr;
     }
+    it = place(fs, it, rounded, &at_end, &missing);
   }
-  bool at_end = false;
-  it = place(fs, it, rounded, &at_end);
   Block* block = *it;
   FreeSet::node_type node = fs.extract(it);
   if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size);
@@ -222,8 +269,13 @@ Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size) {
 
 std::vector<Segment*> BlockPool::idle_clean_segments() const {
   std::vector<Segment*> idle;
-  for (const auto& seg : segments_)
-    if (seg->live == 0 && clock_->clean(seg->stream, seg->head->freed_at)) idle.push_back(seg.get());
+  for (const auto& seg : segments_) {
+    if (seg->live != 0) continue;
+    // Every free block clean on its own stream (Note [Adopting clean blocks]: there can be several).
+    bool clean = true;
+    for (const Block* b = seg->head; b != nullptr && clean; b = b->next) clean = clock_->clean(b->stream, b->freed_at);
+    if (clean) idle.push_back(seg.get());
+  }
   return idle;
 }
 
@@ -239,28 +291,55 @@ void BlockPool::free(Block* block) {
   if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
 }
 
+bool BlockPool::mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const {
+  if (!b->is_free()) return false;
+  if (a->stream == b->stream) {
+    *stream = a->stream;
+    *freed_at = std::max(a->freed_at, b->freed_at);
+    return true;
+  }
+  // Note [Adopting clean blocks]: the merged block waits only for what the other side waits for.
+  if (clock_->clean(b->stream, b->freed_at)) {
+    *stream = a->stream;
+    *freed_at = a->freed_at;
+    return true;
+  }
+  if (clock_->clean(a->stream, a->freed_at)) {
+    *stream = b->stream;
+    *freed_at = b->freed_at;
+    return true;
+  }
+  return false;
+}
+
 Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   FreeSet& fs = free_set(block->segment->small);
-  // Merge with free neighbours (same segment, so same stream), reusing a tree node.
-  if (block->prev && block->prev->is_free()) {
+  // Merge with free neighbours, reusing a tree node.
+  CUstream stream = nullptr;
+  uint64_t stamp = 0;
+  if (block->prev && block->prev->is_free() && block->prev->stream != block->stream) ++unmerged_;
+  if (block->next && block->next->is_free() && block->next->stream != block->stream) ++unmerged_;
+  if (block->prev && mergeable(block, block->prev, &stream, &stamp)) {
     Block* p = block->prev;
     if (node.empty()) node = fs.extract(p);
     else fs.erase(p);
     p->size += block->size;
     p->next = block->next;
-    p->freed_at = std::max(p->freed_at, block->freed_at);
+    p->stream = stream;
+    p->freed_at = stamp;
     p->requested = block->requested;  // the block freed now carries its figure (Block::requested)
     if (block->next) block->next->prev = p;
     store_->recycle(block);
     block = p;
   }
-  if (block->next && block->next->is_free()) {
+  if (block->next && mergeable(block, block->next, &stream, &stamp)) {
     Block* n = block->next;
     if (node.empty()) node = fs.extract(n);
     else fs.erase(n);
     block->size += n->size;
     block->next = n->next;
-    block->freed_at = std::max(block->freed_at, n->freed_at);
+    block->stream = stream;
+    block->freed_at = stamp;
     if (n->next) n->next->prev = block;
     store_->recycle(n);
   }
@@ -271,6 +350,36 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
     fs.insert(std::move(node));
   }
   return block;
+}
+
+void BlockPool::merge_clean() {
+  if (unmerged_ == 0) return;
+  size_t left = 0;
+  for (const auto& seg : segments_) {
+    FreeSet& fs = free_set(seg->small);
+    for (Block* b = seg->head; b != nullptr && b->next != nullptr;) {
+      Block* n = b->next;
+      CUstream stream = nullptr;
+      uint64_t stamp = 0;
+      if (!b->is_free() || !n->is_free()) {
+        b = n;
+      } else if (mergeable(b, n, &stream, &stamp)) {
+        fs.erase(b);
+        fs.erase(n);
+        b->size += n->size;
+        b->next = n->next;
+        if (n->next) n->next->prev = b;
+        b->stream = stream;
+        b->freed_at = stamp;
+        store_->recycle(n);
+        fs.insert(b);  // and look at its new neighbour
+      } else {
+        ++left;
+        b = n;
+      }
+    }
+  }
+  unmerged_ = left;
 }
 
 size_t BlockPool::largest_free() const {

@@ -14,6 +14,19 @@
 // A BlockPool does not know where memory comes from: a Backing (VMM, stream-ordered
 // pool or synchronous route) creates segments and makes address ranges usable.
 //
+// Note [Adopting clean blocks]
+// A free block whose stream has run every kernel queued before its free (clean, Note [Clean
+// blocks]) holds no pending work: any stream may use it at once. So when a request finds no
+// cached block of its own stream that it can use without new memory, a pool that allows it
+// (the default and tag pools of the VMM and sync routes; never a graph pool, whose free blocks
+// a captured graph may still address, nor the pool route, which frees on the segment's stream)
+// takes a clean, fully backed free block of another stream and relabels it with its own, instead
+// of mapping or allocating more. Two streams that take turns with the same memory (a decode
+// step's side stream, a prefetch stream) then share it without a driver call and without
+// waiting. A segment may hence hold blocks of several streams: free neighbours merge when they
+// share a stream or when one of them is clean (the merged block takes the other's stream), so
+// two adjacent free blocks of different streams, both dirty at the time, can coexist.
+//
 // Note [Placement by mapped memory]
 // On the VMM route a free block may lie partly over unmapped address range (an arena is
 // mostly unmapped; memory handed back leaves holes). Mapping costs tens of µs per
@@ -169,6 +182,8 @@ class BlockPool {
   Block* malloc(size_t size, CUstream stream, bool grow = true);
   // Blocks are never split (torch's MemPool(no_split=True)).
   void set_no_split() { no_split_ = true; }
+  // Note [Adopting clean blocks]: requests may take clean free blocks of other streams.
+  void set_adopt_clean(bool on) { adopt_clean_ = on; }
   // Returns a block to the free set, merging with free neighbours; a backing that
   // releases on free gets the segment back at once.
   void free(Block* block);
@@ -207,11 +222,16 @@ class BlockPool {
   std::vector<Segment*> idle_clean_segments() const;
   // The longest free stretch that needs no new memory (torch's cacheInfo).
   size_t largest_free() const;
+  // Note [Adopting clean blocks]: merges the adjacent free blocks that could not merge when
+  // freed (of two streams, neither clean then) and can now; before memory is given back, so a
+  // mapping under both counts as free. Walks the segments only while such pairs exist.
+  void merge_clean();
 
  private:
   Block* split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
   // Merges free `block` (out of the free set, its node in `node` or empty) with its free
-  // neighbours and files the result: a segment never holds two adjacent free blocks.
+  // neighbours and files the result: a segment never holds two adjacent free blocks that
+  // could merge (Note [Adopting clean blocks]).
   // Returns the merged block (`block` itself may be recycled).
   Block* coalesce(Block* block, FreeSet::node_type node);
   // Takes the last `rounded` bytes of free block `block` (out of the free set as `node`),
@@ -219,7 +239,13 @@ class BlockPool {
   Block* split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet::node_type node);
   // Note [Placement by mapped memory]: the block at `it` or a later fitting one, and
   // whether to serve from its end.
-  FreeSet::iterator place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end) const;
+  FreeSet::iterator place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end, size_t* missing) const;
+  // Note [Adopting clean blocks]: the best-fitting clean free block of another stream that
+  // serves `rounded` bytes from its front without new memory; fs.end() if none.
+  FreeSet::iterator adoptable(FreeSet& fs, size_t rounded, CUstream stream) const;
+  // Whether free neighbours a and b may merge, and the stream and free stamp the merged block takes.
+  bool mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const;
+  size_t span(const Block* b, size_t rounded) const;
   // A block out of the free set becomes allocated and backed; nullptr + error (the
   // block freed again) when backing it failed.
   Block* activate(Block* block, size_t requested);
@@ -237,6 +263,8 @@ class BlockPool {
   PoolId id_{0, 0};
   int tag_ = 0;
   bool no_split_ = false;
+  bool adopt_clean_ = false;
+  size_t unmerged_ = 0;  // adjacent free pairs left unmerged by coalesce (an upper bound)
 };
 
 }  // namespace tb

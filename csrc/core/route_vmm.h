@@ -90,6 +90,7 @@ class VmmRoute final : public Backing {
   // pool and the tag pools; never a graph pool).
   void add_reuse_source(BlockPool* pool) { reuse_sources_.push_back(pool); }
   void set_reuse_before_grow(bool on) { reuse_ = on; }
+  bool reuse_before_grow() const { return reuse_; }
   // Note [Packing time]: the share of wall-clock time moves may take.
   void set_packing_time(double share) { packing_.set_share(share); }
   // At least one granule.

@@ -68,7 +68,10 @@ size_t VmmRoute::reclaim(size_t want) {
   if (reuse_sources_.empty()) return 0;
   clock_.refresh();
   std::vector<const Block*> blocks;
-  for (BlockPool* source : reuse_sources_) clean_free(*source, &blocks);
+  for (BlockPool* source : reuse_sources_) {
+    source->merge_clean();
+    clean_free(*source, &blocks);
+  }
   std::sort(blocks.begin(), blocks.end(), [](const Block* a, const Block* b) { return a->size > b->size; });
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return 0;
@@ -83,6 +86,7 @@ size_t VmmRoute::reclaim(size_t want) {
 
 size_t VmmRoute::release_clean(BlockPool& pool) {
   clock_.refresh();
+  pool.merge_clean();
   std::vector<const Block*> blocks;
   clean_free(pool, &blocks);
   size_t got = 0;

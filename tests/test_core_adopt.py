@@ -1,0 +1,90 @@
+"""Adopting clean blocks (Note [Adopting clean blocks], csrc/core/block_cache.h), over the host
+stand-in: a request that its own stream's cache cannot serve without new memory takes a clean,
+mapped free block of another stream instead of mapping more; a block whose stream may still
+use it is never taken; graph pools never adopt; and blocks of two streams left side by side
+merge once clean, so empty_cache gives everything back."""
+import time
+
+import pytest
+
+from _hostcore import MiB, S1, S2, Host, isolated
+
+pytestmark = pytest.mark.built("_host_core")
+
+
+def settle(h, stream):
+    """`stream`'s queued work is done; the clock learns it from the event it recorded at the
+    stream's first free, without a sync (Note [Clean blocks])."""
+    h.complete(stream)
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync"])
+@isolated
+def test_a_clean_block_of_another_stream_serves_a_request_without_new_memory(route):
+    h = Host(route=route)
+    p = h.malloc(32 * MiB, S1)
+    h.free(p)
+    settle(h, S1)
+    reserved, maps = h.reserved(), h.counters()["maps"]
+    q = h.malloc(32 * MiB, S2)
+    assert q == p, "the clean block of S1 was not taken"
+    assert h.reserved() == reserved and h.counters()["maps"] == maps
+    h.free(q)
+    # And back: S1 now finds it under S2's name, clean again.
+    settle(h, S2)
+    assert h.malloc(32 * MiB, S1) == p
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync"])
+@isolated
+def test_a_block_its_stream_may_still_use_is_not_taken(route):
+    h = Host(route=route)
+    p = h.malloc(32 * MiB, S1)
+    h.submit(S1)  # a kernel on S1 that may still read p
+    h.free(p)
+    time.sleep(0.002)
+    reserved = h.reserved()
+    q = h.malloc(32 * MiB, S2)
+    assert q != p and h.reserved() > reserved
+    h.complete(S1)
+    h.free(q)
+
+
+@isolated
+def test_without_reuse_before_grow_nothing_is_adopted():
+    h = Host(route="vmm", reuse_before_grow=False)
+    p = h.malloc(32 * MiB, S1)
+    h.free(p)
+    settle(h, S1)
+    assert h.malloc(32 * MiB, S2) != p
+
+
+@isolated
+def test_graph_pools_never_adopt():
+    h = Host(route="vmm")
+    p = h.malloc(32 * MiB, S1)
+    h.free(p)
+    settle(h, S1)
+    h.begin_pool((7, 7), S2)
+    q = h.malloc(32 * MiB, S2)
+    h.end_pool((7, 7))
+    assert q != p
+
+
+@isolated
+def test_blocks_of_two_streams_side_by_side_merge_once_clean_and_go_back_whole():
+    h = Host(route="vmm")
+    a = h.malloc(24 * MiB, S1)
+    b = h.malloc(24 * MiB, S1)
+    h.free(a)
+    settle(h, S1)
+    a2 = h.malloc(24 * MiB, S2)  # adopts a: S2's block beside S1's b
+    assert a2 == a
+    h.submit(S1)
+    h.submit(S2)
+    h.free(a2)
+    h.free(b)  # neighbours of two streams, both dirty: they stay apart
+    h.complete(S1)
+    h.complete(S2)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used(), "memory under two unmerged free blocks stayed mapped"
