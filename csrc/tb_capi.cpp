@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/disk_backup.h"
 #include "core/error.h"
 #include "core/host_pool.h"
 #include "core/ledger_json.h"
@@ -246,6 +247,11 @@ int tb_restore_tag(int device, int tag) {
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
   return d->restore_tag(tag) ? 0 : code();
+}
+
+int tb_set_disk_backup_dir(const char* dir) {
+  clear_error();
+  return DiskBackup::set_dir(dir == nullptr ? "" : dir) ? 0 : code();
 }
 
 int tb_retain_tag_backup(int device, int tag, int on) {

@@ -78,10 +78,13 @@ TB_API int tb_grant_peer(int device, int peer);
 // --- sleep / wake (VMM memory under a tag; csrc/core/tag_sleep.h)
 TB_API int tb_tag_find(const char* name);  // id of a known tag, -1 if none has that name
 TB_API int tb_device_ready(int device);    // 1 once torch_budget serves allocations on `device`
-// backup: 0 none, 1 memset, 2 cpu, 3 pinned; | 0x100 retains a cpu / pinned backup past the
-// restore (Note [Retained backups], core/tag_sleep.h).
+// backup: 0 none, 1 memset, 2 cpu, 3 pinned, 4 disk (files in the directory
+// tb_set_disk_backup_dir names, Note [Disk backups], core/disk_backup.h); | 0x100 retains a
+// cpu / pinned backup past the restore (Note [Retained backups], core/tag_sleep.h).
 TB_API int tb_release_tag(int device, int tag, int backup);
 TB_API int tb_restore_tag(int device, int tag);
+// The directory disk backups go to (it must exist and be writable; "" or NULL forgets it).
+TB_API int tb_set_disk_backup_dir(const char* dir);
 // Gives back the backup a live tag retained.
 TB_API int tb_drop_tag_backup(int device, int tag);
 // While the tag is released with a cpu / pinned backup: whether its restore keeps the backup.

@@ -262,7 +262,10 @@ class Host:
         return dict(zip(names, out))
 
     # -- sleep / wake (csrc/core/tag_sleep.h)
-    BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}
+    BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3, "disk": 4}
+
+    def set_disk_dir(self, path):
+        _native.check(self.lib, self.lib.tb_set_disk_backup_dir(None if path is None else str(path).encode()))
 
     def release(self, tag, backup="none", device=0, retain=False):
         mode = self.BACKUPS[backup] | (0x100 if retain else 0)

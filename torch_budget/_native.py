@@ -14,12 +14,12 @@ import ctypes
 import glob
 import os
 
-from .errors import DriverError, InvalidArgumentError, NotBuiltError, StateError, TorchBudgetError
+from .errors import BackupFileError, DriverError, InvalidArgumentError, NotBuiltError, StateError, TorchBudgetError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # csrc/core/error.h
-OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE = range(6)
+OK, INVALID_ARGUMENT, OUT_OF_MEMORY, DRIVER_ERROR, NOT_AVAILABLE, STATE, FILE_ERROR = range(7)
 
 _c_i64_4 = ctypes.c_int64 * 4
 _c_i64_8 = ctypes.c_int64 * 8
@@ -66,6 +66,7 @@ def _core_signatures():
         "tb_device_ready": (i, [i]),
         "tb_release_tag": (i, [i, i, i]),
         "tb_restore_tag": (i, [i, i]),
+        "tb_set_disk_backup_dir": (i, [cp]),
         "tb_drop_tag_backup": (i, [i, i]),
         "tb_retain_tag_backup": (i, [i, i, i]),
         "tb_tag_info": (i, [i, i, _c_i64_8]),
@@ -154,6 +155,8 @@ def error(lib, code=None, state=StateError) -> Exception:
         return DriverError(msg)
     if code == STATE:
         return state(msg)
+    if code == FILE_ERROR:
+        return BackupFileError(msg)
     return TorchBudgetError(msg)
 
 

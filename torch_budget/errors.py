@@ -17,6 +17,7 @@
     │   ├── PoolInUseError                   a graph pool released while graphs hold it
     │   └── PoolReleasedError                a graph pool handle used after its release
     ├── DriverError (RuntimeError)           the driver failed, or lacks what the call needs
+    ├── BackupFileError (OSError)            a disk backup's file could not be written or read
     ├── StaticBufferRebindError (TypeError)  a graph-visible buffer assigned, not written in place
     ├── UnsupportedError (NotImplementedError) another stack's feature an adapter cannot provide
     └── NotBuiltError (ImportError)          the compiled part is not built
@@ -43,6 +44,7 @@ __all__ = [
     "PoolInUseError",
     "PoolReleasedError",
     "DriverError",
+    "BackupFileError",
     "StaticBufferRebindError",
     "NotBuiltError",
 ]
@@ -101,6 +103,10 @@ class PoolReleasedError(StateError):
 
 class DriverError(TorchBudgetError, RuntimeError):
     """The CUDA driver failed, or lacks a capability the call needs; the message names the call."""
+
+
+class BackupFileError(TorchBudgetError, OSError):
+    """A disk backup's file could not be written or read (the disk full, the directory gone)."""
 
 
 class StaticBufferRebindError(TorchBudgetError, TypeError):

@@ -25,7 +25,7 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   const bool retain = (backup & kBackupRetain) != 0;
   backup &= ~kBackupRetain;
   TB_REQUIRE(backup >= 0 && backup < kBackupModes, kInvalidArgument,
-             "unknown backup mode " + std::to_string(backup) + ": none, memset, cpu or pinned", false);
+             "unknown backup mode " + std::to_string(backup) + ": none, memset, cpu, pinned or disk", false);
   TB_REQUIRE(!retain || backup == kBackupCpu || backup == kBackupPinned, kInvalidArgument,
              std::string("only a cpu or pinned backup can be retained, not ") + backup_name(backup), false);
   std::unique_lock<std::mutex> lock(mu_);

@@ -20,6 +20,7 @@ enum ErrorCode : int {
   kDriverError = 3,      // a driver call failed for another reason
   kNotAvailable = 4,     // no driver / capability missing / not initialised
   kState = 5,            // call not allowed in the current state (e.g. already installed)
+  kFileError = 6,        // a disk backup's file could not be written or read (Note [Disk backups])
   // Internal, never returned by the C ABI: an attempt needs streams synchronised
   // (outside the device lock) before it is retried. See Note [Clean blocks].
   kNeedSync = 100,

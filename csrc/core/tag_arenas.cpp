@@ -120,6 +120,7 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   }
   vmm_->release_free_handles();
   TagState& st = state_[tag];
+  st.id = tag;  // names its disk backup's files (Note [Disk backups])
   bool recovered = false;
   clock_.allow_requests(false);  // a recovery restore takes cached or clean memory, never asks for a sync
   if (!mover_->release(std::move(pieces), backup, retain, &st, &recovered)) {

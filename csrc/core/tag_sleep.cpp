@@ -5,13 +5,14 @@
 #include <deque>
 
 #include "budget.h"
+#include "disk_backup.h"
 #include "error.h"
 #include "route_vmm.h"
 
 namespace tb {
 
 const char* backup_name(int backup) {
-  static const char* const names[] = {"none", "memset", "cpu", "pinned"};
+  static const char* const names[] = {"none", "memset", "cpu", "pinned", "disk"};
   return backup >= 0 && backup < kBackupModes ? names[backup] : "?";
 }
 
@@ -30,6 +31,8 @@ BackupSpace::~BackupSpace() {
 
 void TagState::drop_backup() {
   space.reset();  // freed here unless a reader still holds it (Note [Reading backups])
+  DiskBackup::remove(files);
+  files.clear();
   exposed = false;
   backup_bytes = 0;
   kept.clear();
@@ -111,7 +114,8 @@ bool TagMover::ready() {
   return true;
 }
 
-bool TagMover::copy(const Piece& p, bool to_device, const TagState& state, const std::vector<bool>* only) {
+bool TagMover::copy(const Piece& p, bool to_device, const std::vector<HostExtent>& host, size_t offset,
+                    const std::vector<bool>* only) {
   const size_t g = vmm_.granule();
   const DriverApi* d = driver();
   // Granules that are mapped now (a restore skips those no block needs) and asked for.
@@ -125,9 +129,9 @@ bool TagMover::copy(const Piece& p, bool to_device, const TagState& state, const
     size_t to = from;
     while (to < p.count && wanted(to)) ++to;
     uintptr_t va = p.seg->base + (p.first + from) * g;
-    const bool ok = for_host(state.space->host, p.offset + from * g, (to - from) * g, [&](uint8_t* host, size_t bytes) {
-      CUresult r = to_device ? d->memcpyHtoDAsync(va, host, bytes, stream_)
-                             : d->memcpyDtoHAsync(host, va, bytes, stream_);
+    const bool ok = for_host(host, offset + from * g, (to - from) * g, [&](uint8_t* h, size_t bytes) {
+      CUresult r = to_device ? d->memcpyHtoDAsync(va, h, bytes, stream_)
+                             : d->memcpyDtoHAsync(h, va, bytes, stream_);
       va += bytes;
       if (r == CUDA_SUCCESS) copied_ += bytes;
       return r == CUDA_SUCCESS || fail_driver(r, to_device ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync", __FILE__,
@@ -270,6 +274,7 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     state->backup_bytes = total;
   }
   if (state->space) state->exposed = state->space->views.load() > 0;
+  if (mode == kBackupDisk) return to_disk(pieces, state) || recover(state, recovered);
   if (!copies) {
     for (const Piece& p : pieces) {
       drop_piece(p);
@@ -316,7 +321,7 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     }
     at += p.count;
     if (pending.size() >= w) ok = settle();
-    if (ok) ok = copy(p, false, *state, only);
+    if (ok) ok = copy(p, false, state->space->host, p.offset, only);
     if (ok) {
       const size_t slot = recorded++ % w;
       CUresult r = d->eventRecord(events_[slot], stream_);
@@ -332,10 +337,14 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     state->last_backup_bytes = static_cast<int64_t>(copied_);
     return true;
   }
+  return recover(state, recovered);
+}
+
+bool TagMover::recover(TagState* state, bool* recovered) {
   // What was dropped has a complete backup: try to put it back at once.
   const ErrorCode code = last_error_code();
   const std::string msg = last_error_message();
-  d->streamSynchronize(stream_);
+  driver()->streamSynchronize(stream_);
   std::vector<std::vector<bool>> all;
   for (const Piece& p : state->pieces) all.emplace_back(p.count, true);
   *recovered = state->pieces.empty() || restore(state, all);
@@ -345,6 +354,47 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   }
   set_error(code, msg + (*recovered ? "" : "; the part released so far stays released with its backup: restore it"));
   return false;
+}
+
+namespace {
+
+// A staging buffer of the HostPool for disk backups, given back however the caller ends.
+struct Staging {
+  std::vector<HostExtent> host;
+  ~Staging() {
+    if (!host.empty()) HostPool::get().give_back(host);
+  }
+  bool take(size_t bytes) {
+    bytes = (bytes + HostPool::kUnit - 1) / HostPool::kUnit * HostPool::kUnit;
+    return bytes == 0 || HostPool::get().take(bytes, &host);
+  }
+};
+
+size_t largest_piece(const std::vector<Piece>& pieces, size_t granule) {
+  size_t n = 0;
+  for (const Piece& p : pieces) n = std::max(n, p.count * granule);
+  return n;
+}
+
+}  // namespace
+
+bool TagMover::to_disk(const std::vector<Piece>& pieces, TagState* state) {
+  const size_t g = vmm_.granule();
+  Staging staging;
+  if (!staging.take(largest_piece(pieces, g))) return false;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& p = pieces[i];
+    std::string path;
+    if (!DiskBackup::path(ctx_.device, state->id, i, &path) || !copy(p, false, staging.host, 0)) return false;
+    TB_DRIVER_CHECK(driver()->streamSynchronize(stream_), false);
+    if (!DiskBackup::write(path, staging.host, p.count * g)) return false;
+    state->files.push_back(path);
+    drop_piece(p);
+    state->pieces.push_back(p);
+    state->backup_bytes += p.count * g;
+  }
+  state->last_backup_bytes = static_cast<int64_t>(copied_);
+  return true;
 }
 
 void TagMover::keep_digests(TagState* state) {
@@ -374,12 +424,24 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
   std::vector<std::pair<Segment*, size_t>> mapped;
   copied_ = 0;
   bool ok = true;
+  Staging staging;  // Note [Disk backups]: each file goes through it, one piece at a time
+  if (state->backup == kBackupDisk) ok = staging.take(largest_piece(state->pieces, vmm_.granule()));
   for (size_t k = 0; k < state->pieces.size() && ok; ++k) {
     const Piece& p = state->pieces[k];
     ok = map_piece(p, needed[k], &mapped);
     if (!ok) break;
-    if (state->backup == kBackupMemset) ok = fill_zero(p);
-    else if (state->space) ok = copy(p, true, *state);
+    if (state->backup == kBackupMemset) {
+      ok = fill_zero(p);
+    } else if (state->backup == kBackupDisk) {
+      ok = DiskBackup::read(state->files[k], staging.host, p.count * vmm_.granule()) &&
+           copy(p, true, staging.host, 0);
+      if (ok) {
+        CUresult r = d->streamSynchronize(stream_);  // before the next piece reuses the buffer
+        ok = r == CUDA_SUCCESS || fail_driver(r, "cuStreamSynchronize", __FILE__, __LINE__);
+      }
+    } else if (state->space) {
+      ok = copy(p, true, state->space->host, p.offset);
+    }
   }
   if (ok) {
     CUresult r = d->streamSynchronize(stream_);

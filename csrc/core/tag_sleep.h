@@ -15,8 +15,8 @@
 // private stream, and a piece's granules are unmapped and given back to the driver
 // (cuMemRelease, so mem_get_info shows them) as soon as its copy completed, while
 // later pieces are still copying. Backups: none, memset (zeros on restore), cpu
-// (pageable host memory) or pinned (the HostPool). Pieces remember their place in
-// the backup.
+// (pageable host memory), pinned (the HostPool) or disk (files, Note [Disk backups] in
+// disk_backup.h). Pieces remember their place in the backup.
 //
 // Restore maps each piece (skipping granules that no live block covers any more:
 // their tensors were freed during the sleep), one handle per run of granules (Note [Run
@@ -62,6 +62,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "block_cache.h"
@@ -73,7 +74,7 @@ namespace tb {
 
 class VmmRoute;
 
-enum Backup : int { kBackupNone = 0, kBackupMemset = 1, kBackupCpu = 2, kBackupPinned = 3, kBackupModes = 4 };
+enum Backup : int { kBackupNone = 0, kBackupMemset = 1, kBackupCpu = 2, kBackupPinned = 3, kBackupDisk = 4, kBackupModes = 5 };
 // Or-ed into a cpu or pinned backup mode: retain the backup past the restore (Note [Retained backups]).
 constexpr int kBackupRetain = 0x100;
 enum TagLife : int { kTagLive = 0, kTagReleased = 1, kTagRestoring = 2 };
@@ -108,6 +109,8 @@ struct TagState {
   std::shared_ptr<BackupSpace> space;   // the backup's host memory; null: none
   size_t backup_bytes = 0;              // bytes of the backup space
   bool exposed = false;                 // a zero-copy view of the backup was taken (Note [Reading backups])
+  std::vector<std::string> files;       // Note [Disk backups]: one per piece, in the order of `pieces`
+  int id = 0;                           // the tag's id, which names its files
   int64_t last_device_bytes = 0;      // device bytes the last release / restore moved
   int64_t last_backup_bytes = 0;      // bytes it copied
   // Note [Retained backups]: whether the last release asked to retain its backup; while live,
@@ -142,9 +145,16 @@ class TagMover {
 
  private:
   bool ready();
-  // Copies the mapped granules of `p` between the device and its backup (`only`: those of
-  // them it marks).
-  bool copy(const Piece& p, bool to_device, const TagState& state, const std::vector<bool>* only = nullptr);
+  // Copies the mapped granules of `p` between the device and `host` (its bytes from `offset`
+  // on: the piece's place in a backup space, or 0 in a staging buffer; `only`: the granules it
+  // marks).
+  bool copy(const Piece& p, bool to_device, const std::vector<HostExtent>& host, size_t offset,
+            const std::vector<bool>* only = nullptr);
+  // Note [Disk backups]: each piece through a staging buffer into a file of its own, dropped
+  // once written; false + error (what was dropped is in state, its files written).
+  bool to_disk(const std::vector<Piece>& pieces, TagState* state);
+  // A release failed: puts back at once what it dropped (*recovered), as release() describes.
+  bool recover(TagState* state, bool* recovered);
   // Queues the digests of every granule of `pieces` (all mapped) in batches of about
   // kDigestBatchBytes; batch_of[i]: the batch holding piece i, for digester_.finish().
   static constexpr size_t kDigestBatchBytes = 256 << 20;
