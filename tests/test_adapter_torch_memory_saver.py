@@ -279,15 +279,34 @@ def test_pause_and_resume_in_the_wrong_state_raise_and_unknown_tags_are_nothing_
 
 @built
 @isolated
+def test_disk_backups_spill_to_the_directory_and_come_back(tmp_path):
+    host, module = _saver(TMS_DISK_BACKUP_DIR=str(tmp_path / "from-env"))
+    saver = module.torch_memory_saver
+    with saver.region(enable_disk_backup=True):
+        kept = _alloc(host, 6 * MiB, b"d")
+    with saver.region(enable_disk_backup=False):
+        lost = _alloc(host, 2 * MiB, b"l")
+    saver.pause()
+    assert sleep.tag_states()["default+disk"]["backup"] == "disk"
+    assert os.listdir(tmp_path / "from-env"), "TMS_DISK_BACKUP_DIR was not used"
+    saver.resume()
+    assert host.peek(kept, 4096) == b"d" * 4096 and host.peek(lost, 4096) != b"l" * 4096
+    saver.set_disk_backup_dir(str(tmp_path / "set"))  # created, as torch_memory_saver does
+    saver.pause()
+    assert os.listdir(tmp_path / "set") and not os.listdir(tmp_path / "from-env")
+    saver.resume()
+    assert host.peek(kept, 4096) == b"d" * 4096 and not os.listdir(tmp_path / "set")
+    with pytest.raises(InvalidArgumentError, match="mutually exclusive"):
+        with saver.region(enable_cpu_backup=True, enable_disk_backup=True):
+            pass
+
+
+@built
+@isolated
 def test_what_torch_budget_cannot_honour_raises_unsupported():
     _, module = _saver()
     saver, Unsupported = module.torch_memory_saver, module.UnsupportedError
     assert issubclass(Unsupported, TorchBudgetError) and issubclass(Unsupported, NotImplementedError)
-    with pytest.raises(Unsupported, match="disk"):
-        with saver.region(enable_disk_backup=True):
-            pass
-    with pytest.raises(Unsupported, match="disk"):
-        saver.set_disk_backup_dir("/tmp/backups")
     with pytest.raises(Unsupported, match="set_budget"):
         saver.memory_margin_bytes = 1 << 30
     saver.memory_margin_bytes = 0  # no margin: what torch_memory_saver does by default
@@ -437,6 +456,35 @@ def cpu_backup_keeps_contents_on_a_device():
     assert torch_memory_saver.get_cpu_backup(typed) is None
     assert torch.equal(view, expected), "the zero-copy view dangled after the resume"
     assert int(unrelated[0]) == 30
+
+
+@gpu
+def test_disk_backups_restore_bitwise_on_a_device(fresh):
+    fresh(disk_backups_restore_bitwise_on_a_device)
+
+
+def disk_backups_restore_bitwise_on_a_device():
+    import tempfile
+
+    from torch_budget.adapters.torch_memory_saver import torch_memory_saver
+    import torch
+
+    with tempfile.TemporaryDirectory() as d:
+        torch_memory_saver.set_disk_backup_dir(d)
+        with torch_memory_saver.region(enable_disk_backup=True):
+            big = torch.randn((40 << 20) // 4 + 12345, device="cuda")  # several pieces, an odd tail
+            small = torch.full((7,), 10, dtype=torch.uint8, device="cuda")
+        oracle = big.cpu(), small.cpu()
+        sizes = set()
+        for _ in range(3):
+            torch_memory_saver.pause()
+            on_disk = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            assert on_disk >= big.numel() * 4 and len(os.listdir(d)) >= 2
+            sizes.add(on_disk)
+            torch_memory_saver.resume()
+            assert torch.equal(big.cpu(), oracle[0]) and torch.equal(small.cpu(), oracle[1])
+            assert not os.listdir(d)
+        assert len(sizes) == 1
 
 
 @gpu

@@ -10,6 +10,8 @@ tag are released and restored with it.
 Backups (`backup=`):
   "pinned"  contents copied to the pinned host pool (reserve_host_pool), the fast path; the default;
   "cpu"     contents copied to pageable host memory;
+  "disk"    contents written to files in the directory set_disk_backup_dir() names, through one
+            pinned staging buffer (for hosts whose memory cannot hold the backup);
   "memset"  zeros after restore;
   "none"    contents are undefined after restore (a KV cache about to be refilled).
 The default keeps contents: losing them must be asked for.
@@ -51,10 +53,10 @@ from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
-           "tag_of", "backup_of", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
+           "tag_of", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
-BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3}  # csrc/core/tag_sleep.h
+BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3, "disk": 4}  # csrc/core/tag_sleep.h
 RETAINABLE = ("cpu", "pinned")  # backups that keep contents, which release(retain=True) can keep
 _RETAIN = 0x100  # or-ed into a cpu / pinned mode (kBackupRetain)
 DEFAULT_BACKUP = "pinned"
@@ -339,6 +341,23 @@ def tag_of(tensor) -> str | None:
     lib = _runtime.require_installed("torch_budget.sleep.tag_of()")
     tag = _ptr_tag(lib, tensor)
     return _name_of(lib, tensor.device.index, tag) if tag > 0 else None
+
+
+def set_disk_backup_dir(path) -> None:
+    """The directory release(backup="disk") writes to, one file per piece of at most 64 MiB,
+    deleted by the restore (Note [Disk backups], csrc/core/disk_backup.h); created if missing.
+    None forgets it. A failed write or read raises BackupFileError naming the file."""
+    import os
+
+    lib = _runtime.require_installed("torch_budget.sleep.set_disk_backup_dir()")
+    if path is None:
+        _native.check(lib, lib.tb_set_disk_backup_dir(None))
+        return
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise InvalidArgumentError(f"a disk backup directory must be a non-empty path, got {path!r}")
+    os.makedirs(path, exist_ok=True)
+    _native.check(lib, lib.tb_set_disk_backup_dir(os.path.abspath(path).encode()))
 
 
 class _BackupView:

@@ -31,8 +31,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          torch_budget at import, as torch_memory_saver's LD_PRELOAD hooked it
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
-NotImplementedError) instead of running differently: disk backups (enable_disk_backup,
-set_disk_backup_dir), memory_margin_bytes above 0 and its private _impl. get_cpu_backup reads
+NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
+_impl. enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
+the directory set_disk_backup_dir or TMS_DISK_BACKUP_DIR names; TMS_DISK_BACKUP_CHUNK_MB is not
+read). get_cpu_backup reads
 torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
 memory alive while it lives, so it never dangles after a resume. TMS_INIT_ENABLE=1 puts every
 allocation outside a region, on every thread, under tag "default" (torch_budget's default
@@ -113,9 +115,9 @@ def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
         if cpu_backup_backend not in _BACKENDS:
             raise InvalidArgumentError(f"unknown cpu_backup_backend {cpu_backup_backend!r}: expected 'pinned' or 'mmap'")
     if enable_disk_backup:
-        raise UnsupportedError(
-            "enable_disk_backup: torch_budget keeps backups in host memory only; use enable_cpu_backup=True "
-            "(pinned host memory, or cpu_backup_backend='mmap' for pageable)")
+        if enable_cpu_backup:
+            raise InvalidArgumentError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
+        return "disk"
     if not enable_cpu_backup:
         return "none"
     return _BACKENDS[cpu_backup_backend or _default_backend()]
@@ -310,8 +312,9 @@ class TorchMemorySaver:
         return sleep.backup_of(x, copy=not zero_copy)
 
     def set_disk_backup_dir(self, path: str):
-        raise UnsupportedError("disk backups: torch_budget keeps backups in host memory only "
-                               "(region(enable_cpu_backup=True))")
+        """The directory disk backups go to (created if needed), for the whole process."""
+        self._ensure_initialized()
+        sleep.set_disk_backup_dir(path)
 
     @property
     def _impl(self):
@@ -328,6 +331,8 @@ class TorchMemorySaver:
         _install()
         if self._retain is None:
             self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
+        if os.environ.get("TMS_DISK_BACKUP_DIR"):
+            sleep.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
         self._initialized = True
 
 
