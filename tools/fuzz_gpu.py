@@ -8,7 +8,7 @@ captures and replays CUDA graphs (private pools, a pool shared by two graphs, a 
 tag), runs torch.compile(mode="reduce-overhead") steps (CUDA graph trees and their pool
 checkpoints), allocates inside a torch.cuda.MemPool, empties the cache, and, installed only,
 changes the budget and releases and restores a tag with every backup mode (contents checked
-after pinned / cpu backups, zeros after memset). After every operation the device's mismatch
+after pinned / cpu / disk backups, zeros after memset). After every operation the device's mismatch
 counter is read every few steps, and installed, the ledger must equal the live blocks and the
 budget must hold. With --faults RATE the driver refuses memory at that rate: every refusal must
 be an OutOfMemoryError (the tensor is then skipped in both runs) or a retry that succeeded.
@@ -62,7 +62,7 @@ def program(seed, n):
         elif r < 0.97:
             ops.append(("empty_cache",))
         elif r < 0.985:
-            ops.append(("sleep", rng.choice(["none", "memset", "cpu", "pinned", "cpu+retain", "pinned+retain"])))
+            ops.append(("sleep", rng.choice(["none", "memset", "cpu", "pinned", "disk", "cpu+retain", "pinned+retain"])))
         else:
             ops.append(("budget", rng.choice([1.0, 0.5, 0.25])))
     return ops
@@ -79,9 +79,13 @@ def run(seed, n, installed, faults, skip, share, without=()):
 
     tb = None
     if installed:
+        import tempfile
+
         import torch_budget as tb
+        from torch_budget.sleep import set_disk_backup_dir
 
         tb.install()
+        set_disk_backup_dir(tempfile.mkdtemp(prefix="tb-fuzz-disk-"))  # for backup "disk"; emptied by restores
     dev = torch.device("cuda")
     streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(2)]
     ops = ops_of(seed, n, without)
@@ -215,7 +219,7 @@ def run(seed, n, installed, faults, skip, share, without=()):
                 tb.restore("fuzz")
                 for tid in tagged:
                     t, s = tensors[tid]
-                    if backup in ("cpu", "pinned"):
+                    if backup in ("cpu", "pinned", "disk"):
                         check(t, tid)
                         used_on(t, s, 0)
                     else:
