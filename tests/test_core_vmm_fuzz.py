@@ -3,8 +3,11 @@ Note [Packing time]), tag release / restore, sharing, budgets and injected drive
 the ledger and every live byte checked as they run (the GPU fuzzer, tools/fuzz_gpu.py, does this
 on a device; this one reaches the error paths the driver seldom takes)."""
 import ctypes
+import os
 import random
+import shutil
 import struct
+import tempfile
 
 import pytest
 
@@ -37,6 +40,8 @@ class Program:
         self.h.free(self.h.malloc(1 * MiB, S1))  # the device exists before any fault
         if tags:
             self.h.tag("t")
+            self.disk = tempfile.mkdtemp(prefix="tb-fuzz-")  # Note [Disk backups]
+            self.h.set_disk_dir(self.disk)
         for i, entry in enumerate(FAULTS if fault_rate else []):
             self.h.fail(entry, rate=fault_rate, seed=seed * 7 + i + 1)
         self.live = {}  # ptr -> (size, signature)
@@ -91,6 +96,9 @@ class Program:
         for ptr in self.rng.sample(tagged, min(3, len(tagged))):
             size, sig = self.live[ptr]
             off = self.rng.choice(probes(size))
+            if self.backup == "disk":  # in files, not host memory: nothing to read in place
+                assert self.h.backup_read(ptr, 8, offset=off) is None
+                continue
             assert self.h.backup_read(ptr, 8, offset=off) == stamp(sig, off), f"backup of {ptr:#x}+{off:#x}"
             host, view = self.h.backup_view(ptr, 8, offset=off)
             assert ctypes.string_at(host, 8) == stamp(sig, off)
@@ -115,7 +123,8 @@ class Program:
                 if self.released:
                     h.restore("t")
                 else:
-                    h.release("t", backup="cpu", retain=rng.random() < 0.5)  # Note [Retained backups]
+                    self.backup = "disk" if rng.random() < 0.25 else "cpu"
+                    h.release("t", backup=self.backup, retain=self.backup == "cpu" and rng.random() < 0.5)
                 self.released = not self.released
             except (MemoryError, ValueError, RuntimeError):
                 pass
@@ -148,6 +157,9 @@ class Program:
             h.free(ptr)
         h.empty_cache()
         h.empty_cache()
+        if self.tags:
+            assert not os.listdir(self.disk), "a disk backup's files outlived its restore"
+            shutil.rmtree(self.disk)
         counters = h.counters()
         assert counters["handles"] == 0 and counters["mappings"] == 0 and h.reserved() == 0 == h.device_used(), counters
         return h.stats()["num_moves"]
