@@ -310,8 +310,36 @@ def test_what_torch_budget_cannot_honour_raises_unsupported():
     with pytest.raises(Unsupported, match="set_budget"):
         saver.memory_margin_bytes = 1 << 30
     saver.memory_margin_bytes = 0  # no margin: what torch_memory_saver does by default
-    with pytest.raises(Unsupported, match="_impl"):
-        saver._impl._binary_wrapper.cdll  # noqa: B018  (torch_memory_saver's own tests read its C library)
+    with pytest.raises(Unsupported, match="_impl._mem_pools"):
+        saver._impl._mem_pools  # noqa: B018  (torch_memory_saver's own tests read its memory pools)
+    with pytest.raises(Unsupported, match="cudaHostGetFlags"):
+        saver._impl._binary_wrapper.cdll.cudaHostGetFlags  # noqa: B018
+
+
+@built
+@isolated
+def test_the_c_library_getters_its_tests_read_follow_the_regions():
+    # torch_memory_saver's nested_region example, over the adapter: TMS_INIT_ENABLE=1 with backups.
+    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    saver = module.torch_memory_saver
+    saver._ensure_initialized()
+    cdll = saver._impl._binary_wrapper.cdll
+    state = lambda: (cdll.tms_get_interesting_region(), cdll.tms_get_current_tag(),  # noqa: E731
+                     cdll.tms_get_enable_cpu_backup(), cdll.tms_get_cpu_backup_backend())
+    assert state() == (True, b"default", True, b"pinned")
+    with saver.region(tag="grad_buffer", enable_cpu_backup=False):
+        assert state() == (True, b"grad_buffer", False, b"pinned")
+        with saver.disable():
+            assert not cdll.tms_get_interesting_region()
+        with saver.region(enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            assert state() == (True, b"default", True, b"mmap")
+        assert state() == (True, b"grad_buffer", False, b"pinned")
+    assert state() == (True, b"default", True, b"pinned")
+    with saver.region(enable_disk_backup=True):
+        assert cdll.tms_get_enable_disk_backup() and not cdll.tms_get_enable_cpu_backup()
+    assert not cdll.tms_get_retain_cpu_backup()
+    saver.retain_cpu_backup = True
+    assert cdll.tms_get_retain_cpu_backup()
 
 
 @built

@@ -32,7 +32,8 @@ The mapping (torch_memory_saver name -> what torch_budget does):
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
-_impl. enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
+_impl, but for the tms_get_* configuration getters of its C library that its own tests read
+(_impl._binary_wrapper.cdll, answered from the regions in force). enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
 the directory set_disk_backup_dir or TMS_DISK_BACKUP_DIR names; TMS_DISK_BACKUP_CHUNK_MB is not
 read). get_cpu_backup reads
 torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
@@ -50,8 +51,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import types
 from collections.abc import Iterator
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch_budget
 from torch_budget import sleep
@@ -87,21 +89,41 @@ def _env_flag(name: str) -> bool:
 # its backup; the registry (adapters._common.TagRegistry) is what pause(None) means by every tag. Names are checked not
 # to collide ("a+pinned" without backup against "a" with one).
 _registry = TagRegistry("backup")
-_scopes = threading.local()  # depth: saver regions open on this thread
+_scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for
+
+
+class _Config(NamedTuple):
+    """What a region asked for, in torch_memory_saver's words (its tms_get_* getters)."""
+    interesting: bool  # allocations are the saver's (inside a region, or TMS_INIT_ENABLE=1)
+    tag: str
+    cpu_backup: bool
+    disk_backup: bool
+    backend: str  # "pinned" or "mmap"
 
 
 def _depth() -> int:
     return getattr(_scopes, "depth", 0)
 
 
+def _current() -> _Config:
+    configs = getattr(_scopes, "configs", None)
+    if configs:
+        return configs[-1]
+    init = _env_flag("TMS_INIT_ENABLE")
+    return _Config(init, _TAG_DEFAULT, init and _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"), False, _default_backend())
+
+
 @contextlib.contextmanager
-def _saver_scope(depth: int | None = None) -> Iterator[None]:
+def _saver_scope(depth: int | None = None, config: _Config | None = None) -> Iterator[None]:
     before = _depth()
     _scopes.depth = before + 1 if depth is None else depth
+    configs = _scopes.__dict__.setdefault("configs", [])
+    configs.append(config or _current())
     try:
         yield
     finally:
         _scopes.depth = before
+        configs.pop()
 
 
 def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
@@ -180,7 +202,8 @@ class TorchMemorySaver:
         tag_name(tag)
         self._ensure_initialized()
         name = _registry.register(tag, backup)
-        with torch_budget.region(name, route="vmm"), _saver_scope():
+        config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend or _default_backend())
+        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
             yield
 
     @contextlib.contextmanager
@@ -194,8 +217,9 @@ class TorchMemorySaver:
         tag_name(tag)
         self._ensure_initialized()
         name = _registry.register(tag, backup)
+        config = _Config(True, tag, enable_cpu_backup, False, cpu_backup_backend or _default_backend())
         # The region opens before the capture: the private pool takes its tag when capture begins.
-        with torch_budget.region(name, route="vmm"), _saver_scope():
+        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
             with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield
 
@@ -207,7 +231,8 @@ class TorchMemorySaver:
         if _depth() == 0:
             raise StateError("torch_memory_saver.disable() is for use inside a region(): outside one nothing is "
                              "paused anyway")
-        with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(depth=0):
+        outside = _current()._replace(interesting=False)
+        with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(0, outside):
             yield
         torch_budget.empty_cache(device="all")
 
@@ -318,11 +343,11 @@ class TorchMemorySaver:
 
     @property
     def _impl(self):
-        """torch_memory_saver's private implementation (its preloaded C library and memory pools),
-        which some of its own tests read: there is none to reach here."""
-        raise UnsupportedError("torch_memory_saver's private _impl (its C library, tms_* functions and memory "
-                               "pools): torch_budget implements the public API only; read "
-                               "torch_budget.sleep.tag_states() for the state of each tag")
+        """torch_memory_saver's private implementation, as far as its own tests read it: its C
+        library's configuration getters (_impl._binary_wrapper.cdll.tms_get_*), answered from this
+        adapter's state. Everything else of it raises UnsupportedError."""
+        self._ensure_initialized()
+        return _Impl(self)
 
     def _ensure_initialized(self):
         if self._initialized:
@@ -334,6 +359,48 @@ class TorchMemorySaver:
         if os.environ.get("TMS_DISK_BACKUP_DIR"):
             sleep.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
         self._initialized = True
+
+
+def _private(what: str) -> UnsupportedError:
+    return UnsupportedError(f"torch_memory_saver's private {what}: torch_budget implements its public API and "
+                            "the tms_get_* configuration getters only; read torch_budget.sleep.tag_states() for "
+                            "the state of each tag")
+
+
+class _ConfigLibrary:
+    """The tms_get_* getters of torch_memory_saver's C library, for the region in force on this thread."""
+
+    def __init__(self, saver: TorchMemorySaver):
+        self._saver = saver
+
+    def tms_get_interesting_region(self) -> bool:
+        return _current().interesting
+
+    def tms_get_current_tag(self) -> bytes:
+        return _current().tag.encode()
+
+    def tms_get_enable_cpu_backup(self) -> bool:
+        return _current().cpu_backup
+
+    def tms_get_enable_disk_backup(self) -> bool:
+        return _current().disk_backup
+
+    def tms_get_cpu_backup_backend(self) -> bytes:
+        return _current().backend.encode()
+
+    def tms_get_retain_cpu_backup(self) -> bool:
+        return bool(self._saver.retain_cpu_backup)
+
+    def __getattr__(self, name: str):
+        raise _private(f"C library function {name}")
+
+
+class _Impl:
+    def __init__(self, saver: TorchMemorySaver):
+        self._binary_wrapper = types.SimpleNamespace(cdll=_ConfigLibrary(saver))
+
+    def __getattr__(self, name: str):
+        raise _private(f"_impl.{name}")
 
 
 @contextlib.contextmanager
