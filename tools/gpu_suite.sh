@@ -4,8 +4,9 @@
 # allocator's GPU tests and the demo, then print a short table last. Logs go to
 # $OUT when it is set.
 #
-# Steps can be chosen with STEPS (default: "build tests torch tms bench sanitize demo"); TESTS,
-# PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES, SANITIZE_TESTS and SANITIZE_K narrow them.
+# Steps can be chosen with STEPS (default: "build tests torch tms bench sanitize demo"; "fuzz"
+# runs the GPU fuzzer, FUZZ_ARGS its arguments); TESTS, PYTEST_ARGS (split on spaces),
+# TEST_JOBS, BENCHES, SANITIZE_TESTS and SANITIZE_K narrow them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -64,6 +65,15 @@ if has bench; then
     echo "== $bench"
     timeout 900 $PY "tools/$bench.py" 2>&1 | tee "$OUT/$bench.log" | tail -25
   done
+fi
+
+if has fuzz; then
+  # Seeded random programs under install() and natively, every byte checked (tools/fuzz_gpu.py).
+  echo "== GPU fuzzer"
+  start=$(date +%s)
+  timeout ${FUZZ_TIMEOUT:-560} $PY tools/fuzz_gpu.py ${FUZZ_ARGS:---seeds 0-7 --ops 125000 --jobs 8} 2>&1 \
+    | tee "$OUT/fuzz_gpu.log" | tail -20
+  summary+=("$(grep -h "^RESULT fuzz_gpu" "$OUT/fuzz_gpu.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]")
 fi
 
 if has sanitize; then
