@@ -194,8 +194,8 @@ def test_a_tag_in_the_wrong_state_raises_before_anything_is_released():
     assert sleep.tag_states()["weights"]["state"] == "released"
     with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
         torch_budget.release("nope")
-    with pytest.raises(InvalidArgumentError, match="unknown backup 'disk'"):
-        torch_budget.release("kv", backup="disk")
+    with pytest.raises(InvalidArgumentError, match="unknown backup 'tape'"):
+        torch_budget.release("kv", backup="tape")
 
 
 @isolated

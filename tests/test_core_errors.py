@@ -11,7 +11,8 @@ BUILTINS = {"InvalidArgumentError": ValueError, "ConfigError": ValueError, "NotW
             "PlanDoesNotFitError": ValueError, "RequestTooLargeError": ValueError,
             "NotInstalledError": RuntimeError, "InstallError": RuntimeError, "StateError": RuntimeError,
             "TagStateError": RuntimeError, "PoolInUseError": RuntimeError, "PoolReleasedError": RuntimeError,
-            "DriverError": RuntimeError, "StaticBufferRebindError": TypeError, "NotBuiltError": ImportError,
+            "DriverError": RuntimeError, "BackupFileError": OSError, "StaticBufferRebindError": TypeError,
+            "NotBuiltError": ImportError,
             "UnsupportedError": NotImplementedError}
 
 

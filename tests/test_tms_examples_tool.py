@@ -27,12 +27,12 @@ FAKES = {
                 assert os.environ["TMS_SOMETHING"] == "1"
             assert "TMS_SOMETHING" not in os.environ
     """,
-    # disk backups are what the adapter refuses, before it needs a device
+    # reading memory_margin_bytes is what the adapter refuses, before it needs a device
     "nested_region.py": """
         from torch_memory_saver import torch_memory_saver
 
         def run(hook_mode):
-            torch_memory_saver.set_disk_backup_dir("/tmp/backups")
+            print(torch_memory_saver.memory_margin_bytes)
     """,
     "cuda_graph.py": """
         def run(hook_mode):
@@ -49,7 +49,8 @@ def test_cases_pass_fail_or_say_why_torch_budget_cannot(tmp_path, capsys):
     lines = {line.split()[0]: line for line in out.splitlines() if line and not line.startswith("RESULT")}
     assert rc == 1
     assert "passed" in lines["simple.run[preload]"] and "passed" in lines["simple.run[torch]"]
-    assert "unsupported" in lines["nested_region.run[preload]"] and "disk" in lines["nested_region.run[preload]"]
+    assert "unsupported" in lines["nested_region.run[preload]"]
+    assert "memory_margin_bytes" in lines["nested_region.run[preload]"]
     assert "failed" in lines["cuda_graph.run[torch]"] and "different result" in lines["cuda_graph.run[torch]"]
     assert "skipped" in lines["multi_device.run[preload]"]
     assert out.strip().splitlines()[-1] == "RESULT tms_examples passed=2 unsupported=1 failed=2 skipped=2"
