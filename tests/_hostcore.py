@@ -51,6 +51,8 @@ def _host_signatures():
         "tb_host_pinned": (i64, []),
         "tb_host_capture": (None, [vp, u64, ctypes.POINTER(u64), i]),
         "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
+        "tb_host_user_pool": (i, [i, u64, u64]),
+        "tb_host_user_counts": (None, [ctypes.c_int64 * 3]),
     }
 
 

@@ -1,6 +1,8 @@
 """Private pools in the core, against the host stand-in: checkpoints restored at the same
 addresses (CUDA graph trees), the live-allocation check, MemPool options, and the trace
 torch's memory history is built from."""
+import ctypes
+
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
@@ -269,3 +271,30 @@ def test_a_block_used_on_a_stream_outside_the_capture_waits_for_the_end_of_captu
     captured_read(h, 3, [(S1, 5, [])])
     assert h.malloc(512, S1) != data1
     h.end_pool(POOL)
+
+
+def _user_counts(h):
+    out = (ctypes.c_int64 * 3)()
+    h.lib.tb_host_user_counts(out)
+    return {"allocs": out[0], "frees": out[1], "under_lock": out[2]}
+
+
+@isolated
+def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
+    # route_user.h: a free built on cudaFree waits for the device, one written in Python takes the
+    # GIL; under the device lock either stalls every other thread's allocations, or deadlocks.
+    h = Host(route="vmm")
+    h.free(h.malloc(1 * MiB, S1))
+    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
+    h.begin_pool((9, 9), S1)
+    p = h.malloc(3 * MiB, S1)
+    h.end_pool((9, 9))
+    reserved = h.reserved()
+    h.free(p)
+    h.release_pool((9, 9))  # the MemPool's reference and its capture's: the pool dies,
+    h.release_pool((9, 9))  # and its segments go back to its allocator
+    h.empty_cache()
+    counts = _user_counts(h)
+    assert counts["allocs"] == 1 and counts["frees"] == 1, counts
+    assert counts["under_lock"] == 0, "the pool's own allocator was called under the device lock"
+    assert h.reserved() < reserved and h.stats()["num_device_free"] >= 1

@@ -152,11 +152,18 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
   // cuMemFree waits for the device: never while a capture is open (kept for later).
   if (open_captures() > 0) return;
   std::vector<SyncRoute::Detached> list = sync_->take_detached();
-  if (list.empty()) return;
+  UserFrees user;
+  user.swap(user_frees_);
+  if (list.empty() && user.empty()) return;
   lock.unlock();
   sync_->free_detached(list);
+  for (const UserFree& f : user) f.source->free(f.base);  // route_user.h: may wait, or take the GIL
   lock.lock();
   sync_->settle(list);
+  for (const UserFree& f : user) {
+    budget_.uncharge(f.size, Placement{kRouteSync, f.small, true});
+    bump(ledger_.num_device_free);
+  }
 }
 
 void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {

@@ -274,6 +274,7 @@ class DeviceAllocator {
   BlockStore store_;
   std::unique_ptr<VmmRoute> vmm_;
   std::unique_ptr<SyncRoute> sync_;
+  UserFrees user_frees_;  // segments of MemPools' own allocators to free with the lock released
   std::unique_ptr<PoolRoute> pool_;
   std::unique_ptr<BlockPool> vmm_pool_;
   std::unique_ptr<BlockPool> sync_pool_;

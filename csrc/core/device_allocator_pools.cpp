@@ -47,7 +47,7 @@ void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<Se
   std::lock_guard<std::mutex> lock(mu_);
   std::unique_ptr<Backing> own;
   if (source != nullptr && graphs_.find(id) == nullptr)
-    own = std::make_unique<UserRoute>(ctx_.device, budget_, ledger_, std::move(source));
+    own = std::make_unique<UserRoute>(ctx_.device, budget_, ledger_, user_frees_, std::move(source));
   const int tag = current_scope().tag;
   graphs_.acquire(id, private_backing(tag), own ? kRouteSync : private_route(tag), &store_, &clock_, tag,
                   std::move(own));

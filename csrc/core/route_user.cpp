@@ -24,14 +24,9 @@ bool UserRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
 }
 
 bool UserRoute::destroy_segment(Segment& seg) {
-  const CUdeviceptr base = seg.base;
-  const size_t size = seg.size;
-  const bool small = seg.small;
-  ledger_.segment.sub(small, 1);
+  frees_.push_back(UserFree{source_, seg.base, seg.size, seg.small});  // freed with the lock released
+  ledger_.segment.sub(seg.small, 1);
   seg.pool->remove_segment(&seg);
-  source_->free(base);
-  budget_.uncharge(size, Placement{kRouteSync, small, true});
-  bump(ledger_.num_device_free);
   return true;
 }
 

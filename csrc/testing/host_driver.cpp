@@ -1012,3 +1012,71 @@ void tb_host_trace(int on, int64_t counts[9]) {
 }
 
 }  // extern "C"
+
+// ------------------------------------------------------------ a MemPool's own allocator
+#include <thread>
+
+#include "../core/allocator.h"
+#include "../core/error.h"
+#include "../core/route_user.h"
+
+namespace {
+
+// An allocator a user gave a MemPool, over the stand-in's cuMemAlloc. Its free checks what a
+// free built on cudaFree (which waits for the device) or on Python (which takes the GIL)
+// needs: that another thread can allocate on the device meanwhile. Frees that found the
+// device allocator's lock held are counted.
+std::atomic<int64_t> g_user_allocs{0}, g_user_frees{0}, g_user_frees_blocked{0};
+
+class ProbingSource final : public tb::SegmentSource {
+ public:
+  explicit ProbingSource(int device) : device_(device) {}
+  CUdeviceptr alloc(size_t bytes, CUstream) override {
+    CUdeviceptr p = 0;
+    tb_host_set_current(device_);  // a user's allocator allocates on the current device, as torch's do
+    if (tb::driver()->memAlloc(&p, bytes) != CUDA_SUCCESS) {
+      tb::set_error(tb::kOutOfMemory, "the stand-in's cuMemAlloc refused a MemPool segment");
+      return 0;
+    }
+    g_user_allocs.fetch_add(1);
+    return p;
+  }
+  void free(CUdeviceptr ptr) override {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    const int device = device_;
+    std::thread([done, device] {
+      tb_free(tb_malloc(512, device, nullptr), 512, device, nullptr);
+      done->store(true);
+    }).detach();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    while (!done->load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    if (!done->load()) g_user_frees_blocked.fetch_add(1);
+    tb_host_set_current(device_);
+    tb::driver()->memFree(ptr);
+    g_user_frees.fetch_add(1);
+  }
+
+ private:
+  int device_;
+};
+
+}  // namespace
+
+extern "C" {
+
+// Creates private pool (id0, id1) on `device` with ProbingSource as its own allocator.
+int tb_host_user_pool(int device, uint64_t id0, uint64_t id1) {
+  tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+  if (d == nullptr) return 1;
+  d->create_or_incref_pool({id0, id1}, std::make_unique<ProbingSource>(device));
+  return 0;
+}
+
+// The ProbingSource's allocations, frees, and frees that ran under the device lock.
+void tb_host_user_counts(int64_t out[3]) {
+  out[0] = g_user_allocs.load();
+  out[1] = g_user_frees.load();
+  out[2] = g_user_frees_blocked.load();
+}
+
+}  // extern "C"
