@@ -29,6 +29,7 @@ def test_a_clean_block_of_another_stream_serves_a_request_without_new_memory(rou
     q = h.malloc(32 * MiB, S2)
     assert q == p, "the clean block of S1 was not taken"
     assert h.reserved() == reserved and h.counters()["maps"] == maps
+    assert h.stats()["num_adoptions"] == 1
     h.free(q)
     # And back: S1 now finds it under S2's name, clean again.
     settle(h, S2)
@@ -45,7 +46,7 @@ def test_a_block_its_stream_may_still_use_is_not_taken(route):
     time.sleep(0.002)
     reserved = h.reserved()
     q = h.malloc(32 * MiB, S2)
-    assert q != p and h.reserved() > reserved
+    assert q != p and h.reserved() > reserved and h.stats()["num_adoptions"] == 0
     h.complete(S1)
     h.free(q)
 

@@ -6,7 +6,8 @@ policy does to packing and how many driver calls it makes, in seconds instead of
 
 TRACE is a file (torch_budget.replay.trace) or `mix:<spec>`; the default is the benchmark's
 mixes and recorded traces. Per trace: peak reserved over the trace's peak live bytes (the
-benchmark's figure), cuMemMap / cuMemUnmap calls per thousand operations, and an estimate of the
+benchmark's figure), cuMemMap / cuMemUnmap calls per thousand operations, clean blocks adopted across streams
+(Note [Adopting clean blocks]) per thousand in the last pass, and an estimate of the
 driver time per operation from the per-call costs measured on an H200 (DESIGN.md: a mapping's
 create + map + access + unmap + release is about 55 us). The stand-in's own bookkeeping time is
 printed too, but it is CPU time of this machine, not the GPU path. With --costs the stand-in's
@@ -45,6 +46,7 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time):
     for p in range(passes):
         slots = {}
         before = h.counters()
+        adopted = h.stats()["num_adoptions"]
         t0 = time.perf_counter()
         for tid, size, s in ops:
             if size:
@@ -59,7 +61,7 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time):
         unmaps = after["unmaps"] - before["unmaps"]
         if p == 0:
             out["rsv_over_live"] = h.stats()["reserved_bytes"]["all"]["peak"] / trace.peak_live()
-        out[f"pass{p}"] = (maps, unmaps, dt / len(ops) * 1e6)
+        out[f"pass{p}"] = (maps, unmaps, dt / len(ops) * 1e6, h.stats()["num_adoptions"] - adopted)
     out["ops"] = len(ops)
     return out
 
@@ -78,17 +80,17 @@ def main():
         os.environ["TB_HOST_DRIVER_COSTS"] = "1"
     from _hostcore import in_child
     print(f"{'trace':22} {'rsv/live':>8} {'maps/kop':>9} {'unmaps/kop':>10} {'est us/op':>9} "
-          f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'host us/op':>10}")
+          f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'adopted/kop':>11} {'host us/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
                      args.passes, args.packing_time)
         n = r["ops"]
-        m0, u0, _ = r["pass0"]
-        m1, u1, t1 = r[f"pass{args.passes - 1}"]
+        m0, u0, _, _ = r["pass0"]
+        m1, u1, t1, a1 = r[f"pass{args.passes - 1}"]
         name = os.path.basename(spec).replace(".tbtrace.gz", "")
         print(f"{name:22} {r['rsv_over_live']:8.3f} {m0 * 1e3 / n:9.2f} {u0 * 1e3 / n:10.2f} "
               f"{max(m0, u0) * US_PER_MAPPING / n:9.3f} {m1 * 1e3 / n:17.2f} "
-              f"{max(m1, u1) * US_PER_MAPPING / n:9.3f} {t1:10.2f}")
+              f"{max(m1, u1) * US_PER_MAPPING / n:9.3f} {a1 * 1e3 / n:11.2f} {t1:10.2f}")
 
 
 if __name__ == "__main__":

@@ -220,6 +220,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
       // The remainder stays its old stream's, clean there.
       if (!no_split_ && b->size - rounded >= min_split_remainder(small)) split(b, rounded, fs, std::move(node));
       b->stream = stream;  // clean: its old stream's work on it is done
+      if (adopted_ != nullptr) adopted_->fetch_add(1, std::memory_order_relaxed);
       return activate(b, size);
     }
   }

@@ -38,6 +38,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -182,8 +183,14 @@ class BlockPool {
   Block* malloc(size_t size, CUstream stream, bool grow = true);
   // Blocks are never split (torch's MemPool(no_split=True)).
   void set_no_split() { no_split_ = true; }
-  // Note [Adopting clean blocks]: requests may take clean free blocks of other streams.
-  void set_adopt_clean(bool on) { adopt_clean_ = on; }
+  // Note [Adopting clean blocks]: requests may take clean free blocks of other streams, each
+  // counted in *count.
+  void set_adopt_clean(bool on, std::atomic<int64_t>* count) {
+    adopt_clean_ = on;
+    adopted_ = count;
+  }
+  bool adopts_clean() const { return adopt_clean_; }
+  std::atomic<int64_t>* adoption_count() const { return adopted_; }
   // Returns a block to the free set, merging with free neighbours; a backing that
   // releases on free gets the segment back at once.
   void free(Block* block);
@@ -264,6 +271,7 @@ class BlockPool {
   int tag_ = 0;
   bool no_split_ = false;
   bool adopt_clean_ = false;
+  std::atomic<int64_t>* adopted_ = nullptr;
   size_t unmerged_ = 0;  // adjacent free pairs left unmerged by coalesce (an upper bound)
 };
 

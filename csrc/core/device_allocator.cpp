@@ -83,10 +83,10 @@ void DeviceAllocator::apply(const Settings& settings) {
   for (int t = 0; t < kMaxTags; ++t)
     budget_.set_tag_limit(t, Budget::resolve(settings.tag_bytes[t], settings.tag_fraction[t], caps_.total_bytes));
   // Note [Adopting clean blocks] is reuse before growth too.
-  sync_pool_->set_adopt_clean(settings.reuse_before_grow);
+  sync_pool_->set_adopt_clean(settings.reuse_before_grow, &ledger_.num_adoptions);
   if (vmm_) {
-    vmm_pool_->set_adopt_clean(settings.reuse_before_grow);
-    for (BlockPool* p : tags_.own_pools()) p->set_adopt_clean(settings.reuse_before_grow);
+    vmm_pool_->set_adopt_clean(settings.reuse_before_grow, &ledger_.num_adoptions);
+    for (BlockPool* p : tags_.own_pools()) p->set_adopt_clean(settings.reuse_before_grow, &ledger_.num_adoptions);
     vmm_->set_reuse_before_grow(settings.reuse_before_grow);
     vmm_->set_packing_time(settings.packing_time);
     vmm_->set_max_run(settings.map_run_bytes > 0 ? static_cast<size_t>(settings.map_run_bytes)

@@ -40,6 +40,7 @@ void Ledger::reset_accumulated() {
   num_stream_syncs.store(0, std::memory_order_relaxed);
   num_reclaims.store(0, std::memory_order_relaxed);
   num_moves.store(0, std::memory_order_relaxed);
+  num_adoptions.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace tb

@@ -90,6 +90,7 @@ struct Ledger {
   std::atomic<int64_t> num_stream_syncs{0};  // single streams synchronised (budget pressure only)
   std::atomic<int64_t> num_reclaims{0};      // times clean free mappings went back for packing
   std::atomic<int64_t> num_moves{0};         // mappings made with handles a packing reclaim unmapped
+  std::atomic<int64_t> num_adoptions{0};     // clean blocks of another stream taken (Note [Adopting clean blocks])
 
   void reset_peaks();
   void reset_accumulated();

@@ -117,6 +117,7 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("num_stream_syncs", l.num_stream_syncs.load());
     j.field("num_reclaims", l.num_reclaims.load());
     j.field("num_moves", l.num_moves.load());
+    j.field("num_adoptions", l.num_adoptions.load());
     j.key("routes").open('{');
     for (int r = 0; r < kRouteCount; ++r) {
       j.key(route_name(r)).open('{');

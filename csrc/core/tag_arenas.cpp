@@ -19,7 +19,7 @@ BlockPool* TagArenas::pool(int tag) {
   if (!p) {
     p = std::make_unique<BlockPool>(vmm_, kRouteVmm, false, &store_, &clock_);
     p->set_owner({0, 0}, tag);
-    p->set_adopt_clean(vmm_->reuse_before_grow());  // Note [Adopting clean blocks]
+    p->set_adopt_clean(untagged_->adopts_clean(), untagged_->adoption_count());  // Note [Adopting clean blocks]
     vmm_->add_reuse_source(p.get());
   }
   return p.get();
