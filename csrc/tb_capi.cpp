@@ -183,6 +183,13 @@ int tb_empty_cache(int device) {
   return d->empty_cache() ? 0 : code();
 }
 
+int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device_if_ready(device);
+  if (d == nullptr) return 0;
+  return d->empty_pool_cache({id0, id1}) ? 0 : code();
+}
+
 int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
   clear_error();
   int device = -1;
@@ -349,14 +356,9 @@ int tb_backup_view(void* base, int64_t offset, int64_t bytes, void** host, void*
   *view = nullptr;
   std::vector<HostExtent> spans;
   std::shared_ptr<BackupSpace> space;
+  // Counted as a view under the device lock (TagArenas::backup_of), ended by tb_backup_view_end.
   if (!find_backup(base, offset, bytes, true, &spans, &space)) return code();
   if (!space) return 0;
-  if (spans.size() > 1) {
-    set_error(kNotAvailable, "the backup holds these " + std::to_string(bytes) + " bytes in " +
-                                 std::to_string(spans.size()) + " separate pieces of host memory: read a copy");
-    return kNotAvailable;
-  }
-  space->views.fetch_add(1);
   *host = spans.empty() ? nullptr : spans[0].ptr;
   *view = new BackupView{std::move(space)};
   return 0;

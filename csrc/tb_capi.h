@@ -61,6 +61,8 @@ TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
 // for every device, before the first allocation (after tb_configure, which resets it to 0.1).
 TB_API int tb_configure_packing_time(double share);
 TB_API int tb_empty_cache(int device);
+// torch's emptyCache(mempool_id): the cached memory of private pool (id0, id1) only.
+TB_API int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1);
 // torch's resetPeakStats: every peak of `device` starts again from its current value, the
 // packing line's high-water mark included (Note [Packing: reclaim before growth]).
 TB_API int tb_reset_peak_stats(int device);

@@ -161,3 +161,19 @@ def test_bad_ranges_and_pointers_raise_naming_the_problem():
         h.backup_read(p, 16, offset=-1)
     h.restore("weights")
     assert h.peek(p, len(data)) == data
+
+
+@isolated
+def test_a_retained_backup_whose_memory_went_back_is_gone_not_read():
+    # The retained backup describes segments; freed and emptied, they go back to the driver, and
+    # a new block of the tag (maybe at a recycled address) has no backup.
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [8 * MiB])
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    h.free(p)
+    h.empty_cache()
+    (q, _), = fill(h, "weights", [8 * MiB])
+    assert h.backup_read(q, 8 * MiB) is None and h.backup_view(q, 8 * MiB) is None
+    info = h.tag_info("weights")
+    assert info["retained"] == 0 and info["backup_bytes"] == 0

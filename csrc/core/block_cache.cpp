@@ -54,7 +54,9 @@ BlockPool::~BlockPool() {
 }
 
 Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstream stream, size_t granules) {
+  static std::atomic<uint64_t> serials{1};
   auto seg = std::make_unique<Segment>();
+  seg->serial = serials.fetch_add(1, std::memory_order_relaxed);
   seg->base = base;
   seg->size = size;
   seg->small = small;

@@ -112,7 +112,7 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
           while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] &&
                  (j - i < per_piece || seg->span[j] == 0))
             ++j;
-          pieces.push_back(Piece{seg.get(), i, j - i, 0});
+          pieces.push_back(Piece{seg.get(), i, j - i, 0, seg->serial});
           i = j;
         }
       }
@@ -121,6 +121,7 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   vmm_->release_free_handles();
   TagState& st = state_[tag];
   st.id = tag;  // names its disk backup's files (Note [Disk backups])
+  if (!st.kept.empty() && !kept_in_place(tag)) st.drop_backup();  // a retained layout whose segments are gone
   bool recovered = false;
   clock_.allow_requests(false);  // a recovery restore takes cached or clean memory, never asks for a sync
   if (!mover_->release(std::move(pieces), backup, retain, &st, &recovered)) {
@@ -185,9 +186,35 @@ bool TagArenas::backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::
   TagState& st = state_[tag];
   const bool readable = st.space != nullptr && (st.life == kTagReleased || !st.kept.empty());
   if (!readable) return true;
+  if (st.life == kTagLive && !kept_in_place(tag)) {
+    // A segment the retained backup describes went back to the driver: the backup no longer
+    // matches the tag's memory (and its pieces point at segments that are gone).
+    st.drop_backup();
+    st.retain = false;
+    return true;
+  }
   if (!st.locate(ptr, bytes, vmm_->granule(), spans)) return false;
-  if (view) st.exposed = true;
+  if (view) {
+    TB_REQUIRE(spans->size() <= 1, kNotAvailable,
+               "the backup holds these " + std::to_string(bytes) + " bytes in " + std::to_string(spans->size()) +
+                   " separate pieces of host memory: read a copy",
+               false);
+    // Counted under the lock, so a release running next sees the view (Note [Reading backups]).
+    st.exposed = true;
+    st.space->views.fetch_add(1);
+  }
   *space = st.space;
+  return true;
+}
+
+bool TagArenas::kept_in_place(int tag) const {
+  // By serial too: a pointer alone could name a segment freed and another made at its address.
+  std::vector<std::pair<const Segment*, uint64_t>> live;
+  for (BlockPool* pool : pools_of(tag))
+    for (const auto& seg : pool->segments()) live.emplace_back(seg.get(), seg->serial);
+  for (const Piece& p : state_[tag].kept)
+    if (std::find(live.begin(), live.end(), std::pair<const Segment*, uint64_t>(p.seg, p.serial)) == live.end())
+      return false;
   return true;
 }
 

@@ -71,6 +71,8 @@ class TagArenas {
   // `tag` waits, as spans of its host memory, and a reference to that memory (*space null, no
   // spans: the tag has no backup with contents now). `view`: the caller hands out a zero-copy
   // view (the backup is exposed). false + kState when the backup lacks a part of the range.
+  // With `view`, the view is counted in the space's views (tb_backup_view_end uncounts it), and
+  // a range in more than one piece of host memory is refused (kNotAvailable).
   bool backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::vector<HostExtent>* spans,
                  std::shared_ptr<BackupSpace>* space);
   // Streams of the tag's own free blocks that are not clean yet; then, once the owner
@@ -84,6 +86,8 @@ class TagArenas {
   // granule of a graph pool; a run mapping whole when any of its granules).
   std::vector<bool> covered(const Segment& seg) const;
   std::vector<std::vector<bool>> still_needed(const TagState& st) const;
+  // Whether every segment a live tag's retained backup describes is still one of its pools'.
+  bool kept_in_place(int tag) const;
 
   GraphPools& graphs_;
   BlockStore& store_;

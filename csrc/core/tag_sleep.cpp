@@ -385,7 +385,11 @@ bool TagMover::to_disk(const std::vector<Piece>& pieces, TagState* state) {
   for (size_t i = 0; i < pieces.size(); ++i) {
     const Piece& p = pieces[i];
     std::string path;
-    if (!DiskBackup::path(ctx_.device, state->id, i, &path) || !copy(p, false, staging.host, 0)) return false;
+    if (!DiskBackup::path(ctx_.device, state->id, i, &path)) return false;
+    if (!copy(p, false, staging.host, 0)) {
+      driver()->streamSynchronize(stream_);  // what was queued lands before the buffer goes back
+      return false;
+    }
     TB_DRIVER_CHECK(driver()->streamSynchronize(stream_), false);
     if (!DiskBackup::write(path, staging.host, p.count * g)) return false;
     state->files.push_back(path);

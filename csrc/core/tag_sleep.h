@@ -86,7 +86,8 @@ struct Piece {
   Segment* seg;
   size_t first;
   size_t count;
-  size_t offset;  // into the tag's backup space
+  size_t offset;    // into the tag's backup space
+  uint64_t serial;  // seg's (Segment::serial): a retained piece whose segment is gone is told apart
 };
 
 // The host memory of one backup: pinned extents of the HostPool, or one pageable buffer.
@@ -119,6 +120,7 @@ struct TagState {
   bool retain = false;
   std::vector<Piece> kept;
   std::vector<Digest> digests;
+
   void drop_backup();  // drops a retained backup too
   // Note [Reading backups]: the spans of the backup space holding device bytes [ptr, ptr +
   // bytes) (granule: the VMM granule), merged where adjacent; false + kState when a part of the
