@@ -6,6 +6,7 @@ import ctypes
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
+from torch_budget import _native
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -298,3 +299,19 @@ def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
     assert counts["allocs"] == 1 and counts["frees"] == 1, counts
     assert counts["under_lock"] == 0, "the pool's own allocator was called under the device lock"
     assert h.reserved() < reserved and h.stats()["num_device_free"] >= 1
+
+
+@isolated
+def test_emptying_one_pools_cache_hands_its_own_allocators_segments_back_at_once():
+    h = Host(route="vmm")
+    h.free(h.malloc(1 * MiB, S1))
+    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
+    h.begin_pool((9, 9), S1)
+    p = h.malloc(3 * MiB, S1)
+    h.end_pool((9, 9))
+    h.free(p)
+    reserved = h.reserved()
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, 9, 9))  # torch.cuda.empty_cache() inside use_mem_pool
+    counts = _user_counts(h)
+    assert counts["frees"] == 1 and counts["under_lock"] == 0, counts
+    assert h.reserved() < reserved, "the segment left the pool but stayed charged"

@@ -66,9 +66,13 @@ bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no
 }
 
 bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  PrivatePool* p = graphs_.find(id);
+  std::unique_lock<std::mutex> lock(mu_);
+  // As empty_cache: what the pool's free blocks queued is done first, so they are clean (refused
+  // while a capture is open: then only what is clean already goes).
+  sync_device(lock);
+  PrivatePool* p = graphs_.find(id);  // looked up after the lock was released
   if (p != nullptr && p->own_backing) p->own_backing->release_cached(*p->blocks);
+  free_detached(lock);  // the segments go back to the pool's own allocator now, without the lock
   return true;
 }
 
