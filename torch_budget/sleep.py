@@ -82,7 +82,7 @@ class TagState(TypedDict):
     resident: int  # device bytes mapped behind the tag, graph pools included
     released: int  # bytes waiting to be restored
     backup: str | None  # mode of the last release
-    backup_bytes: int  # host bytes held
+    backup_bytes: int  # bytes its backup holds: host memory, or files for a disk backup
     retained: bool  # live, keeping its backup for the next release (release(retain=True))
 
 
@@ -294,8 +294,9 @@ def tag_states(device: Device = None) -> dict[str, TagState]:
     """Every tag on `device` (None: the current device) -> {"state": live | released |
     restoring, "resident" (device bytes mapped behind it, graph pools included), "released"
     (bytes waiting to be restored), "backup" (mode of the last release or None),
-    "backup_bytes" (host bytes held), "retained" (live, keeping its backup for the next
-    release)}. The same entries are in torch_budget.stats()["by_tag"]."""
+    "backup_bytes" (bytes its backup holds: host memory, or files for a disk backup),
+    "retained" (live, keeping its backup for the next release)}. The same entries are in
+    torch_budget.stats()["by_tag"]."""
     lib = _runtime.require_installed("torch_budget.sleep.tag_states()")
     raw = _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(device))
     return {name: {"state": t["state"], "resident": t["resident"], "released": t["released"],
@@ -373,8 +374,9 @@ class _BackupView:
 def backup_of(tensor, *, copy: bool = True):
     """The contents of a contiguous CUDA `tensor` as its backup holds them: a CPU tensor of the
     same dtype and shape while the tensor's tag is released with a cpu or pinned backup, or
-    while a live tag retains its backup; None while there is no backup with contents (a live
-    tag without a retained backup, a release with backup "none" or "memset", untagged memory).
+    while a live tag retains its backup; None while there is no backup with contents in host
+    memory (a live tag without a retained backup, a release with backup "none", "memset" or
+    "disk", untagged memory).
 
     copy=False returns a view of the backup's host memory instead (zero copy, pinned for a
     pinned backup): it keeps that memory alive while it lives, also after the restore drops the

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "device_allocator.h"
+#include "disk_backup.h"
 #include "error.h"
 #include "scope.h"
 
@@ -28,6 +29,8 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
              "unknown backup mode " + std::to_string(backup) + ": none, memset, cpu, pinned or disk", false);
   TB_REQUIRE(!retain || backup == kBackupCpu || backup == kBackupPinned, kInvalidArgument,
              std::string("only a cpu or pinned backup can be retained, not ") + backup_name(backup), false);
+  TB_REQUIRE(backup != kBackupDisk || !DiskBackup::dir().empty(), kInvalidArgument,
+             "a disk backup needs a directory: set one first (torch_budget.sleep.set_disk_backup_dir)", false);
   std::unique_lock<std::mutex> lock(mu_);
   if (!check_tag(tag, "release")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);

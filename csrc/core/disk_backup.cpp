@@ -5,8 +5,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <random>
 
 #include "error.h"
 
@@ -14,10 +17,37 @@ namespace tb {
 
 namespace {
 
-std::mutex dir_mu;
+std::mutex dir_mu;  // guards the three below
 std::string& dir_value() {
   static auto* d = new std::string();  // never destroyed: releases may run during exit
   return *d;
+}
+// Files written and not deleted yet -> the process that wrote them (a forked child inherits the
+// parent's list, and must not delete the parent's files at its exit).
+std::map<std::string, pid_t>& live_files() {
+  static auto* m = new std::map<std::string, pid_t>();
+  return *m;
+}
+// A name part no other process shares, even with the same pid (another pid namespace on the same
+// directory): the pid and a random number, drawn again after a fork.
+std::string& unique_part() {
+  static auto* u = new std::string();
+  static pid_t made_in = 0;
+  if (made_in != ::getpid()) {
+    made_in = ::getpid();
+    std::random_device rd;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%d-%08x", static_cast<int>(made_in), rd());
+    *u = buf;
+  }
+  return *u;
+}
+
+// At exit, the files of backups still released (the memory they describe is gone with the process).
+void remove_at_exit() {
+  std::lock_guard<std::mutex> lock(dir_mu);
+  for (const auto& [path, pid] : live_files())
+    if (pid == ::getpid()) ::unlink(path.c_str());
 }
 
 bool fail_file(const std::string& what, const std::string& path) {
@@ -46,10 +76,11 @@ std::string DiskBackup::dir() {
 }
 
 bool DiskBackup::path(int device, int tag, size_t piece, std::string* out) {
-  const std::string d = dir();
+  std::lock_guard<std::mutex> lock(dir_mu);
+  const std::string& d = dir_value();
   TB_REQUIRE(!d.empty(), kInvalidArgument,
              "a disk backup needs a directory: set one first (torch_budget.sleep.set_disk_backup_dir)", false);
-  *out = d + "/tb-" + std::to_string(::getpid()) + "-" + std::to_string(device) + "-" + std::to_string(tag) + "-" +
+  *out = d + "/tb-" + unique_part() + "-" + std::to_string(device) + "-" + std::to_string(tag) + "-" +
          std::to_string(piece) + ".bin";
   return true;
 }
@@ -57,6 +88,12 @@ bool DiskBackup::path(int device, int tag, size_t piece, std::string* out) {
 bool DiskBackup::write(const std::string& path, const std::vector<HostExtent>& from, size_t bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return fail_file("create", path);
+  {
+    std::lock_guard<std::mutex> lock(dir_mu);
+    static const bool registered = std::atexit(remove_at_exit) == 0;
+    (void)registered;
+    live_files()[path] = ::getpid();
+  }
   for (const HostExtent& e : from) {
     for (size_t done = 0, n = std::min(e.bytes, bytes); done < n;) {
       const ssize_t w = ::write(fd, e.ptr + done, n - done);
@@ -65,7 +102,7 @@ bool DiskBackup::write(const std::string& path, const std::vector<HostExtent>& f
         if (w == 0) errno = ENOSPC;
         fail_file("write", path);
         ::close(fd);
-        ::unlink(path.c_str());
+        remove({path});
         return false;
       }
       done += static_cast<size_t>(w);
@@ -75,7 +112,7 @@ bool DiskBackup::write(const std::string& path, const std::vector<HostExtent>& f
   }
   if (::close(fd) != 0) {
     fail_file("write", path);
-    ::unlink(path.c_str());
+    remove({path});
     return false;
   }
   return true;
@@ -104,7 +141,11 @@ bool DiskBackup::read(const std::string& path, const std::vector<HostExtent>& to
 }
 
 void DiskBackup::remove(const std::vector<std::string>& paths) {
-  for (const std::string& p : paths) ::unlink(p.c_str());
+  std::lock_guard<std::mutex> lock(dir_mu);
+  for (const std::string& p : paths) {
+    ::unlink(p.c_str());
+    live_files().erase(p);
+  }
 }
 
 }  // namespace tb

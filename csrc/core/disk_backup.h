@@ -8,8 +8,10 @@
 // piece, reads its file into the staging buffer, copies it to the device and deletes the file.
 // So host memory is one staging buffer, only while a release or restore runs, and the files of
 // a sleeping tag hold exactly its resident bytes (the same every cycle). Files are named
-// tb-<pid>-<device>-<tag>-<piece>.bin, written with plain buffered I/O and made durable only as
-// far as the page cache: a backup that must survive the process is not what sleep is for.
+// tb-<pid>-<random>-<device>-<tag>-<piece>.bin (the random part keeps processes of other pid
+// namespaces sharing the directory apart), written with plain buffered I/O and made durable only
+// as far as the page cache: a backup that must survive the process is not what sleep is for, and
+// the files of tags still released when the process exits are deleted then.
 // Writes that fail (the disk full, the directory gone) fail the release, which puts back what
 // it had dropped from the files already written, as a failed copy does; files are deleted
 // whenever the backup they hold is dropped.
