@@ -89,3 +89,26 @@ def test_blocks_of_two_streams_side_by_side_merge_once_clean_and_go_back_whole()
     h.complete(S2)
     h.empty_cache()
     assert h.reserved() == 0 == h.device_used(), "memory under two unmerged free blocks stayed mapped"
+
+
+@isolated
+def test_neighbours_of_two_streams_merge_before_the_cache_grows():
+    # Sync route: a request larger than either free block but not their union takes the union
+    # once both streams are clean, instead of a new cudaMalloc.
+    h = Host(route="sync")
+    a = h.malloc(4 * MiB, S1)  # a 20 MiB segment: a, b and a free tail
+    b = h.malloc(4 * MiB, S1)
+    h.free(a)
+    settle(h, S1)
+    a2 = h.malloc(4 * MiB, S2)
+    assert a2 == a  # adopted
+    h.submit(S1)
+    h.submit(S2)
+    h.free(a2)
+    h.free(b)  # beside a2's free block, both dirty: they stay apart
+    h.complete(S1)
+    h.complete(S2)
+    segments = h.stats()["num_device_alloc"]
+    big = h.malloc(20 * MiB, S1)
+    assert big == a and h.stats()["num_device_alloc"] == segments, "the cache grew instead of merging"
+    h.free(big)

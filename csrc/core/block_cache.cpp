@@ -209,9 +209,15 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   key.size = rounded;
   key.ptr = 0;
   auto it = fs.lower_bound(&key);
-  const bool own = it != fs.end() && (*it)->stream == stream;
+  bool own = it != fs.end() && (*it)->stream == stream;
   bool at_end = false;
   size_t missing = SIZE_MAX;
+  if (!own && unmerged_ > 0) {  // Note [Adopting clean blocks]: neighbours left apart may fit together now
+    clock_->refresh();
+    merge_clean();
+    it = fs.lower_bound(&key);
+    own = it != fs.end() && (*it)->stream == stream;
+  }
   if (own) it = place(fs, it, rounded, &at_end, &missing);
   if (missing != 0 && adopt_clean_) {  // Note [Adopting clean blocks]
     clock_->refresh();  // what completed since: the alternative is new memory, tens of us
