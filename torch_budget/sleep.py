@@ -269,8 +269,9 @@ def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = N
 def drop_backup(tags: Tags = None, device: Device = None) -> int:
     """Gives back the backups that live `tags` (None: every tag) retained on `device` (None:
     the current device; "all": every device) for their next release (release(retain=True));
-    that release then copies everything. Returns the host bytes given back. A released tag
-    raises TagStateError: its backup holds its contents."""
+    that release then copies everything. Returns the host bytes the tags let go of (a view from
+    backup_of(copy=False) keeps its backup's memory until the view goes). A released tag raises
+    TagStateError: its backup holds its contents."""
     lib = _runtime.require_installed("torch_budget.sleep.drop_backup()")
     devices = _runtime.served_devices(lib) if _runtime.is_all(device) else [_runtime.device_index(device)]
     names = tag_names(tags)
