@@ -344,6 +344,22 @@ def test_the_c_library_getters_its_tests_read_follow_the_regions():
 
 @built
 @isolated
+def test_with_tms_init_enable_disable_works_outside_a_region():
+    # torch_memory_saver's training_engine example: everything is the saver's from the start, so
+    # disable() outside any region is what keeps a tensor out of the pause.
+    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    saver = module.torch_memory_saver
+    saver._ensure_initialized()
+    weights = _alloc(host, 4 * MiB, b"w")
+    saver.pause()
+    with saver.disable():
+        kept = _alloc(host, 2 * MiB, b"k")  # allocatable while tag 'default' is paused: untagged
+    saver.resume()
+    assert host.peek(weights, 4096) == b"w" * 4096 and host.peek(kept, 4096) == b"k" * 4096
+
+
+@built
+@isolated
 def test_bad_arguments_raise_before_anything_is_done():
     _, module = _saver()
     saver = module.torch_memory_saver

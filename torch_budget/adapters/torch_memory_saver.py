@@ -225,12 +225,13 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def disable(self):
-        """Inside a region: allocations here are untagged (pause leaves them), and the cache
-        is emptied on exit, so what they freed goes back to the driver."""
+        """Inside a region, or anywhere with TMS_INIT_ENABLE=1: allocations here are untagged
+        (pause leaves them), and the cache is emptied on exit, so what they freed goes back to
+        the driver."""
         self._ensure_initialized()
-        if _depth() == 0:
-            raise StateError("torch_memory_saver.disable() is for use inside a region(): outside one nothing is "
-                             "paused anyway")
+        if _depth() == 0 and not _current().interesting:
+            raise StateError("torch_memory_saver.disable() is for use inside a region() (or with TMS_INIT_ENABLE=1): "
+                             "outside one nothing is paused anyway")
         outside = _current()._replace(interesting=False)
         with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(0, outside):
             yield
