@@ -321,6 +321,16 @@ bool BlockPool::mergeable(const Block* a, const Block* b, CUstream* stream, uint
   return false;
 }
 
+void BlockPool::absorb_next(Block* b, CUstream stream, uint64_t freed_at) {
+  Block* n = b->next;
+  b->size += n->size;
+  b->next = n->next;
+  if (n->next) n->next->prev = b;
+  b->stream = stream;
+  b->freed_at = freed_at;
+  store_->recycle(n);
+}
+
 Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   FreeSet& fs = free_set(block->segment->small);
   // Merge with free neighbours, reusing a tree node.
@@ -332,25 +342,15 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
     Block* p = block->prev;
     if (node.empty()) node = fs.extract(p);
     else fs.erase(p);
-    p->size += block->size;
-    p->next = block->next;
-    p->stream = stream;
-    p->freed_at = stamp;
-    p->requested = block->requested;  // the block freed now carries its figure (Block::requested)
-    if (block->next) block->next->prev = p;
-    store_->recycle(block);
+    const size_t requested = block->requested;  // the block freed now carries its figure (Block::requested)
+    absorb_next(p, stream, stamp);
+    p->requested = requested;
     block = p;
   }
   if (block->next && mergeable(block, block->next, &stream, &stamp)) {
-    Block* n = block->next;
-    if (node.empty()) node = fs.extract(n);
-    else fs.erase(n);
-    block->size += n->size;
-    block->next = n->next;
-    block->stream = stream;
-    block->freed_at = stamp;
-    if (n->next) n->next->prev = block;
-    store_->recycle(n);
+    if (node.empty()) node = fs.extract(block->next);
+    else fs.erase(block->next);
+    absorb_next(block, stream, stamp);
   }
   if (node.empty()) {
     fs.insert(block);
@@ -375,12 +375,7 @@ void BlockPool::merge_clean() {
       } else if (mergeable(b, n, &stream, &stamp)) {
         fs.erase(b);
         fs.erase(n);
-        b->size += n->size;
-        b->next = n->next;
-        if (n->next) n->next->prev = b;
-        b->stream = stream;
-        b->freed_at = stamp;
-        store_->recycle(n);
+        absorb_next(b, stream, stamp);
         fs.insert(b);  // and look at its new neighbour
       } else {
         ++left;

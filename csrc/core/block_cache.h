@@ -251,6 +251,8 @@ class BlockPool {
   // Note [Adopting clean blocks]: the best-fitting clean free block of another stream that
   // serves `rounded` bytes from its front without new memory; fs.end() if none.
   FreeSet::iterator adoptable(FreeSet& fs, size_t rounded, CUstream stream) const;
+  // `b` takes in its next neighbour (both out of the free sets), with the merged stream and stamp.
+  void absorb_next(Block* b, CUstream stream, uint64_t freed_at);
   // Whether free neighbours a and b may merge, and the stream and free stamp the merged block takes.
   bool mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const;
   size_t span(const Block* b, size_t rounded) const;
