@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -85,6 +86,30 @@ bool DiskBackup::path(int device, int tag, size_t piece, std::string* out) {
   return true;
 }
 
+namespace {
+
+// Writes (or reads) `bytes` bytes of `extents`, in order, through `fd`; false with errno set. A
+// write that makes no progress is a full disk, a read that finds the end a file cut short.
+bool transfer(int fd, const std::vector<HostExtent>& extents, size_t bytes, bool writing) {
+  for (const HostExtent& e : extents) {
+    const size_t n = std::min(e.bytes, bytes);
+    for (size_t done = 0; done < n;) {
+      const ssize_t r = writing ? ::write(fd, e.ptr + done, n - done) : ::read(fd, e.ptr + done, n - done);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        if (r == 0) errno = writing ? ENOSPC : EIO;
+        return false;
+      }
+      done += static_cast<size_t>(r);
+    }
+    bytes -= n;
+    if (bytes == 0) break;
+  }
+  return true;
+}
+
+}  // namespace
+
 bool DiskBackup::write(const std::string& path, const std::vector<HostExtent>& from, size_t bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return fail_file("create", path);
@@ -94,50 +119,18 @@ bool DiskBackup::write(const std::string& path, const std::vector<HostExtent>& f
     (void)registered;
     live_files()[path] = ::getpid();
   }
-  for (const HostExtent& e : from) {
-    for (size_t done = 0, n = std::min(e.bytes, bytes); done < n;) {
-      const ssize_t w = ::write(fd, e.ptr + done, n - done);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        if (w == 0) errno = ENOSPC;
-        fail_file("write", path);
-        ::close(fd);
-        remove({path});
-        return false;
-      }
-      done += static_cast<size_t>(w);
-    }
-    bytes -= std::min(e.bytes, bytes);
-    if (bytes == 0) break;
-  }
-  if (::close(fd) != 0) {
-    fail_file("write", path);
-    remove({path});
-    return false;
-  }
-  return true;
+  bool ok = transfer(fd, from, bytes, true) || fail_file("write", path);
+  if (::close(fd) != 0 && ok) ok = fail_file("write", path);
+  if (!ok) remove({path});
+  return ok;
 }
 
 bool DiskBackup::read(const std::string& path, const std::vector<HostExtent>& to, size_t bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return fail_file("open", path);
-  for (const HostExtent& e : to) {
-    for (size_t done = 0, n = std::min(e.bytes, bytes); done < n;) {
-      const ssize_t r = ::read(fd, e.ptr + done, n - done);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        if (r == 0) errno = EIO;  // shorter than what was written
-        fail_file("read", path);
-        ::close(fd);
-        return false;
-      }
-      done += static_cast<size_t>(r);
-    }
-    bytes -= std::min(e.bytes, bytes);
-    if (bytes == 0) break;
-  }
+  const bool ok = transfer(fd, to, bytes, false) || fail_file("read", path);
   ::close(fd);
-  return true;
+  return ok;
 }
 
 void DiskBackup::remove(const std::vector<std::string>& paths) {
