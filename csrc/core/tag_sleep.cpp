@@ -91,6 +91,11 @@ bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<H
   return true;
 }
 
+bool TagMover::wait() {
+  TB_DRIVER_CHECK(driver()->streamSynchronize(stream_), false);
+  return true;
+}
+
 bool TagMover::ready() {
   if (stream_ != nullptr) return true;
   ContextGuard guard(ctx_.ctx);
@@ -390,8 +395,7 @@ bool TagMover::to_disk(const std::vector<Piece>& pieces, TagState* state) {
       driver()->streamSynchronize(stream_);  // what was queued lands before the buffer goes back
       return false;
     }
-    TB_DRIVER_CHECK(driver()->streamSynchronize(stream_), false);
-    if (!DiskBackup::write(path, staging.host, p.count * g)) return false;
+    if (!wait() || !DiskBackup::write(path, staging.host, p.count * g)) return false;
     state->files.push_back(path);
     drop_piece(p);
     state->pieces.push_back(p);
@@ -437,20 +441,14 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
     if (state->backup == kBackupMemset) {
       ok = fill_zero(p);
     } else if (state->backup == kBackupDisk) {
+      // wait(): the next piece reuses the buffer
       ok = DiskBackup::read(state->files[k], staging.host, p.count * vmm_.granule()) &&
-           copy(p, true, staging.host, 0);
-      if (ok) {
-        CUresult r = d->streamSynchronize(stream_);  // before the next piece reuses the buffer
-        ok = r == CUDA_SUCCESS || fail_driver(r, "cuStreamSynchronize", __FILE__, __LINE__);
-      }
+           copy(p, true, staging.host, 0) && wait();
     } else if (state->space) {
       ok = copy(p, true, state->space->host, p.offset);
     }
   }
-  if (ok) {
-    CUresult r = d->streamSynchronize(stream_);
-    ok = r == CUDA_SUCCESS || fail_driver(r, "cuStreamSynchronize", __FILE__, __LINE__);
-  }
+  if (ok) ok = wait();
   state->last_device_bytes = static_cast<int64_t>(mapped.size() * vmm_.granule());
   if (ok) {
     state->last_backup_bytes = static_cast<int64_t>(copied_);

@@ -147,6 +147,8 @@ class TagMover {
 
  private:
   bool ready();
+  // Waits for the copy stream; false + error when the driver fails.
+  bool wait();
   // Copies the mapped granules of `p` between the device and `host` (its bytes from `offset`
   // on: the piece's place in a backup space, or 0 in a staging buffer; `only`: the granules it
   // marks).
