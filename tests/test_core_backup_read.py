@@ -21,6 +21,16 @@ def at(address, n):
     return ctypes.string_at(address, n)
 
 
+def live_retained(size):
+    """A host with one block of `size` under tag "weights", released and restored once with a
+    retained pinned backup: (host, ptr, data)."""
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [size])
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    return h, p, data
+
+
 @pytest.mark.parametrize("backup", ["pinned", "cpu"])
 @isolated
 def test_a_released_tag_backup_reads_back_every_block_copied_and_in_place(backup):
@@ -119,10 +129,7 @@ def test_a_retained_backup_is_read_while_live_at_the_same_address_and_a_view_mak
 
 @isolated
 def test_a_write_through_a_view_of_a_live_retained_backup_is_overwritten_by_the_next_release():
-    h = Host(route="vmm")
-    (p, data), = fill(h, "weights", [6 * MiB])
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, p, data = live_retained(6 * MiB)
     host, view = h.backup_view(p, len(data))
     ctypes.memmove(host, b"\x00" * 4096, 4096)  # the device still holds data
     h.release("weights", "pinned", retain=True)  # the view is still alive: copies everything
@@ -167,10 +174,7 @@ def test_bad_ranges_and_pointers_raise_naming_the_problem():
 def test_a_retained_backup_whose_memory_went_back_is_gone_not_read():
     # The retained backup describes segments; freed and emptied, they go back to the driver, and
     # a new block of the tag (maybe at a recycled address) has no backup.
-    h = Host(route="vmm")
-    (p, data), = fill(h, "weights", [8 * MiB])
-    h.release("weights", "pinned", retain=True)
-    h.restore("weights")
+    h, p, _ = live_retained(8 * MiB)
     h.free(p)
     h.empty_cache()
     (q, _), = fill(h, "weights", [8 * MiB])

@@ -274,6 +274,19 @@ def test_a_block_used_on_a_stream_outside_the_capture_waits_for_the_end_of_captu
     h.end_pool(POOL)
 
 
+def _user_pool_block_freed():
+    """A host whose pool (9, 9) has its own allocator (tb_host_user_pool), which gave it one
+    segment; the block cut from it is freed. (host, reserved bytes)."""
+    h = Host(route="vmm")
+    h.free(h.malloc(1 * MiB, S1))
+    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
+    h.begin_pool((9, 9), S1)
+    p = h.malloc(3 * MiB, S1)
+    h.end_pool((9, 9))
+    h.free(p)
+    return h, h.reserved()
+
+
 def _user_counts(h):
     out = (ctypes.c_int64 * 3)()
     h.lib.tb_host_user_counts(out)
@@ -284,14 +297,7 @@ def _user_counts(h):
 def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
     # route_user.h: a free built on cudaFree waits for the device, one written in Python takes the
     # GIL; under the device lock either stalls every other thread's allocations, or deadlocks.
-    h = Host(route="vmm")
-    h.free(h.malloc(1 * MiB, S1))
-    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
-    h.begin_pool((9, 9), S1)
-    p = h.malloc(3 * MiB, S1)
-    h.end_pool((9, 9))
-    reserved = h.reserved()
-    h.free(p)
+    h, reserved = _user_pool_block_freed()
     h.release_pool((9, 9))  # the MemPool's reference and its capture's: the pool dies,
     h.release_pool((9, 9))  # and its segments go back to its allocator
     h.empty_cache()
@@ -303,14 +309,7 @@ def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
 
 @isolated
 def test_emptying_one_pools_cache_hands_its_own_allocators_segments_back_at_once():
-    h = Host(route="vmm")
-    h.free(h.malloc(1 * MiB, S1))
-    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
-    h.begin_pool((9, 9), S1)
-    p = h.malloc(3 * MiB, S1)
-    h.end_pool((9, 9))
-    h.free(p)
-    reserved = h.reserved()
+    h, reserved = _user_pool_block_freed()
     _native.check(h.lib, h.lib.tb_empty_pool_cache(0, 9, 9))  # torch.cuda.empty_cache() inside use_mem_pool
     counts = _user_counts(h)
     assert counts["frees"] == 1 and counts["under_lock"] == 0, counts
