@@ -53,6 +53,7 @@ def _host_signatures():
         "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
         "tb_host_user_pool": (i, [i, u64, u64]),
         "tb_host_user_counts": (None, [ctypes.c_int64 * 3]),
+        "tb_host_replay": (i64, [vp, vp, vp, i64, vp, i, vp, i64]),
     }
 
 
@@ -117,6 +118,32 @@ class Host:
 
     def free(self, ptr):
         _native.check(self.lib, self.lib.tb_free_checked(ptr))
+
+    def replayer(self, trace, streams):
+        """A function that replays `trace` (torch_budget.replay.trace) once more over the core,
+        in C, on the given stream handles (one per trace stream), and returns the seconds it
+        took; tensors live at the end of a pass stay live into the next (free_all() frees them)."""
+        n = len(trace)
+        ids, sizes, stream_of = (a.buffer_info()[0] for a in (trace.ids, trace.sizes, trace.streams))
+        handles = (ctypes.c_void_p * max(len(streams), 1))(*streams)
+        slots = (ctypes.c_void_p * max(trace.num_tensors, 1))()
+        keep = (trace, handles, slots)  # the buffers outlive every call
+
+        def replay():
+            ns = self.lib.tb_host_replay(ids, sizes, stream_of, n, handles, len(streams), slots, len(slots))
+            if ns < 0:
+                raise _native.error(self.lib) if self.lib.tb_last_error_code() else ValueError(
+                    f"{trace.name}: an operation names a tensor or stream out of range, or allocates a live one")
+            return ns / 1e9
+
+        def free_all():
+            for k, ptr in enumerate(slots):
+                if ptr:
+                    self.free(ptr)
+                    slots[k] = None
+
+        replay.keep, replay.free_all = keep, free_all
+        return replay
 
     def record_stream(self, ptr, stream, device=0):
         _native.check(self.lib, self.lib.tb_record_stream(ptr, stream, device))

@@ -1080,3 +1080,31 @@ void tb_host_user_counts(int64_t out[3]) {
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Replays a trace (torch_budget.replay.trace) over the core on device 0, in C so that the
+// time measured is the core's own: sizes[i] > 0 allocates tensor ids[i] on
+// streams[stream_of[i]], 0 frees it. slots holds each live tensor's pointer (num_slots:
+// one per id, null when not live), so successive calls continue one program. Returns the
+// nanoseconds the operations took; -1 when an allocation failed or an id or stream is out
+// of range (the core's error, or none, is set; earlier operations stand).
+int64_t tb_host_replay(const int64_t* ids, const int64_t* sizes, const int8_t* stream_of, int64_t n,
+                       void* const* streams, int num_streams, void** slots, int64_t num_slots) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || id >= num_slots || stream_of[i] < 0 || stream_of[i] >= num_streams) return -1;
+    if (sizes[i] > 0) {
+      if (slots[id] != nullptr) return -1;  // allocated twice without a free
+      slots[id] = tb_malloc(static_cast<ssize_t>(sizes[i]), 0, streams[stream_of[i]]);
+      if (slots[id] == nullptr) return -1;
+    } else {
+      tb_free(slots[id], 0, 0, nullptr);
+      slots[id] = nullptr;
+    }
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // extern "C"
