@@ -38,6 +38,7 @@ def _host_signatures():
         "tb_host_complete": (None, [vp]),
         "tb_host_used": (i64, [i]),
         "tb_host_counters": (None, [ctypes.c_int64 * 8]),
+        "tb_host_event_calls": (None, [ctypes.c_int64 * 2]),
         "tb_host_fail": (i, [cp, i64, d, i, u64]),
         "tb_host_set_current": (i, [i]),
         "tb_host_current": (i, []),
@@ -176,6 +177,12 @@ class Host:
         out = (ctypes.c_int64 * 8)()
         self.lib.tb_host_counters(out)
         return dict(zip(COUNTERS, out))
+
+    def event_calls(self):
+        """cuEventRecord and cuEventQuery calls so far."""
+        out = (ctypes.c_int64 * 2)()
+        self.lib.tb_host_event_calls(out)
+        return {"records": out[0], "queries": out[1]}
 
     def empty_cache(self, device=0):
         _native.check(self.lib, self.lib.tb_empty_cache(device))

@@ -40,6 +40,31 @@ def test_the_cost_of_new_memory_does_not_grow_with_the_card():
     assert large < 2 * small, (small, large)
 
 
+def event_calls_over_frees(busy, n=1024):
+    """cuEventRecord / cuEventQuery calls over n allocate + free pairs on one stream, whose
+    queued work never completes when `busy` (a GPU far behind the host)."""
+    h = Host(capacity=4 * GiB, route="vmm")
+    s = h.stream()
+    h.free(h.malloc(MiB, s))
+    before = h.event_calls()
+    for _ in range(n):
+        if busy:
+            h.submit(s)
+        h.free(h.malloc(4096, s))
+    after = h.event_calls()
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_a_stream_far_behind_the_host_costs_no_event_query_per_free():
+    busy = in_child(event_calls_over_frees, True)
+    # One mark outstanding, looked at every eighth free (it was queried on every free past
+    # the 32nd once it was outstanding).
+    assert busy["records"] <= 1 and busy["queries"] <= 1024 // 8 + 1, busy
+    idle = in_child(event_calls_over_frees, False)
+    # A stream whose work completes is still marked every 32 frees, so its memory turns clean.
+    assert 1024 // 32 - 2 <= idle["records"] <= 1024 // 32 + 2, idle
+
+
 @isolated
 def test_no_stream_is_waited_for_while_the_budget_has_room():
     h = Host(capacity=16 * GiB, route="vmm")

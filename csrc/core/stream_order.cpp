@@ -27,11 +27,11 @@ void StreamClock::note_free(CUstream stream) {
   Mark* m = nullptr;
   for (Mark& x : marks_)
     if (x.stream == stream) m = &x;
-  if (m != nullptr && ++m->frees < kMarkFrees) {
-    if ((m->frees & 7) != 0) return;  // the clock is read every eighth free only
-    if (std::chrono::steady_clock::now() - m->at < kMarkInterval) return;
-  }
+  // Looked at every eighth free only: the clock, and the outstanding event, which a stream
+  // whose queued work runs far behind the host keeps incomplete for many frees.
+  if (m != nullptr && (++m->frees & 7) != 0) return;
   const auto now = std::chrono::steady_clock::now();
+  if (m != nullptr && m->frees < kMarkFrees && now - m->at < kMarkInterval) return;
   if (m == nullptr) {
     marks_.push_back(Mark{stream, 0, nullptr, now, 0});
     m = &marks_.back();

@@ -14,7 +14,8 @@
 // them with its lock released and retries.
 // Waiting is the last resort: as frees happen, the clock records an event on the
 // freeing stream now and then (at most one outstanding per stream; a new one after
-// kMarkFrees frees or kMarkInterval since the last), and an event found complete makes
+// kMarkFrees frees or kMarkInterval since the last, looked at every eighth free so that
+// a stream far behind the host costs no query per free), and an event found complete makes
 // that stream clean up to the stamp it was recorded at. So memory freed a while ago is
 // clean without anyone waiting for the device.
 //

@@ -101,6 +101,7 @@ struct State {
   uintptr_t next_stream = 0x7000000;
   std::map<std::pair<void*, int>, uint64_t> submitted, completed;  // per (stream, device)
   int64_t map_calls = 0, unmap_calls = 0, syncs = 0, injected = 0;
+  int64_t event_records = 0, event_queries = 0;
   int64_t host_pinned = 0;                   // bytes of cuMemHostAlloc memory live
   std::set<void*> host_allocs;
   std::map<void*, size_t> host_sizes;
@@ -335,11 +336,13 @@ CUresult h_event_record(CUevent e, CUstream s) {
   ev->stream = s;
   ev->stream_device = sd;
   ev->seq = g->submitted[{s, sd}];  // done once everything queued so far on s is done
+  g->event_records++;
   return CUDA_SUCCESS;
 }
 CUresult h_event_query(CUevent e) {
   HOST_ENTRY("cuEventQuery");
   auto* ev = reinterpret_cast<HostEvent*>(e);
+  g->event_queries++;
   return g->completed[{ev->stream, ev->stream_device}] >= ev->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 CUresult h_stream_sync(CUstream s) {
@@ -858,6 +861,13 @@ void tb_host_counters(int64_t out[8]) {
   out[5] = static_cast<int64_t>(g->reservations.size());
   out[6] = g->injected;
   out[7] = static_cast<int64_t>(g->allocs.size());
+}
+
+// out: cuEventRecord and cuEventQuery calls so far.
+void tb_host_event_calls(int64_t out[2]) {
+  std::lock_guard<std::mutex> l(g->mu);
+  out[0] = g->event_records;
+  out[1] = g->event_queries;
 }
 
 // Fails `entry_point` ("cuMemMap", ...; "*" for every one) on its `nth` call from
