@@ -72,7 +72,7 @@ Segment* BlockPool::add_segment(uintptr_t base, size_t size, bool small, CUstrea
   block->route = route_;
   seg->pool = this;
   seg->head = block;
-  free_set(seg->small).insert(block);
+  file(free_set(seg->small), block, FreeSet::node_type());
   segments_.push_back(std::move(seg));
   // A VMM arena is address range; its mappings are traced by the route.
   if (granules == 0) trace(TraceAction::kSegmentAlloc, device(), base, size, stream, id_, tag_, route_);
@@ -108,13 +108,7 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = rounded;
-  // The tree node that held `block` now holds `rest`: no allocation on the hot path.
-  if (node.empty()) {
-    fs.insert(rest);
-  } else {
-    node.value() = rest;
-    fs.insert(std::move(node));
-  }
+  file(fs, rest, std::move(node));  // in the tree node that held `block`
   return rest;
 }
 
@@ -132,8 +126,7 @@ Block* BlockPool::split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet:
   if (block->next) block->next->prev = tail;
   block->next = tail;
   block->size -= rounded;
-  node.value() = block;  // the front stays free, in the node that held the whole block
-  fs.insert(std::move(node));
+  file(fs, block, std::move(node));  // the front stays free, in the node that held the whole block
   return tail;
 }
 
@@ -227,9 +220,10 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
       FreeSet::node_type node = fs.extract(other);
       // The remainder stays its old stream's, clean there.
       if (!no_split_ && b->size - rounded >= min_split_remainder(small)) split(b, rounded, fs, std::move(node));
+      else keep(std::move(node));
       b->stream = stream;  // clean: its old stream's work on it is done
       if (adopted_ != nullptr) adopted_->fetch_add(1, std::memory_order_relaxed);
-      return activate(b, size);
+      return activate(b, size, /*backed=*/true);  // adoptable() found it all mapped
     }
   }
   if (!own) {
@@ -244,16 +238,36 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   }
   Block* block = *it;
   FreeSet::node_type node = fs.extract(it);
-  if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size);
+  // place() measured what is handed out: nothing missing means nothing to map.
+  if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size, missing == 0);
   if (!no_split_ && block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
-  return activate(block, size);
+  else keep(std::move(node));
+  return activate(block, size, missing == 0);
 }
 
-Block* BlockPool::activate(Block* block, size_t requested) {
+void BlockPool::file(FreeSet& fs, Block* b, FreeSet::node_type node) {
+  if (node.empty() && !spare_.empty()) {
+    node = std::move(spare_.back());
+    spare_.pop_back();
+  }
+  if (node.empty()) {
+    b->where = fs.insert(b).first;
+  } else {
+    node.value() = b;
+    b->where = fs.insert(std::move(node)).position;
+  }
+}
+
+void BlockPool::keep(FreeSet::node_type node) {
+  constexpr size_t kSpares = 8;
+  if (!node.empty() && spare_.size() < kSpares) spare_.push_back(std::move(node));
+}
+
+Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
   block->allocated = true;
   block->segment->live++;
   live_++;
-  if (!backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
+  if (!backed && !backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
     // Undo the split through the ordinary free path; the error is already recorded.
     const ErrorCode code = last_error_code();
     const std::string msg = last_error_message();
@@ -267,12 +281,13 @@ Block* BlockPool::activate(Block* block, size_t requested) {
 
 Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size) {
   FreeSet& fs = free_set(block->segment->small);
-  FreeSet::node_type node = fs.extract(block);
+  FreeSet::node_type node = unfile(fs, block);
   if (ptr > block->ptr) {  // the front stays free, in the node
     block = split_tail(block, block->ptr + block->size - ptr, fs, std::move(node));
     node = FreeSet::node_type();
   }
   if (block->size > size) split(block, size, fs, std::move(node));
+  else keep(std::move(node));
   return activate(block, size);
 }
 
@@ -340,24 +355,19 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   if (block->next && block->next->is_free() && block->next->stream != block->stream) ++unmerged_;
   if (block->prev && mergeable(block, block->prev, &stream, &stamp)) {
     Block* p = block->prev;
-    if (node.empty()) node = fs.extract(p);
-    else fs.erase(p);
+    if (node.empty()) node = unfile(fs, p);
+    else keep(unfile(fs, p));
     const size_t requested = block->requested;  // the block freed now carries its figure (Block::requested)
     absorb_next(p, stream, stamp);
     p->requested = requested;
     block = p;
   }
   if (block->next && mergeable(block, block->next, &stream, &stamp)) {
-    if (node.empty()) node = fs.extract(block->next);
-    else fs.erase(block->next);
+    if (node.empty()) node = unfile(fs, block->next);
+    else keep(unfile(fs, block->next));
     absorb_next(block, stream, stamp);
   }
-  if (node.empty()) {
-    fs.insert(block);
-  } else {
-    node.value() = block;
-    fs.insert(std::move(node));
-  }
+  file(fs, block, std::move(node));
   return block;
 }
 
@@ -373,10 +383,10 @@ void BlockPool::merge_clean() {
       if (!b->is_free() || !n->is_free()) {
         b = n;
       } else if (mergeable(b, n, &stream, &stamp)) {
-        fs.erase(b);
-        fs.erase(n);
+        FreeSet::node_type node = unfile(fs, b);
+        keep(unfile(fs, n));
         absorb_next(b, stream, stamp);
-        fs.insert(b);  // and look at its new neighbour
+        file(fs, b, std::move(node));  // and look at its new neighbour
       } else {
         ++left;
         b = n;

@@ -59,6 +59,13 @@ constexpr size_t kMinLargeAlloc = 10 << 20;
 constexpr size_t kRoundLarge = 2 << 20;
 
 class BlockPool;
+struct Block;
+
+// The free blocks of a pool, ordered by (stream, size, address): best fit per stream.
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const;
+};
+using FreeSet = std::set<Block*, BlockOrder>;
 
 // A stream named by record_stream, with the device it belongs to.
 struct StreamRef {
@@ -110,6 +117,9 @@ struct Block {
   int device = 0;         // immutable: set by the BlockStore that owns the object
   uint64_t freed_at = 0;  // StreamClock stamp of the last free (Note [Clean blocks])
   std::vector<StreamRef> recorded;  // streams still to record an event on at free
+  // Its place in its pool's free set, while it is filed there (BlockPool::file): taken out
+  // by position, not searched for again. Meaningless while it is not in the set.
+  FreeSet::iterator where{};
 
   bool is_free() const { return !allocated && pending == 0; }
 };
@@ -128,14 +138,11 @@ class BlockStore {
   std::vector<std::unique_ptr<Block[]>> chunks_;
 };
 
-struct BlockOrder {
-  bool operator()(const Block* a, const Block* b) const {
-    if (a->stream != b->stream) return reinterpret_cast<uintptr_t>(a->stream) < reinterpret_cast<uintptr_t>(b->stream);
-    if (a->size != b->size) return a->size < b->size;
-    return a->ptr < b->ptr;
-  }
-};
-using FreeSet = std::set<Block*, BlockOrder>;
+inline bool BlockOrder::operator()(const Block* a, const Block* b) const {
+  if (a->stream != b->stream) return reinterpret_cast<uintptr_t>(a->stream) < reinterpret_cast<uintptr_t>(b->stream);
+  if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
 
 class Backing {
  public:
@@ -256,9 +263,17 @@ class BlockPool {
   // Whether free neighbours a and b may merge, and the stream and free stamp the merged block takes.
   bool mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const;
   size_t span(const Block* b, size_t rounded) const;
-  // A block out of the free set becomes allocated and backed; nullptr + error (the
-  // block freed again) when backing it failed.
-  Block* activate(Block* block, size_t requested);
+  // A block out of the free set becomes allocated and backed (`backed`: the caller found
+  // all its memory mapped already); nullptr + error (the block freed again) when backing it
+  // failed.
+  Block* activate(Block* block, size_t requested, bool backed = false);
+  // Files free `b` in `fs`, in `node` (a tree node taken out of a free set) or a spare one,
+  // and remembers where (Block::where): the hot path allocates no tree nodes.
+  void file(FreeSet& fs, Block* b, FreeSet::node_type node);
+  // Takes `b` out of `fs` by its position.
+  FreeSet::node_type unfile(FreeSet& fs, Block* b) { return fs.extract(b->where); }
+  // A tree node that filed nothing, kept for the next file() (a few at most).
+  void keep(FreeSet::node_type node);
 
   Backing* backing_;
   int route_;
@@ -276,6 +291,7 @@ class BlockPool {
   bool adopt_clean_ = false;
   std::atomic<int64_t>* adopted_ = nullptr;
   size_t unmerged_ = 0;  // adjacent free pairs left unmerged by coalesce (an upper bound)
+  std::vector<FreeSet::node_type> spare_;  // see keep()
 };
 
 }  // namespace tb

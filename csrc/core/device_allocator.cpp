@@ -374,17 +374,21 @@ bool DeviceAllocator::free(Block* b) {
 
 bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
   std::unique_lock<std::mutex> lock(mu_);
-  Block* b = live_.find(ptr);
+  Block* b = live_.take(ptr);
   *found = b != nullptr;
   if (b == nullptr) return false;
-  free_locked(b);
+  free_taken(b);
   if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
 
 void DeviceAllocator::free_locked(Block* b) {
-  trace_block(TraceAction::kFreeRequested, b);
   live_.erase(b->ptr);
+  free_taken(b);
+}
+
+void DeviceAllocator::free_taken(Block* b) {
+  trace_block(TraceAction::kFreeRequested, b);
   account_release(b);
   b->allocated = false;  // `requested` stays: the trace reports it
   b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it

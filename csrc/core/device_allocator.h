@@ -248,6 +248,7 @@ class DeviceAllocator {
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
   void free_locked(Block* b);
+  void free_taken(Block* b);  // free_locked of a block already taken out of live_
   void retire(Block* b);            // active -> back to its pool
   void trace_block(TraceAction action, const Block* b);
   void note_if_dead(BlockPool* pool);

@@ -29,12 +29,16 @@ class PtrMap {
     ++size_;
   }
 
-  bool erase(uintptr_t key) {
+  bool erase(uintptr_t key) { return take(key) != nullptr; }
+
+  // Removes the entry of `key` and returns its value, in one probe; nullptr if none.
+  Block* take(uintptr_t key) {
     size_t i = index(key);
     for (;; i = (i + 1) & mask()) {
       if (slots_[i].key == key) break;
-      if (slots_[i].key == 0) return false;
+      if (slots_[i].key == 0) return nullptr;
     }
+    Block* const value = slots_[i].value;
     // Backward-shift: move later entries of the probe run into the hole.
     size_t hole = i;
     for (size_t j = (i + 1) & mask(); slots_[j].key != 0; j = (j + 1) & mask()) {
@@ -47,7 +51,7 @@ class PtrMap {
     }
     slots_[hole] = Slot{};
     --size_;
-    return true;
+    return value;
   }
 
   size_t size() const { return size_; }

@@ -58,7 +58,8 @@ bool VmmRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) {
   return true;
 }
 
-void VmmRoute::note_map(Segment& seg, size_t head, size_t count) {
+void VmmRoute::note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h) {
+  for (size_t i = head; i < head + count; ++i) seg.granules[i] = h;
   seg.span[head] = static_cast<uint32_t>(count);
   seg.maps[head] = count;
   seg.mapped += count;
@@ -83,6 +84,14 @@ std::map<size_t, size_t>::const_iterator VmmRoute::first_mapping(const Segment& 
 
 size_t VmmRoute::unbacked(const Segment& seg, uintptr_t ptr, size_t size) const {
   const size_t first = (ptr - seg.base) / granule_, last = (ptr + size - 1 - seg.base) / granule_;
+  // A range of a few granules (nearly every request) reads their handles: cheaper than a
+  // walk of the mappings' tree. Long ranges (an arena's unmapped tail) walk the tree, so
+  // neither grows with the card.
+  if (last - first < kScanGranules) {
+    size_t missing = 0;
+    for (size_t i = first; i <= last; ++i) missing += seg.granules[i] == 0;
+    return missing;
+  }
   size_t covered = 0;
   for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it)
     covered += std::min(it->first + it->second - 1, last) - std::max(it->first, first) + 1;
@@ -223,10 +232,7 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   }
   // Whatever got mapped belongs to the segment from here on (and is counted there);
   // on failure it is unmapped again, and what cannot be unmapped stays mapped.
-  for (size_t k = 0; k < mapped; ++k) {
-    seg.granules[need[k]] = handles[k];
-    note_map(seg, need[k], 1);
-  }
+  for (size_t k = 0; k < mapped; ++k) note_map(seg, need[k], 1, handles[k]);
   budget_.move(mapped * granule_, kCached, placement(seg));
   if (r == CUDA_SUCCESS) {
     size_t run = 0;
@@ -267,8 +273,7 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
   CUresult r = d->memMap(va, bytes, 0, h, 0);
   const char* call = "cuMemMap";
   if (r == CUDA_SUCCESS) {
-    for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
-    note_map(seg, first, count);
+    note_map(seg, first, count, h);
     r = d->memSetAccess(va, bytes, access_.data(), access_.size());
     if (r == CUDA_SUCCESS) {
       traced(TraceAction::kSegmentMap, seg, va, bytes);

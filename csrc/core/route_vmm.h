@@ -82,6 +82,8 @@ class VmmRoute final : public Backing {
  public:
   // Bytes a new mapping of the allocation path spans at most, by default (Note [Run mappings]).
   static constexpr size_t kDefaultRunBytes = 16 << 20;
+  // Ranges up to this many granules are checked granule by granule (unbacked()).
+  static constexpr size_t kScanGranules = 128;
 
   VmmRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, StreamClock& clock, size_t granule,
            size_t arena_bytes, bool reuse_before_grow);
@@ -172,8 +174,9 @@ class VmmRoute final : public Backing {
   // the same addresses and with the same contents, with handles of `piece` granules each.
   // false + error, the mapping unchanged.
   bool split_mapping(Segment& seg, size_t head, size_t piece);
-  // Bookkeeping of one mapping of `count` granules at `head` (handles already set).
-  void note_map(Segment& seg, size_t head, size_t count);
+  // Bookkeeping of one mapping of handle `h`, `count` granules at `head`: the segment's
+  // granules, span and maps change only here, together (Segment::granules).
+  void note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h);
   void note_unmap(Segment& seg, size_t head);
   bool unmap_granule(Segment& seg, size_t index);
   // Unmaps the run mapping starting at `head` and releases its handle.

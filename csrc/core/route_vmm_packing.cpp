@@ -125,8 +125,7 @@ bool VmmRoute::map_moved(Segment& seg, size_t first, size_t room, size_t* mapped
   if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemMap", __FILE__, __LINE__);  // still kept: released later
   moving_.erase(moving_.begin() + static_cast<long>(pick));
   moving_bytes_ -= bytes;
-  for (size_t i = first; i < first + count; ++i) seg.granules[i] = h;
-  note_map(seg, first, count);
+  note_map(seg, first, count, h);
   budget_.move(bytes, kCached, placement(seg));
   const CUresult a = driver()->memSetAccess(va, bytes, access_.data(), access_.size());
   if (a != CUDA_SUCCESS) {

@@ -158,10 +158,7 @@ bool VmmRoute::split_mapping(Segment& seg, size_t head, size_t piece) {
   retry_driver([&] { return d->memAddressFree(scratch, bytes); });
   bump(ledger_.num_device_alloc, static_cast<int64_t>(handles.size()));
   note_unmap(seg, head);
-  for (size_t i = 0; i < handles.size(); ++i) {
-    for (size_t g = 0; g < piece; ++g) seg.granules[head + i * piece + g] = handles[i];
-    note_map(seg, head + i * piece, piece);
-  }
+  for (size_t i = 0; i < handles.size(); ++i) note_map(seg, head + i * piece, piece, handles[i]);
   if (release_handle(old) == CUDA_SUCCESS) {
     budget_.uncharge(bytes, placement(seg));
     bump(ledger_.num_device_free);
