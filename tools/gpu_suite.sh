@@ -5,8 +5,10 @@
 # $OUT when it is set.
 #
 # Steps can be chosen with STEPS (default: "build tests torch tms bench sanitize demo"; "fuzz"
-# runs the GPU fuzzer, FUZZ_ARGS its arguments); TESTS, PYTEST_ARGS (split on spaces),
-# TEST_JOBS, BENCHES, SANITIZE_TESTS and SANITIZE_K narrow them.
+# runs the GPU fuzzer, FUZZ_ARGS its arguments; "sanitize-fuzz" runs it under compute-sanitizer,
+# SANITIZE_FUZZ_ARGS its arguments); TESTS, PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES,
+# SANITIZE_TESTS and SANITIZE_K narrow them; SANITIZE_TOOL picks the sanitizer's tool (memcheck,
+# racecheck, synccheck, initcheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -76,10 +78,26 @@ if has fuzz; then
   summary+=("$(grep -h "^RESULT fuzz_gpu" "$OUT/fuzz_gpu.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]")
 fi
 
-if has sanitize; then
-  echo "== compute-sanitizer memcheck over the allocator's GPU tests"
+SANITIZE_TOOL=${SANITIZE_TOOL:-memcheck}
+
+if has sanitize-fuzz; then
+  # The fuzzer's reduce-overhead steps are left out: under compute-sanitizer torch's CUDA graph
+  # trees refuse their own pool natively too ("Detected 1 tensor(s) in the cudagraph pool not
+  # tracked as outputs"), so they say nothing of the allocator there.
+  echo "== compute-sanitizer $SANITIZE_TOOL over the GPU fuzzer"
   start=$(date +%s)
-  timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
+  timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool $SANITIZE_TOOL --target-processes all --error-exitcode 99 \
+    $PY tools/fuzz_gpu.py ${SANITIZE_FUZZ_ARGS:---seeds 0-3 --ops 3000 --jobs 4} --without compiled \
+    >"$OUT/sanitize_fuzz.log" 2>&1
+  rc=$?
+  tail -5 "$OUT/sanitize_fuzz.log"
+  summary+=("sanitize-fuzz $SANITIZE_TOOL rc=$rc (99: a sanitizer finding), $(grep -h "^RESULT fuzz_gpu" "$OUT/sanitize_fuzz.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]")
+fi
+
+if has sanitize; then
+  echo "== compute-sanitizer $SANITIZE_TOOL over the allocator's GPU tests"
+  start=$(date +%s)
+  timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool $SANITIZE_TOOL --target-processes all --error-exitcode 99 \
     $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n ${SANITIZE_JOBS:-6} ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} \
     -k "${SANITIZE_K:-not eight_threads}" \
     >"$OUT/sanitize.log" 2>&1
