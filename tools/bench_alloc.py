@@ -13,7 +13,8 @@ beside the GPU and unpinned (native, expandable and torch_budget's default route
 operation is a paired median ratio against native in the same round; memory is peak reserved
 over the trace's peak live bytes. The last line is `RESULT bench_alloc ...` for the GPU suite.
 
-Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES;
+Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_PASSES (timed passes per child, 3; fewer buy more
+rounds in the same device time), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES;
 with OUT set (the GPU suite sets it), the rows and every round's results are also written to
 $OUT/bench_alloc.json, so a console that keeps only its last lines loses nothing.
 """
@@ -39,10 +40,13 @@ def main():
     from torch_budget.replay import compare
 
     rounds = int(os.environ.get("BENCH_ALLOC_ROUNDS", "3"))
+    passes = int(os.environ.get("BENCH_ALLOC_PASSES", "3"))
+    if rounds < 1 or passes < 1:
+        raise SystemExit(f"bench_alloc: BENCH_ALLOC_ROUNDS ({rounds}) and BENCH_ALLOC_PASSES ({passes}) must be >= 1")
     configs = os.environ.get("BENCH_ALLOC_CONFIGS", CONFIGS).split(",")
     recorded = sorted(glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
     traces = os.environ.get("BENCH_ALLOC_TRACES", ",".join(MIXES + recorded + SINGLE)).split(",")
-    runs = compare.compare(traces, configs, rounds, (True, False), passes=3,
+    runs = compare.compare(traces, configs, rounds, (True, False), passes=passes,
                            unpinned_configs={"native", "expandable", DEFAULT},
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     rows = compare.summarise(runs)
