@@ -205,7 +205,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   bool own = it != fs.end() && (*it)->stream == stream;
   bool at_end = false;
   size_t missing = SIZE_MAX;
-  if (!own && unmerged_ > 0) {  // Note [Adopting clean blocks]: neighbours left apart may fit together now
+  if (!own && !unmerged_.empty()) {  // Note [Adopting clean blocks]: neighbours left apart may fit together now
     clock_->refresh();
     merge_clean();
     it = fs.lower_bound(&key);
@@ -351,8 +351,6 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   // Merge with free neighbours, reusing a tree node.
   CUstream stream = nullptr;
   uint64_t stamp = 0;
-  if (block->prev && block->prev->is_free() && block->prev->stream != block->stream) ++unmerged_;
-  if (block->next && block->next->is_free() && block->next->stream != block->stream) ++unmerged_;
   if (block->prev && mergeable(block, block->prev, &stream, &stamp)) {
     Block* p = block->prev;
     if (node.empty()) node = unfile(fs, p);
@@ -368,32 +366,48 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
     absorb_next(block, stream, stamp);
   }
   file(fs, block, std::move(node));
+  // A free neighbour left is another stream's and could not merge: merge_clean looks again.
+  if (block->prev != nullptr && block->prev->is_free()) unmerged_.push_back(block->prev);
+  if (block->next != nullptr && block->next->is_free()) unmerged_.push_back(block);
+  if (unmerged_.size() > 64 + 2 * (small_free_.size() + large_free_.size())) prune_unmerged();
   return block;
 }
 
+bool BlockPool::unmerged_pair(const Block* b) const {
+  // Two free neighbours of one stream merge at once; after a merge in merge_clean they may meet.
+  return b->segment != nullptr && b->segment->pool == this && b->is_free() && b->next != nullptr &&
+         b->next->is_free();
+}
+
+void BlockPool::prune_unmerged() {
+  std::sort(unmerged_.begin(), unmerged_.end());
+  unmerged_.erase(std::unique(unmerged_.begin(), unmerged_.end()), unmerged_.end());
+  unmerged_.erase(std::remove_if(unmerged_.begin(), unmerged_.end(), [this](const Block* b) { return !unmerged_pair(b); }),
+                  unmerged_.end());
+}
+
 void BlockPool::merge_clean() {
-  if (unmerged_ == 0) return;
-  size_t left = 0;
-  for (const auto& seg : segments_) {
-    FreeSet& fs = free_set(seg->small);
-    for (Block* b = seg->head; b != nullptr && b->next != nullptr;) {
+  if (unmerged_.empty()) return;
+  prune_unmerged();
+  std::vector<Block*> pairs;
+  pairs.swap(unmerged_);
+  for (Block* b : pairs) {
+    // A merge below recycles the right block, which may be a later entry: checked again here.
+    while (unmerged_pair(b)) {
       Block* n = b->next;
       CUstream stream = nullptr;
       uint64_t stamp = 0;
-      if (!b->is_free() || !n->is_free()) {
-        b = n;
-      } else if (mergeable(b, n, &stream, &stamp)) {
-        FreeSet::node_type node = unfile(fs, b);
-        keep(unfile(fs, n));
-        absorb_next(b, stream, stamp);
-        file(fs, b, std::move(node));  // and look at its new neighbour
-      } else {
-        ++left;
-        b = n;
+      if (!mergeable(b, n, &stream, &stamp)) {
+        unmerged_.push_back(b);
+        break;
       }
+      FreeSet& fs = free_set(b->segment->small);
+      FreeSet::node_type node = unfile(fs, b);
+      keep(unfile(fs, n));
+      absorb_next(b, stream, stamp);
+      file(fs, b, std::move(node));  // and look at its new neighbour
     }
   }
-  unmerged_ = left;
 }
 
 size_t BlockPool::largest_free() const {

@@ -239,7 +239,7 @@ class BlockPool {
   size_t largest_free() const;
   // Note [Adopting clean blocks]: merges the adjacent free blocks that could not merge when
   // freed (of two streams, neither clean then) and can now; before memory is given back, so a
-  // mapping under both counts as free. Walks the segments only while such pairs exist.
+  // mapping under both counts as free. Looks at those pairs only, not at every block.
   void merge_clean();
 
  private:
@@ -290,7 +290,14 @@ class BlockPool {
   bool no_split_ = false;
   bool adopt_clean_ = false;
   std::atomic<int64_t>* adopted_ = nullptr;
-  size_t unmerged_ = 0;  // adjacent free pairs left unmerged by coalesce (an upper bound)
+  // The left blocks of adjacent free pairs of two streams left apart (neither side clean when
+  // they met), for merge_clean. Entries may be stale (merged since, allocated, or given back to
+  // the BlockStore, whose objects are never freed) and repeat: each is checked when read.
+  std::vector<Block*> unmerged_;
+  // Whether `b` is still the left block of two free neighbours of this pool's.
+  bool unmerged_pair(const Block* b) const;
+  // Drops the entries that no longer name such a pair, and repeats; merges nothing.
+  void prune_unmerged();
   std::vector<FreeSet::node_type> spare_;  // see keep()
 };
 
