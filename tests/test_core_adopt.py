@@ -112,3 +112,29 @@ def test_neighbours_of_two_streams_merge_before_the_cache_grows():
     big = h.malloc(20 * MiB, S1)
     assert big == a and h.stats()["num_device_alloc"] == segments, "the cache grew instead of merging"
     h.free(big)
+
+
+@isolated
+def test_a_pair_left_apart_still_merges_after_its_left_block_is_split():
+    # As above, then S2 allocates the front of its free block: the remainder is the left of the
+    # pair now, and must still merge with S1's block once both are clean.
+    h = Host(route="sync")
+    a = h.malloc(4 * MiB, S1)  # a 20 MiB segment: a, b and a free tail
+    b = h.malloc(4 * MiB, S1)
+    h.free(a)
+    settle(h, S1)
+    a2 = h.malloc(4 * MiB, S2)
+    assert a2 == a  # adopted
+    h.submit(S1)
+    h.submit(S2)
+    h.free(a2)
+    h.free(b)  # [a2's 4 MiB, S2][16 MiB, S1], both dirty: apart
+    front = h.malloc(2 * MiB, S2)  # S2's own block, split: [2 MiB, S2][2 MiB free, S2][16 MiB free, S1]
+    assert front == a
+    h.complete(S1)
+    h.complete(S2)
+    segments = h.stats()["num_device_alloc"]
+    big = h.malloc(18 * MiB, S1)  # the union of the remainder and S1's block
+    assert big == a + 2 * MiB and h.stats()["num_device_alloc"] == segments, "the cache grew instead of merging"
+    h.free(big)
+    h.free(front)

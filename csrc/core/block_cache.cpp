@@ -109,6 +109,8 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   block->next = rest;
   block->size = rounded;
   file(fs, rest, std::move(node));  // in the tree node that held `block`
+  // `block` may have been the left of a pair left apart: the remainder is now (merge_clean).
+  if (rest->next != nullptr && rest->next->is_free()) unmerged_.push_back(rest);
   return rest;
 }
 
