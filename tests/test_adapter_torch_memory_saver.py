@@ -51,6 +51,15 @@ def _saver(devices=1, **env):
     return host, module
 
 
+def _init_enabled_saver():
+    """The saver initialised with TMS_INIT_ENABLE=1 and CPU backups, as torch_memory_saver's
+    nested_region and training_engine examples run it."""
+    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    saver = module.torch_memory_saver
+    saver._ensure_initialized()
+    return host, saver
+
+
 def _alloc(host, nbytes, fill, device=0):
     p = host.malloc(nbytes, stream=host.stream(device), device=device)
     assert host.poke(p, fill * 4096)
@@ -320,9 +329,7 @@ def test_what_torch_budget_cannot_honour_raises_unsupported():
 @isolated
 def test_the_c_library_getters_its_tests_read_follow_the_regions():
     # torch_memory_saver's nested_region example, over the adapter: TMS_INIT_ENABLE=1 with backups.
-    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
-    saver = module.torch_memory_saver
-    saver._ensure_initialized()
+    host, saver = _init_enabled_saver()
     cdll = saver._impl._binary_wrapper.cdll
     state = lambda: (cdll.tms_get_interesting_region(), cdll.tms_get_current_tag(),  # noqa: E731
                      cdll.tms_get_enable_cpu_backup(), cdll.tms_get_cpu_backup_backend())
@@ -347,9 +354,7 @@ def test_the_c_library_getters_its_tests_read_follow_the_regions():
 def test_with_tms_init_enable_disable_works_outside_a_region():
     # torch_memory_saver's training_engine example: everything is the saver's from the start, so
     # disable() outside any region is what keeps a tensor out of the pause.
-    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
-    saver = module.torch_memory_saver
-    saver._ensure_initialized()
+    host, saver = _init_enabled_saver()
     weights = _alloc(host, 4 * MiB, b"w")
     saver.pause()
     with saver.disable():

@@ -91,11 +91,9 @@ def test_blocks_of_two_streams_side_by_side_merge_once_clean_and_go_back_whole()
     assert h.reserved() == 0 == h.device_used(), "memory under two unmerged free blocks stayed mapped"
 
 
-@isolated
-def test_neighbours_of_two_streams_merge_before_the_cache_grows():
-    # Sync route: a request larger than either free block but not their union takes the union
-    # once both streams are clean, instead of a new cudaMalloc.
-    h = Host(route="sync")
+def left_apart(h):
+    """Sync route: a 20 MiB segment holding S2's free 4 MiB block (adopted from S1) beside S1's
+    free 16 MiB, both streams dirty, so the two stay apart. Returns the segment's address."""
     a = h.malloc(4 * MiB, S1)  # a 20 MiB segment: a, b and a free tail
     b = h.malloc(4 * MiB, S1)
     h.free(a)
@@ -106,6 +104,15 @@ def test_neighbours_of_two_streams_merge_before_the_cache_grows():
     h.submit(S2)
     h.free(a2)
     h.free(b)  # beside a2's free block, both dirty: they stay apart
+    return a
+
+
+@isolated
+def test_neighbours_of_two_streams_merge_before_the_cache_grows():
+    # Sync route: a request larger than either free block but not their union takes the union
+    # once both streams are clean, instead of a new cudaMalloc.
+    h = Host(route="sync")
+    a = left_apart(h)
     h.complete(S1)
     h.complete(S2)
     segments = h.stats()["num_device_alloc"]
@@ -119,16 +126,7 @@ def test_a_pair_left_apart_still_merges_after_its_left_block_is_split():
     # As above, then S2 allocates the front of its free block: the remainder is the left of the
     # pair now, and must still merge with S1's block once both are clean.
     h = Host(route="sync")
-    a = h.malloc(4 * MiB, S1)  # a 20 MiB segment: a, b and a free tail
-    b = h.malloc(4 * MiB, S1)
-    h.free(a)
-    settle(h, S1)
-    a2 = h.malloc(4 * MiB, S2)
-    assert a2 == a  # adopted
-    h.submit(S1)
-    h.submit(S2)
-    h.free(a2)
-    h.free(b)  # [a2's 4 MiB, S2][16 MiB, S1], both dirty: apart
+    a = left_apart(h)  # [4 MiB free, S2][16 MiB free, S1]
     front = h.malloc(2 * MiB, S2)  # S2's own block, split: [2 MiB, S2][2 MiB free, S2][16 MiB free, S1]
     assert front == a
     h.complete(S1)
