@@ -48,11 +48,12 @@ def copies_everything(h, blocks, resident, backup="pinned"):
     check(h, blocks)
 
 
-@pytest.mark.parametrize("backup", ["pinned", "cpu"])
+@pytest.mark.parametrize("backup,sizes", [("pinned", SIZES), ("cpu", SIZES),
+                                          ("pinned", SIZES + [520 * MiB])])  # restored as three runs
 @isolated
-def test_an_unchanged_tag_is_released_again_without_a_copy(backup):
+def test_an_unchanged_tag_is_released_again_without_a_copy(backup, sizes):
     h = Host(route="vmm")
-    blocks = fill(h, "weights", SIZES)
+    blocks = fill(h, "weights", sizes)
     resident = h.tag_info("weights")["resident"]
     h.release("weights", backup, retain=True)
     assert h.tag_info("weights")["last_backup"] == resident        # the first release copies everything

@@ -125,7 +125,7 @@ def test_a_restore_that_runs_out_of_budget_rolls_back_and_a_later_one_succeeds()
 @isolated
 def test_a_restore_failing_in_the_driver_half_way_unmaps_what_it_mapped(entry):
     h = Host(route="vmm")
-    blocks = fill(h, "weights")
+    blocks = fill(h, "weights", SIZES + [520 * MiB])  # restored as three runs of at most 256 MiB
     h.release("weights", "pinned")
     used = h.device_used()
     # From the third call on: a failing run mapping falls back to granules, which fail too.
@@ -247,35 +247,29 @@ def test_pinned_backups_reuse_the_reserved_host_pool():
 @isolated
 def test_a_restore_maps_runs_with_one_handle_each_and_they_go_back_only_whole():
     h = Host(route="vmm")
-    blocks = fill(h, "weights")
+    # 170 granules from the arena's base: a restore maps them as two runs of at most 256 MiB,
+    # [0, 128) (a and the front of b) and [128, 170) (the rest of b and c).
+    (a, _), (b, b_data), (c, _) = fill(h, "weights", [200 * MiB, 100 * MiB, 40 * MiB])
     granules = h.tag_info("weights")["resident"] // (2 * MiB)
     h.release("weights", "pinned")
     maps = h.counters()["maps"]
     h.restore("weights")
     runs = h.counters()["maps"] - maps
-    assert runs <= 8 < granules, (runs, granules)  # one mapping per piece, not per granule
-    for p, data in blocks:
-        assert h.peek(p, len(data)) == data
+    assert runs == 2 < granules, (runs, granules)  # one mapping per run across the copy pieces
     unmaps = h.counters()["unmaps"]
     h.release("weights", "pinned")  # a second cycle drops whole runs
     assert h.counters()["unmaps"] - unmaps == runs
     h.restore("weights")
     # Freeing part of a run keeps the run mapped; freeing all of it gives it back whole.
     used = h.device_used()
-    h.free(blocks[3][0])  # 40 MiB; its granules share a run with the 150 MiB block
+    h.free(a)
+    h.free(c)
     h.empty_cache()
-    assert h.device_used() == used
-    assert h.peek(blocks[1][0], len(blocks[1][1])) == blocks[1][1]
-    h.free(blocks[1][0])  # now whole runs are free
+    assert h.device_used() == used, "both runs still hold a part of b"
+    assert h.peek(b, len(b_data)) == b_data
+    h.free(b)  # now both runs are free
     h.empty_cache()
-    # Left: the run holding the 3 MiB block, and the small block's granule.
-    assert h.device_used() <= used - 120 * MiB
-    for p, data in (blocks[0], blocks[2]):
-        assert h.peek(p, len(data)) == data
-    h.free(blocks[0][0])
-    h.free(blocks[2][0])
-    h.empty_cache()
-    assert h.device_used() == 0 and h.counters()["mappings"] == 0
+    assert h.device_used() == used - 340 * MiB and h.counters()["mappings"] == 0
 
 
 @isolated

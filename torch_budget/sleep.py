@@ -346,9 +346,9 @@ def tag_of(tensor) -> str | None:
 
 
 def set_disk_backup_dir(path) -> None:
-    """The directory release(backup="disk") writes to, one file per piece of at most 64 MiB,
-    deleted by the restore (Note [Disk backups], csrc/core/disk_backup.h); created if missing.
-    None forgets it. A failed write or read raises BackupFileError naming the file."""
+    """The directory release(backup="disk") writes to, one file per piece (about 64 MiB, or one
+    restored mapping of up to 256 MiB), deleted by the restore (Note [Disk backups],
+    csrc/core/disk_backup.h); created if missing. None forgets it. A failed write or read raises BackupFileError naming the file."""
     import os
 
     lib = _runtime.require_installed("torch_budget.sleep.set_disk_backup_dir()")

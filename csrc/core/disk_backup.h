@@ -2,7 +2,8 @@
 //
 // Note [Disk backups]
 // Backup "disk" is for hosts whose memory cannot hold what sleeps: each piece of the release
-// (at most TagMover::kPieceBytes, Note [Tag arenas]) is copied from the device into one pinned
+// (about TagMover::kPieceBytes, or one mapping of up to TagMover::kRestoreRunBytes once a
+// restore mapped it, Note [Restore mappings]) is copied from the device into one pinned
 // staging buffer taken from the HostPool, written to a file of its own in the directory the
 // process named (tb_set_disk_backup_dir), and its granules are unmapped; the restore maps each
 // piece, reads its file into the staging buffer, copies it to the device and deletes the file.

@@ -109,10 +109,8 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
         } else {
           // Pieces end at mapping boundaries: a piece is dropped once its copy is done.
           size_t j = i;
-          while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j] &&
-                 (j - i < per_piece || seg->span[j] == 0))
-            ++j;
-          pieces.push_back(Piece{seg.get(), i, j - i, 0, seg->serial});
+          while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j]) ++j;
+          cut_pieces(seg.get(), i, j, per_piece, &pieces);
           i = j;
         }
       }

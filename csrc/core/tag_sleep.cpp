@@ -39,6 +39,15 @@ void TagState::drop_backup() {
   digests.clear();
 }
 
+void cut_pieces(Segment* seg, size_t first, size_t end, size_t max_granules, std::vector<Piece>* out) {
+  for (size_t i = first; i < end;) {
+    size_t j = i + 1;
+    while (j < end && (j - i < max_granules || seg->span[j] == 0)) ++j;
+    out->push_back(Piece{seg, i, j - i, 0, seg->serial});
+    i = j;
+  }
+}
+
 namespace {
 
 constexpr size_t kWindow = 8;  // pieces in flight on the copy stream
@@ -196,30 +205,43 @@ void TagMover::drop_piece(const Piece& p) {
     if (p.seg->granules[i] != 0) vmm_.drop_granule(*p.seg, i);  // a refused unmap leaves it mapped, intact
 }
 
-bool TagMover::map_piece(const Piece& p, const std::vector<bool>& needed,
+bool TagMover::map_piece(const std::vector<Piece>& pieces, const std::vector<std::vector<bool>>& needed, size_t k,
                          std::vector<std::pair<Segment*, size_t>>* mapped) {
-  // One handle per run of granules (Note [Run mappings]); when the budget or the driver
+  // One handle per run of granules (Note [Restore mappings]); when the budget or the driver
   // refuses new memory, granule by granule, which can also take cached and clean granules.
+  const Piece& p = pieces[k];
+  Segment& seg = *p.seg;
+  const size_t most = std::max<size_t>(1, kRestoreRunBytes / vmm_.granule());
   for (size_t i = 0; i < p.count;) {
-    if (!needed[i] || p.seg->granules[p.first + i] != 0) {
+    if (!needed[k][i] || seg.granules[p.first + i] != 0) {
       ++i;
       continue;
     }
-    size_t j = i;
-    while (j < p.count && needed[j] && p.seg->granules[p.first + j] == 0) ++j;
-    if (!vmm_.map_run(*p.seg, p.first + i, j - i)) {
-      std::vector<size_t> want;
-      for (size_t k = i; k < j; ++k) {
-        if (p.seg->granules[p.first + k] == 0) want.push_back(p.first + k);
-        else mapped->emplace_back(p.seg, p.first + k);  // a failed run the driver would not unmap
+    // The run: needed, unmapped granules from here on, on into the pieces that continue this one.
+    const size_t head = p.first + i;
+    size_t end = head, l = k, at = i;
+    while (end - head < most) {
+      if (at == pieces[l].count) {
+        if (l + 1 == pieces.size() || pieces[l + 1].seg != &seg || pieces[l + 1].first != end) break;
+        ++l;
+        at = 0;
       }
-      if (!vmm_.map_granules(*p.seg, want)) return false;
-      for (size_t k : want) mapped->emplace_back(p.seg, k);
-      i = j;
-      continue;
+      if (!needed[l][at] || seg.granules[end] != 0) break;
+      ++end;
+      ++at;
     }
-    for (size_t k = i; k < j; ++k) mapped->emplace_back(p.seg, p.first + k);
-    i = j;
+    if (!vmm_.map_run(seg, head, end - head)) {
+      std::vector<size_t> want;
+      for (size_t g = head; g < end; ++g) {
+        if (seg.granules[g] == 0) want.push_back(g);
+        else mapped->emplace_back(&seg, g);  // a failed run the driver would not unmap
+      }
+      if (!vmm_.map_granules(seg, want)) return false;
+      for (size_t g : want) mapped->emplace_back(&seg, g);
+    } else {
+      for (size_t g = head; g < end; ++g) mapped->emplace_back(&seg, g);
+    }
+    i = std::min(p.count, end - p.first);
   }
   return true;
 }
@@ -410,6 +432,23 @@ void TagMover::keep_digests(TagState* state) {
   for (const Piece& p : state->pieces)
     for (size_t i = p.first; i < p.first + p.count; ++i)
       if (p.seg->granules[i] == 0) return;
+  // The pieces the next release cuts from these granules: the restore's runs may join pieces.
+  std::vector<Piece> recut;
+  const size_t per_piece = std::max<size_t>(1, kPieceBytes / vmm_.granule());
+  for (size_t i = 0; i < state->pieces.size();) {
+    const Piece& p = state->pieces[i];
+    size_t end = p.first + p.count, j = i + 1;
+    for (; j < state->pieces.size() && state->pieces[j].seg == p.seg && state->pieces[j].first == end; ++j)
+      end += state->pieces[j].count;
+    cut_pieces(p.seg, p.first, end, per_piece, &recut);
+    i = j;
+  }
+  size_t offset = 0;
+  for (Piece& p : recut) {
+    p.offset = offset;
+    offset += p.count * vmm_.granule();
+  }
+  state->pieces = std::move(recut);
   std::vector<size_t> batch_of;
   std::vector<Digest> digests;
   bool ok = start_digests(state->pieces, &batch_of);
@@ -436,7 +475,7 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
   if (state->backup == kBackupDisk) ok = staging.take(largest_piece(state->pieces, vmm_.granule()));
   for (size_t k = 0; k < state->pieces.size() && ok; ++k) {
     const Piece& p = state->pieces[k];
-    ok = map_piece(p, needed[k], &mapped);
+    ok = map_piece(state->pieces, needed, k, &mapped);
     if (!ok) break;
     if (state->backup == kBackupMemset) {
       ok = fill_zero(p);
