@@ -110,3 +110,27 @@ def test_replay_names_a_bad_trace_and_exits_2(capsys, tmp_path):
     assert "cannot read it" in capsys.readouterr().err
     assert cli.main(["replay", "mix:small", "--configs", "native,tb-quick"]) == 2
     assert "unknown configuration 'tb-quick'" in capsys.readouterr().err
+
+
+def test_the_comparison_times_the_grown_cache_apart_from_the_first_pass():
+    from torch_budget.replay.compare import Run, summarise, table
+
+    def child(first, later):
+        return {"us_per_op": [first] + later, "device_calls": [10, 0], "ops": 1000, "peak_live": 1 << 20,
+                "reserved_over_live": 1.0}
+
+    # Round by round, native then torch_budget: the first pass costs torch_budget twice native's
+    # time (it grows its cache in more pieces); once grown it runs at 0.9x.
+    native = Run("t", "native", True, rounds=[child(2.0, [1.0, 1.2]), child(3.0, [2.0, 2.0])])
+    tb = Run("t", "tb-vmm", True, rounds=[child(4.0, [0.9, 1.08]), child(6.0, [1.8, 1.8])])
+    rows = {r["config"]: r for r in summarise([native, tb])}
+    assert rows["tb-vmm"]["x_native"] == pytest.approx(0.9)  # the passes after the first
+    assert rows["tb-vmm"]["wins"] == 2
+    assert rows["tb-vmm"]["x_native_first"] == pytest.approx(2.0)
+    assert rows["native"]["us_per_op"] == pytest.approx((1.1 + 2.0) / 2)
+    text = table(list(rows.values()))
+    assert "1st pass" in text.splitlines()[0] and "2.00x" in text and "0.90x" in text
+    # One pass: it is all there is to time, and no first-pass ratio is shown.
+    one = summarise([Run("t", "native", True, rounds=[child(2.0, [])]),
+                     Run("t", "tb-vmm", True, rounds=[child(1.0, [])])])
+    assert one[1]["x_native"] == pytest.approx(0.5) and "x_native_first" not in one[1]
