@@ -184,3 +184,43 @@ def test_whether_the_restore_keeps_the_backup_can_change_while_released():
     with pytest.raises(ValueError, match="cpu or pinned"):
         h.retain("weights", True)
     h.restore("weights")
+
+
+def half_released(h):
+    """Three tensors that a retained cycle restored as three runs; A and C change, and the next
+    retained release fails after dropping only the unchanged B (its digest matched at once) and
+    cannot put B back, so B stays released; then the restore. Returns the blocks."""
+    (a, a_data), (b, b_data), (c, c_data) = fill(h, "weights", [256 * MiB, 256 * MiB, 88 * MiB])
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    assert h.poke(a, b"\x01") and h.poke(c, b"\x02")
+    h.fail("cuMemcpyDtoHAsync", nth=5)  # three digest reads and A's copy pass; C's copy fails ...
+    h.fail("cuMemCreate", nth=-1)  # ... and the recovery cannot map B again
+    with pytest.raises(Exception, match="stays released"):
+        h.release("weights", "pinned", retain=True)
+    h.heal()
+    info = h.tag_info("weights")
+    assert info["life"] == 1 and 0 < info["released"] < info["backup_bytes"], info
+    h.restore("weights")
+    assert h.peek(b, len(b_data)) == b_data
+    return (a, b"\x01" + a_data[1:]), (b, b_data), (c, b"\x02" + c_data[1:])
+
+
+@isolated
+def test_the_backup_a_half_done_release_left_still_reads_each_tensor_at_its_place():
+    h = Host(route="vmm")
+    _, (b, b_data), _ = half_released(h)
+    assert h.tag_info("weights")["retained"] == 1
+    assert h.backup_read(b, 4 * MiB) == b_data[:4 * MiB], "the backup of B handed out other bytes"
+
+
+@isolated
+def test_after_a_half_done_release_the_next_cycle_keeps_the_contents():
+    h = Host(route="vmm")
+    (a, _), (b, b_data), (c, _) = half_released(h)
+    h.free(a)
+    h.free(c)
+    h.empty_cache()  # only B's run is left: its place in the backup is not where a new backup starts
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    assert h.peek(b, len(b_data)) == b_data

@@ -432,21 +432,23 @@ void TagMover::keep_digests(TagState* state) {
   for (const Piece& p : state->pieces)
     for (size_t i = p.first; i < p.first + p.count; ++i)
       if (p.seg->granules[i] == 0) return;
-  // The pieces the next release cuts from these granules: the restore's runs may join pieces.
+  // The pieces the next release cuts from these granules: the restore's runs may join pieces
+  // that continue each other in the segment and in the backup. (After a release that stayed
+  // half done, the pieces are only some of the backup's, in no order: their offsets are kept.)
+  const size_t g = vmm_.granule(), per_piece = std::max<size_t>(1, kPieceBytes / g);
   std::vector<Piece> recut;
-  const size_t per_piece = std::max<size_t>(1, kPieceBytes / vmm_.granule());
   for (size_t i = 0; i < state->pieces.size();) {
     const Piece& p = state->pieces[i];
     size_t end = p.first + p.count, j = i + 1;
-    for (; j < state->pieces.size() && state->pieces[j].seg == p.seg && state->pieces[j].first == end; ++j)
-      end += state->pieces[j].count;
+    for (; j < state->pieces.size(); ++j) {
+      const Piece& q = state->pieces[j];
+      if (q.seg != p.seg || q.first != end || q.offset != p.offset + (end - p.first) * g) break;
+      end += q.count;
+    }
+    const size_t from = recut.size();
     cut_pieces(p.seg, p.first, end, per_piece, &recut);
+    for (size_t k = from; k < recut.size(); ++k) recut[k].offset = p.offset + (recut[k].first - p.first) * g;
     i = j;
-  }
-  size_t offset = 0;
-  for (Piece& p : recut) {
-    p.offset = offset;
-    offset += p.count * vmm_.granule();
   }
   state->pieces = std::move(recut);
   std::vector<size_t> batch_of;
