@@ -7,8 +7,9 @@
 // the device into one pinned staging buffer taken from the HostPool, written to a file of its
 // own in the directory the process named (tb_set_disk_backup_dir), and its granules are
 // unmapped; the restore maps each piece, reads its file into the staging buffer, copies it to
-// the device and deletes the file. So host memory is one staging buffer, only while a release or restore runs, and the files of
-// a sleeping tag hold exactly its resident bytes (the same every cycle). Files are named
+// the device and deletes the file. So host memory is one staging buffer, only while a release
+// or restore runs, and the files of a sleeping tag hold exactly its resident bytes (the same
+// every cycle). Files are named
 // tb-<pid>-<random>-<device>-<tag>-<piece>.bin (the random part keeps processes of other pid
 // namespaces sharing the directory apart), written with plain buffered I/O and made durable only
 // as far as the page cache: a backup that must survive the process is not what sleep is for, and
