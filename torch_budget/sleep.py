@@ -347,7 +347,7 @@ def tag_of(tensor) -> str | None:
 
 def set_disk_backup_dir(path) -> None:
     """The directory release(backup="disk") writes to, one file per piece (about 64 MiB; a piece
-    ends where a mapping ends, so one can reach 320 MiB), deleted by the restore (Note [Disk backups],
+    ends where a mapping ends, so with the default map_run one can reach 320 MiB), deleted by the restore (Note [Disk backups],
     csrc/core/disk_backup.h); created if missing. None forgets it. A failed write or read raises BackupFileError naming the file."""
     import os
 

@@ -2,14 +2,14 @@
 //
 // Note [Disk backups]
 // Backup "disk" is for hosts whose memory cannot hold what sleeps: each piece of the release
-// (about TagMover::kPieceBytes; it ends where a mapping ends, so with a restore's runs of up to
-// TagMover::kRestoreRunBytes, Note [Restore mappings], it can reach their sum) is copied from
-// the device into one pinned staging buffer taken from the HostPool, written to a file of its
-// own in the directory the process named (tb_set_disk_backup_dir), and its granules are
-// unmapped; the restore maps each piece, reads its file into the staging buffer, copies it to
-// the device and deletes the file. So host memory is one staging buffer, only while a release
-// or restore runs, and the files of a sleeping tag hold exactly its resident bytes (the same
-// every cycle). Files are named
+// (about TagMover::kPieceBytes; it ends where a mapping ends, so it can reach that plus the
+// longest mapping: TagMover::kRestoreRunBytes, Note [Restore mappings], or map_run when
+// longer) is copied from the device into one pinned staging buffer taken from the HostPool,
+// written to a file of its own in the directory the process named (tb_set_disk_backup_dir),
+// and its granules are unmapped; the restore maps each piece, reads its file into the staging
+// buffer, copies it to the device and deletes the file. So host memory is one staging buffer,
+// only while a release or restore runs, and the files of a sleeping tag hold exactly its
+// resident bytes (the same every cycle). Files are named
 // tb-<pid>-<random>-<device>-<tag>-<piece>.bin (the random part keeps processes of other pid
 // namespaces sharing the directory apart), written with plain buffered I/O and made durable only
 // as far as the page cache: a backup that must survive the process is not what sleep is for, and

@@ -105,7 +105,7 @@ struct Piece {
 
 // Appends to `out` the pieces of granules [first, end) of `seg` (mapped, under live blocks): at
 // most max_granules each, except that a piece ends only at a mapping boundary (a run mapping,
-// Note [Run mappings], is dropped whole). Offsets are left 0: the release numbers them.
+// Note [Run mappings], is dropped whole). Offsets are left 0: the caller numbers them.
 void cut_pieces(Segment* seg, size_t first, size_t end, size_t max_granules, std::vector<Piece>* out);
 
 // The host memory of one backup: pinned extents of the HostPool, or one pageable buffer.
