@@ -54,7 +54,7 @@
 // the restore skipped granules freed during the sleep, or digests cannot be computed, the
 // retained backup is dropped and the release copies everything, as without retention. A
 // retained backup is counted in backup_bytes while the tag is live, and drop_retained()
-// gives it back.
+// gives it back. The digests and the pieces they belong to: tag_retained.cpp.
 //
 // Note [Reading backups]
 // A backup can be read from the host while it exists: while its tag is released, and while a
