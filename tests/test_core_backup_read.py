@@ -181,3 +181,24 @@ def test_a_retained_backup_whose_memory_went_back_is_gone_not_read():
     assert h.backup_read(q, 8 * MiB) is None and h.backup_view(q, 8 * MiB) is None
     info = h.tag_info("weights")
     assert info["retained"] == 0 and info["backup_bytes"] == 0
+
+
+@isolated
+def test_a_block_allocated_after_the_restore_has_no_backup_even_where_it_reuses_backed_up_bytes():
+    h = Host(route="vmm")
+    (first, first_data), (second, second_data) = fill(h, "weights", [8 * MiB, 8 * MiB])
+    h.release("weights", "pinned", retain=True)
+    h.restore("weights")
+    assert h.backup_read(first, 64) == first_data[:64]
+    h.free(first)
+    (again, again_data), = fill(h, "weights", [8 * MiB])  # best fit: the freed block's place
+    assert again == first, "the test needs the new block where the backed-up one was"
+    assert h.peek(again, 64) == again_data[:64]
+    assert h.backup_read(again, 64) is None, "the backup handed out the old block's bytes for a new one"
+    assert h.backup_view(again, 64) is None
+    assert h.backup_read(second, 64) == second_data[:64]  # the block the restore kept still has its backup
+    h.release("weights", "pinned", retain=True)  # the same granules: only the new block's are copied
+    assert h.tag_info("weights")["last_backup"] == 8 * MiB
+    assert h.backup_read(again, 64) == again_data[:64]
+    h.restore("weights")
+    assert h.peek(again, len(again_data)) == again_data and h.peek(second, len(second_data)) == second_data

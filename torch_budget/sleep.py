@@ -376,8 +376,8 @@ def backup_of(tensor, *, copy: bool = True):
     """The contents of a contiguous CUDA `tensor` as its backup holds them: a CPU tensor of the
     same dtype and shape while the tensor's tag is released with a cpu or pinned backup, or
     while a live tag retains its backup; None while there is no backup with contents in host
-    memory (a live tag without a retained backup, a release with backup "none", "memset" or
-    "disk", untagged memory).
+    memory (a live tag without a retained backup, a tensor allocated after the restore that
+    retained it, a release with backup "none", "memset" or "disk", untagged memory).
 
     copy=False returns a view of the backup's host memory instead (zero copy, pinned for a
     pinned backup): it keeps that memory alive while it lives, also after the restore drops the

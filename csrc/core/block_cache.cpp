@@ -267,6 +267,7 @@ void BlockPool::keep(FreeSet::node_type node) {
 
 Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
   block->allocated = true;
+  block->born = store_->birth();
   block->segment->live++;
   live_++;
   if (!backed && !backing_->ensure_backed(*block->segment, block->ptr, block->size)) {

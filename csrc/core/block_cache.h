@@ -116,6 +116,7 @@ struct Block {
   int route = 0;          // route charged in the ledger
   int device = 0;         // immutable: set by the BlockStore that owns the object
   uint64_t freed_at = 0;  // StreamClock stamp of the last free (Note [Clean blocks])
+  uint64_t born = 0;      // its BlockStore's births() when it was last allocated (Note [Reading backups])
   std::vector<StreamRef> recorded;  // streams still to record an event on at free
   // Its place in its pool's free set, while it is filed there (BlockPool::file): taken out
   // by position, not searched for again. Meaningless while it is not in the set.
@@ -130,10 +131,14 @@ class BlockStore {
   int device() const { return device_; }
   Block* make();
   void recycle(Block* b);
+  // Allocations made on the device so far: a block allocated later has a higher Block::born.
+  uint64_t births() const { return births_; }
+  uint64_t birth() { return ++births_; }
 
  private:
   static constexpr size_t kChunk = 256;
   int device_;
+  uint64_t births_ = 0;
   std::vector<Block*> free_;
   std::vector<std::unique_ptr<Block[]>> chunks_;
 };
@@ -217,6 +222,7 @@ class BlockPool {
   int route() const { return route_; }
   bool graph_pool() const { return graph_pool_; }
   int device() const { return store_->device(); }
+  uint64_t births() const { return store_->births(); }
   // The private pool this is ({0,0} for the default and tag pools) and its ledger tag,
   // for the trace (Note [Allocator trace]).
   const PoolId& id() const { return id_; }

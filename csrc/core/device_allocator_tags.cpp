@@ -96,7 +96,7 @@ bool DeviceAllocator::backup_of(uintptr_t base, size_t offset, size_t bytes, boo
                  std::to_string(b->size) + " bytes at " + std::to_string(base),
              false);
   if (b->route != kRouteVmm) return true;  // only VMM memory is released, so only it has backups
-  if (!tags_.backup_of(b->tag, base + offset, bytes, view, spans, space)) {
+  if (!tags_.backup_of(b->tag, b->born, base + offset, bytes, view, spans, space)) {
     set_error(kState, "backup of tag '" + tag_name(b->tag) + "' on device " + std::to_string(ctx_.device) + ": " +
                           last_error_message());
     return false;

@@ -176,8 +176,8 @@ bool TagArenas::drop_retained(int tag, const std::string& name) {
   return true;
 }
 
-bool TagArenas::backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::vector<HostExtent>* spans,
-                          std::shared_ptr<BackupSpace>* space) {
+bool TagArenas::backup_of(int tag, uint64_t born, uintptr_t ptr, size_t bytes, bool view,
+                          std::vector<HostExtent>* spans, std::shared_ptr<BackupSpace>* space) {
   spans->clear();
   space->reset();
   if (vmm_ == nullptr || tag <= 0 || tag >= kMaxTags) return true;
@@ -191,6 +191,9 @@ bool TagArenas::backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::
     st.retain = false;
     return true;
   }
+  // A block allocated after the restore that kept the backup is not in it, though its bytes may
+  // lie where the backup holds those of a block freed since.
+  if (st.life == kTagLive && born > st.kept_at) return true;
   if (!st.locate(ptr, bytes, vmm_->granule(), spans)) return false;
   if (view) {
     TB_REQUIRE(spans->size() <= 1, kNotAvailable,

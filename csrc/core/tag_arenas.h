@@ -68,12 +68,13 @@ class TagArenas {
   bool restore(int tag, size_t* needed);
   TagView view(int tag) const;
   // Note [Reading backups]: where the backup of bytes [ptr, ptr + bytes) of one live block of
-  // `tag` waits, as spans of its host memory, and a reference to that memory (*space null, no
-  // spans: the tag has no backup with contents now). `view`: the caller hands out a zero-copy
+  // `tag` (allocated at `born`, Block::born) waits, as spans of its host memory, and a
+  // reference to that memory (*space null, no spans: the tag has no backup with contents now,
+  // or none for that block). `view`: the caller hands out a zero-copy
   // view (the backup is exposed). false + kState when the backup lacks a part of the range.
   // With `view`, the view is counted in the space's views (tb_backup_view_end uncounts it), and
   // a range in more than one piece of host memory is refused (kNotAvailable).
-  bool backup_of(int tag, uintptr_t ptr, size_t bytes, bool view, std::vector<HostExtent>* spans,
+  bool backup_of(int tag, uint64_t born, uintptr_t ptr, size_t bytes, bool view, std::vector<HostExtent>* spans,
                  std::shared_ptr<BackupSpace>* space);
   // Streams of the tag's own free blocks that are not clean yet; then, once the owner
   // synchronised them, gives the tag's clean cached memory back to the driver.

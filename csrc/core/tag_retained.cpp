@@ -79,6 +79,7 @@ void TagMover::keep_digests(TagState* state) {
   }
   state->kept = state->pieces;
   state->digests = std::move(digests);
+  if (!state->pieces.empty()) state->kept_at = state->pieces.front().seg->pool->births();
 }
 
 }  // namespace tb

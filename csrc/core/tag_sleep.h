@@ -58,11 +58,13 @@
 //
 // Note [Reading backups]
 // A backup can be read from the host while it exists: while its tag is released, and while a
-// live tag retains it. TagArenas::backup_of() finds where the bytes of a range of one live
-// block wait (spans of the backup space) and hands out a shared reference to that space, so a
-// reader -- a copy in progress, or a zero-copy view owned by Python -- keeps the host memory
-// alive past the restore that drops the backup (the space is freed, or its pinned extents go
-// back to the HostPool, when its last reference goes, on whichever thread that is). A
+// live tag retains it (not for a block allocated after the restore that retained it: Block::born
+// against TagState::kept_at; its bytes may lie where the backup holds a freed block's).
+// TagArenas::backup_of() finds where the bytes of a range of one live block wait (spans of the
+// backup space) and hands out a shared reference to that space, so a reader -- a copy in
+// progress, or a zero-copy view owned by Python -- keeps the host memory alive past the restore
+// that drops the backup (the space is freed, or its pinned extents go back to the HostPool,
+// when its last reference goes, on whichever thread that is). A
 // zero-copy view may be written to: while the tag sleeps the restore copies what the view
 // holds, as torch_memory_saver's backups do. A view of a retained backup exposes it: the next
 // release copies every granule into the space (digests only tell what the device changed),
@@ -138,6 +140,7 @@ struct TagState {
   bool retain = false;
   std::vector<Piece> kept;
   std::vector<Digest> digests;
+  uint64_t kept_at = 0;  // the device's births() when the restore kept them: later blocks are not in the backup
 
   void drop_backup();  // drops a retained backup too
   // Note [Reading backups]: the spans of the backup space holding device bytes [ptr, ptr +
