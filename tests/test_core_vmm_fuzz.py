@@ -166,7 +166,6 @@ class Program:
                 self.untagged.clear()
                 h.restore("t")
             self.released = False
-        self.partial = False  # the last release failed and stayed half done
         self.check("end")
         for s in (S1, S2):
             h.complete(s)
