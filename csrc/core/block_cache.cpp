@@ -110,7 +110,7 @@ Block* BlockPool::split(Block* block, size_t rounded, FreeSet& fs, FreeSet::node
   block->size = rounded;
   file(fs, rest, std::move(node));  // in the tree node that held `block`
   // `block` may have been the left of a pair left apart: the remainder is now (merge_clean).
-  if (rest->next != nullptr && rest->next->is_free()) unmerged_.push_back(rest);
+  note_unmerged(rest);
   return rest;
 }
 
@@ -370,8 +370,8 @@ Block* BlockPool::coalesce(Block* block, FreeSet::node_type node) {
   }
   file(fs, block, std::move(node));
   // A free neighbour left is another stream's and could not merge: merge_clean looks again.
-  if (block->prev != nullptr && block->prev->is_free()) unmerged_.push_back(block->prev);
-  if (block->next != nullptr && block->next->is_free()) unmerged_.push_back(block);
+  if (block->prev != nullptr) note_unmerged(block->prev);
+  note_unmerged(block);
   if (unmerged_.size() > 64 + 2 * (small_free_.size() + large_free_.size())) prune_unmerged();
   return block;
 }
@@ -380,6 +380,10 @@ bool BlockPool::unmerged_pair(const Block* b) const {
   // Two free neighbours of one stream merge at once; after a merge in merge_clean they may meet.
   return b->segment != nullptr && b->segment->pool == this && b->is_free() && b->next != nullptr &&
          b->next->is_free();
+}
+
+void BlockPool::note_unmerged(Block* b) {
+  if (unmerged_pair(b)) unmerged_.push_back(b);
 }
 
 void BlockPool::prune_unmerged() {

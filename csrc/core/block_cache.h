@@ -302,6 +302,8 @@ class BlockPool {
   std::vector<Block*> unmerged_;
   // Whether `b` is still the left block of two free neighbours of this pool's.
   bool unmerged_pair(const Block* b) const;
+  // Records `b` for merge_clean when it is the left block of such a pair.
+  void note_unmerged(Block* b);
   // Drops the entries that no longer name such a pair, and repeats; merges nothing.
   void prune_unmerged();
   std::vector<FreeSet::node_type> spare_;  // see keep()
