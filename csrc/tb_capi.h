@@ -145,6 +145,8 @@ TB_API int64_t tb_segments_json(int device, char* buffer, int64_t capacity);
 // --- torch (only in the library built with torch, torch_budget/_C)
 // Installs the torch allocator; fails when torch's allocator is already initialised.
 TB_API int tb_torch_install(void);
+// Note [Installing without the driver]: as tb_torch_install, leaving the driver to the first allocation.
+TB_API int tb_torch_install_deferred(void);
 TB_API int tb_torch_installed(void);
 
 // --- testing (only in the library built with the host stand-in, torch_budget/_host_core);

@@ -361,7 +361,7 @@ class Host:
 
 class _AsTorchLibrary:
     """The host core in the place of `_C`: every export of the core, and the torch bridge's
-    two, which the stand-in has no torch for (handing the allocator to torch succeeds)."""
+    own, which the stand-in has no torch for (handing the allocator to torch succeeds)."""
 
     def __init__(self, lib):
         self._lib = lib
@@ -374,8 +374,23 @@ class _AsTorchLibrary:
         self._served = True
         return 0
 
+    def tb_torch_install_deferred(self):
+        return self.tb_torch_install()
+
     def tb_torch_installed(self):
         return int(self._served)
+
+
+def sees_cuda(yes: bool) -> None:
+    """Whether torch (and torch_budget, which counts devices without starting the driver) sees a
+    CUDA device from here on, whatever the machine has: module state changes for good, so call
+    it only inside an `isolated` test."""
+    import torch
+
+    from torch_budget import _runtime
+
+    torch.cuda.is_available = lambda: yes
+    _runtime.cuda_devices = lambda: int(yes)
 
 
 def python_api_over(host):

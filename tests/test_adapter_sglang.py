@@ -15,7 +15,7 @@ import pytest
 
 import torch_budget
 from _harness import REPO
-from _hostcore import MiB, Host, isolated, python_api_over
+from _hostcore import MiB, Host, isolated, python_api_over, sees_cuda
 from torch_budget import sleep
 from torch_budget.errors import InstallError
 
@@ -100,14 +100,12 @@ def sglang_stand_in(name=ADAPTER, source=STAND_IN, real_saver=False):
 def _sglang(cuda=True):
     """The plugin over a fresh host core, imported while torch sees no CUDA device (so the import
     installs nothing, on any machine); afterwards torch sees one when `cuda` (the plugin acts only then)."""
-    import torch
-
-    torch.cuda.is_available = lambda: False
+    sees_cuda(False)
     host = Host(configure=False)
     python_api_over(host)
     from torch_budget.adapters import sglang as module
 
-    torch.cuda.is_available = lambda: cuda
+    sees_cuda(cuda)
     return host, module
 
 

@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 import torch_budget
-from _hostcore import OOM, MiB, Host, isolated, python_api_over
+from _hostcore import OOM, MiB, Host, isolated, python_api_over, sees_cuda
 from torch_budget import sleep
 from torch_budget.errors import InstallError, InvalidArgumentError
 
@@ -29,9 +29,7 @@ def _parameters(fn):
 def _trt(vmm=True):
     """The adapter over a fresh host core, imported while torch sees no CUDA device (so the import
     installs nothing, on any machine)."""
-    import torch
-
-    torch.cuda.is_available = lambda: False
+    sees_cuda(False)
     host = Host(configure=False, vmm=vmm)
     python_api_over(host)
     from torch_budget.adapters import tensorrt_llm as module

@@ -15,7 +15,7 @@ import pytest
 
 import torch_budget
 from _harness import REPO
-from _hostcore import OOM, MiB, Host, isolated, python_api_over
+from _hostcore import OOM, MiB, Host, isolated, python_api_over, sees_cuda
 from torch_budget import sleep
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError
 
@@ -50,14 +50,12 @@ def _parameters(fn):
 def _vllm(devices=1, vmm=True, cuda=False):
     """The adapter over a fresh host core, imported while torch sees no CUDA device (so the import
     installs nothing, on any machine); afterwards torch sees one when `cuda` (the plugin acts only then)."""
-    import torch
-
-    torch.cuda.is_available = lambda: False
+    sees_cuda(False)
     host = Host(configure=False, devices=devices, vmm=vmm)
     python_api_over(host)
     from torch_budget.adapters import vllm as module
 
-    torch.cuda.is_available = lambda: cuda
+    sees_cuda(cuda)
 
     return host, module
 

@@ -97,7 +97,8 @@ def _core_signatures():
 
 
 # The torch bridge's exports (csrc/bridge), only in _C.
-_BRIDGE = {"tb_torch_install": (ctypes.c_int, []), "tb_torch_installed": (ctypes.c_int, [])}
+_BRIDGE = {"tb_torch_install": (ctypes.c_int, []), "tb_torch_install_deferred": (ctypes.c_int, []),
+           "tb_torch_installed": (ctypes.c_int, [])}
 
 
 def library_path(name):

@@ -34,11 +34,20 @@ def library():
     return _native.load("_C")
 
 
+def cuda_devices() -> int:
+    """The CUDA devices torch sees, counted through NVML where it can (torch.cuda.device_count):
+    torch.cuda.is_available() runs cuInit, after which a forked child cannot start CUDA (Note
+    [Installing without the driver], csrc/bridge/torch_allocator.cpp)."""
+    import torch
+
+    return 0 if torch.version.cuda is None else torch.cuda.device_count()
+
+
 def check_can_install() -> None:
     """Raises InstallError unless torch's CUDA allocator can still be replaced in this process."""
     import torch
 
-    if not torch.cuda.is_available():
+    if cuda_devices() == 0:
         raise InstallError("torch_budget.install() needs a CUDA device, and torch sees none")
     if torch.cuda.is_initialized():
         raise InstallError(

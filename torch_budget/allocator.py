@@ -29,7 +29,7 @@ __all__ = ["install", "installed", "region", "stats", "empty_cache", "set_budget
 
 class Settings(TypedDict):
     """What install() put in force."""
-    route: str  # the route device 0 serves by default: vmm, pool or sync
+    route: str | None  # the route device 0 serves by default: vmm, pool or sync (None: the driver not started)
     budget_bytes: int | None  # a budget in bytes, or None
     budget_fraction: float | None  # a budget as a fraction of each card, or None (None and None: the card)
     reuse_before_grow: bool
@@ -37,7 +37,7 @@ class Settings(TypedDict):
     map_run: int  # bytes of the longest VMM mapping one allocation makes
     packing_time: float  # the share of wall-clock time moving memory to pack it may take
     budgets: dict[str, tuple]  # per-tag budgets, {tag: ("bytes", n) or ("fraction", f)}
-    capabilities: Capabilities  # of device 0
+    capabilities: Capabilities | None  # of device 0 (None: the driver not started, install(start_driver=False))
 
 
 class RouteStats(TypedDict):
@@ -150,7 +150,8 @@ def _from_environment() -> dict:
 
 def install(budget: int | float | str | None = None, route: str | None = None, reuse_before_grow: bool | None = None,
             host_pool: int | str | None = None, map_run: int | str | None = None,
-            budgets: dict[str, int | float | str] | None = None, packing_time: float | None = None) -> Settings:
+            budgets: dict[str, int | float | str] | None = None, packing_time: float | None = None, *,
+            start_driver: bool = True) -> Settings:
     """Makes torch_budget serve every CUDA allocation of this process.
 
     budget: bytes (int or "40GiB") or a fraction of the card (0.9); None = the card.
@@ -165,6 +166,12 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     budgets: {tag: budget} of per-tag budgets (each as `budget` takes it), on every device:
     an allocation under a tag that would pass its budget raises OutOfMemoryError naming the
     tag, while the other tags keep serving (TORCH_BUDGET_CONF: budget.<tag>:<budget>).
+
+    start_driver: False leaves the CUDA driver to the first allocation, so that this process can
+    still fork children that use CUDA (once the driver started, a forked child cannot start it:
+    Note [Installing without the driver], csrc/bridge/torch_allocator.cpp). The settings' route
+    and capabilities are then None, and host_pool is pinned, until an install() call that starts
+    the driver (the first release pins what it needs otherwise).
 
     Arguments left None come from TORCH_BUDGET_CONF, else the defaults. Must run before the
     first CUDA allocation; raises InstallError otherwise. A later call compares the arguments
@@ -187,6 +194,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
                     ", ".join(f"{n} {_in_force.shown(n)}" for n in differ) + "; this call asks for " +
                     ", ".join(f"{n} {wanted.shown(n)}" for n in differ) +
                     ". The budget can change with torch_budget.set_budget(); the other settings hold for the process")
+            if start_driver and _settings["capabilities"] is None:
+                _start_driver(_runtime.library(), _in_force)
             return _settings.copy()
         wanted = _Requested(**{**_DEFAULTS, **_from_environment(), **asked})
         _runtime.check_can_install()
@@ -198,17 +207,26 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         _native.check(lib, lib.tb_configure_packing_time(wanted.packing_time))
         for tag, tag_budget in wanted.budgets.items():
             _native.check(lib, lib.tb_configure_tag_budget(_tag_id(lib, tag), *_for_core(tag_budget)))
-        _native.check(lib, lib.tb_torch_install())
+        _native.check(lib, lib.tb_torch_install() if start_driver else lib.tb_torch_install_deferred())
         _runtime.mark_installed()
         _in_force = wanted
-        _settings = {"route": route_for(wanted.route, 0), "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
+        _settings = {"route": None, "budget_bytes": budget_bytes if budget_bytes >= 0 else None,
                      "budget_fraction": fraction if fraction > 0 else None,
                      "reuse_before_grow": wanted.reuse_before_grow, "host_pool": wanted.host_pool,
                      "map_run": wanted.map_run, "packing_time": wanted.packing_time,
-                     "budgets": dict(wanted.budgets), "capabilities": capabilities(0)}
-        if wanted.host_pool > 0:
-            _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
+                     "budgets": dict(wanted.budgets), "capabilities": None}
+        if start_driver:
+            _start_driver(lib, wanted)
         return _settings.copy()
+
+
+def _start_driver(lib, wanted: _Requested) -> None:
+    """What install() does with the driver: device 0's route and capabilities, the host pool.
+    Under _lock."""
+    _settings["route"] = route_for(wanted.route, 0)
+    _settings["capabilities"] = capabilities(0)
+    if wanted.host_pool > 0:
+        _native.check(lib, lib.tb_host_pool_reserve(wanted.host_pool))
 
 
 def _for_core(parsed: tuple | None) -> tuple[int, float]:

@@ -505,13 +505,12 @@ std::shared_ptr<BudgetAllocator>& installed() {
   return *p;
 }
 
-}  // namespace
-}  // namespace tb
-
-extern "C" {
-
-int tb_torch_install(void) {
-  using namespace tb;
+// Note [Installing without the driver]: torch's allocator can be replaced without the CUDA
+// driver; `start_driver` loads it (dlopen + cuInit) now, so that a machine without a usable
+// driver fails here rather than at the first allocation. Left to the first allocation, the
+// process stays forkable: cuInit before a fork leaves the child unable to start CUDA (which
+// torch and vLLM call poisoning the fork, and vLLM's parent processes fork their workers).
+int install_allocator(bool start_driver) {
   clear_error();
   try {
     auto* current = c10::cuda::CUDACachingAllocator::get();
@@ -522,7 +521,7 @@ int tb_torch_install(void) {
                 "before the first CUDA tensor is created (and before torch.cuda.init() or any CUDA call)");
       return kState;
     }
-    if (!tb::Allocator::get().load_driver()) return last_error_code();
+    if (start_driver && !Allocator::get().load_driver()) return last_error_code();
     auto a = std::make_shared<BudgetAllocator>();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     // torch.accelerator's memory calls look the CUDA allocator up in c10's table.
@@ -534,6 +533,15 @@ int tb_torch_install(void) {
     return kState;
   }
 }
+
+}  // namespace
+}  // namespace tb
+
+extern "C" {
+
+int tb_torch_install(void) { return tb::install_allocator(true); }
+
+int tb_torch_install_deferred(void) { return tb::install_allocator(false); }
 
 int tb_torch_installed(void) {
   return tb::installed() && c10::cuda::CUDACachingAllocator::get() == tb::installed().get() ? 1 : 0;

@@ -6,16 +6,19 @@ import threading
 from typing import Callable
 
 import torch_budget
+from torch_budget import _runtime
 from torch_budget.errors import InstallError, InvalidArgumentError
 
 
 def ensure_installed(explain: Callable[[InstallError], str]) -> None:
     """install() unless torch_budget serves this process already; when it cannot, InstallError
-    with `explain(error)`, the adapter's own account of what to do."""
+    with `explain(error)`, the adapter's own account of what to do. The driver is left to the
+    first allocation: the stacks' parent processes fork their workers (Note [Installing without
+    the driver])."""
     if torch_budget.installed():
         return
     try:
-        torch_budget.install()
+        torch_budget.install(start_driver=False)
     except InstallError as e:
         raise InstallError(explain(e)) from e
 
@@ -24,10 +27,11 @@ def install_at_import(install: Callable[[], None]) -> None:
     """Calls `install` when a CUDA device is there and CUDA has not started: torch's allocator can
     only be replaced before, and the stacks start CUDA early. A child forked from a process that
     started CUDA cannot start it again (torch calls that a bad fork): it installs nothing, and its
-    first CUDA use fails with torch's own message."""
+    first CUDA use fails with torch's own message. Devices are counted without starting the
+    driver (_runtime.cuda_devices)."""
     import torch
 
-    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not torch.cuda._is_in_bad_fork():
+    if _runtime.cuda_devices() > 0 and not torch.cuda.is_initialized() and not torch.cuda._is_in_bad_fork():
         install()
 
 

@@ -41,6 +41,7 @@ import logging
 import os
 
 import torch_budget
+from torch_budget import _runtime
 from torch_budget.adapters import torch_memory_saver as _saver_module
 from torch_budget.adapters._common import ensure_installed
 from torch_budget.errors import UnsupportedError
@@ -56,10 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point. Idempotent; does nothing where torch sees no CUDA device."""
-    import torch
-
-    if torch.version.cuda is None or not torch.cuda.is_available():
+    """The `sglang.srt.plugins` entry point. Idempotent; does nothing where torch sees no CUDA device,
+    and starts no CUDA driver (Note [Installing without the driver])."""
+    if _runtime.cuda_devices() == 0:
         logger.debug("torch_budget: no CUDA device in this process; nothing to install")
         return
     _refuse_preload()

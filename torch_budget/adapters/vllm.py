@@ -50,7 +50,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, Optional, Union
 
 import torch_budget
-from torch_budget import diagnostics, sleep
+from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import ensure_installed
 from torch_budget.errors import InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
@@ -66,10 +66,10 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point. Idempotent; does nothing where torch sees no CUDA device."""
-    import torch
-
-    if torch.version.cuda is None or not torch.cuda.is_available():
+    """The `vllm.general_plugins` entry point. Idempotent; does nothing where torch sees no CUDA device.
+    It runs in vLLM's parent processes too, which fork their workers: it starts no CUDA driver
+    (Note [Installing without the driver])."""
+    if _runtime.cuda_devices() == 0:
         logger.debug("torch_budget: no CUDA device in this process; nothing to install")
         return
     _install("vLLM loaded torch_budget's plugin")

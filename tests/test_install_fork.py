@@ -1,0 +1,98 @@
+"""install(start_driver=False) and the adapters' installs leave the CUDA driver to the first
+allocation, so a process that installed can still fork children that use CUDA (Note [Installing
+without the driver], csrc/bridge/torch_allocator.cpp). Each body runs in a fresh process."""
+import pytest
+
+gpu = pytest.mark.gpu
+
+
+def driver_state():
+    """cuDeviceGetCount's result in this process: 3 (CUDA_ERROR_NOT_INITIALIZED) until someone
+    ran cuInit, 0 after; "no driver" where libcuda is not there."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no driver"
+    count = ctypes.c_int(-1)
+    return cuda.cuDeviceGetCount(ctypes.byref(count))
+
+
+@pytest.mark.built("_C")
+def test_the_deferred_install_hands_torch_the_allocator_without_starting_the_driver(fresh):
+    state, installed = fresh(install_deferred_in_the_bridge).value
+    assert installed == 1
+    assert state in ("no driver", 3), f"cuDeviceGetCount returned {state}: the driver was started"
+
+
+def install_deferred_in_the_bridge():
+    from torch_budget import _runtime
+
+    lib = _runtime.library()
+    assert lib.tb_torch_install_deferred() == 0, lib.tb_last_error()
+    return driver_state(), lib.tb_torch_installed()
+
+
+@gpu
+def test_install_without_the_driver_then_fork_serves_the_child_and_the_parent(fresh):
+    out = fresh(install_then_fork).value
+    assert out["before_fork"] == 3, out  # the probe itself is right: 0 once the driver started
+    assert out["settings"] == (None, None), out
+    assert out["child"] == 0, out
+    assert out["parent"] is True and out["after"] == 0, out
+
+
+def install_then_fork():
+    import os
+
+    import torch
+
+    import torch_budget
+
+    settings = torch_budget.install(start_driver=False)
+    out = {"before_fork": driver_state(), "settings": (settings["route"], settings["capabilities"])}
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+            served = sum(t["allocated"] for t in torch_budget.stats(0)["by_tag"].values())
+            status = 0 if (x * 2).sum().item() == float((1 << 20) * ((1 << 20) - 1)) and served >= 4 << 20 else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    out["child"] = os.waitstatus_to_exitcode(code)
+    y = torch.ones(1 << 20, device="cuda")
+    out["parent"] = bool(y.sum().item() == 1 << 20) and torch_budget.installed()
+    out["after"] = driver_state()
+    return out
+
+
+@gpu
+def test_the_vllm_plugin_in_a_parent_leaves_its_forked_worker_able_to_start_cuda(fresh):
+    out = fresh(vllm_plugin_then_fork).value
+    assert out == {"driver": 3, "child": 0}, out
+
+
+def vllm_plugin_then_fork():
+    import os
+
+    import torch
+
+    import torch_budget
+    from torch_budget.adapters import vllm
+
+    vllm.register()  # vLLM's load_general_plugins, in the process that forks EngineCore
+    out = {"driver": driver_state()}
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            x = torch.full((1 << 20,), 3.0, device="cuda")
+            status = 0 if x.sum().item() == 3.0 * (1 << 20) and torch_budget.installed() else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    out["child"] = os.waitstatus_to_exitcode(code)
+    return out
