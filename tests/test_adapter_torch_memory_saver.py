@@ -246,6 +246,18 @@ def test_disable_leaves_its_allocations_untagged_and_unpaused():
     with pytest.raises(StateError, match="inside a region"):
         with saver.disable():
             pass
+@built
+@isolated
+def test_disable_gives_its_memory_back_also_when_its_body_raises():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("train"):
+        with pytest.raises(RuntimeError, match="step failed"):
+            with saver.disable():
+                host.free(_alloc(host, 4 * MiB, b"s"))
+                assert torch_budget.stats()["reserved"] >= 4 * MiB  # freed, still cached
+                raise RuntimeError("step failed")
+    assert torch_budget.stats()["reserved"] == 0
 
 
 @built

@@ -16,7 +16,8 @@ The mapping (torch_memory_saver name -> what torch_budget does):
   cuda_graph(...)        torch.cuda.graph(...) captured inside region(tag): the graph's private
                          pool is tagged, so pause(tag) releases it
   disable()              the allocations inside are untagged (never paused); the cache is
-                         emptied on exit, as torch_memory_saver drops its pool
+                         emptied on exit, also when the body raises, as torch_memory_saver
+                         drops its pool
   enable_cpu_backup      backup "pinned" at pause (cpu_backup_backend="mmap": "cpu", pageable
                          host memory); without it "none": contents are undefined after resume
   retain_cpu_backup      True: a resume keeps the cpu / pinned backups (torch_budget.restore(...,
@@ -233,9 +234,11 @@ class TorchMemorySaver:
             raise StateError("torch_memory_saver.disable() is for use inside a region() (or with TMS_INIT_ENABLE=1): "
                              "outside one nothing is paused anyway")
         outside = _current()._replace(interesting=False)
-        with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(0, outside):
-            yield
-        torch_budget.empty_cache(device="all")
+        try:
+            with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(0, outside):
+                yield
+        finally:  # torch_memory_saver's pool goes however the body ends
+            torch_budget.empty_cache(device="all")
 
     def pause(self, tag: Optional[str] = None):
         """Gives the device memory of `tag` (None: every tag) back to the driver on every
