@@ -158,6 +158,22 @@ def test_retain_cpu_backup_keeps_the_backup_and_an_unchanged_pause_copies_nothin
 
 
 @built
+@isolated
+def test_retain_cpu_backup_is_one_flag_for_the_process_as_torch_memory_saver_keeps_it():
+    host, module = _saver()
+    first, second = module.torch_memory_saver, module.TorchMemorySaver()
+    with first.region("w", enable_cpu_backup=True):
+        p = _alloc(host, 2 * MiB, b"r")
+    second.retain_cpu_backup = True
+    assert first.retain_cpu_backup is True
+    first.pause("w")
+    first.resume("w")
+    assert sleep.tag_states()["w+pinned"]["retained"] and host.peek(p, 4096) == b"r" * 4096
+    first.retain_cpu_backup = False
+    assert second.retain_cpu_backup is False
+
+
+@built
 def test_tms_retain_cpu_backup_sets_the_flag_at_start():
     @isolated
     def body():

@@ -24,7 +24,8 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          retain=True)), and the next pause copies only what changed since
                          (Note [Retained backups]): an unchanged model pauses without a copy.
                          Read at pause and at resume, as torch_memory_saver reads it at resume;
-                         TMS_RETAIN_CPU_BACKUP=1 sets it at start
+                         one flag for the process, every instance's; TMS_RETAIN_CPU_BACKUP=1 sets
+                         it at start
   enabled                True
   hook_mode              "preload" or "torch", before first use; both mean torch_budget serves
                          every allocation (cuda_graph works in either)
@@ -90,6 +91,7 @@ def _env_flag(name: str) -> bool:
 # its backup; the registry (adapters._common.TagRegistry) is what pause(None) means by every tag. Names are checked not
 # to collide ("a+pinned" without backup against "a" with one).
 _registry = TagRegistry("backup")
+_retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
 _scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for
 
 
@@ -192,7 +194,6 @@ class TorchMemorySaver:
     def __init__(self):
         self._hook_mode: HookMode = "preload"
         self._initialized = False
-        self._retain: Optional[bool] = None  # None: TMS_RETAIN_CPU_BACKUP, read at first use
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
@@ -259,7 +260,7 @@ class TorchMemorySaver:
             try:
                 for backup, group in sorted(by_backup.items()):
                     torch_budget.release(group, backup=backup, device="all",
-                                         retain=self._retain and backup in sleep.RETAINABLE)
+                                         retain=_retain and backup in sleep.RETAINABLE)
                     done.append(group)
             except BaseException:
                 for group in reversed(done):  # all or nothing, as release() is for one backup
@@ -282,7 +283,7 @@ class TorchMemorySaver:
                 return
             copying = [n for n in paused if names[n] in sleep.RETAINABLE]
             if copying:  # torch_memory_saver decides at resume whether the backups stay
-                torch_budget.restore(copying, device="all", retain=self._retain)
+                torch_budget.restore(copying, device="all", retain=_retain)
             rest = [n for n in paused if n not in copying]
             if rest:
                 torch_budget.restore(rest, device="all")
@@ -319,14 +320,15 @@ class TorchMemorySaver:
     @property
     def retain_cpu_backup(self) -> bool:
         self._ensure_initialized()
-        return self._retain
+        return _retain
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool):
         if not isinstance(value, bool):
             raise TypeError(f"retain_cpu_backup must be a bool, got {type(value).__name__} ({value!r})")
+        global _retain
         self._ensure_initialized()
-        self._retain = value
+        _retain = value
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """The CPU backup of `x` while its tag is paused with a CPU backup, or while a resumed tag
@@ -354,12 +356,13 @@ class TorchMemorySaver:
         return _Impl(self)
 
     def _ensure_initialized(self):
+        global _retain
         if self._initialized:
             return
         _check_environment()
         _install()
-        if self._retain is None:
-            self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
+        if _retain is None:  # the first use of any instance reads it
+            _retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
         if os.environ.get("TMS_DISK_BACKUP_DIR"):
             sleep.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
         self._initialized = True
