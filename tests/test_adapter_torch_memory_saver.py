@@ -242,6 +242,26 @@ def test_nested_regions_take_the_innermost_tag_and_backup():
 
 @built
 @isolated
+def test_a_nested_region_without_a_backend_keeps_the_enclosing_one_as_torch_memory_saver_does():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("outer", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+        with saver.region("mid"):  # no backup: the backend stays the outer region's
+            with saver.region("inner", enable_cpu_backup=True):
+                p = _alloc(host, 2 * MiB, b"i")
+                assert saver._impl._binary_wrapper.cdll.tms_get_cpu_backup_backend() == b"mmap"
+    with saver.region("inner", enable_cpu_backup=True):  # outside: TMS_INIT_CPU_BACKUP_BACKEND's default
+        q = _alloc(host, 2 * MiB, b"q")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert by_tag["inner+cpu"]["allocated"] == by_tag["inner+pinned"]["allocated"] == 2 * MiB, by_tag
+    saver.pause("inner")
+    assert sleep.tag_states()["inner+cpu"]["backup"] == "cpu"
+    saver.resume("inner")
+    assert host.peek(p, 4096) == b"i" * 4096 and host.peek(q, 4096) == b"q" * 4096
+
+
+@built
+@isolated
 def test_disable_leaves_its_allocations_untagged_and_unpaused():
     host, module = _saver()
     saver = module.torch_memory_saver

@@ -19,7 +19,9 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          emptied on exit, also when the body raises, as torch_memory_saver
                          drops its pool
   enable_cpu_backup      backup "pinned" at pause (cpu_backup_backend="mmap": "cpu", pageable
-                         host memory); without it "none": contents are undefined after resume
+                         host memory; no cpu_backup_backend: the enclosing region's, outside
+                         one TMS_INIT_CPU_BACKUP_BACKEND's); without it "none": contents are
+                         undefined after resume
   retain_cpu_backup      True: a resume keeps the cpu / pinned backups (torch_budget.restore(...,
                          retain=True)), and the next pause copies only what changed since
                          (Note [Retained backups]): an unchanged model pauses without a copy.
@@ -145,7 +147,13 @@ def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
         return "disk"
     if not enable_cpu_backup:
         return "none"
-    return _BACKENDS[cpu_backup_backend or _default_backend()]
+    return _BACKENDS[_backend(cpu_backup_backend)]
+
+
+def _backend(cpu_backup_backend: Optional[str]) -> str:
+    """A region's backend: its own, else the enclosing one's, as torch_memory_saver leaves the
+    thread's backend alone when a region names none."""
+    return cpu_backup_backend or _current().backend
 
 
 def _default_backend() -> str:
@@ -204,7 +212,7 @@ class TorchMemorySaver:
         tag_name(tag)
         self._ensure_initialized()
         name = _registry.register(tag, backup)
-        config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend or _default_backend())
+        config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, _backend(cpu_backup_backend))
         with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
             yield
 
@@ -219,7 +227,7 @@ class TorchMemorySaver:
         tag_name(tag)
         self._ensure_initialized()
         name = _registry.register(tag, backup)
-        config = _Config(True, tag, enable_cpu_backup, False, cpu_backup_backend or _default_backend())
+        config = _Config(True, tag, enable_cpu_backup, False, _backend(cpu_backup_backend))
         # The region opens before the capture: the private pool takes its tag when capture begins.
         with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
             with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
