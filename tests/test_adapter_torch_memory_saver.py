@@ -471,6 +471,31 @@ def test_tms_init_enable_puts_every_allocation_outside_a_region_under_default(cp
 
 
 @built
+@isolated
+def test_tms_init_enable_disk_backup_spills_what_is_outside_a_region_to_disk(tmp_path):
+    host, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_DISK_BACKUP="1", TMS_DISK_BACKUP_DIR=str(tmp_path))
+    saver = module.torch_memory_saver
+    saver._ensure_initialized()
+    outside = _alloc(host, 4 * MiB, b"o")  # no region: under tag "default", backed up to disk
+    assert torch_budget.stats()["by_tag"]["default+disk"]["allocated"] >= 4 * MiB
+    assert saver._impl._binary_wrapper.cdll.tms_get_enable_disk_backup()
+    saver.pause()
+    assert sleep.tag_states()["default+disk"]["backup"] == "disk" and os.listdir(tmp_path)
+    saver.resume()
+    assert host.peek(outside, 4096) == b"o" * 4096
+
+
+@built
+@isolated
+def test_tms_init_enable_refuses_a_cpu_and_a_disk_backup_together():
+    # torch_memory_saver exits at the first allocation outside a region: "mutually exclusive".
+    _, module = _saver(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_ENABLE_DISK_BACKUP="1")
+    with pytest.raises(InvalidArgumentError, match="TMS_INIT_ENABLE_CPU_BACKUP=1 and TMS_INIT_ENABLE_DISK_BACKUP=1 "
+                                                   "are mutually exclusive"):
+        module.torch_memory_saver.pause()
+
+
+@built
 def test_tms_variables_with_values_it_would_refuse_raise():
     @isolated
     def body():

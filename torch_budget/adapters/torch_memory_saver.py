@@ -43,7 +43,8 @@ read). get_cpu_backup reads
 torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
 memory alive while it lives, so it never dangles after a resume. TMS_INIT_ENABLE=1 puts every
 allocation outside a region, on every thread, under tag "default" (torch_budget's default
-tag; TMS_INIT_ENABLE_CPU_BACKUP=1 backs it up), from the import on.
+tag; TMS_INIT_ENABLE_CPU_BACKUP=1 backs it up to host memory, TMS_INIT_ENABLE_DISK_BACKUP=1 to
+disk, both together are refused), from the import on.
 
 Importing this module installs torch_budget (torch_budget.install(), settings from
 TORCH_BUDGET_CONF) when a CUDA device is there and CUDA is not yet initialised: torch's
@@ -115,7 +116,8 @@ def _current() -> _Config:
     if configs:
         return configs[-1]
     init = _env_flag("TMS_INIT_ENABLE")
-    return _Config(init, _TAG_DEFAULT, init and _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"), False, _default_backend())
+    return _Config(init, _TAG_DEFAULT, init and _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"),
+                   init and _env_flag("TMS_INIT_ENABLE_DISK_BACKUP"), _default_backend())
 
 
 @contextlib.contextmanager
@@ -165,7 +167,8 @@ def _default_backend() -> str:
 
 def _check_environment() -> None:
     """torch_memory_saver's variables, checked for values it would refuse."""
-    for name in ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_RETAIN_CPU_BACKUP"):
+    for name in ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP",
+                 "TMS_RETAIN_CPU_BACKUP"):
         _env_flag(name)
     _default_backend()
 
@@ -184,14 +187,19 @@ def _install() -> None:
 def _init_enable() -> None:
     """torch_memory_saver's TMS_INIT_ENABLE: from the start, every allocation of every thread outside
     a region is under tag 'default', backed up when TMS_INIT_ENABLE_CPU_BACKUP=1 (with the backend
-    of TMS_INIT_CPU_BACKUP_BACKEND): torch_budget's default tag (allocator.set_default_tag)."""
+    of TMS_INIT_CPU_BACKUP_BACKEND) or to disk when TMS_INIT_ENABLE_DISK_BACKUP=1: torch_budget's
+    default tag (allocator.set_default_tag)."""
     from torch_budget import allocator
 
+    cpu, disk = _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"), _env_flag("TMS_INIT_ENABLE_DISK_BACKUP")
+    if cpu and disk:  # torch_memory_saver exits at the first allocation outside a region
+        raise InvalidArgumentError("TMS_INIT_ENABLE_CPU_BACKUP=1 and TMS_INIT_ENABLE_DISK_BACKUP=1 are mutually "
+                                   "exclusive: with TMS_INIT_ENABLE=1, set one of them")
     route = torch_budget.install()["route"]
     if route != "vmm":
         raise UnsupportedError(f"TMS_INIT_ENABLE=1 with torch_budget's route {route!r}: only memory of the vmm "
                                "route can be paused; install torch_budget with route='vmm' (the default)")
-    backup = _BACKENDS[_default_backend()] if _env_flag("TMS_INIT_ENABLE_CPU_BACKUP") else "none"
+    backup = _BACKENDS[_default_backend()] if cpu else "disk" if disk else "none"
     allocator.set_default_tag(_registry.register(_TAG_DEFAULT, backup))
 
 
