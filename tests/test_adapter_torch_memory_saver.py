@@ -336,6 +336,35 @@ def test_pause_and_resume_in_the_wrong_state_raise_and_unknown_tags_are_nothing_
 
 @built
 @isolated
+def test_a_tag_named_untagged_pauses_as_any_other_and_an_empty_tag_means_every_tag():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("untagged"):
+        _alloc(host, 2 * MiB, b"u")
+    with saver.region("untagged", enable_cpu_backup=True):
+        kept = _alloc(host, 2 * MiB, b"k")
+    with saver.region("kv"):
+        _alloc(host, MiB, b"v")
+    plain = _alloc(host, MiB, b"p")  # outside every region: torch_budget's untagged memory, never paused
+    assert torch_budget.stats()["by_tag"]["untagged"]["allocated"] == MiB
+    saver.pause("untagged")
+    states = sleep.tag_states()
+    assert states["tms_untagged"]["state"] == states["tms_untagged+pinned"]["state"] == "released", states
+    assert states["kv"]["state"] == "live" and host.peek(plain, 4096) == b"p" * 4096
+    saver.resume("untagged")
+    assert host.peek(kept, 4096) == b"k" * 4096
+    saver.pause("")  # every tag, as torch_memory_saver's library reads ""
+    assert {s["state"] for name, s in sleep.tag_states().items() if name != "untagged"} == {"released"}
+    saver.resume("")
+    assert {s["state"] for s in sleep.tag_states().values()} == {"live"}
+    assert host.peek(kept, 4096) == b"k" * 4096 and host.peek(plain, 4096) == b"p" * 4096
+    with pytest.raises(InvalidArgumentError, match="'tms_untagged', which tag 'untagged' .* already uses"):
+        with saver.region("tms_untagged"):
+            pass
+
+
+@built
+@isolated
 def test_disk_backups_spill_to_the_directory_and_come_back(tmp_path):
     host, module = _saver(TMS_DISK_BACKUP_DIR=str(tmp_path / "from-env"))
     saver = module.torch_memory_saver

@@ -3,7 +3,7 @@ registry of torch_budget tags a stack's (tag, backup) pairs become."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch_budget
 from torch_budget import _runtime
@@ -38,16 +38,19 @@ def install_at_import(install: Callable[[], None]) -> None:
 class TagRegistry:
     """The torch_budget tag of a stack's (tag, backup): `tag` for backup "none", "tag+<backup>"
     otherwise; two pairs never share one (Note [torch_memory_saver tags]). `mode` names the
-    backup in the stack's words in errors ("backup", "restore mode")."""
+    backup in the stack's words in errors ("backup", "restore mode"); `rename` gives the
+    torch_budget name of a stack's tag where the stack's own name cannot be used."""
 
-    def __init__(self, mode: str = "backup"):
+    def __init__(self, mode: str = "backup", rename: Optional[Callable[[str], str]] = None):
         self.mode = mode
+        self._rename = rename or (lambda tag: tag)
         self.lock = threading.RLock()  # guards tags and owners; held across a release or restore
         self.tags: dict[str, dict[str, str]] = {}  # stack tag -> {torch_budget tag: backup}
         self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (stack tag, backup)
 
     def register(self, tag: str, backup: str) -> str:
-        name = tag if backup == "none" else f"{tag}+{backup}"
+        base = self._rename(tag)
+        name = base if backup == "none" else f"{base}+{backup}"
         with self.lock:
             owner = self.owners.setdefault(name, (tag, backup))
             if owner != (tag, backup):

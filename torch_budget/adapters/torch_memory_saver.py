@@ -9,9 +9,11 @@
     torch_memory_saver.resume("weights")    # same addresses, same contents
 
 The mapping (torch_memory_saver name -> what torch_budget does):
-  region(tag, enable_cpu_backup, cpu_backup_backend)  torch_budget.region(<tag>, route="vmm")
-  pause(tag=None)        torch_budget.release(<tag's tags>, backup=..., device="all"); None: every
-                         tag a region or cuda_graph of this process used
+  region(tag, enable_cpu_backup, cpu_backup_backend)  torch_budget.region(<tag>, route="vmm");
+                         tag "untagged" is torch_budget's "tms_untagged" (torch_budget's own
+                         "untagged" memory is never paused)
+  pause(tag=None)        torch_budget.release(<tag's tags>, backup=..., device="all"); None or "":
+                         every tag a region or cuda_graph of this process used
   resume(tag=None)       torch_budget.restore(<tag's tags>, device="all")
   cuda_graph(...)        torch.cuda.graph(...) captured inside region(tag): the graph's private
                          pool is tagged, so pause(tag) releases it
@@ -74,6 +76,7 @@ CpuBackupBackend = Literal["mmap", "pinned"]
 _TAG_DEFAULT = "default"
 _BACKENDS = {"pinned": "pinned", "mmap": "cpu"}  # torch_memory_saver's host shadow -> torch_budget's backup
 _UNTAGGED = "untagged"  # the name of tag 0 in torch_budget's ledger: a region under it is untagged
+_TMS_UNTAGGED = "tms_untagged"  # torch_budget's name for torch_memory_saver's tag "untagged"
 
 
 def _env_flag(name: str) -> bool:
@@ -92,8 +95,9 @@ def _env_flag(name: str) -> bool:
 # backup per tag, so each (tag, backup) pair is a torch_budget tag of its own: "kv_cache" (no
 # backup), "weights+pinned", "weights+cpu" (mmap). pause(tag) releases all of tag's, each with
 # its backup; the registry (adapters._common.TagRegistry) is what pause(None) means by every tag. Names are checked not
-# to collide ("a+pinned" without backup against "a" with one).
-_registry = TagRegistry("backup")
+# to collide ("a+pinned" without backup against "a" with one). Tag "untagged" is torch_budget's "tms_untagged": under
+# torch_budget's own "untagged" nothing would ever pause.
+_registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UNTAGGED else tag)
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
 _scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for
 
@@ -156,6 +160,11 @@ def _backend(cpu_backup_backend: Optional[str]) -> str:
     """A region's backend: its own, else the enclosing one's, as torch_memory_saver leaves the
     thread's backend alone when a region names none."""
     return cpu_backup_backend or _current().backend
+
+
+def _tag_or_all(tag: Optional[str]) -> Optional[str]:
+    """pause / resume's tag; "" is every tag, as torch_memory_saver passes it to its library as none."""
+    return None if tag is None or tag == "" else tag_name(tag)
 
 
 def _default_backend() -> str:
@@ -258,10 +267,9 @@ class TorchMemorySaver:
             torch_budget.empty_cache(device="all")
 
     def pause(self, tag: Optional[str] = None):
-        """Gives the device memory of `tag` (None: every tag) back to the driver on every
+        """Gives the device memory of `tag` (None or "": every tag) back to the driver on every
         device, backing up what enable_cpu_backup asked for. A tag never used: nothing to do."""
-        if tag is not None:
-            tag_name(tag)
+        tag = _tag_or_all(tag)
         self._ensure_initialized()
         with _registry.lock:
             names = _registry.of(tag)
@@ -285,10 +293,9 @@ class TorchMemorySaver:
                 raise
 
     def resume(self, tag: Optional[str] = None):
-        """Maps memory back behind `tag` (None: every paused tag) at the same addresses and
+        """Maps memory back behind `tag` (None or "": every paused tag) at the same addresses and
         copies the backups in. A tag never used: nothing to do; one not paused: TagStateError."""
-        if tag is not None:
-            tag_name(tag)
+        tag = _tag_or_all(tag)
         self._ensure_initialized()
         with _registry.lock:
             names = _registry.of(tag)
