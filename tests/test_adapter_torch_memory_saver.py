@@ -4,6 +4,7 @@ The CPU tests run the adapter over the host stand-in in a forked child (_hostcor
 the GPU tests run torch_memory_saver-style programs in fresh processes. Nothing here imports the
 adapter at the top level: importing it installs torch_budget when a CUDA device is free to take.
 """
+import ctypes
 import inspect
 import os
 
@@ -171,6 +172,48 @@ def test_retain_cpu_backup_is_one_flag_for_the_process_as_torch_memory_saver_kee
     assert sleep.tag_states()["w+pinned"]["retained"] and host.peek(p, 4096) == b"r" * 4096
     first.retain_cpu_backup = False
     assert second.retain_cpu_backup is False
+
+
+@built
+@isolated
+def test_a_resume_that_keeps_no_backup_unpins_its_host_memory_as_torch_memory_saver_frees_it():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("w", enable_cpu_backup=True):
+        w = _alloc(host, 64 * MiB, b"w")
+    with saver.region("o", enable_cpu_backup=True):
+        o = _alloc(host, 8 * MiB, b"o")
+    saver.pause()
+    assert sleep.host_pool_stats()["used"] == 72 * MiB
+    saver.resume("w")
+    assert host.peek(w, 4096) == b"w" * 4096
+    stats = sleep.host_pool_stats()  # o's backup, still paused, keeps its memory
+    assert stats["used"] == stats["bytes"] == 8 * MiB and host.lib.tb_host_pinned() == 8 * MiB, stats
+    saver.pause("w")
+    address, view = host.backup_view(w, 4096)  # a zero-copy view outlives the resume
+    saver.resume("w")
+    assert sleep.host_pool_stats()["bytes"] == 72 * MiB
+    assert ctypes.string_at(address, 4096) == b"w" * 4096
+    host.backup_view_end(view)
+    saver.resume("o")
+    assert host.peek(o, 4096) == b"o" * 4096
+    assert sleep.host_pool_stats()["bytes"] == 0 and host.lib.tb_host_pinned() == 0
+    saver.retain_cpu_backup = True  # kept across the resume: pinned it stays
+    saver.pause()
+    saver.resume()
+    assert sleep.host_pool_stats()["bytes"] == 72 * MiB and host.peek(w, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_a_host_pool_reserved_at_install_stays_pinned_across_resumes():
+    host, module = _saver(TORCH_BUDGET_CONF="host_pool:16MiB")
+    saver = module.torch_memory_saver
+    with saver.region("w", enable_cpu_backup=True):
+        w = _alloc(host, 8 * MiB, b"w")
+    saver.pause()
+    saver.resume()
+    assert host.peek(w, 4096) == b"w" * 4096 and sleep.host_pool_stats()["bytes"] == 16 * MiB
 
 
 @built

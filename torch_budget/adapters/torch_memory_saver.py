@@ -29,7 +29,9 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          (Note [Retained backups]): an unchanged model pauses without a copy.
                          Read at pause and at resume, as torch_memory_saver reads it at resume;
                          one flag for the process, every instance's; TMS_RETAIN_CPU_BACKUP=1 sets
-                         it at start
+                         it at start. False: the resume gives the pinned backups' host memory
+                         back (sleep.free_host_pool), as torch_memory_saver frees them, unless
+                         install() reserved a host_pool
   enabled                True
   hook_mode              "preload" or "torch", before first use; both mean torch_budget serves
                          every allocation (cuda_graph works in either)
@@ -212,6 +214,15 @@ def _init_enable() -> None:
     allocator.set_default_tag(_registry.register(_TAG_DEFAULT, backup))
 
 
+def _unpin_unused() -> None:
+    """torch_memory_saver frees a pinned backup at the resume that does not retain it; torch_budget's
+    pinned host pool keeps the memory for the next pause. Unpins what no backup holds now (the
+    backups of tags still paused or retained, and zero-copy views, keep theirs), unless install()
+    reserved a host pool (host_pool): that asks for the pinned memory to stay."""
+    if not torch_budget.install()["host_pool"]:
+        sleep.free_host_pool()
+
+
 class TorchMemorySaver:
     """torch_memory_saver's TorchMemorySaver over torch_budget. Instances share one state, as
     torch_memory_saver's share its library: pause() of one pauses the others' tags."""
@@ -310,6 +321,8 @@ class TorchMemorySaver:
             rest = [n for n in paused if n not in copying]
             if rest:
                 torch_budget.restore(rest, device="all")
+            if not _retain and any(names[n] == "pinned" for n in copying):
+                _unpin_unused()
 
     @property
     def enabled(self):
