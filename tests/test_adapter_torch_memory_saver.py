@@ -471,6 +471,38 @@ def test_the_c_library_getters_its_tests_read_follow_the_regions():
 
 @built
 @isolated
+def test_impl_is_none_until_first_use_and_tms_set_interesting_region_flips_this_threads_allocations():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    assert saver._impl is None  # slime's DeepEP patch reads it so, before touching the library
+    with saver.region("w", enable_cpu_backup=True):
+        cdll = saver._impl._binary_wrapper.cdll
+        kept = _alloc(host, 2 * MiB, b"w")
+        cdll.tms_set_interesting_region(False)  # slime: deep_ep.Buffer's memory is not the saver's
+        assert not cdll.tms_get_interesting_region()
+        buffer = _alloc(host, 4 * MiB, b"d")
+        cdll.tms_set_interesting_region(True)
+        assert cdll.tms_get_interesting_region() and cdll.tms_get_current_tag() == b"w"
+        more = _alloc(host, 2 * MiB, b"m")
+        cdll.tms_set_interesting_region(False)  # left so: the region puts back on exit what it found
+        _alloc(host, MiB, b"x")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert by_tag["untagged"]["allocated"] == 5 * MiB and by_tag["w+pinned"]["allocated"] == 4 * MiB, by_tag
+    assert not cdll.tms_get_interesting_region()
+    cdll.tms_set_interesting_region(True)  # outside a region: under the thread's tag, "default"
+    outside = _alloc(host, MiB, b"o")
+    cdll.tms_set_interesting_region(False)
+    assert torch_budget.stats()["by_tag"]["default"]["allocated"] == MiB
+    saver.pause()
+    assert host.peek(buffer, 4096) == b"d" * 4096
+    assert sleep.tag_states()["default"]["state"] == "released"
+    saver.resume()
+    assert host.peek(kept, 4096) == b"w" * 4096 and host.peek(more, 4096) == b"m" * 4096
+    assert host.peek(outside, 4096) is not None
+
+
+@built
+@isolated
 def test_with_tms_init_enable_disable_works_outside_a_region():
     # torch_memory_saver's training_engine example: everything is the saver's from the start, so
     # disable() outside any region is what keeps a tensor out of the pause.

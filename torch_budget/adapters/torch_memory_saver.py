@@ -40,8 +40,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
-_impl, but for the tms_get_* configuration getters of its C library that its own tests read
-(_impl._binary_wrapper.cdll, answered from the regions in force). enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
+_impl (None until the first use, as there), but for the tms_get_* configuration getters of its C
+library that its own tests read (_impl._binary_wrapper.cdll, answered from the regions in force)
+and tms_set_interesting_region, which slime calls around DeepEP's buffers: False leaves this
+thread's allocations untagged, True makes them the saver's again (Note [Interesting region]). enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
 the directory set_disk_backup_dir or TMS_DISK_BACKUP_DIR names; TMS_DISK_BACKUP_CHUNK_MB is not
 read). get_cpu_backup reads
 torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
@@ -101,7 +103,7 @@ def _env_flag(name: str) -> bool:
 # torch_budget's own "untagged" nothing would ever pause.
 _registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UNTAGGED else tag)
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
-_scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for
+_scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for; flips
 
 
 class _Config(NamedTuple):
@@ -121,9 +123,9 @@ def _current() -> _Config:
     configs = getattr(_scopes, "configs", None)
     if configs:
         return configs[-1]
-    init = _env_flag("TMS_INIT_ENABLE")
-    return _Config(init, _TAG_DEFAULT, init and _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"),
-                   init and _env_flag("TMS_INIT_ENABLE_DISK_BACKUP"), _default_backend())
+    # torch_memory_saver's library reads these variables for a thread outside every region
+    return _Config(_env_flag("TMS_INIT_ENABLE"), _TAG_DEFAULT, _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"),
+                   _env_flag("TMS_INIT_ENABLE_DISK_BACKUP"), _default_backend())
 
 
 @contextlib.contextmanager
@@ -132,11 +134,43 @@ def _saver_scope(depth: int | None = None, config: _Config | None = None) -> Ite
     _scopes.depth = before + 1 if depth is None else depth
     configs = _scopes.__dict__.setdefault("configs", [])
     configs.append(config or _current())
+    level = len(configs)
     try:
         yield
     finally:
+        flips = getattr(_scopes, "flips", [])
+        while flips and flips[-1][0] > level:  # a region puts back on exit what it found
+            flips.pop()[1].close()
         _scopes.depth = before
         configs.pop()
+
+
+# Note [Interesting region]
+# torch_memory_saver keeps, per thread, whether allocations are its own (its "interesting region":
+# inside a region, or everywhere with TMS_INIT_ENABLE=1); its library's tms_set_interesting_region
+# sets that flag, and a region's exit puts back what the region found. slime turns it off around
+# deep_ep.Buffer's allocations. Here setting it opens a scope of the other state, as the innermost
+# scope of the thread: False an untagged one (disable() without emptying the cache), True one under
+# the thread's tag and backup. Setting it back closes that scope; a region closes on exit those
+# left open inside it (_saver_scope).
+def _set_interesting(value: bool) -> None:
+    current = _current()
+    if current.interesting == value:
+        return
+    flips = _scopes.__dict__.setdefault("flips", [])  # (len(configs) inside the scope, its ExitStack)
+    configs = _scopes.__dict__.setdefault("configs", [])
+    if flips and flips[-1][0] == len(configs):  # the innermost scope is a flip: undo it
+        flips.pop()[1].close()
+        return
+    with contextlib.ExitStack() as stack:
+        if value:
+            name = _registry.register(current.tag, _backup(current.cpu_backup, current.disk_backup, None))
+            stack.enter_context(torch_budget.region(name, route="vmm"))
+            stack.enter_context(_saver_scope(config=current._replace(interesting=True)))
+        else:
+            stack.enter_context(torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]))
+            stack.enter_context(_saver_scope(0, current._replace(interesting=False)))
+        flips.append((len(configs), stack.pop_all()))
 
 
 def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
@@ -229,7 +263,7 @@ class TorchMemorySaver:
 
     def __init__(self):
         self._hook_mode: HookMode = "preload"
-        self._initialized = False
+        self._impl: Optional[_Impl] = None  # torch_memory_saver's, None until the first use
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
@@ -336,7 +370,7 @@ class TorchMemorySaver:
     def hook_mode(self, hook_mode: HookMode):
         if hook_mode not in ("preload", "torch"):
             raise InvalidArgumentError(f"unknown hook_mode {hook_mode!r}: expected 'preload' or 'torch'")
-        if self._initialized and hook_mode != self._hook_mode:
+        if self._impl is not None and hook_mode != self._hook_mode:
             raise StateError(f"hook_mode cannot change after first use (it is {self._hook_mode!r})")
         self._hook_mode = hook_mode
 
@@ -383,17 +417,9 @@ class TorchMemorySaver:
         self._ensure_initialized()
         sleep.set_disk_backup_dir(path)
 
-    @property
-    def _impl(self):
-        """torch_memory_saver's private implementation, as far as its own tests read it: its C
-        library's configuration getters (_impl._binary_wrapper.cdll.tms_get_*), answered from this
-        adapter's state. Everything else of it raises UnsupportedError."""
-        self._ensure_initialized()
-        return _Impl(self)
-
     def _ensure_initialized(self):
         global _retain
-        if self._initialized:
+        if self._impl is not None:
             return
         _check_environment()
         _install()
@@ -401,23 +427,27 @@ class TorchMemorySaver:
             _retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
         if os.environ.get("TMS_DISK_BACKUP_DIR"):
             sleep.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
-        self._initialized = True
+        self._impl = _Impl(self)
 
 
 def _private(what: str) -> UnsupportedError:
-    return UnsupportedError(f"torch_memory_saver's private {what}: torch_budget implements its public API and "
-                            "the tms_get_* configuration getters only; read torch_budget.sleep.tag_states() for "
-                            "the state of each tag")
+    return UnsupportedError(f"torch_memory_saver's private {what}: torch_budget implements its public API, "
+                            "the tms_get_* configuration getters and tms_set_interesting_region only; read "
+                            "torch_budget.sleep.tag_states() for the state of each tag")
 
 
 class _ConfigLibrary:
-    """The tms_get_* getters of torch_memory_saver's C library, for the region in force on this thread."""
+    """The tms_get_* getters of torch_memory_saver's C library, for the region in force on this
+    thread, and its tms_set_interesting_region (Note [Interesting region])."""
 
     def __init__(self, saver: TorchMemorySaver):
         self._saver = saver
 
     def tms_get_interesting_region(self) -> bool:
         return _current().interesting
+
+    def tms_set_interesting_region(self, is_interesting_region: bool) -> None:
+        _set_interesting(bool(is_interesting_region))
 
     def tms_get_current_tag(self) -> bytes:
         return _current().tag.encode()
@@ -439,6 +469,10 @@ class _ConfigLibrary:
 
 
 class _Impl:
+    """torch_memory_saver's private implementation (TorchMemorySaver._impl, None until the first use),
+    as far as its own tests and slime read it: its C library's configuration getters and
+    tms_set_interesting_region (_impl._binary_wrapper.cdll). Everything else raises UnsupportedError."""
+
     def __init__(self, saver: TorchMemorySaver):
         self._binary_wrapper = types.SimpleNamespace(cdll=_ConfigLibrary(saver))
 
