@@ -4,6 +4,7 @@ The CPU tests run the adapter over the host stand-in in a forked child (_hostcor
 the GPU tests run torch_memory_saver-style programs in fresh processes. Nothing here imports the
 adapter at the top level: importing it installs torch_budget when a CUDA device is free to take.
 """
+import contextlib
 import ctypes
 import inspect
 import os
@@ -11,7 +12,7 @@ import os
 import pytest
 
 import torch_budget
-from _hostcore import MiB, Host, isolated, python_api_over
+from _hostcore import S1, MiB, Host, isolated, python_api_over
 from torch_budget import sleep
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError
 
@@ -337,6 +338,48 @@ def test_disable_gives_its_memory_back_also_when_its_body_raises():
                 assert torch_budget.stats()["reserved"] >= 4 * MiB  # freed, still cached
                 raise RuntimeError("step failed")
     assert torch_budget.stats()["reserved"] == 0
+
+
+def _fake_capture(host):
+    """torch.cuda.graph over the stand-in: the capture allocates from `pool` on stream S1 (torch's
+    beginAllocateToPool), as on a device."""
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        host.begin_pool(pool, S1)
+        try:
+            yield
+        finally:
+            host.end_pool(pool)
+
+    return graph
+
+
+@built
+@isolated
+def test_cuda_graph_into_a_pool_another_tag_created_raises_naming_the_pool_and_both_tags():
+    import torch
+
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    torch.cuda.graph = _fake_capture(host)
+    shared = (0, 7)  # SGLang's one graph pool for every runner
+    with saver.cuda_graph(object(), pool=shared, tag="cuda_graph"):
+        host.malloc(8 * MiB, stream=S1)
+    with saver.cuda_graph(object(), pool=shared, tag="cuda_graph"):  # the pool's own tag: fine
+        host.malloc(2 * MiB, stream=S1)
+    with pytest.raises(InvalidArgumentError, match=r"graph pool \(0, 7\) belongs to torch_budget tag 'cuda_graph' \("
+                                                   r"torch_memory_saver tag 'cuda_graph', no backup\).*'graph2'"):
+        with saver.cuda_graph(object(), pool=shared, tag="graph2"):
+            pytest.fail("captured into another tag's pool")
+    plain = (0, 8)
+    with torch.cuda.graph(object(), pool=plain):  # torch.cuda.graph outside every region: an untagged pool
+        host.malloc(MiB, stream=S1)
+    with pytest.raises(InvalidArgumentError, match=r"graph pool \(0, 8\) is untagged.*'cuda_graph'"):
+        with saver.cuda_graph(object(), pool=plain, tag="cuda_graph"):
+            pass
+    saver.pause("cuda_graph")
+    assert sleep.tag_states()["cuda_graph"]["state"] == "released" and torch_budget.stats()["reserved"] <= 2 * MiB
+    saver.resume("cuda_graph")
 
 
 @built

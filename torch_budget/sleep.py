@@ -53,7 +53,7 @@ from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
-           "tag_of", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
+           "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
            "TagState", "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3, "disk": 4}  # csrc/core/tag_sleep.h
@@ -343,6 +343,17 @@ def tag_of(tensor) -> str | None:
     lib = _runtime.require_installed("torch_budget.sleep.tag_of()")
     tag = _ptr_tag(lib, tensor)
     return _name_of(lib, tensor.device.index, tag) if tag > 0 else None
+
+
+def pool_tag(pool: tuple[int, int], device: Device = None) -> str | None:
+    """The tag graph pool `pool` (a (id0, id1) pair: torch.cuda.graph_pool_handle(), CUDAGraph.pool())
+    on `device` (None: the current device) is released and restored with: the tag in force when
+    its first capture created it ("untagged" outside every region); None while torch_budget has
+    no such pool (a handle no capture used yet)."""
+    lib = _runtime.require_installed("torch_budget.sleep.pool_tag()")
+    dev = _runtime.device_index(device)
+    tag = lib.tb_pool_tag(dev, int(pool[0]), int(pool[1]))
+    return None if tag < 0 else _name_of(lib, dev, tag) or str(tag)
 
 
 def set_disk_backup_dir(path) -> None:

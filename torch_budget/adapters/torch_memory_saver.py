@@ -16,7 +16,9 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          every tag a region or cuda_graph of this process used
   resume(tag=None)       torch_budget.restore(<tag's tags>, device="all")
   cuda_graph(...)        torch.cuda.graph(...) captured inside region(tag): the graph's private
-                         pool is tagged, so pause(tag) releases it
+                         pool is tagged, so pause(tag) releases it. A pool takes the tag its
+                         first capture ran under: capturing into one of another tag (or
+                         untagged) raises InvalidArgumentError, as pause(tag) would miss it
   disable()              the allocations inside are untagged (never paused); the cache is
                          emptied on exit, also when the body raises, as torch_memory_saver
                          drops its pool
@@ -248,6 +250,35 @@ def _init_enable() -> None:
     allocator.set_default_tag(_registry.register(_TAG_DEFAULT, backup))
 
 
+def _check_pool_tag(pool, tag: str, backup: str, name: str) -> None:
+    """torch_memory_saver tags each allocation of a capture by the region in force; torch_budget charges a
+    graph pool to the tag in force when the pool was created. Capturing under `tag` into a pool that
+    another tag created would leave this capture's memory out of pause(tag): refused before capturing."""
+    created = sleep.pool_tag(pool)
+    if created is None or created == name:
+        return
+    owner = _registry.owners.get(created)
+    missed = f"pause({tag!r}) would not free this capture's memory"
+    if created == _UNTAGGED:
+        where = "is untagged (its first capture ran outside every region)"
+    elif owner is not None and owner[0] == tag:
+        where = f"belongs to torch_budget tag {created!r} ({_backup_words(owner[1])})"
+        missed = (f"pause({tag!r}) would treat this capture's memory as that tag's, not as asked "
+                  f"({_backup_words(backup)})")
+    else:
+        where = f"belongs to torch_budget tag {created!r}" + (
+            f" (torch_memory_saver tag {owner[0]!r}, {_backup_words(owner[1])})" if owner else "")
+    raise InvalidArgumentError(
+        f"torch_memory_saver.cuda_graph(tag={tag!r}): graph pool {tuple(pool)} {where}, and torch_budget charges a "
+        f"pool's memory to the tag it was created under: {missed} (torch_budget tag {name!r}). Capture into a pool "
+        "of this tag's own (pool=None, or a handle first captured into under this tag and backup), or under the "
+        "pool's tag")
+
+
+def _backup_words(backup: str) -> str:
+    return "no backup" if backup == "none" else f"backup {backup!r}"
+
+
 def _unpin_unused() -> None:
     """torch_memory_saver frees a pinned backup at the resume that does not retain it; torch_budget's
     pinned host pool keeps the memory for the next pause. Unpins what no backup holds now (the
@@ -289,6 +320,8 @@ class TorchMemorySaver:
         tag_name(tag)
         self._ensure_initialized()
         name = _registry.register(tag, backup)
+        if pool is not None:
+            _check_pool_tag(pool, tag, backup, name)
         config = _Config(True, tag, enable_cpu_backup, False, _backend(cpu_backup_backend))
         # The region opens before the capture: the private pool takes its tag when capture begins.
         with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
