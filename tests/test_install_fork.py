@@ -96,3 +96,32 @@ def vllm_plugin_then_fork():
     _, code = os.waitpid(pid, 0)
     out["child"] = os.waitstatus_to_exitcode(code)
     return out
+
+
+@gpu
+def test_importing_the_torch_memory_saver_adapter_with_tms_init_enable_starts_no_driver(fresh):
+    out = fresh(tms_import_then_fork).value
+    assert out == {"driver": 3, "child": 0}, out
+
+
+def tms_import_then_fork():
+    import os
+
+    os.environ["TMS_INIT_ENABLE"] = "1"
+    import torch
+
+    import torch_budget
+    from torch_budget.adapters import torch_memory_saver  # noqa: F401 - installs at import
+
+    out = {"driver": driver_state()}
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            x = torch.full((1 << 20,), 2.0, device="cuda")  # under tag 'default' (TMS_INIT_ENABLE)
+            status = 0 if x.sum().item() == 2.0 * (1 << 20) and torch_budget.installed() else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    out["child"] = os.waitstatus_to_exitcode(code)
+    return out

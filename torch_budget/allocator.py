@@ -220,6 +220,12 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
         return _settings.copy()
 
 
+def requested_route() -> str | None:
+    """The route install() was asked for ("auto", "vmm", "pool" or "sync"), read without starting
+    the driver; None before install()."""
+    return None if _in_force is None else _in_force.route
+
+
 def _start_driver(lib, wanted: _Requested) -> None:
     """What install() does with the driver: device 0's route and capabilities, the host pool.
     Under _lock."""

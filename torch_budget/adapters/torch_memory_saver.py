@@ -242,8 +242,8 @@ def _init_enable() -> None:
     if cpu and disk:  # torch_memory_saver exits at the first allocation outside a region
         raise InvalidArgumentError("TMS_INIT_ENABLE_CPU_BACKUP=1 and TMS_INIT_ENABLE_DISK_BACKUP=1 are mutually "
                                    "exclusive: with TMS_INIT_ENABLE=1, set one of them")
-    route = torch_budget.install()["route"]
-    if route != "vmm":
+    route = allocator.requested_route()  # at import: read without starting the driver (the process may fork)
+    if route not in ("auto", "vmm"):
         raise UnsupportedError(f"TMS_INIT_ENABLE=1 with torch_budget's route {route!r}: only memory of the vmm "
                                "route can be paused; install torch_budget with route='vmm' (the default)")
     backup = _BACKENDS[_default_backend()] if cpu else "disk" if disk else "none"
