@@ -144,6 +144,17 @@ def test_setup_declares_the_plugin_entry_point():
 
 @built
 @isolated
+def test_current_usage_counts_a_pools_allocations_on_every_device():
+    host, module = _vllm(devices=2)
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):  # entered with device 0 current
+        _alloc(host, 4 * MiB, b"a", device=0)
+        _alloc(host, 6 * MiB, b"b", device=1)  # a worker's tensor on another card, same pool
+    assert allocator.get_current_usage() >= 10 * MiB, allocator.get_current_usage()
+
+
+@built
+@isolated
 def test_sleep_keeps_the_offload_tags_and_discards_the_rest():
     host, module = _vllm()
     allocator = module.CuMemAllocator.get_instance()
@@ -396,19 +407,23 @@ def test_register_refuses_a_vllm_allocator_created_before_it():
 
 @built
 @isolated
-def test_register_where_cuda_started_natively_raises_install_error_saying_so():
+def test_register_where_cuda_started_natively_warns_leaves_vllm_its_allocator_and_the_backend_says_why(caplog):
     from torch_budget import _runtime
 
-    _fake_vllm()
+    cumem = _fake_vllm()
     _, module = _vllm(cuda=True)
 
     def started():
         raise InstallError("torch's CUDA allocator is already initialised")
 
     _runtime.check_can_install = started
-    with pytest.raises(InstallError, match="VLLM_PLUGINS") as raised:
-        module.register()
-    assert "already initialised" in str(raised.value)
+    with caplog.at_level(logging.WARNING, logger=module.__name__):
+        module.register()  # vLLM's load_general_plugins lets a plugin's exception end vLLM
+    assert "already initialised" in caplog.text and "VLLM_PLUGINS" in caplog.text, caplog.text
+    assert cumem.CuMemAllocator.instance is None, "vLLM's own CuMemAllocator keeps its slot"
+    backend = _Factory.get_backend_class("torch_budget")
+    with pytest.raises(InstallError, match="cannot serve this process.*already initialised"):
+        backend()
 
 
 @built

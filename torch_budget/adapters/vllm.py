@@ -33,8 +33,9 @@ logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError):
 capturing CUDA graphs into the allocator's pool (use_cudagraph_pool, cudagraph_pool: vLLM does it only for
 the "cumem" backend, so pick --sleep-mode-backend torch_budget), backend options, and devices without VMM.
-When CUDA started on torch's own allocator before the plugin ran, register() raises InstallError saying so
-(leave torch_budget out of VLLM_PLUGINS to run vLLM on torch's allocator). Importing this module installs
+When CUDA started on torch's own allocator before the plugin ran (a trainer in the same process), register()
+logs a warning saying so and vLLM runs on torch's allocator: the CuMemAllocator slot stays vLLM's, and the
+torch_budget backend, asked for, raises InstallError with that reason. Importing this module installs
 torch_budget when a CUDA device is there and CUDA has not started, as the torch_memory_saver adapter does,
 whose UnsupportedError this module shares.
 """
@@ -52,8 +53,8 @@ from typing import NamedTuple, Optional, Union
 import torch_budget
 from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.adapters._common import ensure_installed
-from torch_budget.errors import InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
+from torch_budget.adapters._common import ensure_installed, install_at_import
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS",
            "UnsupportedError"]
@@ -72,9 +73,20 @@ def register() -> None:
     if _runtime.cuda_devices() == 0:
         logger.debug("torch_budget: no CUDA device in this process; nothing to install")
         return
-    _install("vLLM loaded torch_budget's plugin")
+    try:
+        _install("vLLM loaded torch_budget's plugin")
+    except InstallError as e:
+        # vLLM runs a plugin's exception into its own failure: it runs on torch's allocator
+        # instead, and the backend, asked for, says why it cannot serve.
+        _not_installed.append(str(e))
+        logger.warning("%s", e)
+        _register_backend()
+        return
     _take_cumem_slot()
     _register_backend()
+
+
+_not_installed: list[str] = []  # why register() could not install, when it could not
 
 
 def _install(who: str) -> None:
@@ -221,8 +233,8 @@ class CuMemAllocator:
         with self._lock:
             if not torch_budget.installed():
                 return 0
-            total = 0
-            for device in sorted(self._devices):
+            total = 0  # every device, as vLLM counts every allocation: a pool opened on one may allocate on others
+            for device in sorted(self._devices | set(_runtime.served_devices(_runtime.library()))):
                 states = sleep.tag_states(device)
                 total += sum(states[t]["resident"] + states[t]["released"] for t in self._tags if t in states)
             return total
@@ -289,6 +301,8 @@ class TorchBudgetBackend:
     over CuMemAllocator, behaving as vLLM's "cumem" backend does. Registered as "torch_budget"."""
 
     def __init__(self, **options):
+        if _not_installed and not torch_budget.installed():  # register() could not install
+            raise InstallError(f"the torch_budget sleep-mode backend cannot serve this process: {_not_installed[-1]}")
         if options:
             raise UnsupportedError(f"sleep_mode_backend_options {sorted(options)}: the torch_budget backend takes "
                                    "none; torch_budget's own settings come from TORCH_BUDGET_CONF")
@@ -359,3 +373,6 @@ def _release_host_memory() -> bool:
     except ImportError:
         return False
     return bool(getattr(envs, "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", False))
+
+
+install_at_import(lambda: _install("importing torch_budget.adapters.vllm"))
