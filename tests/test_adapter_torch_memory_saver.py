@@ -873,3 +873,18 @@ def cuda_started_natively_before_the_import_raises_install_error():
         with torch_memory_saver.region():
             pass
 
+
+
+@built
+@isolated
+def test_pause_and_resume_before_any_allocation_do_nothing_as_in_torch_memory_saver():
+    # SGLang pauses its tags whether or not anything was allocated under them; with nothing
+    # allocated on any device, torch_memory_saver has nothing to walk.
+    _, module = _saver(TMS_INIT_ENABLE="1")
+    saver = module.torch_memory_saver
+    with saver.region(tag="weights"):
+        pass
+    saver.pause()
+    saver.pause("weights")
+    saver.resume("weights")
+    saver.resume()

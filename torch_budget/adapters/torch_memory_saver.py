@@ -69,7 +69,7 @@ from collections.abc import Iterator
 from typing import Literal, NamedTuple, Optional
 
 import torch_budget
-from torch_budget import sleep
+from torch_budget import _runtime, sleep
 from torch_budget._validate import non_negative_int, tag_name
 from torch_budget.adapters._common import TagRegistry, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError, UnsupportedError
@@ -279,6 +279,12 @@ def _backup_words(backup: str) -> str:
     return "no backup" if backup == "none" else f"backup {backup!r}"
 
 
+def _allocated_anywhere() -> bool:
+    """Whether torch_budget has served an allocation on some device: before, torch_memory_saver's
+    pause and resume have no allocation to walk and do nothing (SGLang pauses its tags either way)."""
+    return bool(_runtime.served_devices(_runtime.library()))
+
+
 def _unpin_unused() -> None:
     """torch_memory_saver frees a pinned backup at the resume that does not retain it; torch_budget's
     pinned host pool keeps the memory for the next pause. Unpins what no backup holds now (the
@@ -349,6 +355,8 @@ class TorchMemorySaver:
         device, backing up what enable_cpu_backup asked for. A tag never used: nothing to do."""
         tag = _tag_or_all(tag)
         self._ensure_initialized()
+        if not _allocated_anywhere():
+            return
         with _registry.lock:
             names = _registry.of(tag)
             paused = sorted(n for n in names if n in sleep.released_tags())
@@ -375,6 +383,8 @@ class TorchMemorySaver:
         copies the backups in. A tag never used: nothing to do; one not paused: TagStateError."""
         tag = _tag_or_all(tag)
         self._ensure_initialized()
+        if not _allocated_anywhere():
+            return
         with _registry.lock:
             names = _registry.of(tag)
             paused = sorted(n for n in names if n in sleep.released_tags())
