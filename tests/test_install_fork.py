@@ -125,3 +125,31 @@ def tms_import_then_fork():
     _, code = os.waitpid(pid, 0)
     out["child"] = os.waitstatus_to_exitcode(code)
     return out
+
+
+@pytest.mark.built("_host_core")
+def test_the_adapters_install_without_asking_torch_cuda_is_available():
+    from _hostcore import Host, in_child, python_api_over
+
+    def body():
+        import torch
+
+        import torch_budget
+        from torch_budget import _runtime, allocator
+
+        check = _runtime.check_can_install  # the real one, which python_api_over replaces
+        python_api_over(Host(configure=False))
+        _runtime.check_can_install = check
+
+        def poisons():
+            raise AssertionError("torch.cuda.is_available() runs cuInit: a child forked later could not start CUDA")
+
+        torch.version.cuda = torch.version.cuda or "13.0"
+        torch.cuda.is_available = poisons
+        torch.cuda.device_count = lambda: 1  # what NVML counts
+        from torch_budget.adapters import vllm  # installs at import, as the other adapters do
+
+        vllm.register()  # vLLM's load_general_plugins in its parent process
+        return torch_budget.installed(), allocator.install(start_driver=False)["capabilities"]
+
+    assert in_child(body) == (True, None)
