@@ -170,8 +170,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     start_driver: False leaves the CUDA driver to the first allocation, so that this process can
     still fork children that use CUDA (once the driver started, a forked child cannot start it:
     Note [Installing without the driver], csrc/bridge/torch_allocator.cpp). The settings' route
-    and capabilities are then None, and host_pool is pinned, until an install() call that starts
-    the driver (the first release pins what it needs otherwise).
+    and capabilities are then None, and host_pool is not pinned, until an install() call that
+    starts the driver (a release pins what it needs otherwise).
 
     Arguments left None come from TORCH_BUDGET_CONF, else the defaults. Must run before the
     first CUDA allocation; raises InstallError otherwise. A later call compares the arguments

@@ -76,8 +76,8 @@ def register() -> None:
     try:
         _install("vLLM loaded torch_budget's plugin")
     except InstallError as e:
-        # vLLM runs a plugin's exception into its own failure: it runs on torch's allocator
-        # instead, and the backend, asked for, says why it cannot serve.
+        # An exception here would end vLLM (load_general_plugins does not catch it): vLLM runs
+        # on torch's allocator instead, and the backend, if asked for, says why it cannot serve.
         _not_installed.append(str(e))
         logger.warning("%s", e)
         _register_backend()
