@@ -309,8 +309,15 @@ def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
 
 @isolated
 def test_emptying_one_pools_cache_hands_its_own_allocators_segments_back_at_once():
-    h, reserved = _user_pool_block_freed()
-    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, 9, 9))  # torch.cuda.empty_cache() inside use_mem_pool
+    h, _ = _user_pool_block_freed()
+    h.begin_pool((9, 9), S1)
+    out = h.malloc(64 * KiB, S1)  # an output that outlives the pool's graphs and its MemPool
+    h.end_pool((9, 9))
+    for _ in range(3):            # the MemPool's use and both captures'
+        h.release_pool((9, 9))
+    reserved = h.reserved()
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, 9, 9))  # ~MemPool's emptyCache(id)
     counts = _user_counts(h)
     assert counts["frees"] == 1 and counts["under_lock"] == 0, counts
     assert h.reserved() < reserved, "the segment left the pool but stayed charged"
+    h.free(out)

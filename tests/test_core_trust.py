@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
-from test_core_pools import captured_read
+from test_core_pools import _user_counts, captured_read
+from torch_budget import _native
 from torch_budget.errors import StateError
 
 pytestmark = pytest.mark.built("_host_core")
@@ -162,3 +163,32 @@ def test_a_tag_shared_with_another_process_is_not_released_behind_its_back():
     h.release("weights", "pinned")
     h.restore("weights")
     h.free(v)
+
+
+@isolated
+def test_a_mempool_with_its_own_allocator_keeps_its_segments_while_a_graph_holds_it():
+    h = Host(route="vmm")
+    user = (9, 9)
+    assert h.lib.tb_host_user_pool(0, *user) == 0  # MemPool(allocator=X): one use
+    h.begin_pool(user, S1)                          # graph g captured into it: a second
+    out = h.malloc(1 * MiB, S1)
+    tmp = h.malloc(12 * MiB, S1)                    # a temporary, in a segment of its own
+    h.free(tmp)                                     # every replay of g still writes it
+    h.end_pool(user)
+    segments = [s for s in h.segments() if tuple(s["pool"]) == user]
+    h.release_pool(user)                            # ~MemPool: releasePool, then emptyCache(id)
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
+    assert _user_counts(h)["frees"] == 0, "the pool's allocator got memory back that graph g still uses"
+    assert [s for s in h.segments() if tuple(s["pool"]) == user] == segments
+    h.release_pool(user)                            # g is reset; its output keeps the pool
+    h.begin_pool((0, 5), S2)                        # a capture elsewhere: the device cannot be synchronised
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
+    assert _user_counts(h)["frees"] == 0, "given back without the synchronisation a replay needs"
+    h.end_pool((0, 5))
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
+    assert _user_counts(h)["frees"] == 1
+    assert [s for s in h.segments() if tuple(s["pool"]) == user] == [s for s in segments if s["allocated_size"]]
+    h.free(out)
+    h.release_pool((0, 5))
+    h.empty_cache()
+    assert h.allocated() == 0

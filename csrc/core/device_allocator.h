@@ -174,7 +174,8 @@ class DeviceAllocator {
   void create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source = nullptr);
   // torch's MemPool options: use_on_oom (-1 leaves it), no_split (never undone).
   bool set_pool_options(const PoolId& id, int use_on_oom, bool no_split);
-  // Gives the free segments of a pool with its own allocator back to that allocator.
+  // Gives the free segments of a pool with its own allocator back to that allocator, once no
+  // graph or MemPool holds the pool and the device could be synchronised (else keeps them).
   bool empty_pool_cache(const PoolId& id);
   int pool_use_count(const PoolId& id);
   // Note [Pool checkpoints]: the layout of a private pool; restoring it frees every

@@ -67,11 +67,16 @@ bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no
 
 bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
   std::unique_lock<std::mutex> lock(mu_);
-  // As empty_cache: what the pool's free blocks queued is done first, so they are clean (refused
-  // while a capture is open: then only what is clean already goes).
-  sync_device(lock);
-  PrivatePool* p = graphs_.find(id);  // looked up after the lock was released
-  if (p != nullptr && p->own_backing) p->own_backing->release_cached(*p->blocks);
+  // As release_cached: a pool's free blocks are written by every replay of the graphs it served,
+  // so only a pool no graph (and no MemPool) holds gives them back, and only after a
+  // synchronisation of the whole device; refused while a capture is open, the pool keeps them.
+  // torch's release_cached_blocks(context, id) likewise touches only a freeable pool.
+  auto freeable = [&]() -> PrivatePool* {
+    PrivatePool* p = graphs_.find(id);  // looked up again after the lock was released
+    return p != nullptr && p->own_backing && p->use_count == 0 ? p : nullptr;
+  };
+  if (freeable() != nullptr && sync_device(lock))
+    if (PrivatePool* p = freeable()) p->own_backing->release_cached(*p->blocks);
   free_detached(lock);  // the segments go back to the pool's own allocator now, without the lock
   return true;
 }
