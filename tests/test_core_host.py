@@ -5,6 +5,7 @@ import pytest
 
 from _hostcore import OOM, GiB, MiB, S1, S2, S3, Host, isolated
 from torch_budget import _native
+from torch_budget.errors import StateError
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -399,22 +400,29 @@ def test_a_pool_that_dies_during_another_capture_stays_until_empty_cache():
 
 
 @isolated
-def test_ending_one_capture_of_a_shared_pool_keeps_the_other_open():
+def test_a_second_capture_into_a_pool_being_captured_into_is_refused():
+    # As torch's allocator ("already recording to mempool_id"): an end then names the one
+    # capture it closes, and never ends another thread's capture into the pool.
     h = Host(route="vmm")
-    h.begin_pool((5, 0), S2)
-    h.begin_pool((5, 0), S3)           # two threads capture into one pool
-    h.end_pool((5, 0))
-    p = h.malloc(3 * MiB, S3)          # the capture on S3 is still open
-    owner = [tuple(s["pool"]) for s in h.segments() if s["allocated_size"]]
-    assert owner == [(5, 0)]
+    h.begin_pool((5, 0), S1)
+    with pytest.raises(StateError, match=r"\(5, 0\) on device 0 is already being captured into"):
+        h.begin_pool((5, 0), S2)       # another thread, into the same pool
+    with pytest.raises(ValueError, match="never begun"):
+        h.end_pool((9, 9))
+    p = h.malloc(4 * MiB, S1)          # the capture on S1 is still open
+    q = h.malloc(4 * MiB, S2)          # S2 captures nothing
+    owner = {ptr: tuple(s["pool"]) for s in h.segments() for ptr in (p, q)
+             if s["address"] <= ptr < s["address"] + s["total_size"]}
+    assert owner == {p: (5, 0), q: (0, 0)}, owner
     h.end_pool((5, 0))
     with pytest.raises(ValueError, match="never begun"):
         h.end_pool((5, 0))
-    with pytest.raises(ValueError, match="never begun"):
-        h.end_pool((9, 9))
-    h.free(p)
+    h.begin_pool((5, 0), S2)           # once ended, the pool takes another capture
+    h.end_pool((5, 0))
+    for ptr in (p, q):
+        h.free(ptr)
     h.release_pool((5, 0))
-    h.release_pool((5, 0))
+    h.release_pool((5, 0))             # one use per capture that began: the refused one took none
     assert h.stats()["graph_pool_reserved"]["current"] == 0
 
 

@@ -165,7 +165,8 @@ class DeviceAllocator {
   bool trim_tag(int tag, int64_t* returned);
   const DeviceContext& context() const { return ctx_; }
 
-  // Graph capture (see Note [Interaction with CUDA graph capture]).
+  // Graph capture (see Note [Interaction with CUDA graph capture]). kState for a pool that a
+  // capture is open into already.
   bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter);
   bool end_allocate_to_pool(const PoolId& id);
   bool release_pool(const PoolId& id);

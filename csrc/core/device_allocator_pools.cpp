@@ -22,6 +22,12 @@ Backing* DeviceAllocator::private_backing(int tag) {
 
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Refused before the pool takes a use (Note [Interaction with CUDA graph capture]).
+  TB_REQUIRE(!graphs_.capturing_into(id), kState,
+             "beginAllocateToPool: graph pool " + describe(id) + " on device " + std::to_string(ctx_.device) +
+                 " is already being captured into (torch's allocator: already recording to mempool_id); end "
+                 "that capture first, or capture into another pool",
+             false);
   const int tag = current_scope().tag;
   graphs_.acquire(id, private_backing(tag), private_route(tag), &store_, &clock_, tag);
   graphs_.begin_capture(id, std::move(filter));

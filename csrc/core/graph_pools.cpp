@@ -51,12 +51,18 @@ PrivatePool* GraphPools::find(const BlockPool* blocks, PoolId* id) {
   return nullptr;
 }
 
+bool GraphPools::capturing_into(const PoolId& id) const {
+  for (const auto& c : captures_)
+    if (c.first == id) return true;
+  return false;
+}
+
 void GraphPools::begin_capture(const PoolId& id, StreamFilter filter) {
   captures_.emplace_back(id, std::move(filter));
 }
 
 bool GraphPools::end_capture(const PoolId& id) {
-  for (auto it = captures_.begin(); it != captures_.end(); ++it) {  // the oldest, as torch's allocator
+  for (auto it = captures_.begin(); it != captures_.end(); ++it) {  // at most one per pool
     if (it->first == id) {
       captures_.erase(it);
       return true;

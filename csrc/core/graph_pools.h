@@ -15,8 +15,10 @@
 // capture return blocks to the pool they came from. Event records and queries wait
 // until no capture is open.
 //
-// Several captures may be open at once, even into one pool (from several threads):
-// each end closes one of them.
+// Several captures may be open at once (from several threads), each into a pool of its
+// own: as torch's allocator ("already recording to mempool_id"), a capture into a pool
+// that one is open into already is refused, so an end closes the one capture into its
+// pool and never another thread's.
 #pragma once
 
 #include <cuda.h>
@@ -58,8 +60,10 @@ class GraphPools {
   PrivatePool* find(const PoolId& id);
   PrivatePool* find(const BlockPool* blocks, PoolId* id);
 
+  // Whether a capture into `id` is open (a second one is refused).
+  bool capturing_into(const PoolId& id) const;
   void begin_capture(const PoolId& id, StreamFilter filter);
-  // Closes one open capture into `id`; false + kInvalidArgument when none is open.
+  // Closes the open capture into `id`; false + kInvalidArgument when none is open.
   bool end_capture(const PoolId& id);
   bool capturing() const { return !captures_.empty(); }
   // Pool that an allocation on `stream` must come from, or nullptr.
