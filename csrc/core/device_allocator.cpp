@@ -131,7 +131,9 @@ bool DeviceAllocator::sync_device(std::unique_lock<std::mutex>& lock) {
     clock_.device_synced(upto);
     bump(ledger_.num_sync_all_streams);
   }
-  return ok;
+  // A capture that began while the lock was released may be allocating into the pools the
+  // caller is about to clean up: then, as when one was open before, the caller keeps them.
+  return ok && open_captures() == 0;
 }
 
 void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams) {

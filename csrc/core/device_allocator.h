@@ -21,10 +21,11 @@
 // Backings and routes are only called with mu_ held. mu_ is never held across a
 // call that waits for the device (context or stream synchronisation, cuMemFree):
 // such calls run with the lock released and the state is re-checked after (see
-// Note [Clean blocks]). No driver call at all is made on the cache-hit path. Every
-// driver call runs under a ContextGuard, so no entry point moves the caller's
-// current device. Lock order: a thread holds at most one device's mu_, then
-// possibly the EventCache's or the tag registry's mutex.
+// Note [Clean blocks]), open captures included: one may begin meanwhile. No driver
+// call at all is made on the cache-hit path. Every driver call runs under a
+// ContextGuard, so no entry point moves the caller's current device. Lock order: a
+// thread holds at most one device's mu_, then possibly the EventCache's or the tag
+// registry's mutex.
 #pragma once
 
 #include <cuda.h>
@@ -255,7 +256,8 @@ class DeviceAllocator {
   void trace_block(TraceAction action, const Block* b);
   void note_if_dead(BlockPool* pool);
   // The three below take the lock held and return with it held, releasing it while
-  // they wait for the device.
+  // they wait for the device. sync_device is false when the device could not be waited
+  // for, or when a capture is open once the lock is back (one may begin meanwhile).
   bool sync_device(std::unique_lock<std::mutex>& lock);
   void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
   void release_cached(std::unique_lock<std::mutex>& lock);

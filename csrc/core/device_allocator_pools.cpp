@@ -133,6 +133,9 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, boo
   if (need_sync && may_wait && !sync_device(lock)) return;
   std::vector<DeadPool> dead;
   dead.swap(dead_);
+  // A capture may begin on another device at any time (its lock is not this one), and
+  // unmapping is an unsafe call while it captures in global mode.
+  RelaxedCaptureMode relaxed(open_captures() > 0);
   for (const DeadPool& d : dead) {
     if (d.during_capture && !all) {
       dead_.push_back(d);

@@ -36,7 +36,10 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
   TB_REQUIRE(tags_.live(tag), kState, name + " is already released: restore it first", false);
   // The tag's queued work must be done before its memory is copied or unmapped.
-  TB_REQUIRE(sync_device(lock), kState, "release of " + name + ": the device could not be synchronised", false);
+  const bool synced = sync_device(lock);
+  // Checked again: a capture that began while the lock was released may be allocating in the tag's pools.
+  if (!check_tag(tag, "release")) return false;
+  TB_REQUIRE(synced, kState, "release of " + name + ": the device could not be synchronised", false);
   uses_.settle();
   TB_REQUIRE(tags_.live(tag), kState, name + " was released by another thread meanwhile", false);
   RelaxedCaptureMode relaxed(open_captures() > 0);
@@ -119,6 +122,9 @@ bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
              false);
   const std::vector<CUstream> dirty = tags_.dirty_streams(tag);
   if (!dirty.empty()) sync_streams(lock, dirty);
+  // Checked again: unmapping is an unsafe call for a capture that began while the lock was released.
+  TB_REQUIRE(open_captures() == 0, kState, "trim of tag '" + tag_name(tag) + "' while a CUDA graph capture is open",
+             false);
   const int64_t before = budget_.reserved();
   tags_.trim_clean(tag);
   *returned = before - budget_.reserved();
