@@ -292,3 +292,30 @@ def test_a_trim_waiting_for_a_stream_while_a_capture_begins_unmaps_nothing():
     h.end_pool(POOL)
     assert h.trim("graphs") > 0
     h.release_pool(POOL)
+
+
+@isolated
+def test_a_block_captured_into_a_tags_pool_outside_its_region_belongs_to_the_tag():
+    h = Host(route="vmm")
+    graphs = h.tag("graphs")
+    (a,) = captured(h, [2 * MiB], tag="graphs")   # POOL is created under 'graphs'
+    (b,) = captured(h, [4 * MiB])                 # captured into again, outside the region
+    assert h.lib.tb_ptr_tag(b) == graphs
+    tags = h.stats()["tags"]
+    assert tags["graphs"]["allocated"]["current"] == 6 * MiB
+    assert tags["untagged"]["allocated"]["current"] == 0
+    cp = h.checkpoint(POOL)
+    h.restore_checkpoint(cp)                      # moves no bytes between tags
+    assert h.stats()["tags"]["graphs"]["allocated"]["current"] == 6 * MiB
+    _native.check(h.lib, h.lib.tb_set_tag_budget(0, graphs, 6 * MiB, -1.0))
+    h.begin_pool(POOL, S2)
+    with pytest.raises(OOM, match="tag 'graphs'"):
+        h.malloc(2 * MiB, S2)                     # the pool's tag's budget holds outside the region too
+    h.end_pool(POOL)
+    h.release("graphs")
+    assert h.tag_info("graphs")["resident"] == 0
+    h.restore("graphs")
+    for p in (a, b):
+        h.free(p)
+    for _ in range(3):
+        h.release_pool(POOL)

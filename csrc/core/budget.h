@@ -13,8 +13,9 @@
 // Note [Tag budgets]
 // A tag may have a budget of its own: a limit on the bytes allocated under it (blocks
 // as torch counts them), on every route and in the graph pools created under it. It is
-// checked at each allocation under the tag, before any memory is taken and again on the
-// exact block, and it only ever lowers what the device budget allows, which still holds
+// checked at each allocation under the tag or into one of those pools (whatever scope is
+// open then), before any memory is taken and again on the exact block, and it only ever
+// lowers what the device budget allows, which still holds
 // for every allocation. Only freeing the tag's tensors makes room (emptying the cache
 // does not); a released tag keeps its allocations counted, since a restore brings them
 // back. A refusal is an out-of-memory error that names the tag, its budget, its use and

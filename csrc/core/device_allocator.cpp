@@ -223,6 +223,10 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   std::unique_lock<std::mutex> lock(mu_);
+  // Note [Tag arenas]: a block captured into a graph pool is the pool's, whatever scope is open:
+  // charged, budgeted and released with the tag the pool was created under.
+  const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
+  if (into != nullptr) tag = into->tag();
   if (size > caps_.total_bytes) {
     // Can never fit (and keeps every size computation far from overflow).
     budget_.clear_refusal();
@@ -231,7 +235,8 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       set_error(kOutOfMemory, std::string("Tried to allocate more than 1EB memory. ") + last_error_message());
     return nullptr;
   }
-  TB_REQUIRE(tags_.live(tag), kState,
+  // A graph pool of a released tag: attempt() refuses it, naming the pool.
+  TB_REQUIRE(into != nullptr || tags_.live(tag), kState,
              "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
                  ": restore it (torch_budget.restore) before allocating under it",
              nullptr);
@@ -240,21 +245,23 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     return nullptr;
   }
   // A block may be larger than the rounded request (a remainder too small to split):
-  // the tag's budget is checked on the block itself too.
+  // the budget of the tag it is charged to (b->tag) is checked on the block itself too.
   auto within_tag = [&](Block* b) {
-    if (budget_.tag_fits(tag, b->size)) return true;
+    if (budget_.tag_fits(b->tag, b->size)) return true;
     const size_t charged = b->size;
     const int used_route = b->route;
+    const int charged_tag = b->tag;
     b->segment->pool->free(b);
-    fail_tag_oom(size, charged, stream, used_route, tag);
+    fail_tag_oom(size, charged, stream, used_route, charged_tag);
     return false;
   };
   bool released = false;
   for (int round = 0;; ++round) {
     Block* b = attempt(size, stream, route, tag, round < kSyncRounds);
     if (b != nullptr) {
+      // A graph pool's tag, also for a capture that began while the lock was released.
+      b->tag = b->segment->pool->graph_pool() ? b->segment->pool->tag() : tag;
       if (!within_tag(b)) return nullptr;
-      b->tag = tag;
       adopt(b);
       return b;
     }

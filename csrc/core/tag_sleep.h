@@ -3,7 +3,8 @@
 //
 // Note [Tag arenas]
 // On the VMM route every tag has its own BlockPool (its own reserved address ranges),
-// and graph pools remember the tag in force when they were created. So the memory
+// and graph pools remember the tag in force when they were created; a block captured
+// into a graph pool carries the pool's tag, whatever scope is open. So the memory
 // of a tag is a set of segments whose granules can be unmapped as a whole while the
 // address ranges stay reserved: tensors, views and captured graphs keep pointing at
 // valid addresses, and a restore maps fresh memory behind the same addresses.
