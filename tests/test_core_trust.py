@@ -319,3 +319,27 @@ def test_a_block_captured_into_a_tags_pool_outside_its_region_belongs_to_the_tag
         h.free(p)
     for _ in range(3):
         h.release_pool(POOL)
+
+
+@isolated
+def test_restoring_a_checkpoint_of_a_released_tags_pool_is_refused_and_changes_nothing():
+    h = Host(route="vmm")
+    a, c = captured(h, [64 * KiB, 512 * KiB], tag="graphs")
+    h.poke(a, b"a" * 4096)
+    cp = h.checkpoint(POOL)
+    h.release("graphs", "cpu")
+    maps = h.counters()["maps"]
+    errors = []
+    freed, created = h.restore_checkpoint(cp, errors=errors)
+    assert len(errors) == 1 and isinstance(errors[0], StateError), errors
+    assert "tag 'graphs'" in str(errors[0]) and "released" in str(errors[0])
+    assert freed == created == []
+    assert h.counters()["maps"] == maps and h.tag_info("graphs")["resident"] == 0
+    assert h.live_matches(POOL, [a, c])
+    h.restore("graphs")
+    assert h.peek(a, 4096) == b"a" * 4096
+    freed, created = h.restore_checkpoint(cp)     # a live tag: it is restored
+    assert sorted(freed) == sorted(created) == sorted([a, c])
+    for p in (a, c):
+        h.free(p)
+    h.release_pool(POOL)

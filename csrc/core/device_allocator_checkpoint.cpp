@@ -13,6 +13,7 @@ class DeviceAllocator::CheckpointHost final : public PoolOwner {
   void settle() override { a_.uses_.settle(); }
   bool wait_for_device() override { return a_.sync_device(lock_); }
   void adopt(Block* b) override { a_.adopt(b); }
+  bool tag_live(int tag) override { return a_.tags_.live(tag); }
 
  private:
   DeviceAllocator& a_;

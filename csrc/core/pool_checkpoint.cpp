@@ -7,6 +7,7 @@
 
 #include "error.h"
 #include "graph_pools.h"
+#include "scope.h"
 
 namespace tb {
 namespace {
@@ -39,9 +40,18 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
     for (const auto& seg : p->blocks->segments()) (*out)[seg->base] = seg.get();
     return p;
   };
+  // Carving maps memory: never behind a released tag (checked again after each wait).
+  auto tag_live = [&](const PrivatePool& pool) {
+    TB_REQUIRE(owner.tag_live(pool.tag), kState,
+               "restoring a checkpoint of " + where + ": the pool belongs to tag '" + tag_name(pool.tag) +
+                   "', which is released; restore the tag (torch_budget.restore) first",
+               false);
+    return true;
+  };
   std::map<uintptr_t, Segment*> segs;
   PrivatePool* p = find_segments(&segs);
   TB_REQUIRE(p != nullptr, kInvalidArgument, "no " + where + " to restore a checkpoint into", false);
+  if (!tag_live(*p)) return false;
   for (const CheckpointSegment& cs : cp.segments)
     TB_REQUIRE(segs.count(cs.base) != 0, kInvalidArgument,
                "the checkpoint of " + where + " has a segment at " + hex(cs.base) + " that no longer exists", false);
@@ -72,6 +82,7 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
     owner.settle();
     p = find_segments(&segs);
     TB_REQUIRE(p != nullptr, kState, where + " was destroyed while its checkpoint was being restored", false);
+    if (!tag_live(*p)) return false;
     for (const CheckpointSegment& cs : cp.segments)
       TB_REQUIRE(segs.count(cs.base) != 0, kState, "segment " + hex(cs.base) + " of " + where + " went away", false);
     TB_REQUIRE(settled(), kState,

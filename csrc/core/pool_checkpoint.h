@@ -11,9 +11,10 @@
 // recorded blocks, allocating those that were allocated. Addresses must come back
 // exactly: the recorded graphs have them baked in, and torch matches the re-created
 // allocations to its tensors by pointer. Segments created after the checkpoint stay,
-// as cached free memory of the pool. A checkpointed segment that no longer exists, or
-// a block still waiting on a recorded stream after a device synchronisation, is an
-// error and changes nothing torch can see. checkPoolLiveAllocations compares the
+// as cached free memory of the pool. A checkpointed segment that no longer exists, a
+// pool whose tag is released (its memory is unmapped, Note [Tag arenas]), or a block
+// still waiting on a recorded stream after a device synchronisation, is an error and
+// changes nothing torch can see. checkPoolLiveAllocations compares the
 // pool's allocated blocks with the pointers torch believes alive.
 #pragma once
 
@@ -63,6 +64,8 @@ class PoolOwner {
   virtual bool wait_for_device() = 0;
   // A block carved back at its address becomes live: charged, indexed and traced.
   virtual void adopt(Block* b) = 0;
+  // Whether `tag` is live: a released tag's pools have no memory to carve from.
+  virtual bool tag_live(int tag) = 0;
 
  protected:
   ~PoolOwner() = default;
