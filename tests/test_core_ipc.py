@@ -136,3 +136,35 @@ def test_a_driver_failure_while_mapping_again_leaves_the_memory_as_it_was():
     h.free(t)
     h.empty_cache()
     assert h.device_used() == 0
+
+
+def is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+@isolated
+def test_a_block_after_a_split_exports_only_the_handles_under_it_and_they_outlive_its_neighbour():
+    h = Host(route="vmm", map_run=16 * MiB)
+    base = h.malloc(16 * MiB)                   # one run of 16 MiB
+    h.free(base)
+    a = h.malloc(14 * MiB)
+    b = h.malloc(4 * MiB)                       # 2 MiB in the run, 2 MiB on a mapping of its own
+    assert (a, b) == (base, base + 14 * MiB)
+    h.poke(b, pattern(4 * MiB, 4))
+    handle, offset = h.share(b)                 # the run is cut into 2 MiB handles
+    _, segment, fds = parse(handle)
+    assert (segment, len(fds), offset) == (2 * MiB, 2, 0)  # b's two handles, none that holds only a
+    h.free(a)
+    h.empty_cache()                             # a's seven handles go back to the driver
+    assert h.reserved() == 4 * MiB
+    assert all(is_open(fd) for fd in fds)       # b's descriptors stay open while b lives
+    assert h.peek(b, 4 * MiB) == pattern(4 * MiB, 4)
+    assert h.share(b) == (handle, offset)
+    h.free(b)
+    h.empty_cache()
+    assert h.reserved() == 0 and h.device_used() == 0
+

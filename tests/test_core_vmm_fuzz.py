@@ -46,6 +46,7 @@ class Program:
         for i, entry in enumerate(FAULTS if fault_rate else []):
             self.h.fail(entry, rate=fault_rate, seed=seed * 7 + i + 1)
         self.live = {}  # ptr -> (size, signature)
+        self.shared = {}  # live ptr -> the descriptors its share handle names
         self.untagged = set()  # live pointers allocated outside the tag
         self.released = False
         self.partial = False  # the last release failed and stayed half done
@@ -59,6 +60,12 @@ class Program:
         assert self.budget < 0 or h.reserved() <= self.budget, f"{where}: reserved past the budget"
         mapped = sum(s["mapped_size"] for s in h.segments())
         assert mapped == h.counters()["mappings"] * GRANULE, f"{where}: segments and driver disagree on mappings"
+        for ptr, fds in self.shared.items():
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    raise AssertionError(f"{where}: descriptor {fd} of shared block {ptr:#x} was closed") from None
         if not self.released:
             for ptr, (size, sig) in self.live.items():
                 for off in probes(size):
@@ -87,9 +94,11 @@ class Program:
             self.untagged.add(ptr)
         if self.share and rng.random() < 0.05:
             try:
-                h.share(ptr)
+                handle, _ = h.share(ptr)
             except (ValueError, RuntimeError):
-                pass
+                return
+            count = struct.unpack_from("=Q", handle, 2 + 16)[0]  # torch's ShareHeader, then one int each
+            self.shared[ptr] = struct.unpack_from(f"={count}i", handle, 2 + 24)
 
     def read_backups(self):
         """Note [Reading backups]: a few of the tag's blocks read back their stamps from the backup,
@@ -125,6 +134,7 @@ class Program:
             ptr = rng.choice(list(self.live))
             del self.live[ptr]
             self.untagged.discard(ptr)
+            self.shared.pop(ptr, None)
             h.free(ptr)
         elif x < 0.95:
             h.reset_peaks()
@@ -162,6 +172,7 @@ class Program:
             except OOM:  # what was allocated while it slept fills the budget: free that first
                 for ptr in self.untagged:
                     del self.live[ptr]
+                    self.shared.pop(ptr, None)
                     h.free(ptr)
                 self.untagged.clear()
                 h.restore("t")

@@ -110,8 +110,8 @@ class VmmRoute final : public Backing {
   // torch's reset_peak_memory_stats: the high-water mark starts again from what is live.
   void reset_high_water(size_t live) { high_water_ = live; }
   // The mappings under [ptr, ptr + size) of `seg` as file descriptors of handles of one size,
-  // *handle_bytes, whole mappings: *start is where the first begins (Note [Sharing memory
-  // between processes], ipc.h). Run mappings of other sizes are first mapped again with
+  // *handle_bytes, only those holding part of the range: *start is where the first begins
+  // (Note [Sharing memory between processes], ipc.h). Run mappings of other sizes are first mapped again with
   // handles of that size (Note [Sharing run mappings], route_vmm_share.cpp), which needs
   // `may_sync`. false + error, nothing changed.
   bool export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_sync, std::vector<int>* fds,

@@ -14,9 +14,13 @@
 // the device is synchronised (nothing may still write the old memory; refused while a
 // capture is open, as a synchronisation would break it), the mapping is copied there, and
 // the new handles take the old one's place. For that moment the range's memory exists
-// twice, charged to the budget (a refusal is an out-of-memory error, nothing changed). An
-// exported handle is never kept for a move (Note [Moving handles]) and lives until the last
-// process unmaps it.
+// twice, charged to the budget (a refusal is an out-of-memory error, nothing changed). Only
+// the handles that hold the block's own granules go out (the offset counts from the first):
+// one holding only a neighbour would go back to the driver with that neighbour's memory,
+// its descriptor closed, while torch keeps just the shared block allocated for the consumers.
+// So every exported handle lies under a block that was live when it was exported, and
+// memory under a live block is never unmapped. An exported handle is never kept for a move
+// (Note [Moving handles]) and lives until the last process unmaps it.
 #include <algorithm>
 #include <numeric>
 
@@ -75,7 +79,13 @@ bool VmmRoute::export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_s
     for (const auto& [head, count] : maps)
       if (count != piece && !split_mapping(seg, head, piece)) return false;
   }
-  for (size_t head = maps.front().first; head < maps.back().first + maps.back().second; head += piece) {
+  // Only the pieces that hold granules [first, last] go out: one holding only a neighbour would go
+  // back to the driver, its descriptor closed, when that neighbour's memory is given back, while
+  // this block is still shared. Every piece starts a whole number of pieces past the first mapping.
+  const size_t head0 = maps.front().first;
+  const size_t lo = head0 + (first - head0) / piece * piece;
+  const size_t hi = head0 + ((last - head0) / piece + 1) * piece;
+  for (size_t head = lo; head < hi; head += piece) {
     const CUmemGenericAllocationHandle h = seg.granules[head];
     auto it = fds_.find(h);
     if (it == fds_.end()) {
@@ -87,7 +97,7 @@ bool VmmRoute::export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_s
     fds->push_back(it->second);
   }
   *handle_bytes = piece * granule_;
-  *start = seg.base + maps.front().first * granule_;
+  *start = seg.base + lo * granule_;
   return true;
 }
 
