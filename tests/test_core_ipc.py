@@ -168,3 +168,21 @@ def test_a_block_after_a_split_exports_only_the_handles_under_it_and_they_outliv
     h.empty_cache()
     assert h.reserved() == 0 and h.device_used() == 0
 
+
+@isolated
+def test_an_exported_handle_the_driver_would_not_release_is_never_mapped_again():
+    h = Host(route="vmm")
+    t = h.malloc(2 * MiB)                       # one granule, one handle
+    _, _, old = parse(h.share(t)[0])
+    h.free(t)                                   # the consumers are done
+    h.fail("cuMemRelease", rate=1.0)
+    h.empty_cache()                             # unmapped, its release refused: kept to retry
+    h.heal()
+    u = h.malloc(2 * MiB)                       # must not be mapped on the exported handle
+    _, _, new = parse(h.share(u)[0])
+    assert is_open(old[0]) and new != old
+    h.free(u)
+    h.empty_cache()                             # the refused release is retried
+    assert not is_open(old[0])
+    assert h.reserved() == 0 and h.device_used() == 0
+

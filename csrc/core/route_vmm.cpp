@@ -324,7 +324,7 @@ bool VmmRoute::drop_granule(Segment& seg, size_t index) {
   note_unmap(seg, index);
   if (keep_for_move(seg, h, 1)) return true;
   if (release_handle(h) != CUDA_SUCCESS) {
-    free_handles_.push_back(h);  // still the driver's memory, still charged: retried later
+    park_handle(h);  // still the driver's memory, still charged: retried later
     budget_.move(granule_, placement(seg), kCached);
     return true;
   }
@@ -378,10 +378,20 @@ bool VmmRoute::unmap_granule(Segment& seg, size_t index) {
   if (seg.span[head] > 1) return release_run(seg, head);
   if (!unmap_range(seg.base + index * granule_, granule_)) return false;
   traced(TraceAction::kSegmentUnmap, seg, seg.base + index * granule_, granule_);
-  free_handles_.push_back(seg.granules[index]);
+  park_handle(seg.granules[index]);
   note_unmap(seg, index);
   budget_.move(granule_, placement(seg), kCached);
   return true;
+}
+
+void VmmRoute::park_handle(CUmemGenericAllocationHandle h) {
+  // A consumer may still import an exported handle by its descriptor: mapped again here, it
+  // would show them another block's memory.
+  if (fds_.count(h) != 0) {
+    stuck_runs_.emplace_back(h, granule_);
+  } else {
+    free_handles_.push_back(h);
+  }
 }
 
 void VmmRoute::release_free_handles() {

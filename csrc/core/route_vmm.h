@@ -126,7 +126,7 @@ class VmmRoute final : public Backing {
   // The first granule of the mapping that granule `index` (mapped) belongs to.
   static size_t mapping_head(const Segment& seg, size_t index);
   // Unmaps granule `index` and gives its memory back to the driver at once. false when
-  // the unmap failed (still mapped); a refused release keeps the handle cached.
+  // the unmap failed (still mapped); a refused release keeps the handle (park_handle).
   bool drop_granule(Segment& seg, size_t index);
   // Gives back every mapping lying wholly inside clean free blocks of `pool`; returns
   // the bytes that went back to the driver.
@@ -179,6 +179,9 @@ class VmmRoute final : public Backing {
   void note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h);
   void note_unmap(Segment& seg, size_t head);
   bool unmap_granule(Segment& seg, size_t index);
+  // Keeps the unmapped one-granule handle `h`, charged as kCached: cached for a new mapping,
+  // or, once exported, only until the driver releases it (stuck_runs_).
+  void park_handle(CUmemGenericAllocationHandle h);
   // Unmaps the run mapping starting at `head` and releases its handle.
   bool release_run(Segment& seg, size_t head);
   bool unmap_range(uintptr_t va, size_t bytes);
@@ -195,8 +198,10 @@ class VmmRoute final : public Backing {
   bool reuse_;
   CUmemAllocationProp prop_{};
   std::vector<CUmemAccessDesc> access_;  // this device first, then peers
-  std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, charged as kCached
-  std::unordered_map<CUmemGenericAllocationHandle, int> fds_;  // exported descriptors, closed on release
+  std::vector<CUmemGenericAllocationHandle> free_handles_;  // created, unmapped, charged as kCached; never exported
+  // Exported descriptors, closed on release. An exported handle is never mapped again once
+  // unmapped: never cached, never kept for a move (Note [Sharing run mappings]).
+  std::unordered_map<CUmemGenericAllocationHandle, int> fds_;
   // Run handles the driver refused to release (unmapped, charged as kCached): retried.
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck_runs_;
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs
