@@ -146,6 +146,10 @@ def is_open(fd):
         return False
 
 
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
 @isolated
 def test_a_block_after_a_split_exports_only_the_handles_under_it_and_they_outlive_its_neighbour():
     h = Host(route="vmm", map_run=16 * MiB)
@@ -185,4 +189,21 @@ def test_an_exported_handle_the_driver_would_not_release_is_never_mapped_again()
     h.empty_cache()                             # the refused release is retried
     assert not is_open(old[0])
     assert h.reserved() == 0 and h.device_used() == 0
+
+
+@isolated
+def test_a_failed_export_leaves_no_descriptor_behind():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(32 * MiB)                      # two runs of 16 MiB, exported as they are
+    before = open_fds()
+    h.fail("cuMemExportToShareableHandle", nth=2)
+    with pytest.raises(Exception):
+        h.share(t)
+    h.heal()
+    assert open_fds() == before                 # the first handle's descriptor was closed again
+    _, _, fds = parse(h.share(t)[0])
+    assert len(fds) == 2 and open_fds() == before + 2
+    h.free(t)
+    h.empty_cache()
+    assert open_fds() == before
 

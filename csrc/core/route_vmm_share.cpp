@@ -21,6 +21,8 @@
 // So every exported handle lies under a block that was live when it was exported, and
 // memory under a live block is never unmapped. An exported handle is never kept for a move
 // (Note [Moving handles]) and lives until the last process unmaps it.
+#include <unistd.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -85,14 +87,24 @@ bool VmmRoute::export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_s
   const size_t head0 = maps.front().first;
   const size_t lo = head0 + (first - head0) / piece * piece;
   const size_t hi = head0 + ((last - head0) / piece + 1) * piece;
+  std::vector<CUmemGenericAllocationHandle> fresh;  // exported by this call
   for (size_t head = lo; head < hi; head += piece) {
     const CUmemGenericAllocationHandle h = seg.granules[head];
     auto it = fds_.find(h);
     if (it == fds_.end()) {
       int fd = -1;
-      TB_DRIVER_CHECK(driver()->memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                      false);
+      const CUresult r = driver()->memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+      if (r != CUDA_SUCCESS) {
+        // Nobody got what this call exported: those handles are not shared after all.
+        for (CUmemGenericAllocationHandle f : fresh) {
+          close(fds_[f]);
+          fds_.erase(f);
+        }
+        fds->clear();
+        return fail_driver(r, "cuMemExportToShareableHandle", __FILE__, __LINE__);
+      }
       it = fds_.emplace(h, fd).first;
+      fresh.push_back(h);
     }
     fds->push_back(it->second);
   }
