@@ -163,6 +163,8 @@ TB_API int tb_host_set_current(int device);
 TB_API int tb_host_current(void);
 TB_API int tb_host_can_access(int device, void* ptr);
 TB_API int tb_host_hold_syncs(int hold, int wait_for);
+// While syncs are held, the next n synchronisations go through anyway.
+TB_API void tb_host_pass_syncs(int n);
 TB_API int tb_host_remove_entry(const char* name);
 TB_API void tb_host_free_at_exit(void* ptr);
 TB_API int tb_host_poke(void* va, const void* src, int64_t bytes);

@@ -44,6 +44,7 @@ def _host_signatures():
         "tb_host_current": (i, []),
         "tb_host_can_access": (i, [i, vp]),
         "tb_host_hold_syncs": (i, [i, i]),
+        "tb_host_pass_syncs": (None, [i]),
         "tb_host_remove_entry": (i, [cp]),
         "tb_host_free_at_exit": (None, [vp]),
         "tb_host_trace": (None, [i, ctypes.c_int64 * 9]),
@@ -224,6 +225,10 @@ class Host:
 
     def hold_syncs(self, hold, wait_for=0):
         return self.lib.tb_host_hold_syncs(int(hold), wait_for)
+
+    def pass_syncs(self, n):
+        """While synchronisations are held, the next `n` go through anyway."""
+        self.lib.tb_host_pass_syncs(n)
 
     def heal(self):
         assert self.lib.tb_host_fail(None, 0, 0.0, 0, 0) == 0

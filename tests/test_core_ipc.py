@@ -1,10 +1,12 @@
 """Sharing VMM memory in torch's own expandable-segment format (Note [Sharing run mappings],
 csrc/core/route_vmm_share.cpp), over the host stand-in: run mappings of different lengths are
 mapped again with handles of one size before the first export, contents, reserved memory and
-the budget unchanged; refused, with nothing changed, while a capture is open or past the
-budget."""
+the budget unchanged, waiting for the device with the allocator's lock released; refused, with
+nothing changed, while a capture is open, past the budget, or when the block was freed meanwhile;
+only the handles under the block go out, and none is ever mapped again."""
 import os
 import struct
+import threading
 
 import pytest
 
@@ -206,4 +208,108 @@ def test_a_failed_export_leaves_no_descriptor_behind():
     h.free(t)
     h.empty_cache()
     assert open_fds() == before
+
+
+def while_share_waits(h, ptr, action, passed=0, wait=5.0):
+    """Shares `ptr` in a thread while synchronisations are held (the first `passed` go through)
+    and, once the share waits on the device, runs `action` in another thread. Returns whether
+    `action` finished while the share waited, then what each returned or raised."""
+    out = {}
+
+    def run(key, fn):
+        try:
+            out[key] = fn()
+        except Exception as e:  # handed to the test, which checks what was raised
+            out[key] = e
+
+    h.hold_syncs(True)
+    h.pass_syncs(passed)
+    sharer = threading.Thread(target=run, args=("share", lambda: h.share(ptr)))
+    sharer.start()
+    h.hold_syncs(True, wait_for=1)              # the share is inside a synchronisation
+    actor = threading.Thread(target=run, args=("action", action))
+    actor.start()
+    actor.join(timeout=wait)
+    finished = not actor.is_alive()
+    h.hold_syncs(False)
+    sharer.join(timeout=60)
+    actor.join(timeout=60)
+    assert not sharer.is_alive() and not actor.is_alive()
+    return finished, out["share"], out["action"]
+
+
+@isolated
+def test_sharing_waits_for_the_device_with_the_allocator_lock_released():
+    h = Host(route="vmm", map_run=16 * MiB)
+    for passed in (0, 1):                       # waiting before the first copy, and for a copy
+        t = h.malloc(40 * MiB)                  # runs of 16, 16 and 8 MiB: mapped again to share
+        h.poke(t, pattern(40 * MiB, 6))
+        h.free(h.malloc(1 * MiB))               # cached: the next 1 MiB request is a cache hit
+        reserved = h.reserved()
+        finished, shared, p = while_share_waits(h, t, lambda: h.malloc(1 * MiB), passed=passed)
+        assert finished, "a cache hit waited for the share's device synchronisation"
+        assert not isinstance(shared, Exception), shared
+        _, segment, fds = parse(shared[0])
+        assert (segment, len(fds)) == (8 * MiB, 5)
+        assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 6)
+        assert h.reserved() == reserved
+        h.free(p)
+        h.free(t)
+        h.empty_cache()
+        assert h.reserved() == 0 and h.device_used() == 0
+
+
+@isolated
+def test_a_block_freed_while_its_share_waits_for_the_device_is_refused_and_nothing_leaks():
+    h = Host(route="vmm", map_run=16 * MiB)
+    for passed in (0, 1):                       # freed before the first copy, and while one is staged
+        t = h.malloc(40 * MiB)
+        finished, shared, _ = while_share_waits(h, t, lambda: h.free(t), passed=passed)
+        assert finished
+        assert isinstance(shared, StateError) and "freed" in str(shared), shared
+        assert h.reserved() == h.device_used()
+        h.empty_cache()
+        assert h.reserved() == 0 and h.device_used() == 0
+
+
+@isolated
+def test_a_share_whose_mappings_changed_while_it_waited_starts_again():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 8))
+    x = h.malloc(4 * MiB)
+    y = h.malloc(4 * MiB)
+    h.free(x)                                   # a clean free mapping in t's arena
+    h.reset_peaks()
+    unmaps = h.counters()["unmaps"]
+    # Past the high-water line: the allocation on S2 gives x's mapping back (Note [Packing]).
+    finished, shared, z = while_share_waits(h, t, lambda: h.malloc(8 * MiB, S2))
+    assert finished
+    assert h.counters()["unmaps"] > unmaps      # t's arena changed while the share waited
+    assert not isinstance(shared, Exception), shared
+    _, segment, fds = parse(shared[0])
+    assert (segment, len(fds)) == (8 * MiB, 5)
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 8)
+    assert h.reserved() == h.device_used()
+    for p in (t, y, z):
+        h.free(p)
+    h.empty_cache()
+    assert h.reserved() == 0 and h.device_used() == 0
+
+
+@isolated
+def test_a_capture_begun_while_a_share_waits_refuses_the_share_and_changes_nothing():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 7))
+    reserved, used = h.reserved(), h.device_used()
+    finished, shared, _ = while_share_waits(h, t, lambda: h.begin_pool((0, 3), S2))
+    assert finished
+    assert isinstance(shared, StateError) and "capture" in str(shared), shared
+    assert (h.reserved(), h.device_used()) == (reserved, used)
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 7)
+    h.end_pool((0, 3))
+    _, segment, fds = parse(h.share(t)[0])
+    assert (segment, len(fds)) == (8 * MiB, 5)
+    h.free(t)
 

@@ -92,6 +92,7 @@ struct Segment {
   // tail is most of the card). Changed only with `granules` and `span` (route_vmm.cpp).
   std::map<size_t, size_t> maps;
   size_t mapped = 0;     // granules mapped
+  uint64_t unmaps = 0;   // VMM only: mappings unmapped so far; while it stays, every mapping stays as it is
   uint64_t serial = 0;   // no other segment of the process ever has it (set by add_segment)
 };
 

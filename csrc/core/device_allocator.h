@@ -188,8 +188,9 @@ class DeviceAllocator {
   // *match: the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
   bool pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match);
   // Note [Sharing memory between processes] (ipc.h): the handle bytes of the live block
-  // at `ptr` and its offset from what the handle maps; opening such bytes in this
-  // process, on this device, and closing what was opened.
+  // at `ptr` and its offset from what the handle maps (a first share may wait for the
+  // device, with the lock released: Note [Sharing run mappings]); opening such bytes in
+  // this process, on this device, and closing what was opened.
   bool share(uintptr_t ptr, std::string* handle, size_t* offset);
   bool open_shared(const std::string& bytes, OpenedShare* out);
   void close_shared(OpenedShare& s);
@@ -255,12 +256,16 @@ class DeviceAllocator {
   void retire(Block* b);            // active -> back to its pool
   void trace_block(TraceAction action, const Block* b);
   void note_if_dead(BlockPool* pool);
-  // The three below take the lock held and return with it held, releasing it while
+  // The four below take the lock held and return with it held, releasing it while
   // they wait for the device. sync_device is false when the device could not be waited
   // for, or when a capture is open once the lock is back (one may begin meanwhile).
   bool sync_device(std::unique_lock<std::mutex>& lock);
   void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
   void release_cached(std::unique_lock<std::mutex>& lock);
+  // Note [Sharing run mappings]: cuts the mappings under the live VMM block at `ptr` (*block,
+  // looked up again after each wait) to one handle size, waiting for the device with the
+  // lock released. false + error, every mapping whole.
+  bool cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_t ptr, Block** block);
   // `may_wait`: synchronise the device for pools that died after its last synchronisation
   // (never on the free path: there only pools already clean go).
   void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true);

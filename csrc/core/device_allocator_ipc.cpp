@@ -2,19 +2,81 @@
 // processes], ipc.h, which does the work).
 #include "device_allocator.h"
 #include "error.h"
+#include "scope.h"
 
 namespace tb {
 
+namespace {
+
+// Times a share starts again because other threads changed its segment's mappings while
+// it waited for the device (Note [Sharing run mappings]).
+constexpr int kShareRestarts = 3;
+
+}  // namespace
+
 bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   Block* b = live_.find(ptr);
   TB_REQUIRE(b != nullptr, kInvalidArgument,
              "cannot share memory that does not start a live allocation of torch_budget on device " +
                  std::to_string(ctx_.device),
              false);
-  if (!export_block(ctx_, vmm_.get(), *b, open_captures() == 0, handle, offset)) return false;
+  if (b->route == kRouteVmm && !cut_for_share(lock, ptr, &b)) return false;
+  if (!export_block(ctx_, vmm_.get(), *b, handle, offset)) return false;
   b->shared = true;  // its tag cannot be released while it lives (Note [Tag arenas])
   return true;
+}
+
+bool DeviceAllocator::cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_t ptr, Block** block) {
+  const uint64_t born = (*block)->born;
+  const std::string device = std::to_string(ctx_.device);
+  const std::string capture = "sharing this tensor first maps its memory again, which needs a device "
+                              "synchronisation, impossible while a CUDA graph capture is open on device " +
+                              device + ": share it before or after capturing";
+  VmmRoute::StagedCut staged;
+  auto fail = [&](ErrorCode code, const std::string& msg) {
+    vmm_->drop_staged(&staged);
+    set_error(code, msg);
+    return false;
+  };
+  for (int restarts = 0;; ++restarts) {
+    Block* b = *block;
+    TB_REQUIRE(tags_.live(b->tag), kState,
+               "cannot share memory of tag '" + tag_name(b->tag) + "' on device " + device +
+                   " while the tag is released: restore it first",
+               false);
+    VmmRoute::ShareCut cut;
+    if (!vmm_->plan_share(*b->segment, b->ptr, b->size, &cut)) return false;
+    if (cut.recut.empty()) return true;
+    TB_REQUIRE(restarts <= kShareRestarts, kState,
+               "sharing this tensor maps its memory again, and other threads changed the mappings of its arena "
+               "on device " + device + " each of the " + std::to_string(kShareRestarts + 1) +
+                   " times it waited for the device: share it again, or share tensors allocated under "
+                   "torch_budget.region(route='sync')",
+               false);
+    TB_REQUIRE(open_captures() == 0, kState, capture, false);
+    for (;;) {
+      // Nothing may still write what is copied next, and what was copied must be done: the
+      // device is synchronised with the lock released, and everything is checked again after.
+      const bool synced = sync_device(lock);
+      b = live_.find(ptr);
+      if (b == nullptr || b->born != born)
+        return fail(kState, "the tensor was freed by another thread while it was being shared on device " + device);
+      *block = b;
+      if (open_captures() > 0) return fail(kState, capture);
+      if (!synced)
+        return fail(kState, "sharing this tensor maps its memory again, and device " + device +
+                                " could not be synchronised for it");
+      if (cut.unmaps != b->segment->unmaps) {  // another thread unmapped memory of the arena: plan again
+        vmm_->drop_staged(&staged);
+        break;
+      }
+      if (staged.charged && !vmm_->commit_cut(*b->segment, &staged)) return false;
+      if (!vmm_->plan_share(*b->segment, b->ptr, b->size, &cut)) return false;
+      if (cut.recut.empty()) return true;
+      if (!vmm_->stage_cut(*b->segment, cut.recut.front(), cut.piece, &staged)) return false;
+    }
+  }
 }
 
 bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) {

@@ -115,15 +115,14 @@ bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>*
   return true;
 }
 
-bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, bool may_sync, std::string* handle,
-                  size_t* offset) {
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset) {
   ShareHandle h;
   switch (b.route) {
     case kRouteVmm: {
       h.kind = kShareVmm;
       h.pid = static_cast<int32_t>(getpid());
       uintptr_t start = 0;
-      if (!vmm->export_block(*b.segment, b.ptr, b.size, may_sync, &h.fds, &h.handle_bytes, &start)) return false;
+      if (!vmm->export_block(*b.segment, b.ptr, b.size, &h.fds, &h.handle_bytes, &start)) return false;
       *offset = b.ptr - start;
       break;
     }

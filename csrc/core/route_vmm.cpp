@@ -71,6 +71,7 @@ void VmmRoute::note_unmap(Segment& seg, size_t head) {
   seg.span[head] = 0;
   seg.maps.erase(head);
   seg.mapped -= count;
+  seg.unmaps++;
 }
 
 std::map<size_t, size_t>::const_iterator VmmRoute::first_mapping(const Segment& seg, size_t first) {

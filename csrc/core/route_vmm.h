@@ -109,13 +109,43 @@ class VmmRoute final : public Backing {
   size_t granule() const { return granule_; }
   // torch's reset_peak_memory_stats: the high-water mark starts again from what is live.
   void reset_high_water(size_t live) { high_water_ = live; }
-  // The mappings under [ptr, ptr + size) of `seg` as file descriptors of handles of one size,
-  // *handle_bytes, only those holding part of the range: *start is where the first begins
-  // (Note [Sharing memory between processes], ipc.h). Run mappings of other sizes are first mapped again with
-  // handles of that size (Note [Sharing run mappings], route_vmm_share.cpp), which needs
-  // `may_sync`. false + error, nothing changed.
-  bool export_block(Segment& seg, uintptr_t ptr, size_t size, bool may_sync, std::vector<int>* fds,
-                    size_t* handle_bytes, uintptr_t* start);
+  // Note [Sharing run mappings] (route_vmm_share.cpp): what exporting [ptr, ptr + size) of a
+  // segment takes.
+  struct ShareCut {
+    size_t piece = 0;           // granules of each exported handle
+    size_t lo = 0, hi = 0;      // the exported handles cover granules [lo, hi)
+    std::vector<size_t> recut;  // heads of the mappings to map again with handles of `piece` first
+    uint64_t unmaps = 0;        // the segment's Segment::unmaps then: its mappings are as planned while equal
+  };
+  // A mapping's new handles mapped at a scratch range, the copy of its contents queued; charged
+  // to the budget until committed or dropped.
+  struct StagedCut {
+    size_t head = 0, count = 0, piece = 0;  // the mapping (granules) and its new handles' length
+    CUmemGenericAllocationHandle old = 0;
+    CUdeviceptr scratch = 0;
+    size_t at_scratch = 0;  // bytes of new handles mapped at scratch
+    std::vector<CUmemGenericAllocationHandle> handles;
+    Placement placement{};  // kept: the segment may be gone when it is dropped
+    bool charged = false;   // anything staged at all
+  };
+  // The handle size and the mappings to cut for sharing [ptr, ptr + size) of `seg`. false +
+  // error where it cannot be shared in torch's format.
+  bool plan_share(const Segment& seg, uintptr_t ptr, size_t size, ShareCut* out) const;
+  // Stages mapping `head` of `seg` for a cut into handles of `piece` granules. false + error,
+  // nothing staged. The device must be synchronised before (nothing still writes the old
+  // memory) and after (the copy is done), with the segment's mappings unchanged, to commit.
+  bool stage_cut(Segment& seg, size_t head, size_t piece, StagedCut* st);
+  // The staged handles take the old mapping's place, which is released. false + error, the
+  // mapping as it was and what was staged dropped.
+  bool commit_cut(Segment& seg, StagedCut* st);
+  // Gives back whatever `st` staged (nothing when it is empty).
+  void drop_staged(StagedCut* st);
+  // The mappings under [ptr, ptr + size) of `seg`, cut to one size first (plan_share), as file
+  // descriptors of handles of that size, *handle_bytes, only those holding part of the range:
+  // *start is where the first begins (Note [Sharing memory between processes], ipc.h). false +
+  // error, nothing exported.
+  bool export_block(Segment& seg, uintptr_t ptr, size_t size, std::vector<int>* fds, size_t* handle_bytes,
+                    uintptr_t* start);
 
   // For tag release / restore (tag_sleep.h). Maps granules `need` of `seg` (each
   // unmapped) with cached, reused or new memory; all or nothing.
@@ -170,10 +200,6 @@ class VmmRoute final : public Backing {
   bool map_moved(Segment& seg, size_t first, size_t room, size_t* mapped);
   // Gives the kept handles no mapping took back to the driver.
   void release_moving();
-  // Note [Sharing run mappings]: maps the `count`-granule mapping at `head` of `seg` again, at
-  // the same addresses and with the same contents, with handles of `piece` granules each.
-  // false + error, the mapping unchanged.
-  bool split_mapping(Segment& seg, size_t head, size_t piece);
   // Bookkeeping of one mapping of handle `h`, `count` granules at `head`: the segment's
   // granules, span and maps change only here, together (Segment::granules).
   void note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h);
