@@ -198,11 +198,9 @@ int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
   std::string handle;
   size_t off = 0;
-  if (d == nullptr || !d->share(reinterpret_cast<uintptr_t>(ptr), &handle, &off)) return -1;
-  if (static_cast<int64_t>(handle.size()) > cap) {
-    set_error(kInvalidArgument, "tb_share: a buffer of " + std::to_string(cap) + " bytes is too small for the handle");
-    return -1;
-  }
+  // The room is checked before the block is marked shared: a handle nobody got must not pin its tag.
+  const size_t room = cap > 0 ? static_cast<size_t>(cap) : 0;
+  if (d == nullptr || !d->share(reinterpret_cast<uintptr_t>(ptr), &handle, &off, room)) return -1;
   std::memcpy(buf, handle.data(), handle.size());
   *offset = static_cast<int64_t>(off);
   return static_cast<int64_t>(handle.size());

@@ -67,7 +67,8 @@ TB_API int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1);
 // packing line's high-water mark included (Note [Packing: reclaim before growth]).
 TB_API int tb_reset_peak_stats(int device);
 // The IPC handle of the live block at `ptr` (torch's shareIpcHandle) into buf[0, cap):
-// its length, or -1 with the error kept (cap too small included); *offset: ptr's offset in it.
+// its length, or -1 with the error kept (cap too small included: then nothing is shared);
+// *offset: ptr's offset in it.
 TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);
 // torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
 TB_API int tb_cache_info(int device, int64_t* largest);

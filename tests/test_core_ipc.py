@@ -4,6 +4,7 @@ mapped again with handles of one size before the first export, contents, reserve
 the budget unchanged, waiting for the device with the allocator's lock released; refused, with
 nothing changed, while a capture is open, past the budget, or when the block was freed meanwhile;
 only the handles under the block go out, and none is ever mapped again."""
+import ctypes
 import os
 import struct
 import threading
@@ -11,6 +12,7 @@ import threading
 import pytest
 
 from _hostcore import OOM, MiB, S2, Host, isolated
+from torch_budget import _native
 from torch_budget.errors import StateError
 
 pytestmark = pytest.mark.built("_host_core")
@@ -312,4 +314,21 @@ def test_a_capture_begun_while_a_share_waits_refuses_the_share_and_changes_nothi
     _, segment, fds = parse(h.share(t)[0])
     assert (segment, len(fds)) == (8 * MiB, 5)
     h.free(t)
+
+
+@isolated
+def test_a_handle_too_long_for_the_callers_buffer_does_not_mark_the_tensor_shared():
+    h = Host(route="vmm")
+    h.push("vmm", "weights")
+    w = h.malloc(8 * MiB)
+    h.pop()
+    before = open_fds()
+    off = ctypes.c_int64()
+    assert h.lib.tb_share(w, ctypes.create_string_buffer(8), 8, ctypes.byref(off)) == -1
+    err = _native.error(h.lib)
+    assert isinstance(err, ValueError) and "too small" in str(err), err
+    assert open_fds() == before                 # nothing was exported either
+    h.release("weights", "pinned")              # nothing was shared: the tag may sleep
+    h.restore("weights")
+    h.free(w)
 

@@ -188,10 +188,11 @@ class DeviceAllocator {
   // *match: the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
   bool pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match);
   // Note [Sharing memory between processes] (ipc.h): the handle bytes of the live block
-  // at `ptr` and its offset from what the handle maps (a first share may wait for the
-  // device, with the lock released: Note [Sharing run mappings]); opening such bytes in
-  // this process, on this device, and closing what was opened.
-  bool share(uintptr_t ptr, std::string* handle, size_t* offset);
+  // at `ptr`, at most `room` of them, and its offset from what the handle maps (a first
+  // share may wait for the device, with the lock released: Note [Sharing run mappings]);
+  // opening such bytes in this process, on this device, and closing what was opened. The
+  // block counts as shared only once its handle was handed out.
+  bool share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room = SIZE_MAX);
   bool open_shared(const std::string& bytes, OpenedShare* out);
   void close_shared(OpenedShare& s);
   // Destroys dead graph pools once that is safe (called when captures end).

@@ -14,7 +14,7 @@ constexpr int kShareRestarts = 3;
 
 }  // namespace
 
-bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset) {
+bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room) {
   std::unique_lock<std::mutex> lock(mu_);
   Block* b = live_.find(ptr);
   TB_REQUIRE(b != nullptr, kInvalidArgument,
@@ -22,7 +22,7 @@ bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset) 
                  std::to_string(ctx_.device),
              false);
   if (b->route == kRouteVmm && !cut_for_share(lock, ptr, &b)) return false;
-  if (!export_block(ctx_, vmm_.get(), *b, handle, offset)) return false;
+  if (!export_block(ctx_, vmm_.get(), *b, room, handle, offset)) return false;
   b->shared = true;  // its tag cannot be released while it lives (Note [Tag arenas])
   return true;
 }

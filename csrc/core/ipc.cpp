@@ -41,6 +41,19 @@ struct TorchShareHeader {
 };
 static_assert(sizeof(TorchShareHeader) == 24, "torch's ShareHeader is 24 bytes on 64-bit Linux");
 
+// What encode_share writes for a handle of `kind` naming `fds` descriptors.
+size_t encoded_bytes(char kind, size_t fds) {
+  return 2 + (kind == kShareCudaMalloc ? sizeof(CUipcMemHandle) : sizeof(TorchShareHeader) + fds * sizeof(int));
+}
+
+bool fits(size_t room, size_t bytes) {
+  TB_REQUIRE(bytes <= room, kInvalidArgument,
+             "a buffer of " + std::to_string(room) + " bytes is too small for the handle of " + std::to_string(bytes) +
+                 " bytes",
+             false);
+  return true;
+}
+
 }  // namespace
 
 std::string encode_share(const ShareHandle& h) {
@@ -115,12 +128,17 @@ bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>*
   return true;
 }
 
-bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset) {
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_t room, std::string* handle,
+                  size_t* offset) {
   ShareHandle h;
   switch (b.route) {
     case kRouteVmm: {
       h.kind = kShareVmm;
       h.pid = static_cast<int32_t>(getpid());
+      VmmRoute::ShareCut cut;  // checked before anything is exported
+      if (!vmm->plan_share(*b.segment, b.ptr, b.size, &cut) ||
+          !fits(room, encoded_bytes(kShareVmm, (cut.hi - cut.lo) / cut.piece)))
+        return false;
       uintptr_t start = 0;
       if (!vmm->export_block(*b.segment, b.ptr, b.size, &h.fds, &h.handle_bytes, &start)) return false;
       *offset = b.ptr - start;
@@ -128,6 +146,7 @@ bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::
     }
     case kRouteSync: {
       TB_REQUIRE(driver()->ipcGetMemHandle != nullptr, kNotAvailable, "the driver has no cuIpcGetMemHandle", false);
+      if (!fits(room, encoded_bytes(kShareCudaMalloc, 0))) return false;
       ContextGuard guard(ctx.ctx);
       if (!guard.ok()) return false;
       h.kind = kShareCudaMalloc;

@@ -62,11 +62,12 @@ struct Block;
 struct DeviceContext;
 class VmmRoute;
 
-// The producer's side: the handle bytes of the live block `b` and its offset from what
-// the handle maps. A VMM block's mappings must be cut to one size first (Note [Sharing run
-// mappings], route_vmm_share.cpp). false + error (kNotAvailable for the stream-ordered pool
-// route).
-bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, std::string* handle, size_t* offset);
+// The producer's side: the handle bytes of the live block `b`, at most `room` of them
+// (else kInvalidArgument, nothing exported), and its offset from what the handle maps. A
+// VMM block's mappings must be cut to one size first (Note [Sharing run mappings],
+// route_vmm_share.cpp). false + error (kNotAvailable for the stream-ordered pool route).
+bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_t room, std::string* handle,
+                  size_t* offset);
 // The consumer's side, on the device of `ctx` (`vmm`: it can import VMM memory), granting
 // `peers` access too; close_share undoes it (`may_sync`: wait for work queued on the
 // mapping first, impossible while a capture is open).
