@@ -45,6 +45,7 @@ def _host_signatures():
         "tb_host_can_access": (i, [i, vp]),
         "tb_host_hold_syncs": (i, [i, i]),
         "tb_host_pass_syncs": (None, [i]),
+        "tb_host_open_share": (i, [i, cp, i64]),
         "tb_host_remove_entry": (i, [cp]),
         "tb_host_free_at_exit": (None, [vp]),
         "tb_host_trace": (None, [i, ctypes.c_int64 * 9]),
@@ -229,6 +230,10 @@ class Host:
     def pass_syncs(self, n):
         """While synchronisations are held, the next `n` go through anyway."""
         self.lib.tb_host_pass_syncs(n)
+
+    def open_share(self, handle, device=0):
+        """Opens share handle bytes on `device` and closes them again: 0 or the error code."""
+        return self.lib.tb_host_open_share(device, handle, len(handle))
 
     def heal(self):
         assert self.lib.tb_host_fail(None, 0, 0.0, 0, 0) == 0

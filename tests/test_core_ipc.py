@@ -332,3 +332,18 @@ def test_a_handle_too_long_for_the_callers_buffer_does_not_mark_the_tensor_share
     h.restore("weights")
     h.free(w)
 
+
+def vmm_handle(segment, fds, pid=None):
+    pid = os.getpid() if pid is None else pid
+    return bytes([2]) + b"e" + struct.pack("=iiQQ", pid, 0, segment, len(fds)) + struct.pack(f"={len(fds)}i", *fds)
+
+
+@isolated
+@pytest.mark.parametrize("segment, count, why", [(1 << 62, 8, "address space"), (3 * MiB, 2, "granularity")])
+def test_a_handle_with_impossible_sizes_is_refused_before_anything_is_opened(segment, count, why):
+    h = Host(route="vmm")
+    h.free(h.malloc(2 * MiB))                   # the device exists
+    before = open_fds()
+    assert h.open_share(vmm_handle(segment, list(range(3, 3 + count)))) == _native.INVALID_ARGUMENT
+    assert why in h.lib.tb_last_error().decode()
+    assert open_fds() == before

@@ -85,7 +85,7 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) {
     std::lock_guard<std::mutex> lock(mu_);
     peers = peers_;
   }
-  return open_share(ctx_, caps_.vmm, peers, bytes, out);
+  return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
 }
 
 void DeviceAllocator::close_shared(OpenedShare& s) { close_share(ctx_, s, open_captures() == 0); }

@@ -96,6 +96,11 @@ bool decode_share(const std::string& bytes, ShareHandle* out) {
   TB_REQUIRE(get(bytes, &at, &header) && header.segment_size > 0 && header.num_handles > 0 &&
                  header.num_handles < (size_t{1} << 24) && bytes.size() - at == header.num_handles * sizeof(int),
              kInvalidArgument, bad, false);
+  // The consumer reserves segment_size * num_handles bytes of address range for them.
+  TB_REQUIRE(header.segment_size <= SIZE_MAX / header.num_handles, kInvalidArgument,
+             "a CUDA memory handle of " + std::to_string(header.num_handles) + " handles of " +
+                 format_size(header.segment_size) + " each, more than the address space holds: " + bad,
+             false);
   out->pid = header.pid;
   out->handle_bytes = header.segment_size;
   out->fds.resize(header.num_handles);
@@ -165,7 +170,7 @@ bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_
   return true;
 }
 
-bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peers, const std::string& bytes,
+bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<int>& peers, const std::string& bytes,
                 OpenedShare* out) {
   ShareHandle h;
   if (!decode_share(bytes, &h)) return false;
@@ -181,7 +186,12 @@ bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peer
     out->ptr = p;
     return true;
   }
-  TB_REQUIRE(vmm && d->memImportFromShareableHandle != nullptr, kNotAvailable,
+  TB_REQUIRE(granularity == 0 || h.handle_bytes % granularity == 0, kInvalidArgument,
+             "a CUDA memory handle of handles of " + format_size(h.handle_bytes) +
+                 " each, not a multiple of the VMM granularity of device " + std::to_string(ctx.device) + " (" +
+                 format_size(granularity) + "): not a handle torch_budget can open",
+             false);
+  TB_REQUIRE(granularity != 0 && d->memImportFromShareableHandle != nullptr, kNotAvailable,
              "device " + std::to_string(ctx.device) + " cannot import VMM memory", false);
   std::vector<int> fds;
   if (!take_remote_fds(h.pid, h.fds, &fds)) return false;

@@ -46,7 +46,8 @@ struct ShareHandle {
 };
 
 std::string encode_share(const ShareHandle& h);
-// false + kInvalidArgument for bytes that are not a handle we can open.
+// false + kInvalidArgument for bytes that are not a handle we can open (sizes that
+// overflow included).
 bool decode_share(const std::string& bytes, ShareHandle* out);
 
 // What a consumer opened: released with close_shared.
@@ -68,10 +69,11 @@ class VmmRoute;
 // route_vmm_share.cpp). false + error (kNotAvailable for the stream-ordered pool route).
 bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_t room, std::string* handle,
                   size_t* offset);
-// The consumer's side, on the device of `ctx` (`vmm`: it can import VMM memory), granting
-// `peers` access too; close_share undoes it (`may_sync`: wait for work queued on the
-// mapping first, impossible while a capture is open).
-bool open_share(const DeviceContext& ctx, bool vmm, const std::vector<int>& peers, const std::string& bytes,
+// The consumer's side, on the device of `ctx` (`granularity`: its VMM granularity, 0 when
+// it cannot import VMM memory), granting `peers` access too; bytes from another process
+// are checked before anything is opened (kInvalidArgument). close_share undoes it
+// (`may_sync`: wait for work queued on the mapping first, impossible while a capture is open).
+bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<int>& peers, const std::string& bytes,
                 OpenedShare* out);
 void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
 

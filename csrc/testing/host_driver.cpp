@@ -1094,6 +1094,17 @@ int tb_host_user_pool(int device, uint64_t id0, uint64_t id1) {
   return 0;
 }
 
+// Opens `n` bytes of a share handle on `device` (Note [Sharing memory between processes])
+// and closes what was opened: 0, or the core's error code.
+int tb_host_open_share(int device, const char* bytes, int64_t n) {
+  tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+  if (d == nullptr) return tb::last_error_code();
+  tb::OpenedShare s;
+  if (!d->open_shared(std::string(bytes, static_cast<size_t>(n)), &s)) return tb::last_error_code();
+  d->close_shared(s);
+  return 0;
+}
+
 // The ProbingSource's allocations, frees, and frees that ran under the device lock.
 void tb_host_user_counts(int64_t out[3]) {
   out[0] = g_user_allocs.load();
