@@ -23,6 +23,16 @@
 // does (a synchronisation would break it). A failure drops what was staged and leaves every
 // mapping whole, its contents kept. While a mapping is staged its memory exists twice,
 // charged to the budget (a refusal is an out-of-memory error, nothing changed).
+// The rule this leaves to callers, as the allocator cannot hold back the kernels other
+// threads launch: while a first share runs, work another thread launches on memory of a
+// mapping being cut -- the shared tensor or any tensor lying on that mapping, one
+// allocated there while the share waits included -- is kept only if it runs before that
+// mapping's copy; run between the copy and the remap, its writes go to the old memory and
+// are lost, and run while the range is unmapped, it faults (an illegal address). Work
+// queued before the share began is waited for. So share a tensor before other threads
+// launch work on the tensors around it (only the first share of a range cuts; later ones
+// export the same handles and change nothing), or allocate what is shared under
+// route('sync'), whose handles need no cut.
 // Only the handles that hold the block's own granules go out (the offset counts from the
 // first): one holding only a neighbour would go back to the driver with that neighbour's
 // memory, its descriptor closed, while torch keeps just the shared block allocated for the
