@@ -419,6 +419,37 @@ def python_api_over(host):
     return lib
 
 
+def while_a_sync_waits(h, call, action, passed=0, wait=5.0):
+    """Runs `call` in a thread while the stand-in holds synchronisations (the first `passed` go
+    through) and, once `call` waits inside one (the allocator's lock released), runs `action` in
+    another thread. Returns whether `action` finished while `call` waited, then what each
+    returned or raised."""
+    import threading
+
+    out = {}
+
+    def run(key, fn):
+        try:
+            out[key] = fn()
+        except Exception as e:  # handed to the test, which checks what was raised
+            out[key] = e
+
+    h.hold_syncs(True)
+    h.pass_syncs(passed)
+    caller = threading.Thread(target=run, args=("call", call))
+    caller.start()
+    h.hold_syncs(True, wait_for=1)  # `call` is inside a synchronisation
+    actor = threading.Thread(target=run, args=("action", action))
+    actor.start()
+    actor.join(timeout=wait)
+    finished = not actor.is_alive()
+    h.hold_syncs(False)
+    caller.join(timeout=60)
+    actor.join(timeout=60)
+    assert not caller.is_alive() and not actor.is_alive()
+    return finished, out["call"], out["action"]
+
+
 def in_child(fn, *args, **kwargs):
     """fn(*args, **kwargs) in a forked child (the host core is one per process); its result. An
     exception in the child is raised here, with the child's traceback in its message; the child

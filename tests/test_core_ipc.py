@@ -7,11 +7,10 @@ only the handles under the block go out, and none is ever mapped again."""
 import ctypes
 import os
 import struct
-import threading
 
 import pytest
 
-from _hostcore import OOM, MiB, S2, Host, isolated
+from _hostcore import OOM, MiB, S2, Host, isolated, while_a_sync_waits
 from torch_budget import _native
 from torch_budget.errors import StateError
 
@@ -212,34 +211,6 @@ def test_a_failed_export_leaves_no_descriptor_behind():
     assert open_fds() == before
 
 
-def while_share_waits(h, ptr, action, passed=0, wait=5.0):
-    """Shares `ptr` in a thread while synchronisations are held (the first `passed` go through)
-    and, once the share waits on the device, runs `action` in another thread. Returns whether
-    `action` finished while the share waited, then what each returned or raised."""
-    out = {}
-
-    def run(key, fn):
-        try:
-            out[key] = fn()
-        except Exception as e:  # handed to the test, which checks what was raised
-            out[key] = e
-
-    h.hold_syncs(True)
-    h.pass_syncs(passed)
-    sharer = threading.Thread(target=run, args=("share", lambda: h.share(ptr)))
-    sharer.start()
-    h.hold_syncs(True, wait_for=1)              # the share is inside a synchronisation
-    actor = threading.Thread(target=run, args=("action", action))
-    actor.start()
-    actor.join(timeout=wait)
-    finished = not actor.is_alive()
-    h.hold_syncs(False)
-    sharer.join(timeout=60)
-    actor.join(timeout=60)
-    assert not sharer.is_alive() and not actor.is_alive()
-    return finished, out["share"], out["action"]
-
-
 @isolated
 def test_sharing_waits_for_the_device_with_the_allocator_lock_released():
     h = Host(route="vmm", map_run=16 * MiB)
@@ -248,7 +219,7 @@ def test_sharing_waits_for_the_device_with_the_allocator_lock_released():
         h.poke(t, pattern(40 * MiB, 6))
         h.free(h.malloc(1 * MiB))               # cached: the next 1 MiB request is a cache hit
         reserved = h.reserved()
-        finished, shared, p = while_share_waits(h, t, lambda: h.malloc(1 * MiB), passed=passed)
+        finished, shared, p = while_a_sync_waits(h, lambda: h.share(t), lambda: h.malloc(1 * MiB), passed=passed)
         assert finished, "a cache hit waited for the share's device synchronisation"
         assert not isinstance(shared, Exception), shared
         _, segment, fds = parse(shared[0])
@@ -266,7 +237,7 @@ def test_a_block_freed_while_its_share_waits_for_the_device_is_refused_and_nothi
     h = Host(route="vmm", map_run=16 * MiB)
     for passed in (0, 1):                       # freed before the first copy, and while one is staged
         t = h.malloc(40 * MiB)
-        finished, shared, _ = while_share_waits(h, t, lambda: h.free(t), passed=passed)
+        finished, shared, _ = while_a_sync_waits(h, lambda: h.share(t), lambda: h.free(t), passed=passed)
         assert finished
         assert isinstance(shared, StateError) and "freed" in str(shared), shared
         assert h.reserved() == h.device_used()
@@ -285,7 +256,7 @@ def test_a_share_whose_mappings_changed_while_it_waited_starts_again():
     h.reset_peaks()
     unmaps = h.counters()["unmaps"]
     # Past the high-water line: the allocation on S2 gives x's mapping back (Note [Packing]).
-    finished, shared, z = while_share_waits(h, t, lambda: h.malloc(8 * MiB, S2))
+    finished, shared, z = while_a_sync_waits(h, lambda: h.share(t), lambda: h.malloc(8 * MiB, S2))
     assert finished
     assert h.counters()["unmaps"] > unmaps      # t's arena changed while the share waited
     assert not isinstance(shared, Exception), shared
@@ -305,7 +276,7 @@ def test_a_capture_begun_while_a_share_waits_refuses_the_share_and_changes_nothi
     t = h.malloc(40 * MiB)
     h.poke(t, pattern(40 * MiB, 7))
     reserved, used = h.reserved(), h.device_used()
-    finished, shared, _ = while_share_waits(h, t, lambda: h.begin_pool((0, 3), S2))
+    finished, shared, _ = while_a_sync_waits(h, lambda: h.share(t), lambda: h.begin_pool((0, 3), S2))
     assert finished
     assert isinstance(shared, StateError) and "capture" in str(shared), shared
     assert (h.reserved(), h.device_used()) == (reserved, used)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated
+from _hostcore import OOM, MiB, S1, S2, S3, Host, isolated, while_a_sync_waits
 from test_core_pools import _user_counts, captured, captured_read
 from torch_budget import _native
 from torch_budget.errors import StateError
@@ -196,32 +196,22 @@ def test_a_mempool_with_its_own_allocator_keeps_its_segments_while_a_graph_holds
 
 @isolated
 def test_a_capture_that_begins_while_a_release_waits_for_the_device_keeps_its_memory():
-    import threading
-
     h = Host(route="vmm")
     h.push(tag="graphs")
     w = h.malloc(8 * MiB, S1)
     h.pop()
-    errors = []
 
-    def release():
+    def capture():                   # a capture begins meanwhile, into a pool of the tag
+        h.push(tag="graphs")
+        h.begin_pool(POOL, S2)
         try:
-            h.release("graphs")
-        except StateError as e:
-            errors.append(e)
+            return h.malloc(4 * MiB, S2)
+        finally:
+            h.pop()
 
-    h.hold_syncs(True)
-    waiter = threading.Thread(target=release)
-    waiter.start()
-    h.hold_syncs(True, wait_for=1)   # the release waits for the device, the lock released
-    h.push(tag="graphs")
-    h.begin_pool(POOL, S2)           # a capture begins meanwhile, into a pool of the tag
-    x = h.malloc(4 * MiB, S2)
-    h.pop()
-    h.hold_syncs(False)
-    waiter.join(timeout=30)
-    assert not waiter.is_alive()
-    assert errors and "capture is open" in str(errors[0]), errors
+    # the release waits for the device, the lock released
+    _, released, x = while_a_sync_waits(h, lambda: h.release("graphs"), capture)
+    assert isinstance(released, StateError) and "capture is open" in str(released), released
     assert h.tag_info("graphs")["life"] == 0
     assert h.poke(x, b"x" * 4096) and h.peek(x, 4096) == b"x" * 4096, "the capture's block was unmapped"
     h.end_pool(POOL)
@@ -234,22 +224,18 @@ def test_a_capture_that_begins_while_a_release_waits_for_the_device_keeps_its_me
 
 @isolated
 def test_a_pool_that_dies_while_a_capture_begins_is_destroyed_when_the_capture_ends():
-    import threading
-
     h = Host(route="vmm")
     dying = (0, 8)
     (a,) = captured(h, [4 * MiB], pool=dying, tag="graphs", stream=S1)  # on the VMM route
     h.free(a)
     unmaps = h.counters()["unmaps"]
-    h.hold_syncs(True)
-    waiter = threading.Thread(target=h.release_pool, args=(dying,))  # the pool dies: a replay may run
-    waiter.start()
-    h.hold_syncs(True, wait_for=1)   # its destruction waits for the device, the lock released
-    h.begin_pool(POOL, S2)           # a capture begins meanwhile
-    h.fail("cuThreadExchangeStreamCaptureMode", nth=1)  # counts a switch to relaxed capture mode
-    h.hold_syncs(False)
-    waiter.join(timeout=30)
-    assert not waiter.is_alive()
+
+    def capture():                   # a capture begins meanwhile
+        h.begin_pool(POOL, S2)
+        h.fail("cuThreadExchangeStreamCaptureMode", nth=1)  # counts a switch to relaxed capture mode
+
+    # the pool dies (a replay may run): its destruction waits for the device, the lock released
+    while_a_sync_waits(h, lambda: h.release_pool(dying), capture)
     assert h.counters()["unmaps"] == unmaps, "unmapped while a capture is open"
     assert h.counters()["injected"] == 0
     assert dying in {tuple(s["pool"]) for s in h.segments()}
@@ -262,8 +248,6 @@ def test_a_pool_that_dies_while_a_capture_begins_is_destroyed_when_the_capture_e
 
 @isolated
 def test_a_trim_waiting_for_a_stream_while_a_capture_begins_unmaps_nothing():
-    import threading
-
     h = Host(route="vmm")
     h.push(tag="graphs")
     p = h.malloc(8 * MiB, S1)
@@ -271,23 +255,9 @@ def test_a_trim_waiting_for_a_stream_while_a_capture_begins_unmaps_nothing():
     h.submit(S1)
     h.free(p)                        # not clean: S1 may still use it
     unmaps = h.counters()["unmaps"]
-    errors = []
-
-    def trim():
-        try:
-            h.trim("graphs")
-        except StateError as e:
-            errors.append(e)
-
-    h.hold_syncs(True)
-    waiter = threading.Thread(target=trim)
-    waiter.start()
-    h.hold_syncs(True, wait_for=1)   # the trim waits for S1, the lock released
-    h.begin_pool(POOL, S2)           # a capture begins meanwhile
-    h.hold_syncs(False)
-    waiter.join(timeout=30)
-    assert not waiter.is_alive()
-    assert errors and "capture is open" in str(errors[0]), errors
+    # the trim waits for S1, the lock released; a capture begins meanwhile
+    _, trimmed, _ = while_a_sync_waits(h, lambda: h.trim("graphs"), lambda: h.begin_pool(POOL, S2))
+    assert isinstance(trimmed, StateError) and "capture is open" in str(trimmed), trimmed
     assert h.counters()["unmaps"] == unmaps
     h.end_pool(POOL)
     assert h.trim("graphs") > 0
