@@ -19,6 +19,30 @@ def driver_state():
     return cuda.cuDeviceGetCount(ctypes.byref(count))
 
 
+def forked_exit_code(check):
+    """Forks; the child exits 0 when `check()` is true, 2 when false, 1 when it raises. Its exit code."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = 0 if check() else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(code)
+
+
+def computes_under_torch_budget(value):
+    """A CUDA tensor of `value`s sums right, and torch_budget serves this process."""
+    import torch
+
+    import torch_budget
+
+    return torch.full((1 << 20,), value, device="cuda").sum().item() == value * (1 << 20) and torch_budget.installed()
+
+
 @pytest.mark.built("_C")
 def test_the_deferred_install_hands_torch_the_allocator_without_starting_the_driver(fresh):
     state, installed = fresh(install_deferred_in_the_bridge).value
@@ -44,25 +68,19 @@ def test_install_without_the_driver_then_fork_serves_the_child_and_the_parent(fr
 
 
 def install_then_fork():
-    import os
-
     import torch
 
     import torch_budget
 
     settings = torch_budget.install(start_driver=False)
     out = {"before_fork": driver_state(), "settings": (settings["route"], settings["capabilities"])}
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
-            served = sum(t["allocated"] for t in torch_budget.stats(0)["by_tag"].values())
-            status = 0 if (x * 2).sum().item() == float((1 << 20) * ((1 << 20) - 1)) and served >= 4 << 20 else 2
-        finally:
-            os._exit(status)
-    _, code = os.waitpid(pid, 0)
-    out["child"] = os.waitstatus_to_exitcode(code)
+
+    def child():
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        served = sum(t["allocated"] for t in torch_budget.stats(0)["by_tag"].values())
+        return (x * 2).sum().item() == float((1 << 20) * ((1 << 20) - 1)) and served >= 4 << 20
+
+    out["child"] = forked_exit_code(child)
     y = torch.ones(1 << 20, device="cuda")
     out["parent"] = bool(y.sum().item() == 1 << 20) and torch_budget.installed()
     out["after"] = driver_state()
@@ -76,25 +94,11 @@ def test_the_vllm_plugin_in_a_parent_leaves_its_forked_worker_able_to_start_cuda
 
 
 def vllm_plugin_then_fork():
-    import os
-
-    import torch
-
-    import torch_budget
     from torch_budget.adapters import vllm
 
     vllm.register()  # vLLM's load_general_plugins, in the process that forks EngineCore
     out = {"driver": driver_state()}
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            x = torch.full((1 << 20,), 3.0, device="cuda")
-            status = 0 if x.sum().item() == 3.0 * (1 << 20) and torch_budget.installed() else 2
-        finally:
-            os._exit(status)
-    _, code = os.waitpid(pid, 0)
-    out["child"] = os.waitstatus_to_exitcode(code)
+    out["child"] = forked_exit_code(lambda: computes_under_torch_budget(3.0))
     return out
 
 
@@ -108,22 +112,10 @@ def tms_import_then_fork():
     import os
 
     os.environ["TMS_INIT_ENABLE"] = "1"
-    import torch
-
-    import torch_budget
     from torch_budget.adapters import torch_memory_saver  # noqa: F401 - installs at import
 
     out = {"driver": driver_state()}
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            x = torch.full((1 << 20,), 2.0, device="cuda")  # under tag 'default' (TMS_INIT_ENABLE)
-            status = 0 if x.sum().item() == 2.0 * (1 << 20) and torch_budget.installed() else 2
-        finally:
-            os._exit(status)
-    _, code = os.waitpid(pid, 0)
-    out["child"] = os.waitstatus_to_exitcode(code)
+    out["child"] = forked_exit_code(lambda: computes_under_torch_budget(2.0))  # under tag 'default' (TMS_INIT_ENABLE)
     return out
 
 
