@@ -286,12 +286,8 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
   const std::string msg = last_error_message();
   if (seg.span[first] == count) {
     release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
-  } else if (release_handle(h) == CUDA_SUCCESS) {
-    budget_.uncharge(bytes, placement(seg));
-    bump(ledger_.num_device_free);
   } else {
-    stuck_runs_.emplace_back(h, bytes);
-    budget_.move(bytes, placement(seg), kCached);
+    give_back_handle(h, bytes, placement(seg));
   }
   set_error(kDriverError, msg);
   return false;
@@ -303,15 +299,18 @@ bool VmmRoute::release_run(Segment& seg, size_t head) {
   traced(TraceAction::kSegmentUnmap, seg, seg.base + head * granule_, count * granule_);
   const CUmemGenericAllocationHandle h = seg.granules[head];
   note_unmap(seg, head);
-  if (keep_for_move(seg, h, count)) return true;
-  if (release_handle(h) != CUDA_SUCCESS) {
-    stuck_runs_.emplace_back(h, count * granule_);  // still charged: retried later
-    budget_.move(count * granule_, placement(seg), kCached);
-    return true;
-  }
-  budget_.uncharge(count * granule_, placement(seg));
-  bump(ledger_.num_device_free);
+  if (!keep_for_move(seg, h, count)) give_back_handle(h, count * granule_, placement(seg));
   return true;
+}
+
+void VmmRoute::give_back_handle(CUmemGenericAllocationHandle h, size_t bytes, const Placement& where) {
+  if (release_handle(h) == CUDA_SUCCESS) {
+    budget_.uncharge(bytes, where);
+    bump(ledger_.num_device_free);
+  } else {
+    stuck_runs_.emplace_back(h, bytes);  // still charged: retried later
+    budget_.move(bytes, where, kCached);
+  }
 }
 
 bool VmmRoute::drop_granule(Segment& seg, size_t index) {

@@ -167,6 +167,9 @@ class VmmRoute final : public Backing {
  private:
   static constexpr Placement kCached{kRouteVmm, false, false};
   Placement placement(const Segment& seg) const;
+  // Gives an unmapped handle of `bytes`, charged at `where`, back to the driver; one the driver
+  // refuses stays charged (as cached) and is retried later.
+  void give_back_handle(CUmemGenericAllocationHandle h, size_t bytes, const Placement& where);
   // Handles for a mapping: cached ones, then new memory within the budget (after
   // giving clean free mappings back when the budget refuses).
   bool take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out);

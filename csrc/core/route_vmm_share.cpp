@@ -235,13 +235,7 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
   bump(ledger_.num_device_alloc, static_cast<int64_t>(st->handles.size()));
   note_unmap(seg, head);
   for (size_t i = 0; i < st->handles.size(); ++i) note_map(seg, head + i * st->piece, st->piece, st->handles[i]);
-  if (release_handle(old) == CUDA_SUCCESS) {
-    budget_.uncharge(bytes, st->placement);
-    bump(ledger_.num_device_free);
-  } else {
-    stuck_runs_.emplace_back(old, bytes);  // still charged: retried later
-    budget_.move(bytes, st->placement, kCached);
-  }
+  give_back_handle(old, bytes, st->placement);
   *st = StagedCut{};
   return true;
 }
