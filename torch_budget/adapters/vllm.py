@@ -165,9 +165,8 @@ class CuMemAllocator:
 
     def __init__(self):
         self.current_tag: str = CuMemAllocator.default_tag
-        self._lock = threading.RLock()  # guards _tags and _devices; held across a sleep or wake
+        self._lock = threading.RLock()  # guards _tags; held across a sleep or wake
         self._tags: dict[str, None] = {}  # every tag a use_memory_pool opened, in order
-        self._devices: set[int] = set()
 
     @contextlib.contextmanager
     def use_memory_pool(self, tag: Optional[str] = None):
@@ -179,7 +178,6 @@ class CuMemAllocator:
                                    "give memory back and map it again at the same addresses")
         with self._lock:
             self._tags.setdefault(tag)
-            self._devices.add(torch_budget.stats()["device"])
         before, self.current_tag = self.current_tag, tag
         try:
             with torch_budget.region(tag, route="vmm"):
@@ -234,7 +232,7 @@ class CuMemAllocator:
             if not torch_budget.installed():
                 return 0
             total = 0  # every device, as vLLM counts every allocation: a pool opened on one may allocate on others
-            for device in sorted(self._devices | set(_runtime.served_devices(_runtime.library()))):
+            for device in _runtime.served_devices(_runtime.library()):
                 states = sleep.tag_states(device)
                 total += sum(states[t]["resident"] + states[t]["released"] for t in self._tags if t in states)
             return total
