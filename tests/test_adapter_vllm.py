@@ -511,15 +511,21 @@ def the_backend_levels_on_a_device():
 
 
 @gpu
-def test_register_after_cuda_started_natively_raises(fresh):
-    fresh(register_after_cuda_started_natively_raises)
+def test_register_after_cuda_started_natively_leaves_torch_its_allocator_and_the_backend_refuses(fresh):
+    fresh(register_after_cuda_started_natively)
 
 
-def register_after_cuda_started_natively_raises():
+def register_after_cuda_started_natively():
     import torch
+
+    import torch_budget
 
     torch.zeros(1, device="cuda")  # torch's own allocator takes CUDA
     from torch_budget.adapters import vllm
 
-    with pytest.raises(InstallError, match="VLLM_PLUGINS"):
-        vllm.register()
+    vllm.register()  # warns: an exception here would end vLLM
+    assert not torch_budget.installed()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.int64)
+    assert int(x.sum().item()) == (1 << 20) * ((1 << 20) - 1) // 2, "torch's allocator keeps serving"
+    with pytest.raises(InstallError, match="cannot serve this process.*VLLM_PLUGINS"):
+        vllm.TorchBudgetBackend()
