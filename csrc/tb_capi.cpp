@@ -399,7 +399,7 @@ int tb_host_pool_free(void) {
 int tb_host_pool_stats(int64_t out[8]) {
   clear_error();
   const HostPoolStats s = HostPool::get().stats();
-  const int64_t values[8] = {s.bytes, s.used, s.chunks, s.pinned_at_release, s.pin_ns, 0, 0, 0};
+  const int64_t values[8] = {s.bytes, s.used, s.chunks, s.pinned_at_release, s.pin_ns, s.registered, 0, 0};
   std::copy(values, values + 8, out);
   return 0;
 }

@@ -113,7 +113,8 @@ TB_API int tb_trim_tag(int device, int tag, int64_t* returned);
 // The pinned host pool that backups use (process-wide).
 TB_API int tb_host_pool_reserve(int64_t bytes);
 TB_API int tb_host_pool_free(void);
-// out: pinned bytes, bytes holding backups, chunks, bytes pinned at release, ns spent pinning.
+// out: pinned bytes, bytes holding backups, chunks, bytes pinned at release, ns spent pinning,
+// bytes pinned by registering memory the pool mapped (the fast way: Note [Pinning fast]).
 TB_API int tb_host_pool_stats(int64_t out[8]);
 
 // --- graph pools (torch's begin/end allocate-to-pool and release-pool)

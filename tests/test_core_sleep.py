@@ -245,6 +245,52 @@ def test_pinned_backups_reuse_the_reserved_host_pool():
 
 
 @isolated
+def test_the_host_pool_pins_memory_it_maps_itself_and_unmaps_it_when_freed():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    h.release("weights", "pinned")
+    stats = h.host_pool()
+    assert stats["bytes"] >= sum(SIZES) and stats["registered"] == stats["bytes"], stats
+    assert h.lib.tb_host_pinned() == stats["bytes"], "registered memory is pinned memory"
+    h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.host_pool()["registered"] == 0 and h.lib.tb_host_pinned() == 0
+
+
+@isolated
+def test_where_registering_is_refused_the_host_pool_pins_through_cuMemHostAlloc_and_loses_nothing():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    h.fail("cuMemHostRegister", nth=-1)
+    for _ in range(2):
+        h.release("weights", "pinned")
+        stats = h.host_pool()
+        assert stats["registered"] == 0 and stats["bytes"] >= stats["used"] >= sum(SIZES), stats
+        h.restore("weights")
+        for p, data in blocks:
+            assert h.peek(p, len(data)) == data
+    h.fail("")
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
+
+
+@isolated
+def test_a_failed_unregister_keeps_the_chunk_and_a_later_free_gives_it_back():
+    h = Host(route="vmm")
+    fill(h, "weights")
+    h.release("weights", "pinned")
+    h.restore("weights")
+    pinned = h.lib.tb_host_pinned()
+    h.fail("cuMemHostUnregister", nth=1)
+    assert h.lib.tb_host_pool_free() != 0, "the driver refused: the call says so"
+    assert h.host_pool()["bytes"] == pinned == h.lib.tb_host_pinned() > 0, "nothing leaks, nothing dangles"
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
+
+
+@isolated
 def test_a_restore_maps_runs_with_one_handle_each_and_they_go_back_only_whole():
     h = Host(route="vmm")
     # 170 granules from the arena's base: a restore maps them as two runs of at most 256 MiB,

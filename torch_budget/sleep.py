@@ -92,6 +92,7 @@ class HostPoolStats(TypedDict):
     chunks: int  # pinned allocations
     pinned_at_release: int  # bytes pinned during a release because the pool was too small
     pin_seconds: float  # time spent pinning
+    registered: int  # of bytes, pinned by registering memory torch_budget mapped (the fast way)
 
 
 # Tags released anywhere in this process (name -> backup): a cheap check for graph replays.
@@ -459,9 +460,11 @@ def free_host_pool() -> int:
 def host_pool_stats() -> HostPoolStats:
     """{"bytes": pinned bytes held, "used": bytes holding backups, "chunks": pinned
     allocations, "pinned_at_release": bytes that had to be pinned during a release because
-    the pool was too small, "pin_seconds": time spent pinning}."""
+    the pool was too small, "pin_seconds": time spent pinning, "registered": of bytes, those
+    pinned by registering memory torch_budget mapped, the fast way; the rest came from
+    cuMemHostAlloc, where registering was refused}."""
     lib = _runtime.library()
     out = (_native.ctypes.c_int64 * 8)()
     _native.check(lib, lib.tb_host_pool_stats(out))
     return {"bytes": int(out[0]), "used": int(out[1]), "chunks": int(out[2]), "pinned_at_release": int(out[3]),
-            "pin_seconds": out[4] / 1e9}
+            "pin_seconds": out[4] / 1e9, "registered": int(out[5])}

@@ -75,6 +75,8 @@ bool load_cuda_driver(std::string* why) {
       resolve(lib, "cuMemHostAlloc", &d.memHostAlloc, why) && resolve(lib, "cuMemFreeHost", &d.memFreeHost, why);
   if (!base) return false;
   // Optional groups: a missing entry point leaves a null and turns the route off.
+  resolve(lib, "cuMemHostRegister_v2", &d.memHostRegister, nullptr);
+  resolve(lib, "cuMemHostUnregister", &d.memHostUnregister, nullptr);
   resolve(lib, "cuMemAddressReserve", &d.memAddressReserve, nullptr);
   resolve(lib, "cuMemAddressFree", &d.memAddressFree, nullptr);
   resolve(lib, "cuMemCreate", &d.memCreate, nullptr);

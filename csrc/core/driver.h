@@ -47,6 +47,9 @@ struct DriverApi {
   CUresult (*memsetD8Async)(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream stream);
   CUresult (*memHostAlloc)(void** ptr, size_t bytes, unsigned int flags);
   CUresult (*memFreeHost)(void* ptr);
+  // pinning memory the process mapped itself (optional as a pair; HostPool prefers it: host_pool.h)
+  CUresult (*memHostRegister)(void* ptr, size_t bytes, unsigned int flags);
+  CUresult (*memHostUnregister)(void* ptr);
   // --- VMM route (optional as a group)
   CUresult (*memAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                 unsigned long long flags);
@@ -92,6 +95,7 @@ struct DriverApi {
   CUresult (*graphNodeGetDependencies)(CUgraphNode node, CUgraphNode* deps, CUgraphEdgeData* edges, size_t* count);
   bool has_vmm() const;
   bool has_pools() const;
+  bool has_host_register() const { return memHostRegister && memHostUnregister; }
   bool has_capture_graph() const { return streamGetCaptureInfo && graphNodeGetDependencies; }
 };
 

@@ -105,6 +105,7 @@ struct State {
   int64_t host_pinned = 0;                   // bytes of cuMemHostAlloc memory live
   std::set<void*> host_allocs;
   std::map<void*, size_t> host_sizes;
+  std::map<void*, size_t> host_registered;   // cuMemHostRegister'ed ranges (counted in host_pinned)
   std::map<std::string, Fault> faults;
   Fault all;
   uint64_t rng = 0x9E3779B97F4A7C15ull;
@@ -130,7 +131,7 @@ const char* const kEntryPoints[] = {
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
     "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
     "cuMemExportToShareableHandle", "cuMemcpyDtoDAsync", "cuModuleLoadData", "cuModuleUnload", "cuModuleGetFunction",
-    "cuLaunchKernel",
+    "cuLaunchKernel", "cuMemHostRegister", "cuMemHostUnregister",
 };
 
 bool known_entry(const std::string& name) {
@@ -662,6 +663,26 @@ CUresult h_free_host(void* p) {
   std::free(p);
   return CUDA_SUCCESS;
 }
+CUresult h_host_register(void* p, size_t bytes, unsigned) {
+  HOST_ENTRY("cuMemHostRegister");
+  if (current_device() < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (p == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  for (const auto& [q, n] : g->host_registered) {
+    const auto a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+    if (a < b + n && b < a + bytes) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  }
+  g->host_registered[p] = bytes;
+  g->host_pinned += static_cast<int64_t>(bytes);
+  return CUDA_SUCCESS;
+}
+CUresult h_host_unregister(void* p) {
+  HOST_ENTRY("cuMemHostUnregister");
+  auto it = g->host_registered.find(p);
+  if (it == g->host_registered.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+  g->host_pinned -= static_cast<int64_t>(it->second);
+  g->host_registered.erase(it);
+  return CUDA_SUCCESS;
+}
 
 CUmemoryPool pool_of(int device) { return reinterpret_cast<CUmemoryPool>(0x9000 + static_cast<uintptr_t>(device)); }
 int device_of_pool(CUmemoryPool p) {
@@ -788,6 +809,8 @@ tb::DriverApi make_api() {
   a.launchKernel = h_launch;
   a.memHostAlloc = h_host_alloc;
   a.memFreeHost = h_free_host;
+  a.memHostRegister = h_host_register;
+  a.memHostUnregister = h_host_unregister;
   a.streamGetCaptureInfo = h_capture_info;
   a.graphNodeGetDependencies = h_node_deps;
   return a;
