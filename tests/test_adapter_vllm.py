@@ -34,7 +34,10 @@ SIGNATURES = {
     "get_current_usage": [("self", NO_DEFAULT)],
     "release_pools": [("self", NO_DEFAULT)],
     "close": [("self", NO_DEFAULT)],
-    "release_cudagraph_pool": [("self", NO_DEFAULT), ("pool", NO_DEFAULT)],
+    # vLLM's V2 model runner captures graphs through one of these two, by version
+    "use_cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
+    "cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
+    "release_cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
 }
 BACKEND = {"suspend": [("self", NO_DEFAULT), ("level", 1)], "resume": [("self", NO_DEFAULT), ("tags", None)],
            "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)], "state": [("self", NO_DEFAULT)]}
@@ -337,12 +340,38 @@ def test_what_torch_budget_cannot_honour_raises_unsupported():
     host, module = _vllm()
     allocator = module.CuMemAllocator.get_instance()
     assert issubclass(module.UnsupportedError, NotImplementedError)
-    for method in (allocator.use_cudagraph_pool, allocator.cudagraph_pool):
-        with pytest.raises(module.UnsupportedError, match="sleep-mode-backend torch_budget"):
-            method((0, 1))
-    allocator.release_cudagraph_pool((0, 1))  # not a pool of this allocator: nothing to release
     with pytest.raises(module.UnsupportedError, match="sleep_mode_backend_options"):
         module.TorchBudgetBackend(suspend_tags=("weights",))
+
+
+@built
+@isolated
+def test_the_graph_pool_charges_captures_to_cudagraph_which_every_sleep_backs_up_and_every_wake_maps():
+    # vLLM's V2 model runner with its default "cumem" backend captures every graph inside
+    # `with allocator.cudagraph_pool() as pool` (use_cudagraph_pool in other versions)
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        w = _alloc(host, 4 * MiB, b"w")
+    with allocator.use_cudagraph_pool() as pool:
+        assert allocator.current_tag == module.GRAPH_TAG == "cudagraph"
+        g = _alloc(host, 2 * MiB, b"g")  # what a capture allocates
+    assert allocator.current_tag == "default"
+    with allocator.cudagraph_pool() as again, allocator.use_cudagraph_pool((0, 99)) as theirs:
+        assert again == pool and theirs == (0, 99), "one pool of its own; vLLM's own where it passes one"
+    allocator.sleep(offload_tags=())  # level 2: nothing offloaded, but a graph's memory always is
+    assert _states() == {"weights": ("released", "none"), "cudagraph": ("released", "pinned")}
+    allocator.wake_up(tags=["kv_cache"])  # any wake maps the graphs back
+    assert _states() == {"weights": ("released", "none"), "cudagraph": ("live", "pinned")}
+    assert host.peek(g, 4096) == b"g" * 4096
+    allocator.wake_up(tags=["weights"])
+    assert host.poke(w, b"w" * 4096)  # level 2 reloads the weights
+    host.free(g)  # the graphs are destroyed
+    allocator.release_cudagraph_pool()
+    assert sleep.tag_states()["cudagraph"]["resident"] == 0, "their memory went back to the driver"
+    with allocator.use_cudagraph_pool() as fresh:
+        assert fresh != pool, "a recapture starts from a fresh pool"
+    allocator.release_cudagraph_pool((0, 1))  # a pool that is not this allocator's: its tag's cache emptied, no error
 
 
 @built
@@ -529,3 +558,43 @@ def register_after_cuda_started_natively():
     assert int(x.sum().item()) == (1 << 20) * ((1 << 20) - 1) // 2, "torch's allocator keeps serving"
     with pytest.raises(InstallError, match="cannot serve this process.*VLLM_PLUGINS"):
         vllm.TorchBudgetBackend()
+
+
+@gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_graphs_captured_into_the_sleep_mode_graph_pool_replay_after_either_sleep_level(fresh, level):
+    fresh(graphs_captured_into_the_graph_pool_replay_after_sleep, level)
+
+
+def graphs_captured_into_the_graph_pool_replay_after_sleep(level):
+    # as vLLM's own test of its cuMem graph pool (tests/basic_correctness/test_cumem.py), driven the
+    # way its V2 model runner and its default "cumem" backend drive the allocator
+    import torch
+
+    from torch_budget.adapters import vllm
+
+    vllm.register()
+    allocator = vllm.CuMemAllocator.get_instance()
+    backend = vllm.TorchBudgetBackend()
+    with allocator.use_memory_pool("weights"):
+        weight = torch.full((1 << 20,), 2.0, device="cuda")
+    x = torch.ones_like(weight)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with allocator.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool, stream=stream):
+        const = torch.empty_like(x)  # no replay writes it: only a backup keeps it
+        y = x * weight + const
+    const.fill_(3.0)
+    states = sleep.tag_states()
+    assert states["cudagraph"]["resident"] >= 2 * x.nbytes, states
+    mapped = states["cudagraph"]["resident"]
+    backend.suspend(level=level)
+    assert sleep.tag_states()["cudagraph"]["state"] == "released"
+    backend.resume(tags=["kv_cache"])  # any wake maps the graphs back, contents and all
+    assert sleep.tag_states()["cudagraph"]["resident"] == mapped
+    backend.resume(tags=["weights"])
+    weight.fill_(2.0)  # level 2 discards the weights; vLLM reloads them
+    graph.replay()
+    assert torch.equal(y, torch.full_like(x, 5.0))
+    del graph, y, const
+    allocator.release_cudagraph_pool()
+    assert sleep.tag_states()["cudagraph"]["resident"] == 0, "the graphs' memory went back to the driver"

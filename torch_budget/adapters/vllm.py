@@ -23,6 +23,12 @@ The mapping (vLLM name -> what torch_budget does):
   wake_up(tags=None)           restore(...) of the released tags (None: all); a list wakes those tags and
                                every tag outside DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
   get_current_usage()          bytes mapped or released behind the tags (stats()["by_tag"] resident + released)
+  use_cudagraph_pool(pool=None) a graph pool handle (vLLM's `pool`, else one of this allocator's) yielded inside
+  (also: cudagraph_pool())     torch_budget.region("cudagraph"): the graphs vLLM captures into it (its default
+                               "cumem" backend does, in its V2 model runner) are charged to tag "cudagraph",
+                               which sleep backs up at every level and every wake maps back, as vLLM's does
+  release_cudagraph_pool(pool=None)  after the graphs are destroyed: empty_cache(tags="cudagraph"), and the next
+                               capture gets a fresh pool
   release_pools(), close()     nothing to drop: torch_budget keeps no MemPool per tag
   register_tag_hooks(...)      vLLM's own hooks run: before a tag is released, after a wake maps all of it
   TorchBudgetBackend           suspend(level) 1: sleep(("weights",)); 2: sleep(()); resume(tags) = wake_up(tags);
@@ -31,8 +37,7 @@ The mapping (vLLM name -> what torch_budget does):
 All of it acts on every device. Tags already asleep stay as they are (a sleep asking another backup
 logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had woken, then raises.
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError):
-capturing CUDA graphs into the allocator's pool (use_cudagraph_pool, cudagraph_pool: vLLM does it only for
-the "cumem" backend, so pick --sleep-mode-backend torch_budget), backend options, and devices without VMM.
+backend options, and devices without VMM.
 When CUDA started on torch's own allocator before the plugin ran (a trainer in the same process), register()
 logs a warning saying so and vLLM runs on torch's allocator: the CuMemAllocator slot stays vLLM's, and the
 torch_budget backend, asked for, raises InstallError with that reason. Importing this module installs
@@ -56,11 +61,12 @@ from torch_budget._validate import tag_name
 from torch_budget.adapters._common import ensure_installed, install_at_import
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
-__all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS",
+__all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS", "GRAPH_TAG",
            "UnsupportedError"]
 
 BACKEND_NAME = "torch_budget"
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")  # vllm.device_allocator's: only these wait for a wake
+GRAPH_TAG = "cudagraph"  # vLLM's tag of the CUDA graphs captured into the sleep-mode allocator's pool
 _OFFLOAD, _DISCARD = "pinned", "none"  # vLLM's pinned CPU copy; no copy
 
 logger = logging.getLogger(__name__)
@@ -167,15 +173,13 @@ class CuMemAllocator:
         self.current_tag: str = CuMemAllocator.default_tag
         self._lock = threading.RLock()  # guards _tags; held across a sleep or wake
         self._tags: dict[str, None] = {}  # every tag a use_memory_pool opened, in order
+        self._graph_pool: Optional[tuple[int, int]] = None  # use_cudagraph_pool's, until released
 
     @contextlib.contextmanager
     def use_memory_pool(self, tag: Optional[str] = None):
         """Allocations inside are charged to `tag` (None: "default") on the VMM route."""
         tag = self.default_tag if tag is None else tag_name(tag)
-        _install("torch_budget's CuMemAllocator was used")
-        if diagnostics.route_for("vmm") != "vmm":
-            raise UnsupportedError("this device has no CUDA virtual memory management, which sleep mode needs to "
-                                   "give memory back and map it again at the same addresses")
+        self._check_vmm()
         with self._lock:
             self._tags.setdefault(tag)
         before, self.current_tag = self.current_tag, tag
@@ -187,10 +191,17 @@ class CuMemAllocator:
         finally:
             self.current_tag = before
 
+    def _check_vmm(self) -> None:
+        _install("torch_budget's CuMemAllocator was used")
+        if diagnostics.route_for("vmm") != "vmm":
+            raise UnsupportedError("this device has no CUDA virtual memory management, which sleep mode needs to "
+                                   "give memory back and map it again at the same addresses")
+
     def sleep(self, offload_tags: Union[tuple[str, ...], str, None] = None) -> None:
-        """Releases every tag: a pinned host copy of those in `offload_tags` (None: ("default",)), no copy of
-        the rest. Tags already asleep keep their backup."""
+        """Releases every tag: a pinned host copy of those in `offload_tags` (None: ("default",)) and of
+        GRAPH_TAG, no copy of the rest. Tags already asleep keep their backup."""
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
+        offload += (GRAPH_TAG,)
         self._release({t: _OFFLOAD if t in offload else _DISCARD for t in self._known()}, "sleep")
         gc.collect()
         if torch_budget.installed():
@@ -243,14 +254,40 @@ class CuMemAllocator:
     def close(self) -> None:
         """Nothing to drop, as release_pools()."""
 
-    def use_cudagraph_pool(self, *args, **kwargs):
-        raise UnsupportedError(_GRAPH_POOL)
+    @contextlib.contextmanager
+    def use_cudagraph_pool(self, pool: Optional[tuple[int, int]] = None):
+        """Yields the pool to capture CUDA graphs into (`pool` where vLLM passes its own, else this
+        allocator's one graph pool); what the captures inside allocate is charged to GRAPH_TAG
+        ("cudagraph"), which sleep always backs up (a replay does not rewrite all of a graph's
+        memory) and every wake maps back at its addresses, as vLLM's cuMem graph pool."""
+        import torch
 
-    def cudagraph_pool(self, *args, **kwargs):
-        raise UnsupportedError(_GRAPH_POOL)
+        self._check_vmm()
+        with self._lock:
+            self._tags.setdefault(GRAPH_TAG)
+            if pool is None:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                pool = self._graph_pool
+        before, self.current_tag = self.current_tag, GRAPH_TAG
+        try:
+            # The region opens before the capture: the private pool takes its tag when capture begins.
+            with torch_budget.region(GRAPH_TAG, route="vmm"):
+                yield pool
+        finally:
+            self.current_tag = before
 
-    def release_cudagraph_pool(self, pool) -> None:
-        """vLLM releases its profiling pools here; this allocator holds none, so there is nothing to do."""
+    cudagraph_pool = use_cudagraph_pool  # the name in other vLLM versions
+
+    def release_cudagraph_pool(self, pool: Optional[tuple[int, int]] = None) -> None:
+        """Once the graphs captured into `pool` (None: this allocator's graph pool) are destroyed, their
+        memory goes back to the driver, and the next capture starts from a fresh pool."""
+        with self._lock:
+            if pool is None or pool == self._graph_pool:
+                self._graph_pool = None
+            if GRAPH_TAG in self._tags and torch_budget.installed() and GRAPH_TAG not in sleep.released_tags():
+                gc.collect()  # graphs vLLM dropped but the collector holds
+                torch_budget.empty_cache(device="all", tags=GRAPH_TAG)
 
     def _known(self) -> list[str]:
         with self._lock:
@@ -288,10 +325,6 @@ class CuMemAllocator:
                         torch_budget.restore(done, device="all")
                 raise
 
-
-_GRAPH_POOL = ("capturing CUDA graphs into the sleep-mode allocator's pool: torch_budget tags a graph's private "
-               "pool by the region it is captured in instead, and vLLM captures into this pool only for its 'cumem' "
-               "backend: pick --sleep-mode-backend torch_budget (graphs then stay resident while vLLM sleeps)")
 
 
 class TorchBudgetBackend:
