@@ -36,6 +36,7 @@ FAKES = {
     """,
     "cuda_graph.py": """
         def run(hook_mode):
+            print("memory: 42 GiB free")
             raise AssertionError("the graph replayed to a different result")
     """,
 }
@@ -45,13 +46,15 @@ def test_cases_pass_fail_or_say_why_torch_budget_cannot(tmp_path, capsys):
     for name, text in FAKES.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     rc = tool.main([str(tmp_path), "--cases", "simple,nested_region,cuda_graph,multi_device", "--devices", "1"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     lines = {line.split()[0]: line for line in out.splitlines() if line and not line.startswith("RESULT")}
     assert rc == 1
     assert "passed" in lines["simple.run[preload]"] and "passed" in lines["simple.run[torch]"]
     assert "unsupported" in lines["nested_region.run[preload]"]
     assert "memory_margin_bytes" in lines["nested_region.run[preload]"]
     assert "failed" in lines["cuda_graph.run[torch]"] and "different result" in lines["cuda_graph.run[torch]"]
+    assert 'at cuda_graph.py:4: raise AssertionError("the graph' in lines["cuda_graph.run[torch]"], "where it failed"
+    assert "    | memory: 42 GiB free" in err, "a failed case's last output goes to the log"
     assert "skipped" in lines["multi_device.run[preload]"]
     assert out.strip().splitlines()[-1] == "RESULT tms_examples passed=2 unsupported=1 failed=2 skipped=2"
 

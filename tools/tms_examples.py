@@ -125,7 +125,15 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     for line in reversed(lines):
         if "UnsupportedError" in line:
             return "unsupported", line.strip()
-    return "failed", lines[-1].strip() if lines else f"exit {returncode}"
+    if not lines:
+        return "failed", f"exit {returncode}"
+    # where it failed: the innermost frame of the traceback and its source line
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    if frames and frames[-1] + 1 < len(lines):
+        frame = lines[frames[-1]].strip()
+        where = frame.split('"')[1].rsplit(os.sep, 1)[-1] + ":" + frame.split(", line ")[1].split(",")[0]
+        return "failed", f"{lines[-1].strip()} at {where}: {lines[frames[-1] + 1].strip()}"
+    return "failed", lines[-1].strip()
 
 
 def run_case(case: Case, mode: str, examples: str, shim: str, timeout: float) -> tuple[str, str]:
@@ -137,7 +145,14 @@ def run_case(case: Case, mode: str, examples: str, shim: str, timeout: float) ->
                               timeout=timeout, cwd=examples)
     except subprocess.TimeoutExpired:
         return "failed", f"timed out after {timeout:.0f} s"
-    return classify(proc.returncode, proc.stdout + proc.stderr)
+    outcome, why = classify(proc.returncode, proc.stdout + proc.stderr)
+    if outcome == "failed":  # what it printed last (the examples print the memory they see) goes to the log
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-FAILED_TAIL:]
+        print("\n".join("    | " + line for line in tail), file=sys.stderr, flush=True)
+    return outcome, why
+
+
+FAILED_TAIL = 25  # lines of a failed case's output shown
 
 
 def device_count() -> int:
@@ -177,7 +192,7 @@ def main(argv=None) -> int:
                 else:
                     outcome, why = run_case(case, mode, examples, shim, args.timeout)
                 counts[outcome] += 1
-                print(f"{name:52} {outcome:11} {why[:160]}", flush=True)
+                print(f"{name:52} {outcome:11} {why[:240]}", flush=True)
     print("RESULT tms_examples " + " ".join(f"{k}={v}" for k, v in counts.items()))
     return 1 if counts["failed"] else 0
 
