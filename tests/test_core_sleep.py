@@ -225,6 +225,31 @@ def test_trim_of_a_tag_returns_its_freed_memory_at_once():
 
 
 @isolated
+def test_trimming_a_tag_gives_back_its_graph_pools_no_graph_holds_and_leaves_other_tags_pools():
+    # a graph's private pool takes the tag of the region it was captured in; once its graphs and
+    # outputs are gone, empty_cache(tags=...) is how vLLM's release_cudagraph_pool gives it back
+    h = Host(route="vmm")
+    pools = {}
+    for tag, pid in (("cudagraph", (0, 5)), ("other", (0, 6))):
+        h.push("vmm", tag)
+        h.begin_pool(pid, S1)
+        pools[tag] = (pid, [h.malloc(4 * MiB, S1), h.malloc(4 * MiB, S1)])
+        h.end_pool(pid)
+        h.pop()
+    h.submit(S1)  # a replay still running: the dead pools wait in line
+    for pid, _ in pools.values():
+        h.release_pool(pid)  # the graphs are destroyed
+    for _, blocks in pools.values():
+        for b in blocks:
+            h.free(b)  # then their outputs
+    assert h.tag_info("cudagraph")["resident"] == h.tag_info("other")["resident"] == 8 * MiB
+    assert h.trim("cudagraph") == 8 * MiB
+    assert h.tag_info("cudagraph")["resident"] == 0, "the tag's dead pool went back to the driver"
+    assert h.tag_info("other")["resident"] == 8 * MiB, "another tag's pool is not this trim's"
+    assert h.trim("cudagraph") == 0
+
+
+@isolated
 def test_pinned_backups_reuse_the_reserved_host_pool():
     h = Host(route="vmm")
     fill(h, "weights")

@@ -269,7 +269,9 @@ class DeviceAllocator {
   bool cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_t ptr, Block** block);
   // `may_wait`: synchronise the device for pools that died after its last synchronisation
   // (never on the free path: there only pools already clean go).
-  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true);
+  // `tag` >= 0: only the dead pools of that tag (trim_tag).
+  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true, int tag = -1);
+  bool has_dead_pool_of(int tag);
   // The route of a new private pool (Note [Private pool routes]).
   int private_route(int tag) const;
   Backing* private_backing(int tag);

@@ -124,11 +124,25 @@ void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
 }
 
-void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all, bool may_wait) {
+bool DeviceAllocator::has_dead_pool_of(int tag) {
+  for (const DeadPool& d : dead_) {
+    PrivatePool* p = graphs_.find(d.id);
+    if (p != nullptr && p->tag == tag) return true;
+  }
+  return false;
+}
+
+void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all, bool may_wait, int tag) {
   if (dead_.empty() || open_captures() > 0) return;
+  auto wanted = [&](const DeadPool& d) {
+    if (tag < 0) return true;
+    PrivatePool* p = graphs_.find(d.id);
+    return p != nullptr && p->tag == tag;
+  };
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
-  for (const DeadPool& d : dead_) need_sync |= (all || !d.during_capture) && !clock_.device_clean(d.died_at);
+  for (const DeadPool& d : dead_)
+    need_sync |= wanted(d) && (all || !d.during_capture) && !clock_.device_clean(d.died_at);
   // Without waiting, only the pools already clean go.
   if (need_sync && may_wait && !sync_device(lock)) return;
   std::vector<DeadPool> dead;
@@ -137,7 +151,7 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, boo
   // unmapping is an unsafe call while it captures in global mode.
   RelaxedCaptureMode relaxed(open_captures() > 0);
   for (const DeadPool& d : dead) {
-    if (d.during_capture && !all) {
+    if ((d.during_capture && !all) || !wanted(d)) {
       dead_.push_back(d);
       continue;
     }

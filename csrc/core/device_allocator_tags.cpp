@@ -117,19 +117,26 @@ bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
   *returned = 0;
   std::unique_lock<std::mutex> lock(mu_);
   TB_REQUIRE(tag >= 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
-  if (!tags_.trimmable(tag)) return true;  // nothing of its own to trim
+  // Its own cached memory, and the graph pools of the tag no graph holds any more (a graph's
+  // private pool takes the tag of the region it was captured in), which a tag-less
+  // empty_cache destroys too.
+  const bool own = tags_.trimmable(tag);
+  if (!own && !has_dead_pool_of(tag)) return true;  // nothing to trim
   auto no_capture = [&] {
     TB_REQUIRE(open_captures() == 0, kState,
                "trim of tag '" + tag_name(tag) + "' while a CUDA graph capture is open", false);
     return true;
   };
   if (!no_capture()) return false;
-  const std::vector<CUstream> dirty = tags_.dirty_streams(tag);
-  if (!dirty.empty()) sync_streams(lock, dirty);
-  // Checked again: unmapping is an unsafe call for a capture that began while the lock was released.
-  if (!no_capture()) return false;
   const int64_t before = budget_.reserved();
-  tags_.trim_clean(tag);
+  destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/true, tag);  // waits for their last replays
+  if (own) {
+    const std::vector<CUstream> dirty = tags_.dirty_streams(tag);
+    if (!dirty.empty()) sync_streams(lock, dirty);
+    // Checked again: unmapping is an unsafe call for a capture that began while the lock was released.
+    if (!no_capture()) return false;
+    tags_.trim_clean(tag);
+  }
   *returned = before - budget_.reserved();
   return true;
 }
