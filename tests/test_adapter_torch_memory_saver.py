@@ -888,3 +888,25 @@ def test_pause_and_resume_before_any_allocation_do_nothing_as_in_torch_memory_sa
     saver.pause("weights")
     saver.resume("weights")
     saver.resume()
+
+
+@built
+@isolated
+def test_resume_maps_back_the_cache_a_tag_held_at_pause_without_copying_into_it():
+    # torch_memory_saver maps back every segment torch's allocator held, used or not: its
+    # training_engine example checks that the memory in use after resume is what it was before
+    # pause, and that the next forward pass needs no more
+    host, saver = _init_enabled_saver()
+    w = _alloc(host, 4 * MiB, b"w")
+    host.free(_alloc(host, 64 * MiB, b"a"))  # activations, freed into the cache
+    before = host.device_used()
+    saver.pause()
+    assert host.device_used() == 0
+    saver.resume()
+    assert host.device_used() == before, "the cache is back"
+    assert host.peek(w, 4096) == b"w" * 4096
+    tag = torch_budget.stats()["by_tag"]["default+pinned"]  # TMS_INIT_ENABLE_CPU_BACKUP's tag
+    assert tag["resident"] - tag["allocated"] >= 64 * MiB
+    again = host.malloc(64 * MiB, stream=host.stream(0))
+    assert host.device_used() == before, "the next pass finds its memory in the cache"
+    host.free(again)

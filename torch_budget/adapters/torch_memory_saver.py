@@ -14,7 +14,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          "untagged" memory is never paused)
   pause(tag=None)        torch_budget.release(<tag's tags>, backup=..., device="all"); None or "":
                          every tag a region or cuda_graph of this process used
-  resume(tag=None)       torch_budget.restore(<tag's tags>, device="all")
+  resume(tag=None)       torch_budget.restore(<tag's tags>, device="all"); then each tag's cache
+                         grows back to the size it had at pause (mapped, nothing copied in), as
+                         torch_memory_saver maps back every segment torch's allocator held, used
+                         or not: the memory in use after resume is what it was before pause
   cuda_graph(...)        torch.cuda.graph(...) captured inside region(tag): the graph's private
                          pool is tagged, so pause(tag) releases it. A pool takes the tag its
                          first capture ran under: capturing into one of another tag (or
@@ -105,6 +108,7 @@ def _env_flag(name: str) -> bool:
 # torch_budget's own "untagged" nothing would ever pause.
 _registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UNTAGGED else tag)
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
+_cache_at_pause: dict[tuple[str, int], int] = {}  # (torch_budget tag, device) -> bytes its cache held at pause
 _scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for; flips
 
 
@@ -285,6 +289,45 @@ def _allocated_anywhere() -> bool:
     return bool(_runtime.served_devices(_runtime.library()))
 
 
+def _cache_bytes(names) -> dict[tuple[str, int], int]:
+    """(tag, device) -> bytes mapped behind the tag that no tensor uses (its cache), where some."""
+    out = {}
+    for device in _runtime.served_devices(_runtime.library()):
+        by_tag = torch_budget.stats(device)["by_tag"]
+        for name in names:
+            t = by_tag.get(name)
+            if t is not None and t["resident"] > t["allocated"]:
+                out[(name, device)] = t["resident"] - t["allocated"]
+    return out
+
+
+def _regrow_cache(names) -> None:
+    """Gives each of `names` back the cache it held at pause, where the budget has room: one
+    block allocated under the tag and freed at once, so it stays mapped in the tag's cache.
+    Where it has no room, the cache stays smaller (torch_budget grows it again on demand)."""
+    lib = _runtime.library()
+    for (name, device), nbytes in sorted(_cache_at_pause.items()):
+        if name not in names:
+            continue
+        del _cache_at_pause[(name, device)]
+        s = torch_budget.stats(device)
+        room = (s["budget"] if s["budget"] is not None else s["total"]) - s["reserved"]
+        if nbytes > room:
+            continue
+        stream = _current_stream(device)
+        with torch_budget.region(name, route="vmm"):
+            ptr = lib.tb_malloc(nbytes, device, stream)
+        if ptr:  # a refusal leaves the cache as it is: the contents are back either way
+            lib.tb_free(ptr, nbytes, device, stream)
+
+
+def _current_stream(device: int):
+    """torch's current stream on `device` (its cache is per stream); the default stream before CUDA started."""
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream if torch.cuda.is_initialized() else None
+
+
 def _unpin_unused() -> None:
     """torch_memory_saver frees a pinned backup at the resume that does not retain it; torch_budget's
     pinned host pool keeps the memory for the next pause. Unpins what no backup holds now (the
@@ -366,6 +409,7 @@ class TorchMemorySaver:
             by_backup: dict[str, list[str]] = {}
             for name, backup in sorted(names.items()):
                 by_backup.setdefault(backup, []).append(name)
+            cache = _cache_bytes(names)
             done: list[list[str]] = []
             try:
                 for backup, group in sorted(by_backup.items()):
@@ -377,6 +421,7 @@ class TorchMemorySaver:
                     with contextlib.suppress(TorchBudgetError):
                         torch_budget.restore(group, device="all")
                 raise
+            _cache_at_pause.update(cache)
 
     def resume(self, tag: Optional[str] = None):
         """Maps memory back behind `tag` (None or "": every paused tag) at the same addresses and
@@ -400,6 +445,7 @@ class TorchMemorySaver:
                 torch_budget.restore(rest, device="all")
             if not _retain and any(names[n] == "pinned" for n in copying):
                 _unpin_unused()
+            _regrow_cache(paused)
 
     @property
     def enabled(self):
