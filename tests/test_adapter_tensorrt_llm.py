@@ -347,3 +347,68 @@ def a_scope_after_cuda_started_natively_raises():
     with pytest.raises(InstallError, match="before the first CUDA tensor"):
         with virtual_memory.scope("model"):
             pass
+
+
+def _fake_tensorrt_llm():
+    """Stand-ins of the TensorRT-LLM modules serve_tensorrt_llm rebinds: its virtual_memory (with
+    its binding's RestoreMode and its ExecutorMemoryType), py_executor_creator, which binds
+    `scope` at import, and an LLM whose sleep / wakeup import their functions when they run."""
+    import sys
+    import types
+
+    def native(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"TensorRT-LLM's own {name} was called")
+        return call
+
+    vm = types.ModuleType("tensorrt_llm._torch.virtual_memory")
+    vm.RestoreMode = enum.Enum("CudaVirtualMemoryAllocatorRestoreMode", "NONE MEMSET CPU PINNED")
+    vm.ExecutorMemoryType = enum.Enum("ExecutorMemoryType", {"MODEL_ENGINE_MAIN": "model", "KV_CACHE": "kv_cache"},
+                                      type=str)
+    for name in ("scope", "maybe_scope", "preserve_contents", "release_with_tag", "materialize_with_tag"):
+        setattr(vm, name, native(name))
+    creator = types.ModuleType("tensorrt_llm._torch.pyexecutor.py_executor_creator")
+    creator.virtual_memory_scope, creator.RestoreMode = vm.scope, vm.RestoreMode  # bound at its import
+    llm = types.ModuleType("tensorrt_llm.llmapi.llm")
+
+    def sleep(*tags):
+        from tensorrt_llm._torch.virtual_memory import release_with_tag
+        return release_with_tag(*tags)
+
+    def wakeup(*tags):
+        from tensorrt_llm._torch.virtual_memory import materialize_with_tag
+        return materialize_with_tag(*tags)
+
+    llm.sleep, llm.wakeup = sleep, wakeup
+    modules = {"tensorrt_llm": types.ModuleType("tensorrt_llm"), "tensorrt_llm._torch": types.ModuleType("x"),
+               vm.__name__: vm, creator.__name__: creator, llm.__name__: llm}
+    modules["tensorrt_llm"]._torch = modules["tensorrt_llm._torch"]
+    modules["tensorrt_llm._torch"].virtual_memory = vm
+    sys.modules.update(modules)
+    return vm, creator, llm
+
+
+@built
+@isolated
+def test_serve_tensorrt_llm_points_its_own_executor_and_sleep_at_the_adapter():
+    host, module = _trt()
+    vm, creator, llm = _fake_tensorrt_llm()
+    assert module.serve_tensorrt_llm() == 6  # five functions, and the creator's bound `scope`
+    assert module.serve_tensorrt_llm() == 0, "idempotent"
+    memory_type = vm.ExecutorMemoryType
+    with creator.virtual_memory_scope(memory_type.MODEL_ENGINE_MAIN.value, creator.RestoreMode.PINNED):
+        weights = _alloc(host, 2 * MiB, b"w")
+    with vm.maybe_scope(True, memory_type.KV_CACHE, vm.RestoreMode.NONE):
+        _alloc(host, 4 * MiB, b"k")
+    assert llm.sleep(*memory_type) == 2
+    assert _states() == {"model+pinned": ("released", "pinned"), "kv_cache": ("released", "none")}
+    assert llm.wakeup(*memory_type) == 2
+    assert host.peek(weights, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_serve_tensorrt_llm_without_tensorrt_llm_raises_import_error():
+    _, module = _trt()
+    with pytest.raises(ImportError):
+        module.serve_tensorrt_llm()

@@ -11,6 +11,13 @@
     virtual_memory.release_with_tag("model", "kv_cache")      # device memory back to the driver
     virtual_memory.materialize_with_tag("model", "kv_cache")  # same addresses, the model's contents back
 
+TensorRT-LLM's own executor (its PyTorch backend's py_executor_creator, LLM.sleep / LLM.wakeup) imports
+tensorrt_llm._torch.virtual_memory itself; serve_tensorrt_llm() points it here, one line before the LLM is built:
+
+    from torch_budget.adapters.tensorrt_llm import serve_tensorrt_llm
+    serve_tensorrt_llm()
+    llm = LLM(model, enable_sleep=True)
+
 The mapping (TensorRT-LLM name -> what torch_budget does):
   scope(tag, mode=NONE)        torch_budget.region(<tag, mode>, route="vmm"); nests, the innermost decides;
                                yields an object with .tag and .mode
@@ -53,7 +60,7 @@ from torch_budget.adapters._common import TagRegistry, ensure_installed, install
 from torch_budget.errors import InvalidArgumentError, TorchBudgetError, UnsupportedError
 
 __all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
-           "UnsupportedError"]
+           "serve_tensorrt_llm", "UnsupportedError"]
 
 
 class RestoreMode(enum.IntEnum):
@@ -206,6 +213,41 @@ def materialize_with_tag(*tags: str) -> int:
                         torch_budget.release(name, backup=asleep[name], device="all")
                 raise
     return count
+
+
+_SERVED = ("scope", "maybe_scope", "preserve_contents", "release_with_tag", "materialize_with_tag")
+_TRT_MODULE = "tensorrt_llm._torch.virtual_memory"
+
+
+def serve_tensorrt_llm() -> int:
+    """Makes TensorRT-LLM's own executor use this adapter: the functions of
+    tensorrt_llm._torch.virtual_memory named in _SERVED become this module's, and so does every
+    name a loaded tensorrt_llm module bound to one of them (py_executor_creator imports `scope`
+    as `virtual_memory_scope`; LLM.sleep imports release_with_tag when it runs, so it finds this
+    one). TensorRT-LLM's RestoreMode and ExecutorMemoryType stay its own: scope takes them. Call it
+    in the process that builds the executor, before it is built (for TensorRT-LLM's worker
+    processes: in each worker). Idempotent; returns the number of names rebound. ImportError where
+    TensorRT-LLM is not installed."""
+    import importlib
+    import sys
+
+    vm = importlib.import_module(_TRT_MODULE)
+    ours = {name: globals()[name] for name in _SERVED}
+    theirs = {id(getattr(vm, name)): ours[name] for name in _SERVED
+              if hasattr(vm, name) and getattr(vm, name) is not ours[name]}
+    rebound = 0
+    for name in _SERVED:
+        if getattr(vm, name, None) is not ours[name]:
+            setattr(vm, name, ours[name])
+            rebound += 1
+    for module_name, module in list(sys.modules.items()):
+        if module is vm or module is None or not module_name.startswith("tensorrt_llm"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in theirs:
+                setattr(module, attr, theirs[id(value)])
+                rebound += 1
+    return rebound
 
 
 # torch's allocator can only be replaced before CUDA starts, and TensorRT-LLM starts it early.
