@@ -272,6 +272,7 @@ class DeviceAllocator {
   // `tag` >= 0: only the dead pools of that tag (trim_tag).
   void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true, int tag = -1);
   bool has_dead_pool_of(int tag);
+  bool dead_pool_of(const DeadPool& d, int tag);  // tag < 0: any
   // The route of a new private pool (Note [Private pool routes]).
   int private_route(int tag) const;
   Backing* private_backing(int tag);

@@ -124,25 +124,24 @@ void DeviceAllocator::note_if_dead(BlockPool* blocks) {
   dead_.push_back(DeadPool{id, clock_.stamp(), open_captures() > 0});
 }
 
+bool DeviceAllocator::dead_pool_of(const DeadPool& d, int tag) {
+  if (tag < 0) return true;
+  PrivatePool* p = graphs_.find(d.id);
+  return p != nullptr && p->tag == tag;
+}
+
 bool DeviceAllocator::has_dead_pool_of(int tag) {
-  for (const DeadPool& d : dead_) {
-    PrivatePool* p = graphs_.find(d.id);
-    if (p != nullptr && p->tag == tag) return true;
-  }
+  for (const DeadPool& d : dead_)
+    if (dead_pool_of(d, tag)) return true;
   return false;
 }
 
 void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all, bool may_wait, int tag) {
   if (dead_.empty() || open_captures() > 0) return;
-  auto wanted = [&](const DeadPool& d) {
-    if (tag < 0) return true;
-    PrivatePool* p = graphs_.find(d.id);
-    return p != nullptr && p->tag == tag;
-  };
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
   for (const DeadPool& d : dead_)
-    need_sync |= wanted(d) && (all || !d.during_capture) && !clock_.device_clean(d.died_at);
+    need_sync |= dead_pool_of(d, tag) && (all || !d.during_capture) && !clock_.device_clean(d.died_at);
   // Without waiting, only the pools already clean go.
   if (need_sync && may_wait && !sync_device(lock)) return;
   std::vector<DeadPool> dead;
@@ -151,7 +150,7 @@ void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, boo
   // unmapping is an unsafe call while it captures in global mode.
   RelaxedCaptureMode relaxed(open_captures() > 0);
   for (const DeadPool& d : dead) {
-    if ((d.during_capture && !all) || !wanted(d)) {
+    if ((d.during_capture && !all) || !dead_pool_of(d, tag)) {
       dead_.push_back(d);
       continue;
     }
