@@ -380,10 +380,13 @@ def _fake_tensorrt_llm():
         return materialize_with_tag(*tags)
 
     llm.sleep, llm.wakeup = sleep, wakeup
-    modules = {"tensorrt_llm": types.ModuleType("tensorrt_llm"), "tensorrt_llm._torch": types.ModuleType("x"),
-               vm.__name__: vm, creator.__name__: creator, llm.__name__: llm}
-    modules["tensorrt_llm"]._torch = modules["tensorrt_llm._torch"]
-    modules["tensorrt_llm._torch"].virtual_memory = vm
+    modules = {m.__name__: m for m in (vm, creator, llm)}
+    for name in ("tensorrt_llm", "tensorrt_llm._torch", "tensorrt_llm._torch.pyexecutor", "tensorrt_llm.llmapi"):
+        modules[name] = types.ModuleType(name)
+    for name, module in modules.items():  # an import binds each submodule on its parent
+        if "." in name:
+            parent, _, child = name.rpartition(".")
+            setattr(modules[parent], child, module)
     sys.modules.update(modules)
     return vm, creator, llm
 

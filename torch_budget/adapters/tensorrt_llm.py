@@ -229,7 +229,7 @@ def serve_tensorrt_llm() -> int:
     processes: in each worker). Idempotent; returns the number of names rebound. ImportError where
     TensorRT-LLM is not installed."""
     import importlib
-    import sys
+    import types
 
     vm = importlib.import_module(_TRT_MODULE)
     ours = {name: globals()[name] for name in _SERVED}
@@ -240,11 +240,17 @@ def serve_tensorrt_llm() -> int:
         if getattr(vm, name, None) is not ours[name]:
             setattr(vm, name, ours[name])
             rebound += 1
-    for module_name, module in list(sys.modules.items()):
-        if module is vm or module is None or not module_name.startswith("tensorrt_llm"):
+    # every loaded module of the package: an import binds each submodule on its parent
+    todo, seen = [importlib.import_module("tensorrt_llm")], set()
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
             continue
+        seen.add(id(module))
         for attr, value in list(vars(module).items()):
-            if id(value) in theirs:
+            if isinstance(value, types.ModuleType) and value.__name__.startswith("tensorrt_llm."):
+                todo.append(value)
+            elif module is not vm and id(value) in theirs:
                 setattr(module, attr, theirs[id(value)])
                 rebound += 1
     return rebound
