@@ -134,3 +134,17 @@ def test_the_comparison_times_the_grown_cache_apart_from_the_first_pass():
     one = summarise([Run("t", "native", True, rounds=[child(2.0, [])]),
                      Run("t", "tb-vmm", True, rounds=[child(1.0, [])])])
     assert one[1]["x_native"] == pytest.approx(0.5) and "x_native_first" not in one[1]
+
+
+def test_a_short_trace_runs_more_passes_until_its_grown_passes_add_up():
+    from torch_budget.replay.child import wants_another_pass
+
+    # Every requested pass runs, however long it took.
+    assert wants_another_pass(0, 3, 0.0) and wants_another_pass(2, 3, 10.0)
+    # Past them, a long trace stops; a short one runs on until its grown passes time 0.25 s...
+    assert not wants_another_pass(3, 3, 0.8)
+    assert wants_another_pass(3, 3, 0.02) and not wants_another_pass(20, 3, 0.26)
+    # ...but never past the cap, and 0 asks for exactly the requested passes.
+    assert not wants_another_pass(64, 3, 0.0) and wants_another_pass(63, 3, 0.0)
+    assert not wants_another_pass(3, 3, 0.0, min_grown_seconds=0.0)
+    assert wants_another_pass(70, 80, 5.0) and not wants_another_pass(80, 80, 0.0)

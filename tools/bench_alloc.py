@@ -15,7 +15,8 @@ operation is a paired median ratio against native in the same round, once the ca
 empty; memory is peak reserved over the trace's peak live bytes. The last line is `RESULT bench_alloc ...` for the GPU suite.
 
 Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_PASSES (timed passes per child, 3: the first
-and at least one more), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES;
+and at least one more; a short trace runs more, until those after the first time 0.25 s, with Python's
+garbage collector off while timing), BENCH_ALLOC_CONFIGS (comma-separated), BENCH_ALLOC_TRACES;
 with OUT set (the GPU suite sets it), the rows and every round's results are also written to
 $OUT/bench_alloc.json, so a console that keeps only its last lines loses nothing.
 """

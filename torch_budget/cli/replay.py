@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; native is always run)")
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--passes", type=positive_int, default=3,
-                   help="replays of the trace in each process, each timed (default 3)")
+                   help="replays of the trace in each process, each timed (default 3; a short trace runs more, "
+                        "until the replays after the first time 0.25 s)")
     p.add_argument("--pinning", choices=("pinned", "unpinned", "both"), default="pinned",
                    help="run each process on one CPU core beside the GPU, unpinned, or both (default pinned)")
     p.add_argument("--touch", action="store_true", help="write the first byte of every tensor (launches a kernel "

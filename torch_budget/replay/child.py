@@ -5,13 +5,18 @@ per trace, in order; each trace starts from an emptied cache.
     python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch]
 
 TRACE is a file (replay.trace) or `mix:<spec>` (replay.mixes). The trace runs `passes` times
-over the same allocator; each pass is timed alone. The first pass also measures memory: peak
+over the same allocator; each pass is timed alone, with Python's garbage collector off (as
+timeit does: a collection inside one pass would be charged to whichever allocator ran it). A
+short trace runs more passes, up to MAX_PASSES, until the passes after the first add up to
+MIN_GROWN_SECONDS: a recorded decode of 4,500 operations is a few milliseconds, which one
+scheduling hiccup doubles. The first pass also measures memory: peak
 reserved bytes over the trace's own peak live bytes (requested sizes rounded up to 512 bytes,
 the same denominator for every allocator), from torch's counters, which every configuration keeps.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -21,6 +26,20 @@ from torch_budget.replay.configs import CONFIGS, apply_config
 from torch_budget.replay.machine import pin_to_one_core
 from torch_budget.replay.mixes import mix
 from torch_budget.replay.trace import load
+
+
+MIN_GROWN_SECONDS = 0.25  # the passes after the first time at least this much in all, where MAX_PASSES allow
+MAX_PASSES = 64
+
+
+def wants_another_pass(done: int, requested: int, grown_seconds: float,
+                       min_grown_seconds: float = MIN_GROWN_SECONDS, max_passes: int = MAX_PASSES) -> bool:
+    """After `done` passes: whether to run one more. Every requested pass runs; past them, more run
+    while the passes after the first have timed less than `min_grown_seconds` in all, up to
+    `max_passes`."""
+    if done < requested:
+        return True
+    return done < max(max_passes, requested) and grown_seconds < min_grown_seconds
 
 
 def read_trace(spec: str):
@@ -34,7 +53,7 @@ def _device_calls(torch) -> int:
     return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
 
-def replay(trace, passes: int = 3, touch: bool = False) -> dict:
+def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
     import torch
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -51,10 +70,14 @@ def replay(trace, passes: int = 3, touch: bool = False) -> dict:
     times = []
     device_calls = []  # memory the allocator took from or gave back to the driver, per pass
     peak_reserved = None
-    for p in range(passes):
+    grown_seconds = 0.0
+    p = 0
+    while wants_another_pass(p, passes, grown_seconds, min_grown_seconds):
         before = _device_calls(torch)
         current = 0
         torch.cuda.set_stream(streams[0])
+        gc.collect()
+        gc.disable()
         t0 = time.perf_counter()
         if touch:
             for tid, size, s in ops:
@@ -76,6 +99,9 @@ def replay(trace, passes: int = 3, touch: bool = False) -> dict:
                 else:
                     slots[tid] = None
         elapsed = time.perf_counter() - t0
+        gc.enable()  # (a failed pass ends the child: its error is the result)
+        if p > 0:
+            grown_seconds += elapsed
         torch.cuda.set_stream(streams[0])
         times.append(elapsed / len(ops) * 1e6)
         device_calls.append(_device_calls(torch) - before)
@@ -83,6 +109,7 @@ def replay(trace, passes: int = 3, touch: bool = False) -> dict:
             torch.cuda.synchronize()
             peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
         slots = [None] * trace.num_tensors  # what the trace leaves live (weights, say) goes between passes
+        p += 1
     torch.cuda.synchronize()
     peak_live = trace.peak_live()
     return {"us_per_op": times, "device_calls": device_calls, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
@@ -96,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("config", choices=sorted(CONFIGS))
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--min-grown-seconds", type=float, default=MIN_GROWN_SECONDS,
+                    help="a short trace runs more passes until those after the first time this much (0: exactly --passes)")
     ap.add_argument("--pin", action="store_true", help="pin this process to one CPU core beside the GPU")
     ap.add_argument("--touch", action="store_true", help="write the first byte of every tensor")
     args = ap.parse_args(argv)
@@ -104,7 +133,7 @@ def main(argv=None) -> int:
     traces = [read_trace(spec) for spec in args.traces]
     apply_config(args.config)
     for spec, trace in zip(args.traces, traces):
-        out = replay(trace, args.passes, args.touch)
+        out = replay(trace, args.passes, args.touch, args.min_grown_seconds)
         out.update(config=args.config, trace=spec, pid=os.getpid())
         print("REPLAY " + json.dumps(out), flush=True)
     return 0
