@@ -148,3 +148,25 @@ def test_a_short_trace_runs_more_passes_until_its_grown_passes_add_up():
     assert not wants_another_pass(64, 3, 0.0) and wants_another_pass(63, 3, 0.0)
     assert not wants_another_pass(3, 3, 0.0, min_grown_seconds=0.0)
     assert wants_another_pass(70, 80, 5.0) and not wants_another_pass(80, 80, 0.0)
+
+
+def test_the_calibrated_ratio_divides_out_each_processs_own_speed():
+    from torch_budget.replay.compare import Run, summarise, table
+
+    def child(us, cal):
+        return {"us_per_op": [us * 2] + [us, us], "calibration_us": [cal] * 3, "device_calls": [0, 0, 0],
+                "ops": 1000, "peak_live": 1 << 20, "reserved_over_live": 1.0}
+
+    # Round 1: torch_budget's process landed on a core twice as slow (its calibration says so);
+    # round 2: native's did. Raw ratios 2.0 and 0.5; calibrated, 1.0 both times.
+    native = Run("t", "native", True, rounds=[child(1.0, 1.0), child(2.0, 2.0)])
+    tb = Run("t", "tb-vmm", True, rounds=[child(2.0, 2.0), child(1.0, 1.0)])
+    rows = {r["config"]: r for r in summarise([native, tb])}
+    assert rows["tb-vmm"]["x_native_calibrated"] == pytest.approx(1.0)
+    assert rows["tb-vmm"]["x_native"] == pytest.approx(1.25)  # the raw pairs, 2.0 and 0.5
+    assert "x cal" in table(list(rows.values())).splitlines()[0]
+    # A child without calibrations (an older one) gives no calibrated ratio.
+    old = {"us_per_op": [2.0, 1.0], "device_calls": [0, 0], "ops": 1000, "peak_live": 1 << 20,
+           "reserved_over_live": 1.0}
+    rows = summarise([Run("t", "native", True, rounds=[old]), Run("t", "tb-vmm", True, rounds=[old])])
+    assert "x_native_calibrated" not in rows[1]

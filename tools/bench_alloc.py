@@ -59,7 +59,8 @@ def main():
     print(compare.table(rows))
     print(f"(medians over {rounds} interleaved rounds of {passes} passes; 'x native' is the paired median ratio of "
           "the time per operation once the cache has grown (the passes after the first), '<=1 in' the rounds at or "
-          "under native, '1st pass' the paired median ratio of the first pass, which grows the cache from empty; "
+          "under native, 'x cal' the same ratio with each process's time divided by its own speed first (a CPU "
+          "allocation loop timed before each pass), '1st pass' the paired median ratio of the first pass, which grows the cache from empty; "
           "rsv/live is peak reserved over the trace's peak live bytes; drv/kop is driver memory taken or given back "
           "per thousand operations in the last pass)")
     mine = [r for r in rows if r["config"] == DEFAULT and "x_native" in r]
@@ -75,6 +76,11 @@ def main():
     if worst:
         parts.append(f"worst_mix_x_native={worst['x_native']:.2f}({os.path.basename(worst['trace'])},"
                      f"{'pinned' if worst['pinned'] else 'unpinned'})")
+    cals = [r for r in mixed if "x_native_calibrated" in r]
+    if cals:
+        cal = max(cals, key=lambda r: r["x_native_calibrated"])
+        parts.append(f"worst_mix_x_native_calibrated={cal['x_native_calibrated']:.2f}({os.path.basename(cal['trace'])},"
+                     f"{'pinned' if cal['pinned'] else 'unpinned'})")
     firsts = [r for r in mixed if "x_native_first" in r]
     if firsts:
         first = max(firsts, key=lambda r: r["x_native_first"])

@@ -42,6 +42,24 @@ def wants_another_pass(done: int, requested: int, grown_seconds: float,
     return done < max(max_passes, requested) and grown_seconds < min_grown_seconds
 
 
+CALIBRATION_OPS = 20000
+
+
+def calibrate(torch, ops: int = CALIBRATION_OPS) -> float:
+    """µs per `torch.empty` + free of a small CPU tensor: the same Python, argument parsing, dispatch
+    and tensor bookkeeping as a replayed operation, without the CUDA allocator. Processes on these
+    machines run everything up to 2x slower or faster (the core they land on); a pass's time over
+    this, taken in the same process just before it, leaves what the allocator costs."""
+    empty, uint8 = torch.empty, torch.uint8
+    gc.disable()
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        empty(64, dtype=uint8)
+    elapsed = time.perf_counter() - t0
+    gc.enable()
+    return elapsed / ops * 1e6
+
+
 def read_trace(spec: str):
     return mix(spec[4:]) if spec.startswith("mix:") else load(spec)
 
@@ -68,6 +86,7 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
     torch.cuda.reset_peak_memory_stats()
     base_reserved = torch.cuda.memory_reserved()
     times = []
+    calibration = []  # calibrate()'s µs per operation just before each pass
     device_calls = []  # memory the allocator took from or gave back to the driver, per pass
     peak_reserved = None
     grown_seconds = 0.0
@@ -76,6 +95,7 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
         before = _device_calls(torch)
         current = 0
         torch.cuda.set_stream(streams[0])
+        calibration.append(calibrate(torch))
         gc.collect()
         gc.disable()
         t0 = time.perf_counter()
@@ -112,7 +132,7 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
         p += 1
     torch.cuda.synchronize()
     peak_live = trace.peak_live()
-    return {"us_per_op": times, "device_calls": device_calls, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
+    return {"us_per_op": times, "calibration_us": calibration, "device_calls": device_calls, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
             "reserved_over_live": peak_reserved / peak_live if peak_live else float("nan")}
 
 

@@ -2,10 +2,14 @@
 costs and saves: time per operation as a paired ratio against torch's native allocator, and
 peak reserved bytes over the trace's peak live bytes.
 
-Timing moves by up to 2x between processes on one machine, so every figure comes from rounds:
+Timing moves by up to 2x between processes on one machine (a process runs everything slower or
+faster, by the core it landed on), so every figure comes from rounds:
 each round runs every (trace, configuration, pinning) once, in its own process, in an order
 that rotates from round to round; a configuration's ratio is the median over rounds of its
-time divided by native's time in the same round and pinning.
+time divided by native's time in the same round and pinning. The calibrated ratio (`x cal`)
+divides each process's time by its own speed first: a loop of small CPU tensor allocations
+(child.calibrate, the same Python and dispatch without the CUDA allocator), timed in the same
+process before each pass.
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ def _time(res: dict) -> float:
     return statistics.median(times[1:] or times)
 
 
+def _calibrated(res: dict) -> float | None:
+    """_time over the process's own speed: the grown passes' µs per operation over the median of
+    the calibrations taken just before them (child.calibrate); None from a child without them."""
+    cal = res.get("calibration_us")
+    if not cal or len(cal) != len(res["us_per_op"]):
+        return None
+    return _time(res) / statistics.median(cal[1:] or cal)
+
+
 def _first(res: dict) -> float:
     """µs per operation of the first pass, which grows the cache from empty."""
     return res["us_per_op"][0]
@@ -127,6 +140,9 @@ def summarise(runs: list) -> list:
                 row["x_native"] = statistics.median(ratios)
                 row["wins"] = sum(1 for q in ratios if q <= 1.0)
                 row["pairs"] = len(ratios)
+                cal = [(_calibrated(x), _calibrated(n)) for x, n in pairs]
+                if all(a is not None and b is not None for a, b in cal):
+                    row["x_native_calibrated"] = statistics.median(a / b for a, b in cal)
                 if all(len(x["us_per_op"]) > 1 and len(n["us_per_op"]) > 1 for x, n in pairs):
                     row["x_native_first"] = statistics.median(_first(x) / _first(n) for x, n in pairs)
         rows.append(row)
@@ -136,7 +152,7 @@ def summarise(runs: list) -> list:
 def table(rows: list) -> str:
     """The rows as a fixed-width text table, grouped by trace."""
     lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
-             f"{'1st pass':>9} {'rsv/live':>9} {'drv/kop':>8}"]
+             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'drv/kop':>8}"]
     for row in rows:
         name = os.path.basename(row["trace"])[:28]
         if "us_per_op" not in row:
@@ -147,6 +163,7 @@ def table(rows: list) -> str:
         wins = f"{row['wins']}/{row['pairs']}" if "wins" in row else "-"
         calls = f"{row['device_calls_per_kop']:.1f}" if "device_calls_per_kop" in row else "-"
         first = f"{row['x_native_first']:.2f}x" if "x_native_first" in row else "-"
+        cal = f"{row['x_native_calibrated']:.2f}x" if "x_native_calibrated" in row else "-"
         lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
-                     f"{ratio:>9} {wins:>7} {first:>9} {row['reserved_over_live']:9.3f} {calls:>8}")
+                     f"{ratio:>9} {wins:>7} {cal:>7} {first:>9} {row['reserved_over_live']:9.3f} {calls:>8}")
     return "\n".join(lines)
