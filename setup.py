@@ -158,6 +158,9 @@ class Build(BuildExtension):
             self.build_temp = base
 
 
+STARTUP_FILE = "torch_budget-startup.pth"
+
+
 class BuildPy(build_py):
     """The pure-Python part; also drops from the build directory the compiled parts this build does
     not make: a wheel packs the whole build directory, which a build for the tests shares."""
@@ -168,6 +171,11 @@ class BuildPy(build_py):
             for stale in glob.glob(os.path.join(self.build_lib, "torch_budget", part + ".*")):
                 os.remove(stale)
         super().run()
+        # The startup file goes to the top of site-packages, where Python's site module reads it at
+        # every start (torch_budget.startup: TORCH_BUDGET_SERVE); an editable install has none.
+        if not getattr(self, "editable_mode", False):
+            self.copy_file(os.path.join(HERE, "torch_budget", "startup.pth"),
+                           os.path.join(self.build_lib, STARTUP_FILE))
 
 
 def extensions(parts):

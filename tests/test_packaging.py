@@ -119,6 +119,8 @@ def test_the_wheel_holds_the_allocator_and_no_test_core():
     assert not [n for n in names if n.startswith(("tests/", "tools/", "csrc/"))]
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "torch-budget = torch_budget.cli:main" in wheel.read(entry_points).decode()
+    # The startup file (torch_budget.startup) at the top of site-packages, as in the checkout.
+    assert wheel.read("torch_budget-startup.pth") == (REPO / "torch_budget" / "startup.pth").read_bytes()
 
 
 def test_the_sdist_holds_every_source_and_no_build_output():
@@ -127,7 +129,7 @@ def test_the_sdist_holds_every_source_and_no_build_output():
     sources = [p.relative_to(REPO).as_posix() for folder in ("csrc", "torch_budget", "tests")
                for p in (REPO / folder).rglob("*")
                if p.is_file() and p.suffix in (".cpp", ".h", ".py") and "__pycache__" not in p.parts]
-    needed = sources + ["setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "tools/setup_env.sh",
-                        "tools/test.sh"]
+    needed = sources + ["setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "torch_budget/startup.pth",
+                        "tools/setup_env.sh", "tools/test.sh"]
     assert not [n for n in needed if n not in names], "missing from the sdist"
     assert not [n for n in names if n.endswith((".so", ".o"))], "build outputs in the sdist"

@@ -16,7 +16,9 @@ device, where a call acts on devices; `tags=None` is every tag; a release keeps 
 (capabilities, route_for, segments), snapshot (torch's memory snapshot with the ledger's
 names), sleep (tag states, the pinned host pool), planner (plans that apply themselves as
 per-tag budgets), resources and scheduling (the resource-manager protocol and the scheduler
-that defers what does not fit), graphs, eager_workspace, workspace_resource, config.
+that defers what does not fit), graphs, eager_workspace, workspace_resource, config, adapters
+(the serving stacks' own interfaces) and startup (TORCH_BUDGET_SERVE: a stack served in every
+process it starts).
 
 Names resolve lazily, so `import torch_budget` is cheap and works on machines without CUDA.
 """

@@ -18,6 +18,10 @@ tensorrt_llm._torch.virtual_memory itself; serve_tensorrt_llm() points it here, 
     serve_tensorrt_llm()
     llm = LLM(model, enable_sleep=True)
 
+That reaches this process only; TensorRT-LLM runs its executor in worker processes of its own unless
+TLLM_WORKER_USE_SINGLE_PROCESS=1. TORCH_BUDGET_SERVE=tensorrt_llm in the environment serves every process
+started with it, workers included, from their first import of tensorrt_llm (torch_budget.startup).
+
 The mapping (TensorRT-LLM name -> what torch_budget does):
   scope(tag, mode=NONE)        torch_budget.region(<tag, mode>, route="vmm"); nests, the innermost decides;
                                yields an object with .tag and .mode
@@ -225,8 +229,8 @@ def serve_tensorrt_llm() -> int:
     name a loaded tensorrt_llm module bound to one of them (py_executor_creator imports `scope`
     as `virtual_memory_scope`; LLM.sleep imports release_with_tag when it runs, so it finds this
     one). TensorRT-LLM's RestoreMode and ExecutorMemoryType stay its own: scope takes them. Call it
-    in the process that builds the executor, before it is built (for TensorRT-LLM's worker
-    processes: in each worker). Idempotent; returns the number of names rebound. ImportError where
+    in the process that builds the executor, before it is built (TensorRT-LLM's worker processes:
+    TORCH_BUDGET_SERVE=tensorrt_llm, torch_budget.startup, calls it in each). Idempotent; returns the number of names rebound. ImportError where
     TensorRT-LLM is not installed."""
     import importlib
     import types

@@ -1,0 +1,121 @@
+"""Serving a stack in every Python process it starts, from one environment variable.
+
+    TORCH_BUDGET_SERVE=tensorrt_llm python serve.py
+
+TensorRT-LLM runs its executor in worker processes of its own (MPI's, or Ray's), even for one GPU
+unless TLLM_WORKER_USE_SINGLE_PROCESS=1; a call in the user's process never reaches them. The wheel
+installs a startup file (torch_budget-startup.pth, which Python's site module reads at every
+interpreter start) that calls run() when TORCH_BUDGET_SERVE is set, and does nothing else
+otherwise. Every process started with the variable in its environment then:
+
+  tensorrt_llm   installs torch_budget when tensorrt_llm is first imported (before TensorRT-LLM
+                 starts CUDA; torch_budget.install() with TORCH_BUDGET_CONF's settings, without
+                 starting the driver), and points tensorrt_llm._torch.virtual_memory at
+                 torch_budget.adapters.tensorrt_llm as it loads (serve_tensorrt_llm()), so the
+                 executor's scopes and LLM.sleep / LLM.wakeup are torch_budget's.
+
+Values are comma-separated. An unknown value, or a failure while serving, is reported on stderr
+with what to do; it never stops the interpreter from starting (the startup file runs in every
+process of the environment, pip's and the shell's helpers included).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from typing import Optional
+
+VARIABLE = "TORCH_BUDGET_SERVE"
+STACKS = ("tensorrt_llm",)
+_TRT_PACKAGE = "tensorrt_llm"
+_TRT_MODULE = "tensorrt_llm._torch.virtual_memory"
+
+
+def _say(message: str) -> None:
+    print(f"torch_budget ({VARIABLE}): {message}", file=sys.stderr)
+
+
+def parse(value: str) -> list[str]:
+    """The stacks a TORCH_BUDGET_SERVE value names; ValueError naming what is unknown."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in STACKS]
+    if unknown:
+        raise ValueError(f"unknown value(s) {', '.join(map(repr, unknown))}: expected a comma-separated list of "
+                         f"{', '.join(STACKS)}")
+    return names
+
+
+class _ServingLoader(importlib.abc.Loader):
+    """The loader of tensorrt_llm._torch.virtual_memory, then serve_tensorrt_llm() on it."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            from torch_budget.adapters.tensorrt_llm import serve_tensorrt_llm
+
+            serve_tensorrt_llm()
+        except Exception as e:  # the stack keeps running on its own virtual memory, and is told so
+            _say(f"could not serve TensorRT-LLM's virtual memory ({type(e).__name__}: {e}); it runs on its own")
+
+
+class TensorRTLLMFinder(importlib.abc.MetaPathFinder):
+    """On sys.meta_path: installs torch_budget as tensorrt_llm starts importing, and serves its
+    virtual-memory module as it loads. Finds nothing itself: the other finders find the modules."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._local = threading.local()  # set while this finder asks the others (no recursion)
+
+    def find_spec(self, name: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
+        if name not in (_TRT_PACKAGE, _TRT_MODULE) or getattr(self._local, "busy", False):
+            return None
+        if name == _TRT_PACKAGE:
+            self._install()
+            return None
+        self._local.busy = True
+        try:
+            spec = next((s for s in (f.find_spec(name, path, target) for f in sys.meta_path
+                                     if f is not self and hasattr(f, "find_spec")) if s is not None), None)
+        finally:
+            self._local.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ServingLoader(spec.loader)
+        return spec
+
+    def _install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+        try:
+            import torch_budget.adapters.tensorrt_llm  # noqa: F401  (installs at import, as its module says)
+        except Exception as e:
+            _say(f"could not install torch_budget before TensorRT-LLM ({type(e).__name__}: {e})")
+
+
+def run(value: Optional[str] = None) -> list[str]:
+    """What the startup file calls: serves the stacks `value` (default: TORCH_BUDGET_SERVE) names in
+    this process. Returns them; reports problems on stderr, never raises."""
+    value = os.environ.get(VARIABLE, "") if value is None else value
+    try:
+        names = parse(value)
+    except ValueError as e:
+        _say(f"{e}; nothing is served")
+        return []
+    if "tensorrt_llm" in names and not any(isinstance(f, TensorRTLLMFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, TensorRTLLMFinder())
+    return names
