@@ -31,10 +31,11 @@ if has tests; then
   # (each GPU test starts a fresh process anyway), which keeps the suite within one call.
   echo "== tests"
   start=$(date +%s)
-  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs -m exclusive ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
-    | tee "$OUT/pytest-exclusive.log" | tail -20
-  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs -n ${TEST_JOBS:-8} -m "not exclusive" ${TESTS:-tests} \
-    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # --durations: the slowest tests are in the logs, for keeping the suite within one call
+  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs --durations=12 -m exclusive ${TESTS:-tests} \
+    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-exclusive.log" | tail -20
+  $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs --durations=25 -n ${TEST_JOBS:-8} -m "not exclusive" \
+    ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
   summary+=("tests        alone: $(grep -E "(passed|failed|error)" "$OUT/pytest-exclusive.log" | tail -1); parallel: $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
 fi
 
