@@ -124,7 +124,7 @@ bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>*
       set_error(kNotAvailable, "pidfd_getfd from process " + std::to_string(pid) + " failed: " + std::strerror(err) +
                                    " (taking a descriptor needs ptrace rights over the producer: the same user, "
                                    "and kernel.yama.ptrace_scope 0, or CAP_SYS_PTRACE). Share tensors allocated "
-                                   "under torch_budget.route('sync') instead, which need no descriptors");
+                                   "under torch_budget.region(route='sync') instead, which need no descriptors");
       return false;
     }
     out->push_back(static_cast<int>(fd));
@@ -162,8 +162,8 @@ bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_
     default:
       set_error(kNotAvailable,
                 "memory of the stream-ordered pool route cannot be shared with another process (its pool is not "
-                "exportable): allocate the tensors you share under torch_budget.route('vmm') or "
-                "torch_budget.route('sync')");
+                "exportable): allocate the tensors you share under torch_budget.region(route='vmm') or "
+                "torch_budget.region(route='sync')");
       return false;
   }
   *handle = encode_share(h);
