@@ -170,3 +170,18 @@ def test_the_calibrated_ratio_divides_out_each_processs_own_speed():
            "reserved_over_live": 1.0}
     rows = summarise([Run("t", "native", True, rounds=[old]), Run("t", "tb-vmm", True, rounds=[old])])
     assert "x_native_calibrated" not in rows[1]
+
+
+def test_the_floor_is_the_peak_live_bytes_in_whole_granules():
+    from torch_budget.replay.compare import Run, reserved_floor, summarise, table
+
+    assert reserved_floor(4 << 20) == 1.0
+    assert reserved_floor(4096) == 512.0  # one 2 MiB granule for 4 KiB
+    # The small-only mix's peak: 20.24 granules live, so 21 at least: 1.037, above a 1.02 line.
+    assert reserved_floor(42450432) == pytest.approx(21 * (2 << 20) / 42450432)
+    res = {"us_per_op": [1.0, 1.0], "device_calls": [0, 0], "ops": 10, "peak_live": 3 << 20,
+           "reserved_over_live": 1.5}
+    rows = summarise([Run("t", "native", True, rounds=[res])])
+    assert rows[0]["reserved_floor"] == pytest.approx(4 / 3)
+    header, line = table(rows).splitlines()
+    assert "floor" in header and "1.333" in line

@@ -110,6 +110,16 @@ def _first(res: dict) -> float:
     return res["us_per_op"][0]
 
 
+GRANULE = 2 << 20  # every allocator here reserves device memory in multiples of 2 MiB
+
+
+def reserved_floor(peak_live: int) -> float:
+    """The least peak reserved / peak live any allocator here can reach: the peak live bytes
+    rounded up to whole 2 MiB granules (torch's segments and torch_budget's mappings are both
+    made of them), over the peak live bytes."""
+    return -(-peak_live // GRANULE) * GRANULE / peak_live if peak_live else float("nan")
+
+
 def summarise(runs: list) -> list:
     """One row per (trace, config, pinning): median µs/op once the cache has grown, the paired
     median ratio against native of that and of the first pass (the cache growing from empty:
@@ -127,6 +137,7 @@ def summarise(runs: list) -> list:
             row["us_per_op"] = statistics.median(_time(x) for x in ok)
             row["reserved_over_live"] = statistics.median(x["reserved_over_live"] for x in ok)
             row["peak_live"] = ok[0]["peak_live"]
+            row["reserved_floor"] = reserved_floor(row["peak_live"])
             row["ops"] = ok[0]["ops"]
             # Driver memory taken or given back per thousand operations in the last pass (the
             # steady state); older children did not report it.
@@ -152,7 +163,7 @@ def summarise(runs: list) -> list:
 def table(rows: list) -> str:
     """The rows as a fixed-width text table, grouped by trace."""
     lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
-             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'drv/kop':>8}"]
+             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'floor':>7} {'drv/kop':>8}"]
     for row in rows:
         name = os.path.basename(row["trace"])[:28]
         if "us_per_op" not in row:
@@ -165,5 +176,6 @@ def table(rows: list) -> str:
         first = f"{row['x_native_first']:.2f}x" if "x_native_first" in row else "-"
         cal = f"{row['x_native_calibrated']:.2f}x" if "x_native_calibrated" in row else "-"
         lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
-                     f"{ratio:>9} {wins:>7} {cal:>7} {first:>9} {row['reserved_over_live']:9.3f} {calls:>8}")
+                     f"{ratio:>9} {wins:>7} {cal:>7} {first:>9} {row['reserved_over_live']:9.3f} "
+                     f"{row['reserved_floor']:7.3f} {calls:>8}")
     return "\n".join(lines)
