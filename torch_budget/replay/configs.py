@@ -11,7 +11,10 @@ CONFIGS = {
     "cudaMallocAsync": ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, None),
     "tb-vmm": ({}, {"route": "vmm"}),
     "tb-vmm-noreuse": ({}, {"route": "vmm", "reuse_before_grow": False}),
-    "tb-vmm-run16MiB": ({}, {"route": "vmm", "map_run": 16 << 20}),
+    # Packing bounded to 3 % of the time instead of 10 % (Note [Packing time]): over the host stand-in with
+    # an H200's call costs, lognormal churn's steady state moves 9x less for 1.211 peak reserved / live
+    # against 1.186; the serving-like mix and the recorded traces are unchanged.
+    "tb-vmm-pack3%": ({}, {"route": "vmm", "packing_time": 0.03}),
     "tb-pool": ({}, {"route": "pool"}),
     "tb-sync": ({}, {"route": "sync"}),
 }
