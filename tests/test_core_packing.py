@@ -221,6 +221,13 @@ def test_without_packing_time_allocations_grow_past_the_line_instead_of_moving(s
         assert st["num_reclaims"] == 0 and h.reserved() == before + 96 * MiB
     else:
         assert st["num_reclaims"] == 1 and h.reserved() < before + 96 * MiB
+    # The time spent backing allocations is counted, and the moves' part of it apart.
+    mapped = st["mapping_ns"]
+    assert mapped > 0
+    assert st["packing_ns"] == 0 if share == 0.0 else 0 < st["packing_ns"] <= mapped
+    h.free(extra)
+    extra = h.malloc(96 * MiB, S2)  # its own free block again: nothing to map, no time counted
+    assert h.stats()["mapping_ns"] == mapped
     for p in keep + [extra]:
         h.free(p)
 

@@ -1,6 +1,8 @@
 """Allocation traces without a GPU: both file formats, torch's memory history, the built-in
 mixes, bad files named with what is wrong, and `torch-budget replay` saying why it stops."""
 import gzip
+import sys
+import types
 import pickle
 
 import pytest
@@ -185,3 +187,96 @@ def test_the_floor_is_the_peak_live_bytes_in_whole_granules():
     assert rows[0]["reserved_floor"] == pytest.approx(4 / 3)
     header, line = table(rows).splitlines()
     assert "floor" in header and "1.333" in line
+
+
+def test_the_share_of_time_spent_backing_allocations_is_shown_for_torch_budget():
+    from torch_budget.replay.compare import Run, summarise, table
+
+    def child(backing):
+        # 1000 operations of 2 µs a pass: 2 ms; the grown passes spent 0.5 ms of it mapping
+        return {"us_per_op": [4.0, 2.0, 2.0], "device_calls": [0, 0, 0], "ops": 1000, "peak_live": 1 << 21,
+                "reserved_over_live": 1.0, "backing_ns": backing}
+
+    native = Run("t", "native", True, rounds=[child([(0, 0)] * 3)])
+    tb = Run("t", "tb-vmm", True, rounds=[child([(9_000_000, 0), (500_000, 400_000), (500_000, 0)])])
+    rows = {r["config"]: r for r in summarise([native, tb])}
+    assert rows["tb-vmm"]["backing_share"] == pytest.approx(0.25)
+    assert "backing_share" not in rows["native"]  # nothing reported: no column value
+    lines = table(list(rows.values())).splitlines()
+    assert lines[0].endswith("map %") and lines[2].endswith("25.0") and lines[1].endswith("-")
+
+
+class _FakeCuda:
+    """What replay() calls of torch.cuda, with no device: a stand-in that counts."""
+
+    def __init__(self):
+        self.streams_set = 0
+
+    def current_device(self):
+        return 0
+
+    def current_stream(self):
+        return "s0"
+
+    def Stream(self):  # noqa: N802  (torch's name)
+        return "s1"
+
+    def set_stream(self, stream):
+        self.streams_set += 1
+
+    def synchronize(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def reset_peak_memory_stats(self):
+        pass
+
+    def memory_reserved(self):
+        return 0
+
+    def max_memory_reserved(self):
+        return 64 << 20
+
+    def memory_stats(self):
+        return {"num_device_alloc": 0, "num_device_free": 0}
+
+
+class _FakeTorch:
+    uint8 = "uint8"
+
+    def __init__(self):
+        self.cuda = _FakeCuda()
+        self.allocations = 0
+
+    def device(self, kind, index):
+        return (kind, index)
+
+    def zeros(self, *args, device=None):
+        return self.empty(1, device=device)
+
+    def empty(self, size, dtype=None, device=None):
+        self.allocations += 1 if device is not None else 0
+        return types.SimpleNamespace(add_=lambda x: None)
+
+
+def test_a_replay_times_every_pass_with_its_calibration_and_runs_a_short_trace_longer(monkeypatch):
+    from torch_budget.replay import child
+    from torch_budget.replay.mixes import mix
+
+    fake = _FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    trace = mix("small:2000")
+    out = child.replay(trace, passes=3, min_grown_seconds=0.05)
+    n = len(out["us_per_op"])
+    assert 3 <= n <= child.MAX_PASSES
+    assert n > 3 or sum(out["us_per_op"][1:]) * len(trace.ids) / 1e6 >= 0.05  # more passes only while short
+    assert len(out["calibration_us"]) == len(out["device_calls"]) == len(out["backing_ns"]) == n
+    assert all(c > 0 for c in out["calibration_us"])
+    assert out["backing_ns"] == [(0, 0)] * n  # not installed: torch_budget spent nothing
+    allocated = sum(1 for s in trace.sizes if s)
+    assert fake.allocations == 1 + n * allocated  # the warm-up, then every pass allocates what the trace does
+    assert out["ops"] == len(trace.ids) and out["peak_live"] == trace.peak_live()
+    exactly = child.replay(trace, passes=3, min_grown_seconds=0.0)
+    assert len(exactly["us_per_op"]) == 3

@@ -41,6 +41,8 @@ void Ledger::reset_accumulated() {
   num_reclaims.store(0, std::memory_order_relaxed);
   num_moves.store(0, std::memory_order_relaxed);
   num_adoptions.store(0, std::memory_order_relaxed);
+  mapping_ns.store(0, std::memory_order_relaxed);
+  packing_ns.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace tb

@@ -118,6 +118,8 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("num_reclaims", l.num_reclaims.load());
     j.field("num_moves", l.num_moves.load());
     j.field("num_adoptions", l.num_adoptions.load());
+    j.field("mapping_ns", l.mapping_ns.load());
+    j.field("packing_ns", l.packing_ns.load());
     j.key("routes").open('{');
     for (int r = 0; r < kRouteCount; ++r) {
       j.key(route_name(r)).open('{');

@@ -141,7 +141,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   // A move costs what it gives back and the part of the new mapping past the line (the
   // rest is growth, mapped either way): Note [Packing time].
   const bool move = reuse_ && over > 0 && packing_.may_move();
-  const PackingTime::Clock::time_point start = move ? PackingTime::Clock::now() : PackingTime::Clock::time_point();
+  const PackingTime::Clock::time_point start = PackingTime::Clock::now();
   size_t gave_back = 0;
   if (move) {
     keep_moving_ = true;  // Note [Moving handles]
@@ -153,9 +153,15 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   for (const auto& [begin, count] : gaps)
     if (!(ok = map_missing(seg, begin, count))) break;
   release_moving();
+  const PackingTime::Clock::time_point end = PackingTime::Clock::now();
+  const auto ns = [](PackingTime::Clock::duration d) {
+    return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+  };
+  bump(ledger_.mapping_ns, ns(end - start));
   if (gave_back > 0) {  // nothing clean to give back: pure growth, no move to charge
     const double past_line = std::min(1.0, static_cast<double>(over) / static_cast<double>(missing * granule_));
-    packing_.spent(mapping - start, PackingTime::Clock::now() - mapping, past_line);
+    packing_.spent(mapping - start, end - mapping, past_line);
+    bump(ledger_.packing_ns, ns(end - start));
   }
   return ok;
 }

@@ -71,8 +71,19 @@ def _device_calls(torch) -> int:
     return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
 
+def _backing_ns(torch_budget) -> tuple[int, int]:
+    """Under install(): the wall time torch_budget's allocation path spent backing allocations
+    with device memory so far, and the packing moves' part of it (ledger mapping_ns, packing_ns)."""
+    if not torch_budget.installed():
+        return 0, 0
+    raw = torch_budget.stats()["raw"]
+    return raw.get("mapping_ns", 0), raw.get("packing_ns", 0)
+
+
 def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
     import torch
+
+    import torch_budget
 
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(max(trace.num_streams - 1, 0))]
@@ -88,11 +99,13 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
     times = []
     calibration = []  # calibrate()'s µs per operation just before each pass
     device_calls = []  # memory the allocator took from or gave back to the driver, per pass
+    backing = []  # (mapping_ns, packing_ns) of torch_budget's allocation path, per pass
     peak_reserved = None
     grown_seconds = 0.0
     p = 0
     while wants_another_pass(p, passes, grown_seconds, min_grown_seconds):
         before = _device_calls(torch)
+        backing_before = _backing_ns(torch_budget)
         current = 0
         torch.cuda.set_stream(streams[0])
         calibration.append(calibrate(torch))
@@ -125,6 +138,7 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
         torch.cuda.set_stream(streams[0])
         times.append(elapsed / len(ops) * 1e6)
         device_calls.append(_device_calls(torch) - before)
+        backing.append(tuple(a - b for a, b in zip(_backing_ns(torch_budget), backing_before)))
         if p == 0:
             torch.cuda.synchronize()
             peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
@@ -132,7 +146,8 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
         p += 1
     torch.cuda.synchronize()
     peak_live = trace.peak_live()
-    return {"us_per_op": times, "calibration_us": calibration, "device_calls": device_calls, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
+    return {"us_per_op": times, "calibration_us": calibration, "device_calls": device_calls,
+            "backing_ns": backing, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
             "reserved_over_live": peak_reserved / peak_live if peak_live else float("nan")}
 
 

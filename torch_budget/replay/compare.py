@@ -105,6 +105,16 @@ def _calibrated(res: dict) -> float | None:
     return _time(res) / statistics.median(cal[1:] or cal)
 
 
+def _backing_share(res: dict) -> float | None:
+    """The share of the grown passes' time torch_budget's allocation path spent backing allocations
+    with device memory (the driver's calls, packing moves included); None where not reported."""
+    backing, times = res.get("backing_ns"), res["us_per_op"]
+    if not backing or len(backing) != len(times) or len(times) < 2:
+        return None
+    spent = sum(b[0] for b in backing[1:]) / 1e3  # µs
+    return spent / (sum(times[1:]) * res["ops"]) if sum(times[1:]) else None
+
+
 def _first(res: dict) -> float:
     """µs per operation of the first pass, which grows the cache from empty."""
     return res["us_per_op"][0]
@@ -141,6 +151,9 @@ def summarise(runs: list) -> list:
             row["ops"] = ok[0]["ops"]
             # Driver memory taken or given back per thousand operations in the last pass (the
             # steady state); older children did not report it.
+            shares = [v for v in (_backing_share(x) for x in ok) if v is not None]
+            if shares and any(shares):
+                row["backing_share"] = statistics.median(shares)
             calls = [x["device_calls"][-1] for x in ok if x.get("device_calls")]
             if calls:
                 row["device_calls_per_kop"] = statistics.median(calls) * 1000 / row["ops"]
@@ -163,7 +176,7 @@ def summarise(runs: list) -> list:
 def table(rows: list) -> str:
     """The rows as a fixed-width text table, grouped by trace."""
     lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
-             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'floor':>7} {'drv/kop':>8}"]
+             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'floor':>7} {'drv/kop':>8} {'map %':>6}"]
     for row in rows:
         name = os.path.basename(row["trace"])[:28]
         if "us_per_op" not in row:
@@ -175,7 +188,8 @@ def table(rows: list) -> str:
         calls = f"{row['device_calls_per_kop']:.1f}" if "device_calls_per_kop" in row else "-"
         first = f"{row['x_native_first']:.2f}x" if "x_native_first" in row else "-"
         cal = f"{row['x_native_calibrated']:.2f}x" if "x_native_calibrated" in row else "-"
+        backing = f"{100 * row['backing_share']:.1f}" if "backing_share" in row else "-"
         lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
                      f"{ratio:>9} {wins:>7} {cal:>7} {first:>9} {row['reserved_over_live']:9.3f} "
-                     f"{row['reserved_floor']:7.3f} {calls:>8}")
+                     f"{row['reserved_floor']:7.3f} {calls:>8} {backing:>6}")
     return "\n".join(lines)
