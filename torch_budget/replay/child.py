@@ -47,9 +47,9 @@ CALIBRATION_OPS = 20000
 
 def calibrate(torch, ops: int = CALIBRATION_OPS) -> float:
     """µs per `torch.empty` + free of a small CPU tensor: the same Python, argument parsing, dispatch
-    and tensor bookkeeping as a replayed operation, without the CUDA allocator. Processes on these
-    machines run everything up to 2x slower or faster (the core they land on); a pass's time over
-    this, taken in the same process just before it, leaves what the allocator costs."""
+    and tensor bookkeeping as a replayed operation, without the CUDA allocator. A whole process can
+    run everything up to 2x slower or faster (by the core it lands on); a pass's time over this,
+    taken in the same process just before it, leaves what the allocator costs."""
     empty, uint8 = torch.empty, torch.uint8
     gc.disable()
     t0 = time.perf_counter()
