@@ -60,7 +60,7 @@ print("served" if served else "untouched", "adapter-first" if tensorrt_llm.ADAPT
 """
 
 
-def _start(tmp_path, serve, installed=False):
+def _start(tmp_path, serve, installed=False, script=CHECK):
     """A fresh interpreter over the stand-ins; the startup file read from a site directory, or with
     `installed`, the one the installed wheel put in site-packages (and that torch_budget)."""
     site_dir, stand_ins = tmp_path / "site", tmp_path / "stand_ins"
@@ -76,7 +76,7 @@ def _start(tmp_path, serve, installed=False):
     env["CUDA_VISIBLE_DEVICES"] = ""  # importing the adapter installs nothing without a device
     if serve is not None:
         env["TORCH_BUDGET_SERVE"] = serve
-    return subprocess.run([sys.executable, "-c", CHECK, str(site_dir)], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", script, str(site_dir)], env=env, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -86,6 +86,17 @@ def test_with_the_variable_tensorrt_llm_is_served_from_its_first_import(tmp_path
     # The adapter (which installs torch_budget where a device is free) loads as tensorrt_llm starts
     # importing, before any of its code; its executor's bound names are the adapter's.
     assert proc.stdout.split() == ["served", "adapter-first", "started"], proc.stdout + proc.stderr
+
+
+def test_looking_for_tensorrt_llm_installs_nothing_only_importing_it_does(tmp_path):
+    probe = (  # as libraries probe for optional packages
+        "import importlib.util, site, sys\n"
+        "site.addsitedir(sys.argv[1])\n"
+        "assert importlib.util.find_spec('tensorrt_llm') is not None\n"
+        "print('adapter' if 'torch_budget.adapters.tensorrt_llm' in sys.modules else 'nothing')\n")
+    proc = _start(tmp_path, "tensorrt_llm", script=probe)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["nothing"]
 
 
 def test_without_the_variable_the_startup_file_imports_nothing(tmp_path):

@@ -49,10 +49,10 @@ def parse(value: str) -> list[str]:
 
 
 class _ServingLoader(importlib.abc.Loader):
-    """The loader of tensorrt_llm._torch.virtual_memory, then serve_tensorrt_llm() on it."""
+    """A module's own loader, with `before` called before the module runs and `after` after it."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, before=None, after=None):
+        self._loader, self._before, self._after = loader, before, after
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the real loader's
         return getattr(self._loader, name)
@@ -61,29 +61,42 @@ class _ServingLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        if self._before is not None:
+            self._before()
         self._loader.exec_module(module)
-        try:
-            from torch_budget.adapters.tensorrt_llm import serve_tensorrt_llm
+        if self._after is not None:
+            self._after()
 
-            serve_tensorrt_llm()
-        except Exception as e:  # the stack keeps running on its own virtual memory, and is told so
-            _say(f"could not serve TensorRT-LLM's virtual memory ({type(e).__name__}: {e}); it runs on its own")
+
+def _install_for_tensorrt_llm() -> None:
+    try:
+        import torch_budget.adapters.tensorrt_llm  # noqa: F401  (installs at import, as its module says)
+    except Exception as e:
+        _say(f"could not install torch_budget before TensorRT-LLM ({type(e).__name__}: {e})")
+
+
+def _serve_tensorrt_llm() -> None:
+    try:
+        from torch_budget.adapters.tensorrt_llm import serve_tensorrt_llm
+
+        serve_tensorrt_llm()
+    except Exception as e:  # the stack keeps running on its own virtual memory, and is told so
+        _say(f"could not serve TensorRT-LLM's virtual memory ({type(e).__name__}: {e}); it runs on its own")
 
 
 class TensorRTLLMFinder(importlib.abc.MetaPathFinder):
-    """On sys.meta_path: installs torch_budget as tensorrt_llm starts importing, and serves its
-    virtual-memory module as it loads. Finds nothing itself: the other finders find the modules."""
+    """On sys.meta_path: installs torch_budget as the tensorrt_llm package starts running (not when
+    something only looks for it), and serves its virtual-memory module once that has run. Finds
+    nothing itself: the other finders find the modules, their loaders load them."""
+
+    _HOOKS = {_TRT_PACKAGE: (_install_for_tensorrt_llm, None), _TRT_MODULE: (None, _serve_tensorrt_llm)}
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._installed = False
         self._local = threading.local()  # set while this finder asks the others (no recursion)
 
     def find_spec(self, name: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
-        if name not in (_TRT_PACKAGE, _TRT_MODULE) or getattr(self._local, "busy", False):
-            return None
-        if name == _TRT_PACKAGE:
-            self._install()
+        hooks = self._HOOKS.get(name)
+        if hooks is None or getattr(self._local, "busy", False):
             return None
         self._local.busy = True
         try:
@@ -93,18 +106,8 @@ class TensorRTLLMFinder(importlib.abc.MetaPathFinder):
             self._local.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _ServingLoader(spec.loader)
+        spec.loader = _ServingLoader(spec.loader, *hooks)
         return spec
-
-    def _install(self) -> None:
-        with self._lock:
-            if self._installed:
-                return
-            self._installed = True
-        try:
-            import torch_budget.adapters.tensorrt_llm  # noqa: F401  (installs at import, as its module says)
-        except Exception as e:
-            _say(f"could not install torch_budget before TensorRT-LLM ({type(e).__name__}: {e})")
 
 
 def run(value: Optional[str] = None) -> list[str]:
