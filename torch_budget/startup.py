@@ -20,7 +20,6 @@ process of the environment, pip's and the shell's helpers included).
 """
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.machinery
 import os

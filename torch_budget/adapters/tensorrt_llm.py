@@ -230,8 +230,8 @@ def serve_tensorrt_llm() -> int:
     as `virtual_memory_scope`; LLM.sleep imports release_with_tag when it runs, so it finds this
     one). TensorRT-LLM's RestoreMode and ExecutorMemoryType stay its own: scope takes them. Call it
     in the process that builds the executor, before it is built (TensorRT-LLM's worker processes:
-    TORCH_BUDGET_SERVE=tensorrt_llm, torch_budget.startup, calls it in each). Idempotent; returns the number of names rebound. ImportError where
-    TensorRT-LLM is not installed."""
+    TORCH_BUDGET_SERVE=tensorrt_llm, torch_budget.startup, calls it in each). Idempotent; returns
+    the number of names rebound. ImportError where TensorRT-LLM is not installed."""
     import importlib
     import types
 

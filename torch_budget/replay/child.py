@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--min-grown-seconds", type=float, default=MIN_GROWN_SECONDS,
-                    help="a short trace runs more passes until those after the first time this much (0: exactly --passes)")
+                    help="a short trace runs more passes until those after the first time this much "
+                         "(0: exactly --passes)")
     ap.add_argument("--pin", action="store_true", help="pin this process to one CPU core beside the GPU")
     ap.add_argument("--touch", action="store_true", help="write the first byte of every tensor")
     args = ap.parse_args(argv)

@@ -111,8 +111,8 @@ def _backing_share(res: dict) -> float | None:
     backing, times = res.get("backing_ns"), res["us_per_op"]
     if not backing or len(backing) != len(times) or len(times) < 2:
         return None
-    spent = sum(b[0] for b in backing[1:]) / 1e3  # µs
-    return spent / (sum(times[1:]) * res["ops"]) if sum(times[1:]) else None
+    grown_us = sum(times[1:]) * res["ops"]
+    return sum(b[0] for b in backing[1:]) / 1e3 / grown_us if grown_us else None
 
 
 def _first(res: dict) -> float:
@@ -149,11 +149,11 @@ def summarise(runs: list) -> list:
             row["peak_live"] = ok[0]["peak_live"]
             row["reserved_floor"] = reserved_floor(row["peak_live"])
             row["ops"] = ok[0]["ops"]
-            # Driver memory taken or given back per thousand operations in the last pass (the
-            # steady state); older children did not report it.
             shares = [v for v in (_backing_share(x) for x in ok) if v is not None]
             if shares and any(shares):
                 row["backing_share"] = statistics.median(shares)
+            # Driver memory taken or given back per thousand operations in the last pass (the
+            # steady state); older children did not report it.
             calls = [x["device_calls"][-1] for x in ok if x.get("device_calls")]
             if calls:
                 row["device_calls_per_kop"] = statistics.median(calls) * 1000 / row["ops"]
