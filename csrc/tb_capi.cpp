@@ -396,10 +396,23 @@ int tb_host_pool_free(void) {
   return HostPool::get().free_unused() ? 0 : code();
 }
 
+int tb_host_pool_set_keep(int keep, int* was) {
+  clear_error();
+  if (keep != 0 && keep != 1) {
+    set_error(kInvalidArgument, "keep must be 0 or 1, got " + std::to_string(keep));
+    return kInvalidArgument;
+  }
+  const bool before = HostPool::get().set_keep(keep == 1);
+  if (was != nullptr) *was = before ? 1 : 0;
+  return 0;
+}
+
 int tb_host_pool_stats(int64_t out[8]) {
   clear_error();
-  const HostPoolStats s = HostPool::get().stats();
-  const int64_t values[8] = {s.bytes, s.used, s.chunks, s.pinned_at_release, s.pin_ns, s.registered, 0, 0};
+  HostPool& pool = HostPool::get();
+  const HostPoolStats s = pool.stats();
+  const int64_t values[8] = {s.bytes, s.used, s.chunks, s.pinned_at_release, s.pin_ns, s.registered,
+                             pool.keeps() ? 1 : 0, 0};
   std::copy(values, values + 8, out);
   return 0;
 }

@@ -113,8 +113,11 @@ TB_API int tb_trim_tag(int device, int tag, int64_t* returned);
 // The pinned host pool that backups use (process-wide).
 TB_API int tb_host_pool_reserve(int64_t bytes);
 TB_API int tb_host_pool_free(void);
+// keep 0: memory pinned at a release is unpinned when its last backup goes (Note [Keeping
+// pinned memory]); 1: kept until tb_host_pool_free (the default). *was: the previous setting.
+TB_API int tb_host_pool_set_keep(int keep, int* was);
 // out: pinned bytes, bytes holding backups, chunks, bytes pinned at release, ns spent pinning,
-// bytes pinned by registering memory the pool mapped (the fast way: Note [Pinning fast]).
+// bytes pinned by registering memory the pool mapped (the fast way: Note [Pinning fast]), keep.
 TB_API int tb_host_pool_stats(int64_t out[8]);
 
 // --- graph pools (torch's begin/end allocate-to-pool and release-pool)

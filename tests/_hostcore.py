@@ -366,7 +366,8 @@ class Host:
     def host_pool(self):
         out = (ctypes.c_int64 * 8)()
         _native.check(self.lib, self.lib.tb_host_pool_stats(out))
-        return {"bytes": out[0], "used": out[1], "chunks": out[2], "pinned_at_release": out[3], "registered": out[5]}
+        return {"bytes": out[0], "used": out[1], "chunks": out[2], "pinned_at_release": out[3], "registered": out[5],
+                "keep": bool(out[6])}
 
 
 class _AsTorchLibrary:

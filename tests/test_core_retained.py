@@ -224,3 +224,56 @@ def test_after_a_half_done_release_the_next_cycle_keeps_the_contents():
     h.release("weights", "pinned", retain=True)
     h.restore("weights")
     assert h.peek(b, len(b_data)) == b_data
+
+
+@isolated
+def test_empty_cache_gives_back_a_retained_backup_once_memory_it_describes_went_to_the_driver():
+    # Note [Stale backups]: such a backup can never be taken again; it held its host memory until
+    # the next release.
+    h, blocks, resident = retained_cycle()
+    h.empty_cache()                                           # every granule still under a tensor
+    assert h.tag_info("weights")["retained"] == 1 and h.host_pool()["used"] == resident
+    for n, (p, _) in enumerate(blocks):
+        h.free(p)
+        assert h.tag_info("weights")["retained"] == 1, "freed into the cache, still mapped: the backup matches"
+        h.empty_cache()
+        info = h.tag_info("weights")
+        # Kept exactly while every granule it describes is mapped (runs go back only whole).
+        assert info["retained"] == (info["resident"] == resident), (n, info)
+        assert h.host_pool()["used"] == info["backup_bytes"] == (resident if info["retained"] else 0), (n, info)
+        if not info["retained"]:
+            break
+    assert n < len(blocks) - 1, "freeing the tensors one by one gave some granules back before the last"
+    check(h, blocks[n + 1:])
+    for p, _ in blocks[n + 1:]:
+        h.free(p)
+    h.empty_cache()
+    assert h.tag_info("weights")["resident"] == 0 and h.host_pool()["used"] == 0
+    blocks = fill(h, "weights", SIZES)
+    copies_everything(h, blocks, h.tag_info("weights")["resident"])
+
+
+@pytest.mark.parametrize("backup", ["pinned", "cpu", "disk"])
+@isolated
+def test_a_released_tag_whose_tensors_were_all_freed_gives_its_backup_back_at_empty_cache(backup, tmp_path):
+    h = Host(route="vmm")
+    h.set_disk_dir(str(tmp_path))
+    blocks = fill(h, "weights", SIZES)
+    other = fill(h, "other", [8 * MiB])
+    h.release("weights", backup)
+    h.release("other", "pinned")
+    used = h.host_pool()["used"]
+    for p, _ in blocks[:-1]:
+        h.free(p)
+    h.empty_cache()                                           # one tensor left: the backup stays whole
+    assert h.tag_info("weights")["backup_bytes"] > 0 and h.host_pool()["used"] == used
+    h.free(blocks[-1][0])
+    h.empty_cache()
+    info = h.tag_info("weights")
+    assert info["backup_bytes"] == 0 and info["released"] == 0 and info["life"] == 1, info  # still released
+    assert h.host_pool()["used"] == 8 * MiB and list(tmp_path.iterdir()) == []
+    h.restore("weights")                                      # nothing to map, nothing to copy
+    assert h.tag_info("weights")["last_device"] == 0 and h.tag_info("weights")["resident"] == 0
+    h.restore("other")
+    check(h, other)
+    assert h.host_pool()["used"] == 0

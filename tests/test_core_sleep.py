@@ -1,5 +1,6 @@
 """Sleep and wake in the core, over the host stand-in: release a tag's memory, restore it
 at the same addresses with its contents, and fail without losing anything."""
+import ctypes
 import os
 
 import pytest
@@ -267,6 +268,37 @@ def test_pinned_backups_reuse_the_reserved_host_pool():
     h.restore("weights")
     _native.check(h.lib, h.lib.tb_host_pool_free())
     assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
+
+
+@isolated
+def test_without_keeping_the_host_pool_unpins_what_a_release_pinned_once_its_backups_are_gone():
+    # Note [Keeping pinned memory]: what reserve() pinned stays; what a release pinned goes with
+    # its last backup, as torch_memory_saver frees each backup.
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    _native.check(h.lib, h.lib.tb_host_pool_reserve(8 * MiB))
+    was = ctypes.c_int(-1)
+    _native.check(h.lib, h.lib.tb_host_pool_set_keep(0, ctypes.byref(was)))
+    assert was.value == 1 and not h.host_pool()["keep"]
+    assert h.lib.tb_host_pool_set_keep(2, None) != 0, "keep is 0 or 1"
+    for _ in range(2):
+        h.release("weights", "pinned")
+        assert h.host_pool()["bytes"] >= sum(SIZES) and h.host_pool()["pinned_at_release"] > 0
+        h.restore("weights")
+        for p, data in blocks:
+            assert h.peek(p, len(data)) == data
+        assert h.host_pool()["bytes"] == 8 * MiB == h.lib.tb_host_pinned(), h.host_pool()
+    h.release("weights", "pinned")
+    address, view = h.backup_view(blocks[0][0], 4096)        # a view keeps its backup's memory
+    h.restore("weights")
+    assert h.host_pool()["bytes"] > 8 * MiB and ctypes.string_at(address, 4096) == blocks[0][1][:4096]
+    h.backup_view_end(view)
+    assert h.host_pool()["bytes"] == 8 * MiB
+    _native.check(h.lib, h.lib.tb_host_pool_set_keep(1, ctypes.byref(was)))
+    assert was.value == 0
+    h.release("weights", "pinned")
+    h.restore("weights")
+    assert h.host_pool()["bytes"] > 8 * MiB, "kept again"
 
 
 @isolated

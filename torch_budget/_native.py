@@ -79,6 +79,7 @@ def _core_signatures():
         "tb_trim_tag": (i, [i, i, ctypes.POINTER(i64)]),
         "tb_host_pool_reserve": (i, [i64]),
         "tb_host_pool_free": (i, []),
+        "tb_host_pool_set_keep": (i, [i, ctypes.POINTER(i)]),
         "tb_host_pool_stats": (i, [_c_i64_8]),
         "tb_begin_pool": (i, [i, u64, u64, vp]),
         "tb_end_pool": (i, [i, u64, u64]),

@@ -21,7 +21,9 @@ digests what it restored on the device (128 bits per 2 MiB, at memory speed); th
 release with the same backup and the same allocations copies only what changed since, and
 drops the rest at once, so sleeping an unchanged model costs an unmap, not a copy over the
 link. A live tag's retained backup shows in tag_states() ("retained", "backup_bytes");
-drop_backup() gives it back.
+drop_backup() gives it back, and so does empty_cache() once memory the backup describes has
+gone back to the driver (its tensors freed): the backup no longer matches the tag. A released
+tag's backup goes back the same way once no tensor of the tag is left (freed while it slept).
 
 Reading a backup (`backup_of(tensor)`): while a tensor's tag is released with a cpu or pinned
 backup, or a live tag retains one, the tensor's contents as the backup holds them, as a CPU
@@ -53,8 +55,9 @@ from ._validate import non_negative_int, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
-           "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake", "reserve_host_pool", "free_host_pool", "host_pool_stats", "SleepReport",
-           "TagState", "HostPoolStats"]
+           "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake",
+           "reserve_host_pool", "free_host_pool", "keep_host_pool", "host_pool_stats", "SleepReport", "TagState",
+           "HostPoolStats"]
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3, "disk": 4}  # csrc/core/tag_sleep.h
 RETAINABLE = ("cpu", "pinned")  # backups that keep contents, which release(retain=True) can keep
@@ -93,6 +96,7 @@ class HostPoolStats(TypedDict):
     pinned_at_release: int  # bytes pinned during a release because the pool was too small
     pin_seconds: float  # time spent pinning
     registered: int  # of bytes, pinned by registering memory torch_budget mapped (the fast way)
+    keep: bool  # keep_host_pool's setting
 
 
 # Tags released anywhere in this process (name -> backup): a cheap check for graph replays.
@@ -457,14 +461,29 @@ def free_host_pool() -> int:
     return host_pool_stats()["bytes"]
 
 
+def keep_host_pool(keep: bool) -> bool:
+    """Whether the pinned host pool keeps the memory a release pinned once its backups are gone
+    (True, the default: the next release copies into it without pinning again, which is slower
+    than the copy) or unpins it as the last backup in it goes back (False: at the restore that
+    does not retain the backup, at drop_retained, and when the memory the backup held is freed
+    and the cache emptied). What reserve_host_pool or install(host_pool=...) pinned stays either
+    way. Returns the previous setting."""
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep must be a bool, got {type(keep).__name__} ({keep!r})")
+    lib = _runtime.library()
+    was = _native.ctypes.c_int(0)
+    _native.check(lib, lib.tb_host_pool_set_keep(int(keep), _native.ctypes.byref(was)))
+    return bool(was.value)
+
+
 def host_pool_stats() -> HostPoolStats:
     """{"bytes": pinned bytes held, "used": bytes holding backups, "chunks": pinned
     allocations, "pinned_at_release": bytes that had to be pinned during a release because
     the pool was too small, "pin_seconds": time spent pinning, "registered": of bytes, those
     pinned by registering memory torch_budget mapped, the fast way; the rest came from
-    cuMemHostAlloc, where registering was refused}."""
+    cuMemHostAlloc, where registering was refused, "keep": keep_host_pool's setting}."""
     lib = _runtime.library()
     out = (_native.ctypes.c_int64 * 8)()
     _native.check(lib, lib.tb_host_pool_stats(out))
     return {"bytes": int(out[0]), "used": int(out[1]), "chunks": int(out[2]), "pinned_at_release": int(out[3]),
-            "pin_seconds": out[4] / 1e9, "registered": int(out[5])}
+            "pin_seconds": out[4] / 1e9, "registered": int(out[5]), "keep": bool(out[6])}

@@ -194,6 +194,7 @@ void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
   }
   destroy_dead_pools(lock, /*all=*/true);
   free_detached(lock);
+  tags_.drop_stale_backups();  // Note [Stale backups]
 }
 
 // ---------------------------------------------------------------- allocation

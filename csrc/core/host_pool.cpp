@@ -89,7 +89,7 @@ bool HostPool::pin(size_t bytes, bool at_release) {
   bytes = (bytes + kUnit - 1) / kUnit * kUnit;
   const auto start = std::chrono::steady_clock::now();
   // Portable either way: the backup of any device's tag may land in any chunk.
-  Chunk c{map_and_register(bytes), bytes, {}, true};
+  Chunk c{map_and_register(bytes), bytes, {}, true, at_release};
   if (c.base == nullptr) {
     void* p = nullptr;
     CUresult r = driver()->memHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE);
@@ -176,15 +176,22 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
       break;
     }
   }
+  if (keep_) return;
+  // Called from destructors and failure paths: the caller's error stays what it was, and a
+  // chunk the driver refuses to unpin stays pinned (free_unused() tries it again).
+  const ErrorCode code = last_error_code();
+  const std::string message = last_error_message();
+  unpin_unused([](const Chunk& c) { return c.at_release; });
+  if (code == kOk) clear_error(); else set_error(code, message);
 }
 
-bool HostPool::free_unused() {
-  std::lock_guard<std::mutex> lock(mu_);
+template <class Which>
+bool HostPool::unpin_unused(Which which) {
   bool ok = true;
   std::vector<Chunk> kept;
   for (Chunk& c : chunks_) {
     const bool unused = c.free.size() == 1 && c.free.begin()->first == 0 && c.free.begin()->second == c.bytes;
-    if (!unused) {
+    if (!unused || !which(c)) {
       kept.push_back(std::move(c));
       continue;
     }
@@ -198,6 +205,23 @@ bool HostPool::free_unused() {
   }
   chunks_.swap(kept);
   return ok;
+}
+
+bool HostPool::free_unused() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unpin_unused([](const Chunk&) { return true; });
+}
+
+bool HostPool::set_keep(bool keep) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool was = keep_;
+  keep_ = keep;
+  return was;
+}
+
+bool HostPool::keeps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return keep_;
 }
 
 HostPoolStats HostPool::stats() {

@@ -6,6 +6,10 @@
 // cycles until free_unused() is called. Backups take granule-aligned extents first-fit
 // from its chunks and give them back on restore.
 //
+// Note [Keeping pinned memory]: keeping is the default. With set_keep(false) a chunk pinned at
+// a release is unpinned as soon as the last backup in it goes back (what torch_memory_saver
+// does with each backup); chunks reserve() pinned stay either way: they were asked for.
+//
 // Lock rule: one process-wide mutex; taken after a device's mutex, never before one.
 #pragma once
 
@@ -46,6 +50,9 @@ class HostPool {
   void give_back(const std::vector<HostExtent>& extents);
   // Unpins every chunk that holds no backup.
   bool free_unused();
+  // Note [Keeping pinned memory]; returns the previous setting.
+  bool set_keep(bool keep);
+  bool keeps();
   HostPoolStats stats();
 
   static constexpr size_t kUnit = 2 << 20;
@@ -56,14 +63,19 @@ class HostPool {
     size_t bytes;
     std::map<size_t, size_t> free;  // offset -> length, coalesced
     bool registered;                // mapped here and registered, else from cuMemHostAlloc
+    bool at_release;                // pinned because a release found the pool too small
   };
   bool pin(size_t bytes, bool at_release);
   bool unpin(const Chunk& c);  // false + error where the driver refuses (the chunk stays)
+  // Unpins the chunks that hold nothing and pass `which`; false where the driver refused one.
+  template <class Which>
+  bool unpin_unused(Which which);
   size_t free_bytes() const;
 
   std::mutex mu_;
   std::vector<Chunk> chunks_;
   HostPoolStats stats_;
+  bool keep_ = true;
 };
 
 }  // namespace tb

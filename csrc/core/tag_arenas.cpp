@@ -254,6 +254,46 @@ void TagArenas::trim_clean(int tag) {
   if (!trimmable(tag)) return;
   vmm_->release_clean(*pools_[tag]);
   vmm_->release_free_handles();
+  drop_stale_backups();
+}
+
+// Note [Stale backups]
+// A backup holds host memory (or files) for memory of its tag; torch_memory_saver frees a
+// backup with the allocation it backs. Here the memory goes back to the driver in the cache's
+// own time (empty_cache, a trim, an out-of-memory retry), and then:
+// - a live tag's retained backup (Note [Retained backups]) that describes a granule no longer
+//   mapped, or a segment gone, can never be taken by a release again (TagMover::reusable wants
+//   the same pieces, every granule mapped): it is given back now, not at the next release;
+// - a released tag none of whose pieces covers a live block any more (every tensor freed while
+//   it slept) has nothing left to restore: its backup is given back and its pieces forgotten;
+//   the tag stays released, and its restore maps and copies nothing.
+// A released tag with some tensors left keeps its whole backup until the restore: its host
+// memory is one space, and the restore skips the granules no block covers.
+int TagArenas::drop_stale_backups() {
+  if (vmm_ == nullptr) return 0;
+  int dropped = 0;
+  for (int tag = 1; tag < kMaxTags; ++tag) {
+    TagState& st = state_[tag];
+    if (st.life == kTagLive && !st.kept.empty()) {
+      bool in_place = kept_in_place(tag);  // first: a gone segment's granules are not to be read
+      for (size_t k = 0; k < st.kept.size() && in_place; ++k)
+        for (size_t i = st.kept[k].first; i < st.kept[k].first + st.kept[k].count && in_place; ++i)
+          in_place = st.kept[k].seg->granules[i] != 0;
+      if (in_place) continue;
+      st.drop_backup();
+      st.retain = false;
+      ++dropped;
+    } else if (st.life == kTagReleased && (st.space || !st.files.empty())) {
+      bool needed = false;
+      for (const std::vector<bool>& v : still_needed(st))
+        needed = needed || std::find(v.begin(), v.end(), true) != v.end();
+      if (needed) continue;
+      st.pieces.clear();
+      st.drop_backup();
+      ++dropped;
+    }
+  }
+  return dropped;
 }
 
 }  // namespace tb

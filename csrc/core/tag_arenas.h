@@ -81,6 +81,9 @@ class TagArenas {
   bool trimmable(int tag) const { return vmm_ != nullptr && tag != 0 && pools_[tag] && live(tag); }
   std::vector<CUstream> dirty_streams(int tag) const;
   void trim_clean(int tag);
+  // Note [Stale backups]: gives back each backup that no longer describes memory of its tag.
+  // Called after memory went back to the driver; returns how many it gave back.
+  int drop_stale_backups();
 
  private:
   // For each granule of `seg`: whether an allocated or waiting block covers it (every
