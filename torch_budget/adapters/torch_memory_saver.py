@@ -35,8 +35,10 @@ The mapping (torch_memory_saver name -> what torch_budget does):
                          Read at pause and at resume, as torch_memory_saver reads it at resume;
                          one flag for the process, every instance's; TMS_RETAIN_CPU_BACKUP=1 sets
                          it at start. False: the resume gives the pinned backups' host memory
-                         back (sleep.free_host_pool), as torch_memory_saver frees them, unless
-                         install() reserved a host_pool
+                         back, as torch_memory_saver frees them: the adapter turns the pinned
+                         pool's keeping off (sleep.keep_host_pool(False)) unless install()
+                         reserved a host_pool; a backup whose memory was freed goes at the next
+                         empty_cache (Note [Stale backups])
   enabled                True
   hook_mode              "preload" or "torch", before first use; both mean torch_budget serves
                          every allocation (cuda_graph works in either)
@@ -45,10 +47,14 @@ The mapping (torch_memory_saver name -> what torch_budget does):
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
-_impl (None until the first use, as there), but for the tms_get_* configuration getters of its C
-library that its own tests read (_impl._binary_wrapper.cdll, answered from the regions in force)
-and tms_set_interesting_region, which slime calls around DeepEP's buffers: False leaves this
-thread's allocations untagged, True makes them the saver's again (Note [Interesting region]). enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
+_impl (None until the first use, as there), but for what its own tests and slime read: the
+tms_get_* configuration getters of its C library (_impl._binary_wrapper.cdll, answered from the
+regions in force) and the CUDA runtime functions it links (cudaHostGetFlags, ...);
+tms_set_interesting_region, which slime calls around DeepEP's buffers: False leaves this
+thread's allocations untagged, True makes them the saver's again (Note [Interesting region]);
+_impl._with_region_config (a region without its pool) and _impl._mem_pools (each region key's
+_RegionPool, naming the tag that serves it: dropping one frees nothing by itself).
+enable_disk_backup is torch_budget's backup "disk" (one file per piece of at most 64 MiB in
 the directory set_disk_backup_dir or TMS_DISK_BACKUP_DIR names; TMS_DISK_BACKUP_CHUNK_MB is not
 read). get_cpu_backup reads
 torch_budget's backups (torch_budget.sleep.backup_of); a zero_copy view keeps the backup's host
@@ -231,6 +237,8 @@ def _install() -> None:
         "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
         "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
         f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}"))
+    if not torch_budget.install()["host_pool"]:
+        sleep.keep_host_pool(False)  # torch_memory_saver frees each backup's host memory with it
     if _env_flag("TMS_INIT_ENABLE"):
         _init_enable()
 
@@ -328,15 +336,6 @@ def _current_stream(device: int):
     return torch.cuda.current_stream(device).cuda_stream if torch.cuda.is_initialized() else None
 
 
-def _unpin_unused() -> None:
-    """torch_memory_saver frees a pinned backup at the resume that does not retain it; torch_budget's
-    pinned host pool keeps the memory for the next pause. Unpins what no backup holds now (the
-    backups of tags still paused or retained, and zero-copy views, keep theirs), unless install()
-    reserved a host pool (host_pool): that asks for the pinned memory to stay."""
-    if not torch_budget.install()["host_pool"]:
-        sleep.free_host_pool()
-
-
 class TorchMemorySaver:
     """torch_memory_saver's TorchMemorySaver over torch_budget. Instances share one state, as
     torch_memory_saver's share its library: pause() of one pauses the others' tags."""
@@ -350,12 +349,13 @@ class TorchMemorySaver:
                cpu_backup_backend: Optional[CpuBackupBackend] = None):
         """Allocations inside are paused and resumed with `tag`; with enable_cpu_backup their
         contents survive a pause. Nestable: the innermost region decides."""
-        backup = _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
+        _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)  # refused before anything is done
         tag_name(tag)
         self._ensure_initialized()
-        name = _registry.register(tag, backup)
-        config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, _backend(cpu_backup_backend))
-        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
+        with self._impl._with_region_config(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup) as name:
+            backend = _current().backend if enable_cpu_backup else ""
+            self._impl._mem_pools.setdefault((tag, enable_cpu_backup, enable_disk_backup, backend,
+                                              _runtime.current_device()), _RegionPool(name))
             yield
 
     @contextlib.contextmanager
@@ -443,8 +443,6 @@ class TorchMemorySaver:
             rest = [n for n in paused if n not in copying]
             if rest:
                 torch_budget.restore(rest, device="all")
-            if not _retain and any(names[n] == "pinned" for n in copying):
-                _unpin_unused()
             _regrow_cache(paused)
 
     @property
@@ -554,7 +552,29 @@ class _ConfigLibrary:
         return bool(self._saver.retain_cpu_backup)
 
     def __getattr__(self, name: str):
+        if name.startswith("cuda"):  # torch_memory_saver's library links the CUDA runtime: ctypes finds its functions
+            return getattr(_cuda_runtime(name), name)
         raise _private(f"C library function {name}")
+
+
+_cudart = None  # ctypes' handle on the CUDA runtime, once found
+
+
+def _cuda_runtime(wanted: str):
+    """The CUDA runtime library torch loaded into this process, through ctypes."""
+    global _cudart
+    if _cudart is None:
+        import ctypes
+
+        paths: list[str] = []
+        with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+            paths = [line.rsplit(None, 1)[-1] for line in maps]
+        path = next((p for p in paths if os.path.basename(p).startswith("libcudart.so")), None)
+        if path is None:
+            raise UnsupportedError(f"{wanted}: the CUDA runtime is not loaded in this process (torch loads it "
+                                   "with CUDA)")
+        _cudart = ctypes.CDLL(path)
+    return _cudart
 
 
 class _Impl:
@@ -564,9 +584,39 @@ class _Impl:
 
     def __init__(self, saver: TorchMemorySaver):
         self._binary_wrapper = types.SimpleNamespace(cdll=_ConfigLibrary(saver))
+        # (tag, enable_cpu_backup, enable_disk_backup, backend or "", device) -> _RegionPool
+        self._mem_pools: dict[tuple, _RegionPool] = {}
+
+    @contextlib.contextmanager
+    def _with_region_config(self, tag: str, enable_cpu_backup: bool, cpu_backup_backend: Optional[CpuBackupBackend],
+                            enable_disk_backup: bool = False) -> Iterator[str]:
+        """A region without its pool: the allocations inside (and the frees, which need no
+        region here) are the saver's under `tag`. Yields the torch_budget tag serving them."""
+        backup = _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
+        tag_name(tag)
+        name = _registry.register(tag, backup)
+        config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, _backend(cpu_backup_backend))
+        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
+            yield name
 
     def __getattr__(self, name: str):
         raise _private(f"_impl.{name}")
+
+
+class _RegionPool:
+    """What torch_memory_saver keeps for each key of _impl._mem_pools: a MemPool holding the
+    region's memory. torch_budget keeps that memory in its tag's own arena, so this names the tag
+    only, and dropping it frees nothing: the memory goes back to the driver when its tensors are
+    freed and the cache is emptied, and their backups with it (Note [Stale backups] in
+    csrc/core/tag_arenas.cpp; the pinned memory is unpinned then, sleep.keep_host_pool)."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return f"_RegionPool(tag={self.tag!r})"
 
 
 @contextlib.contextmanager
