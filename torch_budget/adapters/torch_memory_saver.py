@@ -115,6 +115,7 @@ def _env_flag(name: str) -> bool:
 _registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UNTAGGED else tag)
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
 _cache_at_pause: dict[tuple[str, int], int] = {}  # (torch_budget tag, device) -> bytes its cache held at pause
+_pool_set = False  # whether the first pause set the pinned pool's keeping (_set_host_pool)
 _scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for; flips
 
 
@@ -237,8 +238,6 @@ def _install() -> None:
         "torch_budget's torch_memory_saver adapter serves memory through torch_budget, which must replace "
         "torch's CUDA allocator before CUDA starts: import torch_budget.adapters.torch_memory_saver "
         f"(or call torch_budget.install()) before the first CUDA tensor or call. {e}"))
-    if not torch_budget.install()["host_pool"]:
-        sleep.keep_host_pool(False)  # torch_memory_saver frees each backup's host memory with it
     if _env_flag("TMS_INIT_ENABLE"):
         _init_enable()
 
@@ -336,6 +335,17 @@ def _current_stream(device: int):
     return torch.cuda.current_stream(device).cuda_stream if torch.cuda.is_initialized() else None
 
 
+def _set_host_pool() -> None:
+    """Once, at the first pause (importing the module must not start the driver): the pinned pool
+    stops keeping what a release pinned, as torch_memory_saver frees each backup's host memory with
+    it, unless install() reserved a host pool (host_pool): that asks for the pinned memory to stay."""
+    global _pool_set
+    if not _pool_set:
+        if not torch_budget.install()["host_pool"]:
+            sleep.keep_host_pool(False)
+        _pool_set = True
+
+
 class TorchMemorySaver:
     """torch_memory_saver's TorchMemorySaver over torch_budget. Instances share one state, as
     torch_memory_saver's share its library: pause() of one pauses the others' tags."""
@@ -410,6 +420,7 @@ class TorchMemorySaver:
             for name, backup in sorted(names.items()):
                 by_backup.setdefault(backup, []).append(name)
             cache = _cache_bytes(names)
+            _set_host_pool()
             done: list[list[str]] = []
             try:
                 for backup, group in sorted(by_backup.items()):
