@@ -590,8 +590,9 @@ def _cuda_runtime(wanted: str):
 
 class _Impl:
     """torch_memory_saver's private implementation (TorchMemorySaver._impl, None until the first use),
-    as far as its own tests and slime read it: its C library's configuration getters and
-    tms_set_interesting_region (_impl._binary_wrapper.cdll). Everything else raises UnsupportedError."""
+    as far as its own tests and slime read it: its C library's configuration getters, the CUDA
+    runtime functions it links and tms_set_interesting_region (_impl._binary_wrapper.cdll),
+    _with_region_config and _mem_pools. Everything else raises UnsupportedError."""
 
     def __init__(self, saver: TorchMemorySaver):
         self._binary_wrapper = types.SimpleNamespace(cdll=_ConfigLibrary(saver))
