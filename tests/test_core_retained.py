@@ -81,7 +81,7 @@ def test_one_changed_byte_in_any_granule_is_found_and_only_that_granule_is_copie
         p, data = blocks[owner]
         at = max(g, p) + (n * 7919) % min(GRANULE - (max(g, p) - g), p + len(data) - max(g, p))
         old = data[at - p]
-        new = bytes([(old + 1 + n) % 256 or 1])
+        new = bytes([old ^ (1 + n % 255)])  # never the byte it replaces
         assert h.poke(at, new)
         blocks[owner] = (p, data[:at - p] + new + data[at - p + 1:])
         h.release("weights", "pinned", retain=True)
@@ -193,7 +193,8 @@ def half_released(h):
     (a, a_data), (b, b_data), (c, c_data) = fill(h, "weights", [256 * MiB, 256 * MiB, 88 * MiB])
     h.release("weights", "pinned", retain=True)
     h.restore("weights")
-    assert h.poke(a, b"\x01") and h.poke(c, b"\x02")
+    new_a, new_c = bytes([a_data[0] ^ 0xFF]), bytes([c_data[0] ^ 0xFF])  # differ from the random bytes
+    assert h.poke(a, new_a) and h.poke(c, new_c)
     h.fail("cuMemcpyDtoHAsync", nth=5)  # three digest reads and A's copy pass; C's copy fails ...
     h.fail("cuMemCreate", nth=-1)  # ... and the recovery cannot map B again
     with pytest.raises(Exception, match="stays released"):
@@ -203,7 +204,7 @@ def half_released(h):
     assert info["life"] == 1 and 0 < info["released"] < info["backup_bytes"], info
     h.restore("weights")
     assert h.peek(b, len(b_data)) == b_data
-    return (a, b"\x01" + a_data[1:]), (b, b_data), (c, b"\x02" + c_data[1:])
+    return (a, new_a + a_data[1:]), (b, b_data), (c, new_c + c_data[1:])
 
 
 @isolated
