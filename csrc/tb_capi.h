@@ -58,7 +58,7 @@ TB_API int tb_set_tag_budget(int device, int tag, int64_t bytes, double fraction
 TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
 // Note [Packing time] (core/packing_time.h): the share of wall-clock time in [0, 1] the VMM
 // route may spend moving memory to pack it (0: never before the budget refuses; 1: always),
-// for every device, before the first allocation (after tb_configure, which resets it to 0.1).
+// for every device, before the first allocation (after tb_configure, which resets it to 0.03).
 TB_API int tb_configure_packing_time(double share);
 TB_API int tb_empty_cache(int device);
 // torch's emptyCache(mempool_id): the cached memory of private pool (id0, id1) only.

@@ -178,7 +178,7 @@ def test_doctor_prints_the_parsed_settings_and_the_defaults_of_the_rest(capsys, 
     assert lines["budget"].split(None, 1)[1] == f"40.00 GiB ({40 << 30} bytes)"
     assert lines["route"].split(None, 1)[1] == "vmm"
     assert lines["map_run"].split(None, 1)[1] == "16.0 MiB (default)"
-    assert lines["packing_time"].split(None, 1)[1] == "0.1 (default)"
+    assert lines["packing_time"].split(None, 1)[1] == "0.03 (default)"
     assert lines["host_pool"].split(None, 1)[1] == "none (default)"
     monkeypatch.setenv("TORCH_BUDGET_CONF", "budget:0.85")
     assert cli.main(["doctor"]) == 0

@@ -114,7 +114,7 @@ def test_described_settings_say_which_values_are_defaults():
         ("route", "auto: VMM, else pool, else sync, by what each device supports (default)"),
         ("reuse_before_grow", "true (default)"),
         ("map_run", "16.0 MiB (default)"),
-        ("packing_time", "0.1 (default)"),
+        ("packing_time", "0.03 (default)"),
         ("host_pool", "8.00 GiB"),
     ]
     assert config.describe({})[0] == ("budget", "the whole card (default)")

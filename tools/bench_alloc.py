@@ -32,7 +32,7 @@ from _bench import cuda_torch  # noqa: E402  (tools/ is the script's own folder)
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIXES = ["mix:serving", "mix:small", "mix:lognormal"]
 SINGLE = ["mix:4KiB", "mix:1MiB", "mix:64MiB"]
-CONFIGS = "native,expandable,cudaMallocAsync,tb-vmm,tb-vmm-noreuse,tb-vmm-pack3%,tb-pool,tb-sync"
+CONFIGS = "native,expandable,cudaMallocAsync,tb-vmm,tb-vmm-noreuse,tb-vmm-pack10%,tb-pool,tb-sync"
 DEFAULT = "tb-vmm"
 
 

@@ -161,7 +161,7 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     map_run: bytes (int or "16MiB", at least 2 MiB) of the longest VMM mapping one allocation
     makes; None = 16 MiB. Shorter packs tighter, longer maps with fewer driver calls.
     packing_time: the share of wall-clock time in [0, 1] that moving memory to keep reserved
-    within 2 % of the peak may take; None = 0.1. A tight loop of large churn past it packs
+    within 2 % of the peak may take; None = 0.03. A tight loop of large churn past it packs
     looser instead of slower; 1 packs whatever it costs, 0 moves nothing before the budget refuses.
     budgets: {tag: budget} of per-tag budgets (each as `budget` takes it), on every device:
     an allocation under a tag that would pass its budget raises OutOfMemoryError naming the

@@ -10,7 +10,7 @@ Keys: budget (bytes with a unit -- B, KiB, MiB, GiB, TiB, or decimal KB, MB, GB,
 a bare number is bytes only from 1 MiB up -- or a fraction in (0, 1]), route (vmm | pool | sync | auto),
 reuse_before_grow (true | false), map_run (bytes: the longest VMM mapping an allocation
 makes, 16MiB by default; shorter packs tighter, longer maps faster), packing_time (the share
-of wall-clock time in [0, 1] that moving memory to pack it may take, 0.1 by default), host_pool (bytes of
+of wall-clock time in [0, 1] that moving memory to pack it may take, 0.03 by default), host_pool (bytes of
 pinned host memory that install() pins for sleep backups, so that no release pins). An
 error in the variable says it came from there; a key given twice is an error.
 
@@ -98,7 +98,7 @@ def parse_host_pool(value, source: str = "host_pool") -> int:
 
 MAP_RUN_MIN = 2 << 20
 MAP_RUN_DEFAULT = 16 << 20
-PACKING_TIME_DEFAULT = 0.1  # csrc/core/packing_time.h, Note [Packing time]
+PACKING_TIME_DEFAULT = 0.03  # csrc/core/packing_time.h, Note [Packing time]
 
 
 def parse_map_run(value, source: str = "map_run") -> int:
