@@ -114,6 +114,17 @@ def test_replay_names_a_bad_trace_and_exits_2(capsys, tmp_path):
     assert "unknown configuration 'tb-quick'" in capsys.readouterr().err
 
 
+def test_a_comparison_names_a_trace_it_cannot_read_before_it_starts_a_process(monkeypatch, tmp_path):
+    from torch_budget.replay import compare
+
+    started = []
+    monkeypatch.setattr(compare, "run_child", lambda *a, **k: started.append(a) or [])
+    missing = str(tmp_path / "decode_graphs")
+    with pytest.raises(TraceError, match="decode_graphs: cannot read it"):
+        compare.compare(["mix:small", missing], ["native", "tb-vmm"], rounds=1)
+    assert started == []
+
+
 def test_the_comparison_times_the_grown_cache_apart_from_the_first_pass():
     from torch_budget.replay.compare import Run, summarise, table
 

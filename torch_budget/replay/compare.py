@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from torch_budget.replay.child import read_trace
 from torch_budget.replay.configs import BASELINE, CONFIGS, environment
 
 
@@ -57,11 +58,14 @@ def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes
             progress=None, timeout: float = 900.0, unpinned_configs=None) -> list:
     """Every (trace, config, pinning) over `rounds` interleaved rounds; one process per
     (config, pinning) and round replays every trace. `unpinned_configs` limits which
-    configurations also run unpinned (default: all). Returns the Runs."""
+    configurations also run unpinned (default: all). Returns the Runs; a trace that cannot be
+    read raises TraceError, naming it, before any process starts."""
     configs = list(configs or CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(CONFIGS)}")
+    for spec in traces:  # every child replays every trace: one that cannot be read would fail them all
+        read_trace(spec)
     if BASELINE not in configs:
         configs.insert(0, BASELINE)
     plan = [(c, p) for p in pinning for c in configs
