@@ -117,6 +117,25 @@ def test_release_and_materialize_skip_what_is_already_done():
 
 @built
 @isolated
+def test_the_counts_are_tensorrt_llms_one_blob_per_live_allocation():
+    host, module = _trt()
+    with module.scope("model", module.RestoreMode.PINNED):
+        weights = [_alloc(host, n * MiB, bytes([65 + n])) for n in (1, 2, 3, 24)]
+    with module.scope("kv_cache"):
+        kv = [_alloc(host, 8 * MiB, b"k") for _ in range(3)]
+    host.free(weights.pop(1))  # freed: its memory stays cached under the tag, and is no blob
+    assert torch_budget.stats()["by_tag"]["model+pinned"]["allocations"] == 3
+    assert module.release_with_tag("model") == 3
+    assert module.release_with_tag("kv_cache") == 3
+    assert torch_budget.stats()["reserved"] == 0  # the cached memory went back too
+    host.free(kv.pop())  # freed while released
+    assert module.materialize_with_tag("model", "kv_cache") == 5
+    for p, n in zip(weights, (1, 3, 24)):
+        assert host.peek(p, 4096) == bytes([65 + n]) * 4096
+
+
+@built
+@isolated
 def test_scopes_nest_and_the_innermost_decides():
     host, module = _trt()
     with module.scope("model", module.RestoreMode.PINNED):

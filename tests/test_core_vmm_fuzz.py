@@ -55,7 +55,11 @@ class Program:
         h = self.h
         where = f"step {step}"
         assert h.reserved() == h.device_used(), f"{where}: the ledger's reserved bytes are not what the driver holds"
-        reserved = h.stats()["reserved_bytes"]
+        st = h.stats()
+        reserved = st["reserved_bytes"]
+        if self.tags:
+            assert st["tags"]["t"]["allocations"]["current"] == len(self.live) - len(self.untagged), \
+                f"{where}: the tag's live allocations are not its live blocks"
         assert reserved["small_pool"]["current"] + reserved["large_pool"]["current"] == reserved["all"]["current"], where
         assert self.budget < 0 or h.reserved() <= self.budget, f"{where}: reserved past the budget"
         mapped = sum(s["mapped_size"] for s in h.segments())

@@ -51,7 +51,8 @@ class TagStats(TypedDict):
     allocated: int
     requested: int
     peak_allocated: int
-    count: int
+    count: int  # allocations served, cumulative
+    allocations: int  # live allocations
     state: str  # live | released | restoring
     resident: int  # device bytes mapped behind the tag, graph pools included
     released: int  # bytes waiting to be restored
@@ -308,8 +309,8 @@ def stats(device: Device = None) -> Stats:
 
     Keys: allocated, reserved, peak_allocated, peak_reserved, budget (None = card),
     total, graph_pools, by_route {name: {allocated, reserved, peak_allocated, count}},
-    by_tag {name: {allocated, requested, peak_allocated, count, state (live | released | restoring),
-    resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes,
+    by_tag {name: {allocated, requested, peak_allocated, count (allocations served, cumulative),
+    allocations (live ones), state (live | released | restoring), resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes,
     budget (the tag's own, None: none), headroom (budget - allocated)}},
     raw (every counter). Reserved and the budget count resident memory only.
     """
@@ -328,7 +329,8 @@ def stats(device: Device = None) -> Stats:
                             "peak_allocated": r["allocated"]["peak"], "count": r["count"]}
                      for name, r in raw["routes"].items()},
         "by_tag": {name: {"allocated": t["allocated"]["current"], "requested": t["requested"]["current"],
-                          "peak_allocated": t["allocated"]["peak"], "count": t["count"], "state": t["state"],
+                          "peak_allocated": t["allocated"]["peak"], "count": t["count"],
+                          "allocations": t["allocations"]["current"], "state": t["state"],
                           "resident": t["resident"], "released": t["released"], "backup": t["backup"],
                           "backup_bytes": t["backup_bytes"], "retained": bool(t["retained"]),
                           "budget": None if t["budget"] < 0 else t["budget"],

@@ -72,6 +72,7 @@ class _Report(TypedDict):
     devices: list[int]  # the devices acted on
     bytes: int  # device bytes given back to the driver (release) or mapped again (restore)
     backup_bytes: int  # host bytes the backups took (release) or were copied back from (restore)
+    allocations: int  # live allocations of those tags on those devices: the tensors acted on
     seconds: float
 
 
@@ -177,9 +178,12 @@ def _moved(lib, device, tag) -> tuple[int, int]:
     return _info(lib, device, tag)[4:6]
 
 
-def _report(targets, moved: int, backed: int, start: float) -> SleepReport:
-    return {"tags": sorted({name for _, _, name in targets}), "devices": sorted({d for d, _, _ in targets}),
-            "bytes": moved, "backup_bytes": backed, "seconds": time.perf_counter() - start}
+def _report(lib, targets, moved: int, backed: int, start: float) -> SleepReport:
+    devices = sorted({d for d, _, _ in targets})
+    tags = {dev: _native.read_json(lib, lib.tb_stats_json, dev)["tags"] for dev in devices}
+    allocations = sum(tags[dev][name]["allocations"]["current"] for dev, _, name in targets)
+    return {"tags": sorted({name for _, _, name in targets}), "devices": devices, "bytes": moved,
+            "backup_bytes": backed, "allocations": allocations, "seconds": time.perf_counter() - start}
 
 
 def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
@@ -200,7 +204,7 @@ def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
         raise
     for _, _, name in targets:
         _released[name] = backup
-    return _report(targets, moved, backed, start)
+    return _report(lib, targets, moved, backed, start)
 
 
 def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
@@ -217,7 +221,7 @@ def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
     for _, tag, name in targets:
         if all(_life(lib, dev, tag) == _LIVE for dev in served):
             _released.pop(name, None)
-    return _report(targets, moved, backed, start)
+    return _report(lib, targets, moved, backed, start)
 
 
 def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
@@ -227,7 +231,8 @@ def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = No
     the contents up as `backup` says (default "pinned": contents kept); `retain=True` keeps
     the backup past the restore so the next release copies only what changed (see the
     module's notes). Returns {"tags", "devices", "bytes" (returned to the driver),
-    "backup_bytes" (bytes this release copied), "seconds"}.
+    "backup_bytes" (bytes this release copied), "allocations" (the live allocations of those
+    tags on those devices: how many tensors it acted on), "seconds"}.
 
     All or nothing: a tag in the wrong state raises TagStateError before anything is
     released; when a release fails, the ones this call did before it are restored and the

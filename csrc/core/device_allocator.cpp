@@ -348,6 +348,7 @@ void DeviceAllocator::account_alloc(Block* b) {
   ledger_.tag_allocated[b->tag].add(size);
   ledger_.tag_requested[b->tag].add(requested);
   bump(ledger_.tag_count[b->tag]);
+  ledger_.tag_allocations[b->tag].add(1);
   tags_.charge(*b);
 }
 
@@ -361,6 +362,7 @@ void DeviceAllocator::account_release(Block* b) {
   ledger_.route_allocated[b->route].sub(size);
   ledger_.tag_allocated[b->tag].sub(size);
   ledger_.tag_requested[b->tag].sub(requested);
+  ledger_.tag_allocations[b->tag].sub(1);
   tags_.uncharge(*b);
 }
 

@@ -24,6 +24,7 @@ void Ledger::reset_peaks() {
   for (int t = 0; t < kMaxTags; ++t) {
     tag_allocated[t].reset_peak();
     tag_requested[t].reset_peak();
+    tag_allocations[t].reset_peak();
   }
   graph_pool_reserved.reset_peak();
 }

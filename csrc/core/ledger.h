@@ -79,7 +79,8 @@ struct Ledger {
   std::atomic<int64_t> route_count[kRouteCount] = {};  // allocations served, cumulative
   Stat tag_allocated[kMaxTags];
   Stat tag_requested[kMaxTags];
-  std::atomic<int64_t> tag_count[kMaxTags] = {};
+  std::atomic<int64_t> tag_count[kMaxTags] = {};  // allocations served, cumulative
+  Stat tag_allocations[kMaxTags];                  // live allocations (count)
   Stat graph_pool_reserved;  // memory held by private (graph) pools
 
   std::atomic<int64_t> num_alloc_retries{0};

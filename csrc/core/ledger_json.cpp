@@ -137,6 +137,7 @@ std::string stats_json(DeviceAllocator& d) {
       stat(j, "allocated", l.tag_allocated[t]);
       stat(j, "requested", l.tag_requested[t]);
       j.field("count", l.tag_count[t].load());
+      stat(j, "allocations", l.tag_allocations[t]);
       j.field("budget", d.tag_budget(t) == Budget::kNone ? -1 : d.tag_budget(t));
       j.key("state").str(tag_life_name(views[t].life));
       if (views[t].backup < 0) j.key("backup").null();

@@ -36,8 +36,8 @@ The mapping (TensorRT-LLM name -> what torch_budget does):
 TensorRT-LLM decides the backup per allocation (the scope's mode), so each (tag, mode) pair is a torch_budget
 tag of its own: "kv_cache" (NONE), "model+pinned", "model+cpu", "model+memset"; release_with_tag("model")
 releases all of "model"'s. Both calls skip what is already in the asked state and return how many memory
-blobs they acted on; a blob here is one (tag, mode) pair on the devices that hold its memory, where
-TensorRT-LLM counts its allocations: 0 still means there was nothing to act on. A release is all or
+blobs they acted on, as TensorRT-LLM counts them: one per live allocation, on every device (memory torch_budget
+caches for the tag is released and restored with it, and counts nothing). A release is all or
 nothing; a materialize that fails leaves the tags before it materialized and the failing tag released, as
 TensorRT-LLM's does; it raises torch.cuda.OutOfMemoryError when the memory is not there, and a later call
 can succeed (the backup is kept). Tags are str (TensorRT-LLM's ExecutorMemoryType members are).
@@ -185,7 +185,7 @@ def release_with_tag(*tags: str) -> int:
         count = 0
         try:
             for name, backup in todo:
-                count += int(torch_budget.release(name, backup=backup, device="all")["bytes"] > 0)
+                count += torch_budget.release(name, backup=backup, device="all")["allocations"]
                 done.append(name)
         except BaseException:
             for name in reversed(done):  # all or nothing
@@ -209,7 +209,7 @@ def materialize_with_tag(*tags: str) -> int:
             done: list[str] = []
             try:
                 for name in sorted(n for n in _registry.of(tag) if n in asleep):
-                    count += int(torch_budget.restore(name, device="all")["bytes"] > 0)
+                    count += torch_budget.restore(name, device="all")["allocations"]
                     done.append(name)
             except BaseException:
                 for name in reversed(done):  # the failing tag stays released as a whole
