@@ -263,11 +263,13 @@ def test_a_released_tag_whose_tensors_were_all_freed_gives_its_backup_back_at_em
     other = fill(h, "other", [8 * MiB])
     h.release("weights", backup)
     h.release("other", "pinned")
-    used = h.host_pool()["used"]
+    used, whole = h.host_pool()["used"], h.tag_info("weights")["backup_bytes"]
     for p, _ in blocks[:-1]:
         h.free(p)
-    h.empty_cache()                                           # one tensor left: the backup stays whole
-    assert h.tag_info("weights")["backup_bytes"] > 0 and h.host_pool()["used"] == used
+    h.empty_cache()  # one tensor left: only its granules' backup stays, or every file of a disk backup
+    last = len(blocks[-1][1])
+    assert h.tag_info("weights")["backup_bytes"] == (last if backup != "disk" else whole)
+    assert h.host_pool()["used"] == (last + 8 * MiB if backup == "pinned" else used)
     h.free(blocks[-1][0])
     h.empty_cache()
     info = h.tag_info("weights")
@@ -277,4 +279,52 @@ def test_a_released_tag_whose_tensors_were_all_freed_gives_its_backup_back_at_em
     assert h.tag_info("weights")["last_device"] == 0 and h.tag_info("weights")["resident"] == 0
     h.restore("other")
     check(h, other)
+    assert h.host_pool()["used"] == 0
+
+
+@pytest.mark.parametrize("backup", ["pinned", "cpu"])
+@pytest.mark.parametrize("retain", [False, True])
+@isolated
+def test_a_released_tag_gives_back_the_backup_of_each_tensor_freed_while_it_slept(backup, retain):
+    # Note [Stale backups]: as torch_memory_saver frees a backup with the allocation it backs.
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", [40 * MiB, 150 * MiB, 24 * MiB, 8 * MiB])  # whole granules each
+    h.release("weights", backup, retain=retain)
+    assert h.tag_info("weights")["backup_bytes"] == 222 * MiB
+    pinned = h.host_pool()["used"]
+    h.free(blocks[1][0])
+    assert h.tag_info("weights")["backup_bytes"] == 222 * MiB, "freed into the cache: nothing goes before it does"
+    for _ in range(2):  # the second time finds nothing more to give back
+        h.empty_cache()
+        assert h.tag_info("weights")["backup_bytes"] == 72 * MiB
+        assert h.host_pool()["used"] == (pinned - 150 * MiB if backup == "pinned" else pinned)
+    h.free(blocks[3][0])
+    h.empty_cache()
+    assert h.tag_info("weights")["backup_bytes"] == 64 * MiB
+    assert h.tag_info("weights")["life"] == 1
+    h.restore("weights")
+    check(h, [blocks[0], blocks[2]])
+    info = h.tag_info("weights")
+    assert info["retained"] == 0 and info["backup_bytes"] == 0, "a backup with holes is never retained"
+    assert h.host_pool()["used"] == 0
+    h.release("weights", backup, retain=retain)  # a fresh backup, whole
+    assert h.tag_info("weights")["backup_bytes"] == 64 * MiB
+    h.restore("weights")
+    check(h, [blocks[0], blocks[2]])
+
+
+@isolated
+def test_a_view_of_a_released_backup_keeps_the_whole_backup_while_it_lives():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", [40 * MiB, 150 * MiB, 24 * MiB])
+    h.release("weights", "pinned")
+    host, view = h.backup_view(blocks[0][0], 4 * MiB)
+    h.free(blocks[1][0])
+    h.empty_cache()
+    assert h.tag_info("weights")["backup_bytes"] == 214 * MiB, "a view may read anywhere in the space"
+    h.backup_view_end(view)
+    h.empty_cache()
+    assert h.tag_info("weights")["backup_bytes"] == 64 * MiB
+    h.restore("weights")
+    check(h, [blocks[0], blocks[2]])
     assert h.host_pool()["used"] == 0

@@ -23,7 +23,10 @@ drops the rest at once, so sleeping an unchanged model costs an unmap, not a cop
 link. A live tag's retained backup shows in tag_states() ("retained", "backup_bytes");
 drop_backup() gives it back, and so does empty_cache() once memory the backup describes has
 gone back to the driver (its tensors freed): the backup no longer matches the tag. A released
-tag's backup goes back the same way once no tensor of the tag is left (freed while it slept).
+tag's backup goes back the same way, granule by granule, as its tensors are freed while it
+sleeps (a cpu or pinned backup's host memory; a disk backup's files stay until the restore, and
+all of it stays while a copy=False view of the backup is alive); a backup with such holes is
+not retained past the restore.
 
 Reading a backup (`backup_of(tensor)`): while a tensor's tag is released with a cpu or pinned
 backup, or a live tag retains one, the tensor's contents as the backup holds them, as a CPU

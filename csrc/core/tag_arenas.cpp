@@ -267,8 +267,11 @@ void TagArenas::trim_clean(int tag) {
 // - a released tag none of whose pieces covers a live block any more (every tensor freed while
 //   it slept) has nothing left to restore: its backup is given back and its pieces forgotten;
 //   the tag stays released, and its restore maps and copies nothing.
-// A released tag with some tensors left keeps its whole backup until the restore: its host
-// memory is one space, and the restore skips the granules no block covers.
+// - a released tag with some tensors left gives back the host memory of the granules no live
+//   block covers (BackupSpace::give_back: pinned ranges to the HostPool, the pages of a pageable
+//   buffer to the system), unless a zero-copy view of the backup is alive. The restore maps and
+//   copies only granules a block covers, and such a space, with holes, is never retained. Disk
+//   backups keep their files until the restore.
 int TagArenas::drop_stale_backups() {
   if (vmm_ == nullptr) return 0;
   int dropped = 0;
@@ -284,13 +287,26 @@ int TagArenas::drop_stale_backups() {
       st.retain = false;
       ++dropped;
     } else if (st.life == kTagReleased && (st.space || !st.files.empty())) {
-      bool needed = false;
-      for (const std::vector<bool>& v : still_needed(st))
-        needed = needed || std::find(v.begin(), v.end(), true) != v.end();
-      if (needed) continue;
-      st.pieces.clear();
-      st.drop_backup();
-      ++dropped;
+      const std::vector<std::vector<bool>> needed = still_needed(st);
+      bool any = false;
+      for (const std::vector<bool>& v : needed) any = any || std::find(v.begin(), v.end(), true) != v.end();
+      if (!any) {
+        st.pieces.clear();
+        st.drop_backup();
+        ++dropped;
+      } else if (st.space && st.space->views.load() == 0) {
+        const size_t g = vmm_->granule();
+        size_t gone = 0;
+        for (size_t k = 0; k < st.pieces.size(); ++k)
+          for (size_t i = 0; i < st.pieces[k].count;) {
+            size_t j = i;
+            while (j < st.pieces[k].count && !needed[k][j]) ++j;
+            if (j > i) gone += st.space->give_back(st.pieces[k].offset + i * g, j - i, g);
+            i = j + 1;
+          }
+        st.backup_bytes -= std::min(st.backup_bytes, gone);
+        dropped += gone > 0;
+      }
     }
   }
   return dropped;

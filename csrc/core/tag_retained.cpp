@@ -44,7 +44,9 @@ bool TagMover::reusable(const std::vector<Piece>& pieces, Backup mode, const Tag
 }
 
 void TagMover::keep_digests(TagState* state) {
-  // Only a restore that mapped every granule back leaves a backup the next release can take.
+  // Only a restore that mapped every granule back leaves a backup the next release can take,
+  // and only a whole one (Note [Stale backups]).
+  if (state->space->has_holes()) return;
   for (const Piece& p : state->pieces)
     for (size_t i = p.first; i < p.first + p.count; ++i)
       if (p.seg->granules[i] == 0) return;

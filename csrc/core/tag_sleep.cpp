@@ -1,5 +1,8 @@
 #include "tag_sleep.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <deque>
@@ -19,33 +22,6 @@ const char* backup_name(int backup) {
 const char* tag_life_name(int life) {
   static const char* const names[] = {"live", "released", "restoring"};
   return life >= 0 && life <= kTagRestoring ? names[life] : "?";
-}
-
-BackupSpace::~BackupSpace() {
-  if (pageable) {
-    for (const HostExtent& e : host) std::free(e.ptr);
-  } else if (!host.empty()) {
-    HostPool::get().give_back(host);
-  }
-}
-
-void TagState::drop_backup() {
-  space.reset();  // freed here unless a reader still holds it (Note [Reading backups])
-  DiskBackup::remove(files);
-  files.clear();
-  exposed = false;
-  backup_bytes = 0;
-  kept.clear();
-  digests.clear();
-}
-
-void cut_pieces(Segment* seg, size_t first, size_t end, size_t max_granules, std::vector<Piece>* out) {
-  for (size_t i = first; i < end;) {
-    size_t j = i + 1;
-    while (j < end && (j - i < max_granules || seg->span[j] == 0)) ++j;
-    out->push_back(Piece{seg, i, j - i, 0, seg->serial});
-    i = j;
-  }
 }
 
 namespace {
@@ -71,6 +47,83 @@ bool for_host(const std::vector<HostExtent>& host, size_t offset, size_t bytes, 
 }
 
 }  // namespace
+
+BackupSpace::~BackupSpace() {
+  if (pageable) {
+    for (const HostExtent& e : host) std::free(e.ptr);
+  } else if (!has_holes()) {
+    if (!host.empty()) HostPool::get().give_back(host);
+  } else {  // what give_back() left
+    std::vector<HostExtent> rest;
+    size_t total = 0;
+    for (const HostExtent& e : host) total += e.bytes;
+    for (size_t i = 0; i * unit < total;) {
+      if (i < given.size() && given[i]) {
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j * unit < total && !(j < given.size() && given[j])) ++j;
+      const size_t end = std::min(total, j * unit);
+      for_host(host, i * unit, end - i * unit, [&](uint8_t* h, size_t n) {
+        rest.push_back(HostExtent{h, n});
+        return true;
+      });
+      i = j;
+    }
+    if (!rest.empty()) HostPool::get().give_back(rest);
+  }
+}
+
+size_t BackupSpace::give_back(size_t offset, size_t count, size_t granule) {
+  if (unit != 0 && unit != granule) return 0;  // one unit per space
+  unit = granule;
+  std::vector<HostExtent> spans;
+  size_t bytes = 0;
+  for (size_t i = offset / granule; i < offset / granule + count; ++i) {
+    if (i >= given.size()) given.resize(i + 1, false);
+    if (given[i]) continue;
+    given[i] = true;
+    bytes += granule;
+    for_host(host, i * granule, granule, [&](uint8_t* h, size_t n) {
+      if (!spans.empty() && spans.back().ptr + spans.back().bytes == h) spans.back().bytes += n;
+      else spans.push_back(HostExtent{h, n});
+      return true;
+    });
+  }
+  if (pageable) {
+    // The buffer stays allocated (freed whole with the space); its pages go back.
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    for (const HostExtent& e : spans) {
+      const uintptr_t lo = (reinterpret_cast<uintptr_t>(e.ptr) + page - 1) / page * page;
+      const uintptr_t hi = (reinterpret_cast<uintptr_t>(e.ptr) + e.bytes) / page * page;
+      if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    }
+  } else if (!spans.empty()) {
+    HostPool::get().give_back(spans);
+  }
+  return bytes;
+}
+
+void TagState::drop_backup() {
+  space.reset();  // freed here unless a reader still holds it (Note [Reading backups])
+  DiskBackup::remove(files);
+  files.clear();
+  exposed = false;
+  backup_bytes = 0;
+  kept.clear();
+  digests.clear();
+}
+
+void cut_pieces(Segment* seg, size_t first, size_t end, size_t max_granules, std::vector<Piece>* out) {
+  for (size_t i = first; i < end;) {
+    size_t j = i + 1;
+    while (j < end && (j - i < max_granules || seg->span[j] == 0)) ++j;
+    out->push_back(Piece{seg, i, j - i, 0, seg->serial});
+    i = j;
+  }
+}
+
 
 bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<HostExtent>* spans) const {
   spans->clear();
@@ -414,7 +467,8 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
       ok = DiskBackup::read(state->files[k], staging.host, p.count * vmm_.granule()) &&
            copy(p, true, staging.host, 0) && wait();
     } else if (state->space) {
-      ok = copy(p, true, state->space->host, p.offset);
+      // Only granules a block needs: the others' host memory may have gone (Note [Stale backups]).
+      ok = copy(p, true, state->space->host, p.offset, &needed[k]);
     }
   }
   if (ok) ok = wait();

@@ -118,6 +118,15 @@ struct BackupSpace {
   std::vector<HostExtent> host;  // in order of the backup's offsets
   bool pageable = false;
   std::atomic<int> views{0};     // zero-copy views alive (Note [Reading backups])
+  // Note [Stale backups]: granules of `unit` bytes (from offset 0) whose host memory went back
+  // before the space did; such a space is never retained.
+  std::vector<bool> given;
+  size_t unit = 0;
+  // Gives back the host memory of `count` granules of `unit` bytes from backup offset `offset`
+  // (pinned: to the HostPool; pageable: its whole pages to the system); returns the bytes of
+  // granules not given back before.
+  size_t give_back(size_t offset, size_t count, size_t unit);
+  bool has_holes() const { return unit != 0; }
   BackupSpace() = default;
   BackupSpace(const BackupSpace&) = delete;
   BackupSpace& operator=(const BackupSpace&) = delete;
