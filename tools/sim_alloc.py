@@ -2,7 +2,7 @@
 policy does to packing and how many driver calls it makes, in seconds instead of GPU time.
 
     python tools/sim_alloc.py [TRACE ...] [--capacity 141GiB] [--map-run 16MiB] [--noreuse]
-                              [--packing-time SHARE] [--costs]
+                              [--packing-time SHARE] [--costs] [--gap SECONDS] [--passes N]
 
 TRACE is a file (torch_budget.replay.trace) or `mix:<spec>`; the default is the benchmark's
 mixes and recorded traces. Per trace: peak reserved over the trace's peak live bytes (the
@@ -15,7 +15,10 @@ Python's loop or torch; it is the core's bookkeeping over the stand-in on this m
 the GPU path, and what changes to the hot path are compared by. With --costs the stand-in's
 VMM calls spin for what they take on an H200 (TB_HOST_DRIVER_COSTS=1), so the packing figures
 show what a policy bounded in time (Note [Packing time]) does, Python's loop standing in for
-torch's time between operations.
+torch's time between operations, and `pack %` the share of the last pass's time packing moves
+took. --gap idles that long before each pass, as bench_alloc's processes do while they time their
+calibration loop and a server does between bursts: the packing credit refills meanwhile (without
+it, the stand-in showed 0.1 bounding lognormal churn, which on an H200 then moved in every pass).
 
 Needs the host core: TORCH_BUDGET_BUILD=_host_core python setup.py build_ext --inplace.
 """
@@ -38,7 +41,7 @@ DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 
 
-def simulate(spec, capacity, map_run, reuse, passes, packing_time):
+def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0):
     from _hostcore import Host
 
     trace = read_trace(spec)
@@ -49,7 +52,8 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time):
     for p in range(passes):
         slots = {}
         before = h.counters()
-        adopted = h.stats()["num_adoptions"]
+        time.sleep(gap)
+        adopted, packing = h.stats()["num_adoptions"], h.stats()["packing_ns"]
         t0 = time.perf_counter()
         for tid, size, s in ops:
             if size:
@@ -65,6 +69,7 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time):
         if p == 0:
             out["rsv_over_live"] = h.stats()["reserved_bytes"]["all"]["peak"] / trace.peak_live()
         out[f"pass{p}"] = (maps, unmaps, dt / len(ops) * 1e6, h.stats()["num_adoptions"] - adopted)
+        out["pack_share"] = (h.stats()["packing_ns"] - packing) / 1e9 / dt
     out["ops"] = len(ops)
     # The core's own time: the steady state again, replayed by a C loop (median of three).
     replay = h.replayer(trace, streams)
@@ -85,22 +90,24 @@ def main():
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--packing-time", type=float, default=None, help="share of time packing may take")
     ap.add_argument("--costs", action="store_true", help="the stand-in's VMM calls take an H200's time")
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds idle before each pass")
     args = ap.parse_args()
     if args.costs:
         os.environ["TB_HOST_DRIVER_COSTS"] = "1"
     from _hostcore import in_child
     print(f"{'trace':22} {'rsv/live':>8} {'maps/kop':>9} {'unmaps/kop':>10} {'est us/op':>9} "
-          f"{'2nd pass maps/kop':>17} {'est us/op':>9} {'adopted/kop':>11} {'core ns/op':>10}")
+          f"{'last pass maps/kop':>18} {'est us/op':>9} {'pack %':>6} {'adopted/kop':>11} {'core ns/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
-                     args.passes, args.packing_time)
+                     args.passes, args.packing_time, args.gap)
         n = r["ops"]
         m0, u0, _, _ = r["pass0"]
         m1, u1, _, a1 = r[f"pass{args.passes - 1}"]
         name = os.path.basename(spec).replace(".tbtrace.gz", "")
         print(f"{name:22} {r['rsv_over_live']:8.3f} {m0 * 1e3 / n:9.2f} {u0 * 1e3 / n:10.2f} "
-              f"{max(m0, u0) * US_PER_MAPPING / n:9.3f} {m1 * 1e3 / n:17.2f} "
-              f"{max(m1, u1) * US_PER_MAPPING / n:9.3f} {a1 * 1e3 / n:11.2f} {r['core_ns']:10.0f}")
+              f"{max(m0, u0) * US_PER_MAPPING / n:9.3f} {m1 * 1e3 / n:18.2f} "
+              f"{max(m1, u1) * US_PER_MAPPING / n:9.3f} {100 * r['pack_share']:6.1f} {a1 * 1e3 / n:11.2f} "
+              f"{r['core_ns']:10.0f}")
 
 
 if __name__ == "__main__":
