@@ -6,6 +6,7 @@ the top level: importing it installs torch_budget when a CUDA device is free to 
 """
 import enum
 import inspect
+import os
 
 import pytest
 
@@ -415,8 +416,11 @@ def _fake_tensorrt_llm():
 def test_serve_tensorrt_llm_points_its_own_executor_and_sleep_at_the_adapter():
     host, module = _trt()
     vm, creator, llm = _fake_tensorrt_llm()
+    os.environ.pop("TORCH_BUDGET_SERVE", None)
     assert module.serve_tensorrt_llm() == 6  # five functions, and the creator's bound `scope`
+    assert os.environ["TORCH_BUDGET_SERVE"] == "tensorrt_llm", "the workers it starts inherit the variable"
     assert module.serve_tensorrt_llm() == 0, "idempotent"
+    assert os.environ["TORCH_BUDGET_SERVE"] == "tensorrt_llm"
     memory_type = vm.ExecutorMemoryType
     with creator.virtual_memory_scope(memory_type.MODEL_ENGINE_MAIN.value, creator.RestoreMode.PINNED):
         weights = _alloc(host, 2 * MiB, b"w")

@@ -229,10 +229,14 @@ def serve_tensorrt_llm() -> int:
     name a loaded tensorrt_llm module bound to one of them (py_executor_creator imports `scope`
     as `virtual_memory_scope`; LLM.sleep imports release_with_tag when it runs, so it finds this
     one). TensorRT-LLM's RestoreMode and ExecutorMemoryType stay its own: scope takes them. Call it
-    in the process that builds the executor, before it is built (TensorRT-LLM's worker processes:
-    TORCH_BUDGET_SERVE=tensorrt_llm, torch_budget.startup, calls it in each). Idempotent; returns
-    the number of names rebound. ImportError where TensorRT-LLM is not installed."""
+    in the process that builds the executor, before it is built. It also adds tensorrt_llm to
+    TORCH_BUDGET_SERVE in this process's environment, so that the worker processes TensorRT-LLM
+    starts afterwards, which inherit it, are served too (torch_budget.startup, from the wheel's
+    startup file; a Ray cluster started elsewhere needs the variable in its runtime environment).
+    Idempotent; returns the number of names rebound. ImportError where TensorRT-LLM is not
+    installed."""
     import importlib
+    import os
     import types
 
     vm = importlib.import_module(_TRT_MODULE)
@@ -257,6 +261,10 @@ def serve_tensorrt_llm() -> int:
             elif module is not vm and id(value) in theirs:
                 setattr(module, attr, theirs[id(value)])
                 rebound += 1
+    # torch_budget.startup's variable (which imports this module: not imported from here)
+    stacks = [v.strip() for v in os.environ.get("TORCH_BUDGET_SERVE", "").split(",") if v.strip()]
+    if "tensorrt_llm" not in stacks:
+        os.environ["TORCH_BUDGET_SERVE"] = ",".join(stacks + ["tensorrt_llm"])
     return rebound
 
 
