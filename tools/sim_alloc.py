@@ -53,7 +53,8 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0):
         slots = {}
         before = h.counters()
         time.sleep(gap)
-        adopted, packing = h.stats()["num_adoptions"], h.stats()["packing_ns"]
+        st = h.stats()
+        adopted, packing = st["num_adoptions"], st["packing_ns"]
         t0 = time.perf_counter()
         for tid, size, s in ops:
             if size:

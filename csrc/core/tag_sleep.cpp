@@ -53,25 +53,10 @@ BackupSpace::~BackupSpace() {
     for (const HostExtent& e : host) std::free(e.ptr);
   } else if (!has_holes()) {
     if (!host.empty()) HostPool::get().give_back(host);
-  } else {  // what give_back() left
-    std::vector<HostExtent> rest;
+  } else {  // the granules give_back() has not given back yet
     size_t total = 0;
     for (const HostExtent& e : host) total += e.bytes;
-    for (size_t i = 0; i * unit < total;) {
-      if (i < given.size() && given[i]) {
-        ++i;
-        continue;
-      }
-      size_t j = i;
-      while (j * unit < total && !(j < given.size() && given[j])) ++j;
-      const size_t end = std::min(total, j * unit);
-      for_host(host, i * unit, end - i * unit, [&](uint8_t* h, size_t n) {
-        rest.push_back(HostExtent{h, n});
-        return true;
-      });
-      i = j;
-    }
-    if (!rest.empty()) HostPool::get().give_back(rest);
+    give_back(0, (total + unit - 1) / unit, unit);
   }
 }
 
@@ -123,7 +108,6 @@ void cut_pieces(Segment* seg, size_t first, size_t end, size_t max_granules, std
     i = j;
   }
 }
-
 
 bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<HostExtent>* spans) const {
   spans->clear();
