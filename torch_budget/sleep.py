@@ -182,11 +182,12 @@ def _moved(lib, device, tag) -> tuple[int, int]:
 
 
 def _report(lib, targets, moved: int, backed: int, start: float) -> SleepReport:
+    seconds = time.perf_counter() - start  # the release / restore, not the ledger read below
     devices = sorted({d for d, _, _ in targets})
     tags = {dev: _native.read_json(lib, lib.tb_stats_json, dev)["tags"] for dev in devices}
     allocations = sum(tags[dev][name]["allocations"]["current"] for dev, _, name in targets)
     return {"tags": sorted({name for _, _, name in targets}), "devices": devices, "bytes": moved,
-            "backup_bytes": backed, "allocations": allocations, "seconds": time.perf_counter() - start}
+            "backup_bytes": backed, "allocations": allocations, "seconds": seconds}
 
 
 def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
