@@ -291,3 +291,32 @@ def test_a_replay_times_every_pass_with_its_calibration_and_runs_a_short_trace_l
     assert out["ops"] == len(trace.ids) and out["peak_live"] == trace.peak_live()
     exactly = child.replay(trace, passes=3, min_grown_seconds=0.0)
     assert len(exactly["us_per_op"]) == 3
+
+
+def test_a_replays_reserved_peak_covers_every_pass_and_the_first_is_kept_beside_it(monkeypatch):
+    # A cache that packs its first pass tightly and grows in later ones: the figure is the later peak.
+    from torch_budget.replay import child
+    from torch_budget.replay.mixes import mix
+
+    fake = _FakeTorch()
+    fake.cuda.max_memory_reserved = lambda: fake.allocations << 20  # grows with every pass
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    trace = mix("small:2000")
+    out = child.replay(trace, passes=3, min_grown_seconds=0.0)
+    allocated = sum(1 for s in trace.sizes if s)
+    assert out["peak_reserved"] == (1 + 3 * allocated) << 20
+    assert out["reserved_over_live"] == pytest.approx(((1 + 3 * allocated) << 20) / trace.peak_live())
+    assert out["first_pass_reserved_over_live"] == pytest.approx(((1 + allocated) << 20) / trace.peak_live())
+
+
+def test_the_table_shows_the_first_passs_reserved_peak_where_children_report_it():
+    from torch_budget.replay.compare import Run, summarise, table
+
+    res = {"us_per_op": [1.0, 1.0], "device_calls": [0, 0], "ops": 10, "peak_live": 4 << 20,
+           "reserved_over_live": 1.5, "first_pass_reserved_over_live": 1.25}
+    old = {k: v for k, v in res.items() if k != "first_pass_reserved_over_live"}
+    rows = summarise([Run("t", "native", True, rounds=[res]), Run("t", "tb-vmm", True, rounds=[old])])
+    assert rows[0]["first_pass_reserved_over_live"] == 1.25 and "first_pass_reserved_over_live" not in rows[1]
+    header, new, older = table(rows).splitlines()
+    assert "rsv 1st" in header
+    assert "1.500" in new and "1.250" in new and "1.250" not in older

@@ -61,8 +61,8 @@ def main():
           "the time per operation once the cache has grown (the passes after the first), '<=1 in' the rounds at or "
           "under native, 'x cal' the same ratio with each process's time divided by its own speed first (a CPU "
           "allocation loop timed before each pass), '1st pass' the paired median ratio of the first pass, which "
-          "grows the cache from empty; rsv/live is peak reserved over the trace's peak live bytes, floor the "
-          "least any allocator reaches (peak live rounded up to 2 MiB granules); drv/kop is driver memory taken or "
+          "grows the cache from empty; rsv/live is peak reserved over the trace's peak live bytes, over "
+          "every pass (rsv 1st: the first pass's peak alone), floor the least any allocator reaches (peak live rounded up to 2 MiB granules); drv/kop is driver memory taken or "
           "given back per thousand operations in the last pass; map % the share of the grown passes' time "
           "torch_budget's allocation path spent backing allocations (driver calls, packing moves included))")
     mine = [r for r in rows if r["config"] == DEFAULT and "x_native" in r]

@@ -150,6 +150,9 @@ def summarise(runs: list) -> list:
         if ok:
             row["us_per_op"] = statistics.median(_time(x) for x in ok)
             row["reserved_over_live"] = statistics.median(x["reserved_over_live"] for x in ok)
+            firsts = [x["first_pass_reserved_over_live"] for x in ok if "first_pass_reserved_over_live" in x]
+            if len(firsts) == len(ok):  # older children measured the first pass only
+                row["first_pass_reserved_over_live"] = statistics.median(firsts)
             row["peak_live"] = ok[0]["peak_live"]
             row["reserved_floor"] = reserved_floor(row["peak_live"])
             row["ops"] = ok[0]["ops"]
@@ -180,7 +183,7 @@ def summarise(runs: list) -> list:
 def table(rows: list) -> str:
     """The rows as a fixed-width text table, grouped by trace."""
     lines = [f"{'trace':28} {'config':16} {'pin':>3} {'us/op':>8} {'x native':>9} {'<=1 in':>7} "
-             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'floor':>7} {'drv/kop':>8} {'map %':>6}"]
+             f"{'x cal':>7} {'1st pass':>9} {'rsv/live':>9} {'rsv 1st':>8} {'floor':>7} {'drv/kop':>8} {'map %':>6}"]
     for row in rows:
         name = os.path.basename(row["trace"])[:28]
         if "us_per_op" not in row:
@@ -193,7 +196,8 @@ def table(rows: list) -> str:
         first = f"{row['x_native_first']:.2f}x" if "x_native_first" in row else "-"
         cal = f"{row['x_native_calibrated']:.2f}x" if "x_native_calibrated" in row else "-"
         backing = f"{100 * row['backing_share']:.1f}" if "backing_share" in row else "-"
+        rsv_first = f"{row['first_pass_reserved_over_live']:.3f}" if "first_pass_reserved_over_live" in row else "-"
         lines.append(f"{name:28} {row['config']:16} {'y' if row['pinned'] else 'n':>3} {row['us_per_op']:8.2f} "
                      f"{ratio:>9} {wins:>7} {cal:>7} {first:>9} {row['reserved_over_live']:9.3f} "
-                     f"{row['reserved_floor']:7.3f} {calls:>8} {backing:>6}")
+                     f"{rsv_first:>8} {row['reserved_floor']:7.3f} {calls:>8} {backing:>6}")
     return "\n".join(lines)
