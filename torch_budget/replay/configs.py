@@ -15,6 +15,8 @@ CONFIGS = {
     # lognormal churn then moved in every pass, 1.48x native for 1.166 peak reserved / live against
     # 1.03x for 1.174; the serving-like mix, small-only churn and decode_graphs did not change.
     "tb-vmm-pack10%": ({}, {"route": "vmm", "packing_time": 0.1}),
+    # No packing moves at all (growth only, reclaims under budget refusal): what moving buys.
+    "tb-vmm-nomove": ({}, {"route": "vmm", "packing_time": 0.0}),
     "tb-pool": ({}, {"route": "pool"}),
     "tb-sync": ({}, {"route": "sync"}),
 }
