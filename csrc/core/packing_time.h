@@ -22,6 +22,12 @@
 // of its time, 1.48x native at 1.166; with 0.03 its cache settles after two passes and it ran at
 // 1.03x (1.00x calibrated) for 1.174, while the serving-like mix (1.021), small-only churn and
 // decode_graphs (1.021) made the same moves as with 0.1. So the default is 0.03.
+// Those peaks were the first pass's. Over every pass (three rounds, H200): lognormal churn packs its
+// first pass to 1.166 and then grows to 1.303 in the next, where never moving (share 0) grows once,
+// to 1.250, and its first pass takes 1.25x native time against 2.15x: there the moves, spent mostly
+// in the first pass's burst, leave a layout the later passes do not fit. The serving-like mix
+// (1.022 against 1.041) and decode_graphs (1.021 against 1.185) need them; a burst that starts
+// empty, over the stand-in, gave lognormal churn never moving's 1.250 but the serving-like mix 1.055.
 // The budget's refusals are not moves: they reclaim whatever the credit.
 //
 // Lock rule: used only under the owning DeviceAllocator's mutex.
