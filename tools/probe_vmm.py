@@ -8,7 +8,11 @@ which of them can be batched, which wait for queued work), so they are measured,
   - mapping a handle that is still mapped elsewhere (a second mapping of the same memory);
   - mapping part of a larger handle at an offset;
   - whether cuMemUnmap / cuMemMap / cuMemSetAccess wait for a kernel queued on another stream;
-  - cuEventRecord + cuEventQuery.
+  - cuEventRecord + cuEventQuery;
+  - whether an allocation from a stream-ordered pool made with POSIX-descriptor handles gives a
+    VMM handle (cuMemRetainAllocationHandle) that exports to a descriptor, and what range
+    cuMemGetAddressRange reports for it (what sharing the pool route in torch's
+    expandable-segment format would need).
 Prints one line per figure (µs, median of repeats) and a RESULT line.
 """
 import ctypes
@@ -187,6 +191,8 @@ def main():
         d("cuMemRelease", u64(hs[i]))
     d("cuMemAddressFree", u64(base), ctypes.c_size_t(8 * G))
 
+    pool_facts = probe_pool_handles(d, u64)
+
     for k, v in rows.items():
         out[k] = statistics.median(v)
         print(f"{k:18} {out[k]:8.2f} us per granule (or per call)")
@@ -194,10 +200,42 @@ def main():
           f"second mapping of mapped memory: {alias_ok}; mapping at a handle offset: {offset_ok}")
     for k, (t, r) in waits.items():
         print(f"with a 0.1 s kernel on another stream: {k} took {t:.0f} us (result {r})")
+    print("stream-ordered pool with POSIX-descriptor handles: " + ", ".join(f"{k} {v}" for k, v in pool_facts.items()))
     print("RESULT probe_vmm " + " ".join(f"{k}={v:.1f}" for k, v in out.items()) +
           f" run_unmap={int(bool(run_unmap_ok))} alias={int(bool(alias_ok))} "
           + " ".join(f"wait_{k}={t:.0f}" for k, (t, _) in waits.items()))
     return 0
+
+
+def probe_pool_handles(d, u64):
+    props = (ctypes.c_ubyte * 128)()  # CUmemPoolProps, zeroed past the fields set here
+    ints = ctypes.cast(props, ctypes.POINTER(ctypes.c_int))
+    ints[0], ints[1], ints[2], ints[3] = 1, 1, 1, 0  # pinned, POSIX descriptor, device 0
+    pool = ctypes.c_void_p()
+    facts = {"create": d("cuMemPoolCreate", ctypes.byref(pool), props)}
+    if facts["create"] != 0:
+        return facts
+    ptr = u64()
+    facts["alloc"] = d("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(64 * MiB), pool, None)
+    d("cuStreamSynchronize", None)
+    if facts["alloc"] == 0:
+        for name, at in (("start", ptr.value), ("inside", ptr.value + 5 * MiB + 4096)):
+            h = u64()
+            r = d("cuMemRetainAllocationHandle", ctypes.byref(h), u64(at))
+            facts[f"retain_{name}"] = r
+            base, size = u64(), ctypes.c_size_t()
+            facts[f"range_{name}"] = (d("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), u64(at)),
+                                      hex(base.value - ptr.value) if base.value else None, size.value >> 20)
+            if r == 0:
+                fd = ctypes.c_int(-1)
+                facts[f"export_{name}"] = d("cuMemExportToShareableHandle", ctypes.byref(fd), u64(h), 1, u64(0))
+                if fd.value >= 0:
+                    os.close(fd.value)
+                d("cuMemRelease", u64(h))
+        d("cuMemFreeAsync", u64(ptr.value), None)
+        d("cuStreamSynchronize", None)
+    d("cuMemPoolDestroy", pool)
+    return facts
 
 
 if __name__ == "__main__":

@@ -18,7 +18,11 @@
 //   under the block to be the same size, which run mappings are not (Note [Run mappings],
 //   route_vmm.h): see Note [Sharing run mappings] (route_vmm_share.cpp). The producer keeps
 //   a handle's descriptor open for as long as the handle lives.
-// - stream-ordered pool route: refused with an error naming the routes to use.
+// - stream-ordered pool route: refused with an error naming the routes to use. Its memory
+//   has no handle torch's formats can carry: on an H200 (driver 580, tools/probe_vmm.py), even
+//   a pool made with POSIX-descriptor handles answers cuMemRetainAllocationHandle with
+//   CUDA_ERROR_INVALID_VALUE, at an allocation's start and inside it, and cuIpcGetMemHandle is
+//   for cuMemAlloc memory only; a pool's own export needs a consumer that imports pools.
 // The consumer's mapping holds the physical memory itself; torch's IPC reference
 // count keeps the producer's block allocated while a consumer holds it.
 #pragma once
