@@ -99,6 +99,9 @@ fi
 if has sanitize; then
   # As in the tests step, tests that read device-wide memory run alone first (next to other
   # processes under the sanitizer they see its memory and theirs), then the rest in parallel.
+  # reduce-overhead tests are left out by default, as in sanitize-fuzz: under the sanitizer
+  # torch's CUDA graph trees refuse their own pool ("Detected 3 tensor(s) in the cudagraph pool
+  # not tracked as outputs", test_reduce_overhead_matches_eager_over_twenty_steps, no memcheck error).
   echo "== compute-sanitizer $SANITIZE_TOOL over the allocator's GPU tests"
   start=$(date +%s)
   rc=0 counts=""
@@ -108,7 +111,7 @@ if has sanitize; then
     [ "$part" = exclusive ] && jobs=0
     timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool $SANITIZE_TOOL --target-processes all --error-exitcode 99 \
       $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n $jobs -m "${SANITIZE_MARK:-gpu} and $part" \
-      ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} -k "${SANITIZE_K:-not eight_threads}" >"$OUT/sanitize-part.log" 2>&1
+      ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} -k "${SANITIZE_K:-not eight_threads and not reduce_overhead}" >"$OUT/sanitize-part.log" 2>&1
     part_rc=$?
     # pytest's "no tests ran" (5) is not a failure of a part that selects nothing
     [ $part_rc -ne 0 ] && [ $part_rc -ne 5 ] && rc=$part_rc
