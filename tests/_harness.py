@@ -45,9 +45,15 @@ _CHILD = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import _harness; _har
 
 class Output(str):
     """A child's stdout. `value` is what its body returned: None for a code string, or for a
-    body that ended the process itself (sys.exit(0))."""
+    body that ended the process itself (sys.exit(0)); `stderr` is its standard error, for a
+    body that reports a failure by what it returns."""
 
     value = None
+    stderr = ""
+
+    def both(self) -> str:
+        """stdout and stderr together, for an assertion's message."""
+        return f"--- stdout\n{self}\n--- stderr\n{self.stderr}"
 
 
 def repo_env(extra=None) -> dict:
@@ -151,8 +157,9 @@ def _run(children, timeout: float, tmp: str) -> tuple:
         return outputs, timed_out
 
 
-def _output(stdout: str, result) -> Output:
+def _output(stdout: str, result, stderr: str = "") -> Output:
     out = Output(stdout)
+    out.stderr = stderr
     if result is not None and os.path.exists(result):
         with open(result, "rb") as f:
             out.value = pickle.load(f)
@@ -170,7 +177,7 @@ def run_fresh(body, *args, timeout: float = 300, env=None) -> Output:
             why = f"timed out after {timeout:g} s" if timed_out else f"failed (rc={rc})"
             _fail(f"child process {why}: {_name(body)}{_last_line(stderr)}",
                   f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
-        return _output(stdout, result)
+        return _output(stdout, result, stderr)
 
 
 def run_ranks(body, world_size: int = 2, timeout: float = 300, env=None, rank_args=None, args=()) -> list:
@@ -197,4 +204,4 @@ def run_ranks(body, world_size: int = 2, timeout: float = 300, env=None, rank_ar
             _fail(f"{why}: {_name(body)}{last}",
                   "\n".join(f"--- rank {r} (rc={rc}) stdout\n{o}\n--- rank {r} stderr\n{e}"
                             for r, (rc, o, e) in enumerate(outputs)))
-        return [_output(o, result) for (_, o, _), result in zip(outputs, results)]
+        return [_output(o, result, e) for (_, o, e), result in zip(outputs, results)]

@@ -23,7 +23,7 @@ def budget_rows(out: str) -> dict:
 
 def test_the_demo_applies_its_plan_and_the_ledger_shows_every_tag_holding(fresh, tmp_path):
     out = fresh(serve_quick_demo, str(tmp_path / "ledger.png"), timeout=600)
-    assert out.value == 0, out
+    assert out.value == 0, out.both()
     assert "enforced (Plan.apply): weights" in out, out
     rows = budget_rows(out)
     assert set(rows) == TAGS, out
@@ -43,7 +43,7 @@ def serve_quick_demo(out):
 
 def test_the_demo_on_the_native_allocator_says_the_plan_is_not_enforced(fresh, tmp_path):
     out = fresh(serve_quick_native_demo, str(tmp_path / "ledger.png"), timeout=600)
-    assert out.value == 0, out
+    assert out.value == 0, out.both()
     assert "not enforced: torch's native allocator has no per-tag budgets" in out and "tag budgets:" not in out, out
 
 

@@ -25,6 +25,19 @@ def prints_and_returns(n, obj):
     return {"n": n, "got": obj}
 
 
+def test_a_body_that_reports_failure_by_its_value_still_shows_its_stderr(fresh):
+    out = fresh(warns_and_returns_one)
+    assert out.value == 1 and out == "step 1\n"
+    assert out.stderr == "error: the pool is too small\n"
+    assert "--- stderr\nerror: the pool is too small" in out.both()
+
+
+def warns_and_returns_one():
+    print("step 1")
+    print("error: the pool is too small", file=sys.stderr)
+    return 1
+
+
 def test_the_child_imports_the_module_without_torch_and_runs_under_faulthandler(fresh):
     seen = fresh(what_the_child_sees).value
     assert seen["torch imported"] is False, "importing the body's module pulled in torch"
