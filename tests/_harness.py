@@ -53,7 +53,11 @@ class Output(str):
 
     def both(self) -> str:
         """stdout and stderr together, for an assertion's message."""
-        return f"--- stdout\n{self}\n--- stderr\n{self.stderr}"
+        return _both(self, self.stderr)
+
+
+def _both(stdout: str, stderr: str) -> str:
+    return f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
 
 
 def repo_env(extra=None) -> dict:
@@ -175,8 +179,7 @@ def run_fresh(body, *args, timeout: float = 300, env=None) -> Output:
         [(rc, stdout, stderr)], timed_out = _run([(command, repo_env(env))], timeout, tmp)
         if timed_out or rc != 0:
             why = f"timed out after {timeout:g} s" if timed_out else f"failed (rc={rc})"
-            _fail(f"child process {why}: {_name(body)}{_last_line(stderr)}",
-                  f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
+            _fail(f"child process {why}: {_name(body)}{_last_line(stderr)}", _both(stdout, stderr))
         return _output(stdout, result, stderr)
 
 
