@@ -109,16 +109,22 @@ if has sanitize; then
   for part in exclusive "not exclusive"; do
     jobs=${SANITIZE_JOBS:-6}
     [ "$part" = exclusive ] && jobs=0
+    # -v: each test's outcome is a line as it ends, so a part the timeout stops still tells
+    # which tests passed or failed before it (pytest's summary comes only at the end).
     timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool $SANITIZE_TOOL --target-processes all --error-exitcode 99 \
-      $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n $jobs -m "${SANITIZE_MARK:-gpu} and $part" \
+      $PY -m pytest -v -p no:cacheprovider -p no:benchmark -n $jobs -m "${SANITIZE_MARK:-gpu} and $part" \
       ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} -k "${SANITIZE_K:-not eight_threads and not reduce_overhead}" >"$OUT/sanitize-part.log" 2>&1
     part_rc=$?
     # pytest's "no tests ran" (5) is not a failure of a part that selects nothing
     [ $part_rc -ne 0 ] && [ $part_rc -ne 5 ] && rc=$part_rc
     cat "$OUT/sanitize-part.log" >>"$OUT/sanitize.log"
-    result=$(grep -E "^[0-9]+ (passed|failed|deselected|skipped|error)" "$OUT/sanitize-part.log" | tail -1 | sed 's/ in [0-9.]*s.*//')
-    counts+="${counts:+; }$([ "$part" = exclusive ] && echo alone || echo parallel): ${result:-no result (rc $part_rc)}"
-    tail -8 "$OUT/sanitize-part.log"
+    result=$(grep -E "^=* ?[0-9]+ (passed|failed|deselected|skipped|error)" "$OUT/sanitize-part.log" | tail -1 | sed 's/^=* //; s/ in [0-9.]*s.*//')
+    if [ -z "$result" ]; then
+      result="no summary (rc $part_rc), before it: $(grep -c " PASSED" "$OUT/sanitize-part.log") passed, $(grep -c " FAILED" "$OUT/sanitize-part.log") failed"
+    fi
+    counts+="${counts:+; }$([ "$part" = exclusive ] && echo alone || echo parallel): $result"
+    grep -E "FAILED|ERROR SUMMARY: [1-9]" "$OUT/sanitize-part.log" | head -8
+    tail -4 "$OUT/sanitize-part.log"
   done
   rm -f "$OUT/sanitize-part.log"
   errors=$(grep -E "ERROR SUMMARY: [1-9]" -c "$OUT/sanitize.log")
