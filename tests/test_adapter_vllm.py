@@ -28,7 +28,7 @@ NO_DEFAULT = inspect.Parameter.empty
 SIGNATURES = {
     "get_instance": [],
     "use_memory_pool": [("self", NO_DEFAULT), ("tag", None)],
-    "sleep": [("self", NO_DEFAULT), ("offload_tags", None)],
+    "sleep": [("self", NO_DEFAULT), ("offload_tags", None), ("discardable", ())],
     "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)],
     "wake_up": [("self", NO_DEFAULT), ("tags", None)],
     "get_current_usage": [("self", NO_DEFAULT)],
@@ -39,7 +39,7 @@ SIGNATURES = {
     "cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
     "release_cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
 }
-BACKEND = {"suspend": [("self", NO_DEFAULT), ("level", 1)], "resume": [("self", NO_DEFAULT), ("tags", None)],
+BACKEND = {"suspend": [("self", NO_DEFAULT), ("discardable", ())], "resume": [("self", NO_DEFAULT), ("tags", None)],
            "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)], "state": [("self", NO_DEFAULT)]}
 CAPABILITIES = {"is_supported": None, "preserves_communicators": True, "preserves_compiled_artifacts": False,
                 "preserves_graphs_with_communicators": False, "supports_durable_storage": False,
@@ -329,8 +329,12 @@ def test_bad_arguments_raise_before_anything_is_done():
     backend = module.TorchBudgetBackend()
     with pytest.raises(InvalidArgumentError, match="level must be 1 or 2"):
         backend.suspend(3)
-    with pytest.raises(TypeError, match="level must be an int"):
+    with pytest.raises(TypeError, match="discardable must be a collection of addresses"):
         backend.suspend(True)
+    with pytest.raises(TypeError, match="discardable must hold device addresses"):
+        backend.suspend({"weights"})
+    with pytest.raises(TypeError, match="discardable must hold device addresses"):
+        allocator.sleep(("weights",), [-1])
     assert backend.state() == "RUNNING" and _states() == {"weights": ("live", None)}
 
 
@@ -384,30 +388,87 @@ def test_a_device_without_vmm_is_refused():
     assert module.TorchBudgetBackend.is_supported() is False
 
 
-@built
-@isolated
-def test_the_backend_sleeps_as_vllms_levels_say():
-    host, module = _vllm()
+def _served_like_vllm(host, module):
+    """What a vLLM worker allocates under the sleep-mode allocator: weights (two parameters and a
+    buffer), the model runner's state ("runtime"), the KV cache and a workspace."""
     allocator = module.CuMemAllocator.get_instance()
     with allocator.use_memory_pool("weights"):
-        weights = _alloc(host, 2 * MiB, b"w")
+        params = [_alloc(host, 2 * MiB, b"p"), _alloc(host, 2 * MiB, b"q")]
+        buffer = _alloc(host, MiB, b"b")  # a rotary table, say: no parameter, so never discardable
+    with allocator.use_memory_pool("runtime"):
+        runtime = _alloc(host, MiB, b"r")
     with allocator.use_memory_pool("kv_cache"):
         _alloc(host, 2 * MiB, b"k")
+    with allocator.use_memory_pool("workspace"):
+        _alloc(host, MiB, b"s")
+    return params, buffer, runtime
+
+
+@built
+@isolated
+def test_the_backend_sleeps_as_vllm_0_34s_cumem_backend_with_the_addresses_a_level_2_rewrites():
+    # vLLM 0.34's worker: sleep(level) -> backend.suspend(discardable), the storage addresses of the
+    # parameters the weight update rewrites (none at level 1); its cumem backend then sleeps
+    # ("weights", "runtime", "cudagraph") with them
+    host, module = _vllm()
+    params, buffer, runtime = _served_like_vllm(host, module)
     backend = module.TorchBudgetBackend()
     assert module.TorchBudgetBackend.is_supported() is True
-    backend.suspend()  # level 1
+    backend.suspend(set())  # level 1
     assert backend.state() == "SUSPENDED"
-    assert _states() == {"weights": ("released", "pinned"), "kv_cache": ("released", "none")}
+    assert _states() == {"weights": ("released", "pinned"), "runtime": ("released", "pinned"),
+                         "kv_cache": ("released", "none"), "workspace": ("released", "none")}
     backend.resume(["weights"])
     assert backend.state() == "RUNNING" and _states()["kv_cache"][0] == "released"
-    assert host.peek(weights, 4096) == b"w" * 4096
+    assert [host.peek(p, 4096) for p in params] == [b"p" * 4096, b"q" * 4096]
+    assert host.peek(runtime, 4096) == b"r" * 4096, "the runtime state is kept at every level"
     backend.resume()
-    backend.suspend(level=2)
-    assert _states() == {"weights": ("released", "none"), "kv_cache": ("released", "none")}
+    backend.suspend(set(params))  # level 2, with a buffer beside the parameters: the weights keep a copy
+    assert _states()["weights"] == ("released", "pinned")
     backend.resume()
-    assert host.peek(weights, 4096) != b"w" * 4096, "level 2 discards the weights"
+    assert host.peek(buffer, 4096) == b"b" * 4096
+    backend.suspend(set(params) | {buffer})  # every weights allocation rewritten: no copy at all
+    assert _states()["weights"] == ("released", "none") and _states()["runtime"] == ("released", "pinned")
+    backend.resume()
+    assert host.peek(runtime, 4096) == b"r" * 4096
     backend.discard(("kv_cache",))
     assert backend.state() == "SUSPENDED" and _states()["kv_cache"] == ("released", "none")
+
+
+@built
+@isolated
+def test_the_backend_takes_vllm_0_33s_level_and_keeps_the_runtime_state_at_both():
+    host, module = _vllm()
+    params, _, runtime = _served_like_vllm(host, module)
+    backend = module.TorchBudgetBackend()
+    backend.suspend()  # vLLM 0.34's default: nothing discardable, as level 1
+    assert _states()["weights"] == ("released", "pinned")
+    backend.resume()
+    backend.suspend(2)  # vLLM 0.33: suspend(level)
+    assert _states() == {"weights": ("released", "none"), "runtime": ("released", "pinned"),
+                         "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+    backend.resume()
+    assert host.peek(params[0], 4096) != b"p" * 4096, "level 2 discards the weights"
+    assert host.peek(runtime, 4096) == b"r" * 4096
+    backend.suspend(1)
+    assert _states()["weights"] == ("released", "pinned")
+
+
+@built
+@isolated
+def test_discardable_addresses_outside_the_weights_or_not_live_change_nothing():
+    host, module = _vllm()
+    params, buffer, runtime = _served_like_vllm(host, module)
+    allocator = module.CuMemAllocator.get_instance()
+    # the runtime allocation is not a weight, 12345 is no allocation: the buffer is still uncovered
+    allocator.sleep(("weights", "runtime"), params + [runtime, 12345])
+    assert _states()["weights"] == ("released", "pinned") and _states()["runtime"] == ("released", "pinned")
+    allocator.wake_up()
+    allocator.sleep(("weights",), params + [buffer])
+    assert _states()["weights"] == ("released", "none")
+    allocator.wake_up()
+    allocator.sleep((), params + [buffer])  # weights not offloaded anyway
+    assert _states()["weights"] == ("released", "none")
 
 
 @built
@@ -524,14 +585,14 @@ def the_backend_levels_on_a_device():
     expected = weights.cpu()
     torch.cuda.synchronize()
     before = torch.cuda.mem_get_info()[0]
-    backend.suspend(level=1)
+    backend.suspend(set())  # vLLM 0.34's level 1: nothing the weight update rewrites
     assert torch.cuda.mem_get_info()[0] - before > 0.95 * (256 << 20)
     states = sleep.tag_states()
     assert (states["weights"]["backup"], states["kv_cache"]["backup"]) == ("pinned", "none"), states
     backend.resume()
     assert backend.state() == "RUNNING" and torch.equal(weights.cpu(), expected)
     assert before - torch.cuda.mem_get_info()[0] < 16 << 20, "all of it is back"
-    backend.suspend(level=2)
+    backend.suspend({weights.untyped_storage().data_ptr()})  # level 2: the update rewrites every parameter
     assert torch.cuda.mem_get_info()[0] - before > 0.95 * (256 << 20)
     assert sleep.tag_states()["weights"]["backup"] == "none", "level 2 keeps no copy of the weights"
     backend.resume()
@@ -587,7 +648,7 @@ def graphs_captured_into_the_graph_pool_replay_after_sleep(level):
     states = sleep.tag_states()
     assert states["cudagraph"]["resident"] >= 2 * x.nbytes, states
     mapped = states["cudagraph"]["resident"]
-    backend.suspend(level=level)
+    backend.suspend(set() if level == 1 else {weight.untyped_storage().data_ptr()})  # vLLM 0.34's worker
     assert sleep.tag_states()["cudagraph"]["state"] == "released"
     backend.resume(tags=["kv_cache"])  # any wake maps the graphs back, contents and all
     assert sleep.tag_states()["cudagraph"]["resident"] == mapped

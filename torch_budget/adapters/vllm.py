@@ -17,8 +17,13 @@ The mapping (vLLM name -> what torch_budget does):
                                registered with SleepModeBackendFactory where vLLM has one
   use_memory_pool(tag=None)    torch_budget.region(tag, route="vmm"); None: "default"; on exit the tag's
                                freed cache goes back to the driver (empty_cache(tags=tag))
-  sleep(offload_tags=None)     every tag used: release(tag, backup="pinned") for offload_tags (None:
-                               ("default",)), backup="none" for the rest; then the cache is emptied
+  sleep(offload_tags=None, discardable=())  every tag used: release(tag, backup="pinned") for offload_tags
+                               (None: ("default",)), backup="none" for the rest; then the cache is emptied.
+                               `discardable` (vLLM 0.34: storage addresses of the tensors the caller rewrites
+                               after waking): "weights" goes without a copy when every live allocation under
+                               it starts at one of them, as vLLM discards such allocations; else it keeps
+                               its copy whole (vLLM drops those allocations one by one; torch_budget releases
+                               a tag with one backup, and keeping more is what vLLM allows)
   discard(tags)                release(tags, backup="none")
   wake_up(tags=None)           restore(...) of the released tags (None: all); a list wakes those tags and
                                every tag outside DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
@@ -31,8 +36,10 @@ The mapping (vLLM name -> what torch_budget does):
                                capture gets a fresh pool
   release_pools(), close()     nothing to drop: torch_budget keeps no MemPool per tag
   register_tag_hooks(...)      vLLM's own hooks run: before a tag is released, after a wake maps all of it
-  TorchBudgetBackend           suspend(level) 1: sleep(("weights",)); 2: sleep(()); resume(tags) = wake_up(tags);
-                               discard(tags); state() RUNNING / SUSPENDED / RESUMING
+  TorchBudgetBackend           suspend(discardable=()) as vLLM 0.34's cumem backend: sleep(("weights", "runtime",
+                               "cudagraph"), discardable); an int is vLLM 0.33's level (suspend(level)): 1 keeps
+                               ("weights", "runtime", "cudagraph"), 2 ("runtime", "cudagraph"); resume(tags) =
+                               wake_up(tags); discard(tags); state() RUNNING / SUSPENDED / RESUMING
 
 All of it acts on every device. Tags already asleep stay as they are (a sleep asking another backup
 logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had woken, then raises.
@@ -52,7 +59,8 @@ import gc
 import importlib
 import logging
 import threading
-from collections.abc import Iterable
+import ctypes
+from collections.abc import Collection, Iterable
 from typing import NamedTuple, Optional, Union
 
 import torch_budget
@@ -67,6 +75,10 @@ __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "
 BACKEND_NAME = "torch_budget"
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")  # vllm.device_allocator's: only these wait for a wake
 GRAPH_TAG = "cudagraph"  # vLLM's tag of the CUDA graphs captured into the sleep-mode allocator's pool
+WEIGHTS_TAG = "weights"
+# What vLLM's cumem backend backs up at every sleep level besides the weights: the model runner's state
+# and what KV-cache set-up allocated outside the cache (tag "runtime"), and the graphs.
+_KEPT_AT_EVERY_LEVEL = ("runtime", GRAPH_TAG)
 _OFFLOAD, _DISCARD = "pinned", "none"  # vLLM's pinned CPU copy; no copy
 
 logger = logging.getLogger(__name__)
@@ -147,6 +159,29 @@ def _vllm_tag_hooks():
     return (before, after) if before and after else None
 
 
+def _addresses(values, what: str) -> frozenset:
+    """A collection of device addresses (ints), as vLLM passes storage data pointers."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{what} must be a collection of addresses (ints), got {type(values).__name__} ({values!r})")
+    values = frozenset(values)
+    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0), None)
+    if bad is not None:
+        raise TypeError(f"{what} must hold device addresses (non-negative ints), got {bad!r}")
+    return values
+
+
+def _covers_every_allocation(tag: str, addresses: frozenset) -> bool:
+    """Whether every live allocation under `tag` (on every device) starts at one of `addresses`."""
+    if not torch_budget.installed():
+        return False
+    lib = _runtime.library()
+    tag_id = lib.tb_tag_find(tag.encode())
+    live = sum(torch_budget.stats(device)["by_tag"].get(tag, {}).get("allocations", 0)
+               for device in _runtime.served_devices(lib))
+    covered = sum(1 for a in addresses if lib.tb_ptr_tag(ctypes.c_void_p(a)) == tag_id)
+    return live > 0 and covered == live
+
+
 def _tag_tuple(tags, what: str) -> tuple[str, ...]:
     """A str or a tuple of str, as CuMemAllocator.sleep / discard take them."""
     if isinstance(tags, str):
@@ -197,12 +232,18 @@ class CuMemAllocator:
             raise UnsupportedError("this device has no CUDA virtual memory management, which sleep mode needs to "
                                    "give memory back and map it again at the same addresses")
 
-    def sleep(self, offload_tags: Union[tuple[str, ...], str, None] = None) -> None:
+    def sleep(self, offload_tags: Union[tuple[str, ...], str, None] = None, discardable: Collection[int] = ()) -> None:
         """Releases every tag: a pinned host copy of those in `offload_tags` (None: ("default",)) and of
-        GRAPH_TAG, no copy of the rest. Tags already asleep keep their backup."""
+        GRAPH_TAG, no copy of the rest. Tags already asleep keep their backup. `discardable`: storage
+        addresses the caller rewrites after waking; "weights" goes without a copy when they cover every
+        allocation it holds (vLLM 0.34's discardable_allocations)."""
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
         offload += (GRAPH_TAG,)
-        self._release({t: _OFFLOAD if t in offload else _DISCARD for t in self._known()}, "sleep")
+        addresses = _addresses(discardable, "discardable")
+        wanted = {t: _OFFLOAD if t in offload else _DISCARD for t in self._known()}
+        if addresses and wanted.get(WEIGHTS_TAG) == _OFFLOAD and _covers_every_allocation(WEIGHTS_TAG, addresses):
+            wanted[WEIGHTS_TAG] = _DISCARD
+        self._release(wanted, "sleep")
         gc.collect()
         if torch_budget.installed():
             torch_budget.empty_cache(device="all")
@@ -340,14 +381,21 @@ class TorchBudgetBackend:
         self._state = "RUNNING"
         self._weights_on_host = False
 
-    def suspend(self, level: int = 1) -> None:
-        """Level 1 keeps the weights in pinned host memory and discards the rest; level 2 discards all."""
-        if isinstance(level, bool) or not isinstance(level, int):
-            raise TypeError(f"level must be an int, got {type(level).__name__} ({level!r})")
-        if level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level}")
-        CuMemAllocator.get_instance().sleep(offload_tags=("weights",) if level == 1 else ())
-        self._state, self._weights_on_host = "SUSPENDED", level == 1
+    def suspend(self, discardable: Collection[int] = ()) -> None:
+        """As vLLM's cumem backend: the weights, the runtime state and the graphs keep a pinned host copy,
+        the rest (KV cache, workspaces) is discarded. vLLM 0.34 passes `discardable`, the storage addresses
+        of the parameters a level-2 sleep's weight update rewrites; vLLM 0.33 passed the level instead
+        (suspend(level): 1 keeps the weights, 2 discards them), which is taken here too."""
+        allocator = CuMemAllocator.get_instance()
+        if isinstance(discardable, int) and not isinstance(discardable, bool):
+            level = discardable
+            if level not in (1, 2):
+                raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level}")
+            allocator.sleep(offload_tags=((WEIGHTS_TAG,) if level == 1 else ()) + _KEPT_AT_EVERY_LEVEL)
+        else:
+            allocator.sleep((WEIGHTS_TAG,) + _KEPT_AT_EVERY_LEVEL, _addresses(discardable, "discardable"))
+        self._state = "SUSPENDED"
+        self._weights_on_host = sleep.released_tags().get(WEIGHTS_TAG) == _OFFLOAD
 
     def resume(self, tags: Optional[list[str]] = None) -> None:
         self._state = "RESUMING"
