@@ -6,7 +6,7 @@ dependencies and only the named files are kept, under .stack_src/<package>-<vers
     python tools/fetch_stack_sources.py            # every release in RELEASES
     python tools/fetch_stack_sources.py vllm==0.34.0
 
-tests/test_adapter_vllm_real.py loads them (CI runs this first; without them those tests skip).
+tests/test_adapter_*_real.py load them (CI runs this first; without them those tests skip).
 """
 import argparse
 import pathlib
@@ -20,9 +20,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DEST = REPO / ".stack_src"
 # vLLM 0.33 added pluggable sleep-mode backends with suspend(level); 0.34 changed it to
 # suspend(discardable) and CuMemAllocator.sleep(offload_tags, discardable).
-RELEASES = ["vllm==0.33.0", "vllm==0.34.0"]
+# SGLang 0.5.23 keeps its memory-saver adapter in sglang.srt.utils and loads sglang.srt.plugins.
+RELEASES = ["vllm==0.33.0", "vllm==0.34.0", "sglang==0.5.23"]
 FILES = {"vllm": ["vllm/device_allocator/__init__.py", "vllm/device_allocator/sleep_mode_backend.py",
-                  "vllm/device_allocator/cumem.py"]}
+                  "vllm/device_allocator/cumem.py"],
+         "sglang": ["sglang/srt/utils/torch_memory_saver_adapter.py", "sglang/srt/constants.py",
+                    "sglang/srt/plugins/__init__.py"]}
 
 
 def fetch(spec: str) -> pathlib.Path:
