@@ -171,17 +171,22 @@ def test_weights_without_the_cpu_backup_flag_are_not_kept():
     assert host.peek(weights, 4096) != b"w" * 4096
 
 
-@built
-@isolated
-def test_without_enable_memory_saver_nothing_is_tagged():
-    adapter_module = sglang_stand_in()
+def check_the_noop_adapter_tags_nothing(adapter_module):
+    """Without --enable-memory-saver SGLang's no-op adapter serves: nothing is tagged or released."""
     host, module = _sglang()
     module.register()
     saver = adapter_module.TorchMemorySaverAdapter.create(enable=False)
     assert not saver.enabled
     with saver.region("weights", enable_cpu_backup=True):
         _alloc(host, 2 * MiB, b"w")
+    saver.pause("weights")
     assert _states() == {} and torch_budget.stats()["by_tag"]["untagged"]["allocated"] == 2 * MiB
+
+
+@built
+@isolated
+def test_without_enable_memory_saver_nothing_is_tagged():
+    check_the_noop_adapter_tags_nothing(sglang_stand_in())
 
 
 @built

@@ -16,7 +16,7 @@ import pytest
 import torch_budget
 from _harness import REPO
 from _hostcore import MiB, isolated
-from test_adapter_sglang import ADAPTER, _alloc, _sglang, _states, sglang_stand_in
+from test_adapter_sglang import ADAPTER, _alloc, _sglang, _states, check_the_noop_adapter_tags_nothing, sglang_stand_in
 
 SOURCES = sorted((REPO / ".stack_src").glob("sglang-*"))
 pytestmark = [pytest.mark.built("_host_core"),
@@ -97,16 +97,4 @@ def test_sglangs_adapter_module_releases_and_resumes_through_torch_budget(source
 
 @pytest.mark.parametrize("source", RELEASES)
 def test_without_enable_memory_saver_sglangs_noop_adapter_tags_nothing(source):
-    @isolated
-    def body():
-        adapter_module = _real_adapter_module(source)
-        host, module = _sglang()
-        module.register()
-        saver = adapter_module.TorchMemorySaverAdapter.create(enable=False)
-        assert not saver.enabled
-        with saver.region("weights", enable_cpu_backup=True):
-            _alloc(host, 2 * MiB, b"w")
-        saver.pause("weights")
-        assert _states() == {} and torch_budget.stats()["by_tag"]["untagged"]["allocated"] == 2 * MiB
-
-    body()
+    isolated(lambda: check_the_noop_adapter_tags_nothing(_real_adapter_module(source)))()

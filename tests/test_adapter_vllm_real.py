@@ -62,6 +62,15 @@ def _load_vllm(source: pathlib.Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(allocator=allocator, backends=backends, cumem=cumem)
 
 
+def _registered(source):
+    """vLLM's modules from `source`, then the plugin registered over a fresh host core, as vLLM's
+    load_general_plugins() runs it in a worker."""
+    real = _load_vllm(source)
+    host, module = _vllm(cuda=True)
+    module.register()
+    return real, host, module
+
+
 def _parameters(fn):
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
@@ -102,9 +111,7 @@ def test_the_allocator_and_the_backend_have_every_method_of_vllms_with_its_param
 def test_vllms_factory_creates_the_registered_backend_and_the_workers_calls_sleep_and_wake(source):
     @isolated
     def body():
-        real = _load_vllm(source)
-        host, module = _vllm(cuda=True)
-        module.register()
+        real, host, module = _registered(source)
         assert real.cumem.CuMemAllocator.instance is module.CuMemAllocator.get_instance()
         assert real.allocator.get_mem_allocator_instance() is module.CuMemAllocator.get_instance()
         factory = real.backends.SleepModeBackendFactory
@@ -140,9 +147,7 @@ def test_vllms_own_cumem_backend_sleeps_and_wakes_torch_budgets_allocator(source
     # through get_mem_allocator_instance(), whose slot the plugin holds
     @isolated
     def body():
-        real = _load_vllm(source)
-        host, module = _vllm(cuda=True)
-        module.register()
+        real, host, module = _registered(source)
         backend = real.backends.SleepModeBackendFactory.create_backend(
             types.SimpleNamespace(sleep_mode_backend="cumem"))
         assert isinstance(backend, real.backends.CuMemBackend)
