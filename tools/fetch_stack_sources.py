@@ -21,11 +21,13 @@ DEST = REPO / ".stack_src"
 # vLLM 0.33 added pluggable sleep-mode backends with suspend(level); 0.34 changed it to
 # suspend(discardable) and CuMemAllocator.sleep(offload_tags, discardable).
 # SGLang 0.5.23 keeps its memory-saver adapter in sglang.srt.utils and loads sglang.srt.plugins.
-RELEASES = ["vllm==0.33.0", "vllm==0.34.0", "sglang==0.5.23"]
+# torch_memory_saver 0.0.10: the singleton's API that SGLang and verl call.
+RELEASES = ["vllm==0.33.0", "vllm==0.34.0", "sglang==0.5.23", "torch_memory_saver==0.0.10"]
 FILES = {"vllm": ["vllm/device_allocator/__init__.py", "vllm/device_allocator/sleep_mode_backend.py",
                   "vllm/device_allocator/cumem.py"],
          "sglang": ["sglang/srt/utils/torch_memory_saver_adapter.py", "sglang/srt/constants.py",
-                    "sglang/srt/plugins/__init__.py"]}
+                    "sglang/srt/plugins/__init__.py"],
+         "torch_memory_saver": ["torch_memory_saver/__init__.py", "torch_memory_saver/entrypoint.py"]}
 
 
 def fetch(spec: str) -> pathlib.Path:
