@@ -53,6 +53,13 @@ class Access(ctypes.Structure):
     _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
 
 
+class PoolProps(ctypes.Structure):  # CUmemPoolProps (cuda.h): 88 bytes
+    _fields_ = [("allocType", ctypes.c_int), ("handleTypes", ctypes.c_int),
+                ("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int),
+                ("win32SecurityAttributes", ctypes.c_void_p), ("maxSize", ctypes.c_size_t),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54)]
+
+
 def main():
     torch = cuda_torch("probe_vmm", "the driver's VMM call costs")
     if torch is None:
@@ -208,11 +215,9 @@ def main():
 
 
 def probe_pool_handles(d, u64):
-    props = (ctypes.c_ubyte * 128)()  # CUmemPoolProps, zeroed past the fields set here
-    ints = ctypes.cast(props, ctypes.POINTER(ctypes.c_int))
-    ints[0], ints[1], ints[2], ints[3] = 1, 1, 1, 0  # pinned, POSIX descriptor, device 0
+    props = PoolProps(allocType=1, handleTypes=1, loc_type=1, loc_id=0)  # pinned, POSIX descriptor, device 0
     pool = ctypes.c_void_p()
-    facts = {"create": d("cuMemPoolCreate", ctypes.byref(pool), props)}
+    facts = {"create": d("cuMemPoolCreate", ctypes.byref(pool), ctypes.byref(props))}
     if facts["create"] != 0:
         return facts
     ptr = u64()
