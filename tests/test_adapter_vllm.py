@@ -404,6 +404,13 @@ def _served_like_vllm(host, module):
     return params, buffer, runtime
 
 
+def _asleep(weights_backup):
+    """The states after a sleep of what _served_like_vllm allocated: the runtime state keeps its copy at
+    every level, the KV cache and the workspace never do; the weights as `weights_backup` says."""
+    return {"weights": ("released", weights_backup), "runtime": ("released", "pinned"),
+            "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+
+
 @built
 @isolated
 def test_the_backend_sleeps_as_vllm_0_34s_cumem_backend_with_the_addresses_a_level_2_rewrites():
@@ -416,8 +423,7 @@ def test_the_backend_sleeps_as_vllm_0_34s_cumem_backend_with_the_addresses_a_lev
     assert module.TorchBudgetBackend.is_supported() is True
     backend.suspend(set())  # level 1
     assert backend.state() == "SUSPENDED"
-    assert _states() == {"weights": ("released", "pinned"), "runtime": ("released", "pinned"),
-                         "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+    assert _states() == _asleep("pinned")
     backend.resume(["weights"])
     assert backend.state() == "RUNNING" and _states()["kv_cache"][0] == "released"
     assert [host.peek(p, 4096) for p in params] == [b"p" * 4096, b"q" * 4096]
@@ -445,8 +451,7 @@ def test_the_backend_takes_vllm_0_33s_level_and_keeps_the_runtime_state_at_both(
     assert _states()["weights"] == ("released", "pinned")
     backend.resume()
     backend.suspend(2)  # vLLM 0.33: suspend(level)
-    assert _states() == {"weights": ("released", "none"), "runtime": ("released", "pinned"),
-                         "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+    assert _states() == _asleep("none")
     backend.resume()
     assert host.peek(params[0], 4096) != b"p" * 4096, "level 2 discards the weights"
     assert host.peek(runtime, 4096) == b"r" * 4096

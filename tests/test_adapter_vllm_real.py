@@ -19,7 +19,7 @@ import pytest
 
 from _harness import REPO
 from _hostcore import MiB, isolated
-from test_adapter_vllm import _served_like_vllm, _states, _vllm
+from test_adapter_vllm import _asleep, _served_like_vllm, _states, _vllm
 
 SOURCES = sorted((REPO / ".stack_src").glob("vllm-*"), key=lambda p: tuple(int(x) for x in p.name[5:].split(".")))
 pytestmark = [pytest.mark.built("_host_core"),
@@ -122,8 +122,7 @@ def test_vllms_factory_creates_the_registered_backend_and_the_workers_calls_slee
         level_1 = set() if _version(source) >= (0, 34) else 1
         backend.suspend(level_2)  # as the worker calls it
         assert backend.state() == "SUSPENDED"
-        assert _states() == {"weights": ("released", "none"), "runtime": ("released", "pinned"),
-                             "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+        assert _states() == _asleep("none")
         backend.resume(["weights"])  # a selective wake: the KV cache waits, the rest comes back
         assert {t: s for t, (s, _) in _states().items()} == {"weights": "live", "runtime": "live",
                                                              "kv_cache": "released", "workspace": "live"}
@@ -154,8 +153,7 @@ def test_vllms_own_cumem_backend_sleeps_and_wakes_torch_budgets_allocator(source
         params, buffer, runtime = _served_like_vllm(host, module)
         backend.suspend(set(params) if _version(source) >= (0, 34) else 1)
         # 0.34 with the parameters alone: the buffer beside them keeps the weights' copy whole
-        assert _states() == {"weights": ("released", "pinned"), "runtime": ("released", "pinned"),
-                             "kv_cache": ("released", "none"), "workspace": ("released", "none")}
+        assert _states() == _asleep("pinned")
         backend.resume(None)
         assert host.peek(buffer, 4096) == b"b" * 4096 and host.peek(runtime, 4096) == b"r" * 4096
         assert module.CuMemAllocator.get_instance().get_current_usage() >= 9 * MiB

@@ -55,11 +55,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ctypes
 import gc
 import importlib
 import logging
 import threading
-import ctypes
 from collections.abc import Collection, Iterable
 from typing import NamedTuple, Optional, Union
 
@@ -393,7 +393,7 @@ class TorchBudgetBackend:
                 raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level}")
             allocator.sleep(offload_tags=((WEIGHTS_TAG,) if level == 1 else ()) + _KEPT_AT_EVERY_LEVEL)
         else:
-            allocator.sleep((WEIGHTS_TAG,) + _KEPT_AT_EVERY_LEVEL, _addresses(discardable, "discardable"))
+            allocator.sleep((WEIGHTS_TAG,) + _KEPT_AT_EVERY_LEVEL, discardable)  # sleep() checks the addresses
         self._state = "SUSPENDED"
         self._weights_on_host = sleep.released_tags().get(WEIGHTS_TAG) == _OFFLOAD
 
