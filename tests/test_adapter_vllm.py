@@ -39,7 +39,7 @@ SIGNATURES = {
     "cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
     "release_cudagraph_pool": [("self", NO_DEFAULT), ("pool", None)],
 }
-BACKEND = {"suspend": [("self", NO_DEFAULT), ("discardable", ())], "resume": [("self", NO_DEFAULT), ("tags", None)],
+BACKEND = {"suspend": [("self", NO_DEFAULT), ("discardable", ()), ("level", None)], "resume": [("self", NO_DEFAULT), ("tags", None)],
            "discard": [("self", NO_DEFAULT), ("tags", NO_DEFAULT)], "state": [("self", NO_DEFAULT)]}
 CAPABILITIES = {"is_supported": None, "preserves_communicators": True, "preserves_compiled_artifacts": False,
                 "preserves_graphs_with_communicators": False, "supports_durable_storage": False,
@@ -457,6 +457,13 @@ def test_the_backend_takes_vllm_0_33s_level_and_keeps_the_runtime_state_at_both(
     assert host.peek(runtime, 4096) == b"r" * 4096
     backend.suspend(1)
     assert _states()["weights"] == ("released", "pinned")
+    backend.resume()
+    with pytest.warns(DeprecationWarning, match=r"suspend\(level=\.\.\.\) is deprecated.*positionally"):
+        backend.suspend(level=2)  # the adapter's earlier keyword
+    assert _states()["weights"] == ("released", "none")
+    backend.resume()
+    with pytest.raises(TypeError, match="discardable or level, not both"):
+        backend.suspend({params[0]}, level=2)
 
 
 @built

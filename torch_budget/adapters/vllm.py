@@ -64,7 +64,7 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple, Optional, Union
 
 import torch_budget
-from torch_budget import _runtime, diagnostics, sleep
+from torch_budget import _deprecation, _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import ensure_installed, install_at_import
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
@@ -381,11 +381,18 @@ class TorchBudgetBackend:
         self._state = "RUNNING"
         self._weights_on_host = False
 
-    def suspend(self, discardable: Collection[int] = ()) -> None:
+    def suspend(self, discardable: Collection[int] = (), *, level: Optional[int] = None) -> None:
         """As vLLM's cumem backend: the weights, the runtime state and the graphs keep a pinned host copy,
         the rest (KV cache, workspaces) is discarded. vLLM 0.34 passes `discardable`, the storage addresses
         of the parameters a level-2 sleep's weight update rewrites; vLLM 0.33 passed the level instead
-        (suspend(level): 1 keeps the weights, 2 discards them), which is taken here too."""
+        (suspend(level): 1 keeps the weights, 2 discards them), which is taken here too. The keyword
+        `level=` (this adapter's earlier name) still works and warns."""
+        if level is not None:
+            if discardable != ():
+                raise TypeError("suspend() takes discardable or level, not both")
+            _deprecation.warn("torch_budget.adapters.vllm.TorchBudgetBackend.suspend(level=...)",
+                              "pass the level positionally, as vLLM 0.33 does (or discardable, as vLLM 0.34 does)")
+            discardable = level
         allocator = CuMemAllocator.get_instance()
         if isinstance(discardable, int) and not isinstance(discardable, bool):
             level = discardable
