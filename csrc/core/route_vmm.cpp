@@ -150,8 +150,10 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   }
   const PackingTime::Clock::time_point mapping = move ? PackingTime::Clock::now() : start;
   bool ok = true;
+  std::vector<std::pair<size_t, size_t>> runs;  // the mappings to make: (first granule, count)
   for (const auto& [begin, count] : gaps)
-    if (!(ok = map_missing(seg, begin, count))) break;
+    for (size_t at = begin; at < begin + count; at += max_run_) runs.emplace_back(at, std::min(max_run_, begin + count - at));
+  ok = map_missing(seg, runs);
   release_moving();
   const PackingTime::Clock::time_point end = PackingTime::Clock::now();
   const auto ns = [](PackingTime::Clock::duration d) {
@@ -166,24 +168,23 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   return ok;
 }
 
-bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
-  for (size_t at = first; at < first + count;) {
-    const size_t n = std::min(max_run_, first + count - at);
+bool VmmRoute::map_missing(Segment& seg, const std::vector<std::pair<size_t, size_t>>& runs) {
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const auto [at, n] = runs[k];
     // What a packing reclaim just unmapped maps here first (Note [Moving handles]).
     if (!moving_.empty()) {
       size_t moved = 0;
       if (!map_moved(seg, at, n, &moved)) return false;
-      if (moved > 0) {
-        at += moved;
-        continue;
-      }
+      if (moved > 0) continue;  // a kept handle of exactly this run's length
     }
     // A single granule takes a cached handle when there is one; longer runs get one new handle.
     if (n == 1 && !free_handles_.empty()) {
       if (!map_granules(seg, {at})) return false;
-      at += n;
       continue;
     }
+    // New memory: kept handles no later run can take go back first, so the device never holds
+    // both (Note [Moving handles]).
+    if (!moving_.empty()) release_unmatched(runs, k + 1);
     budget_.clear_refusal();
     bool ok = map_run(seg, at, n);
     // Kept handles no run fits are memory too, the budget's and the card's: they go back first.
@@ -207,7 +208,6 @@ bool VmmRoute::map_missing(Segment& seg, size_t first, size_t count) {
       }
       return false;
     }
-    at += n;
   }
   return true;
 }

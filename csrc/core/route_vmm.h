@@ -26,11 +26,12 @@
 // and the allocation retried. Graph pools are never a source: their free blocks may still
 // be addressed by a captured graph.
 // With reuse_before_grow off, nothing is given back before the budget refuses.
-// The line has no slack of whole granules: with a small peak, 2 % is a few granules, and the
-// decode_graphs trace (a 256.6 MiB peak, 5 MiB of line) moves the same four granules in every
-// pass, each past the line by under 1 MiB. Over the host stand-in with an H200's call costs, one
-// granule above the line halved those moves at the same 1.021 but took llama_generate from 1.024
-// to 1.030; two removed them at 1.029.
+// The line sits a granule below 2 % (never below the mark itself in whole granules): a new
+// mapping passes it by up to a granule, so it is where the peak stays within 2 %. Over the host
+// stand-in (tools/sim_alloc.py) the serving-like mix peaked at 1.021 with the line at 2 % and
+// 1.020 a granule below, with mappings per thousand operations 7.08 -> 7.12 (llama_generate
+// 0.41 -> 0.48). Slack above it costs packing: one granule above halved decode_graphs' moves
+// but took llama_generate from 1.024 to 1.030.
 //
 // Note [Peer access to VMM memory]
 // A mapping is accessible only to the devices named in cuMemSetAccess. Every
@@ -62,8 +63,12 @@
 // (on an H200 an unmap + map + access of a kept handle took 41 us; a mapping's whole life with
 // a create and a release about 50 us plus 2 us per MiB): each run of the new mapping takes a
 // kept handle of exactly its length (a shorter one would split the run into more mappings,
-// which cost more than the create they save), new memory the rest, and what no run took goes
-// back to the driver when the allocation is backed, or at once when new memory for a run is
+// which cost more than the create they save), new memory the rest. Kept handles no later run
+// can take go back to the driver before new memory is made for a run, so the device never
+// holds both: they did go back only once the allocation was backed, and that brief overlap set
+// the peak a granule or more above what the moves kept it to (decode_graphs and llama_generate
+// over the host stand-in: 1.021 and 1.024 of peak live, 1.013 and 1.013 with this order). What
+// no run took goes back when the allocation is backed, or at once when new memory for a run is
 // refused, by the budget or by the card, while they wait. Over the host stand-in with an H200's call
 // costs, unbounded lognormal churn ran 12 % faster (about 900 moved mappings in 40k operations). A shared handle (exported to another process, which may still map it)
 // is never kept. ledger's num_moves counts the mappings made this way.
@@ -180,14 +185,19 @@ class VmmRoute final : public Backing {
   bool take_handles(size_t n, std::vector<CUmemGenericAllocationHandle>* out);
   // Note [Packing: reclaim before growth]: the reserved bytes the device may hold
   // before new mappings first give clean free ones back.
-  int64_t allowance() const { return static_cast<int64_t>(high_water_ + high_water_ / 50); }
+  // A granule below 2 % past the high-water mark, since a mapping passes the line by up to a
+  // granule; never below the mark in whole granules.
+  int64_t allowance() const {
+    const size_t whole = (high_water_ + granule_ - 1) / granule_ * granule_;
+    return static_cast<int64_t>(std::max(whole, high_water_ + high_water_ / 50 - std::min(granule_, high_water_ / 50)));
+  }
   // Gives back clean free mappings of the reuse sources, the largest free blocks first,
   // from the high end of each, until at least `want` bytes went back or none is left;
   // returns the bytes.
   size_t reclaim(size_t want);
-  // Maps granules [first, first + count) of `seg` (each unmapped) in runs; under budget
-  // refusal gives clean memory back and retries, then asks for the allocating stream.
-  bool map_missing(Segment& seg, size_t first, size_t count);
+  // Maps each run (first granule, count) of `seg` (each unmapped) with one mapping; under
+  // budget refusal gives clean memory back and retries, then asks for the allocating stream.
+  bool map_missing(Segment& seg, const std::vector<std::pair<size_t, size_t>>& runs);
   // Asks for `stream` to be synchronised when its free blocks hold mappings.
   bool request_sync(BlockPool& pool, CUstream stream);
   // The mapping covering or following granule `first` of `seg`, in address order.
@@ -208,6 +218,10 @@ class VmmRoute final : public Backing {
   bool map_moved(Segment& seg, size_t first, size_t room, size_t* mapped);
   // Gives the kept handles no mapping took back to the driver.
   void release_moving();
+  // Gives back the kept handles whose length no run of runs[from...] has (one handle per run).
+  void release_unmatched(const std::vector<std::pair<size_t, size_t>>& runs, size_t from);
+  // Gives kept handle `h` (`count` granules) back to the driver; one it refuses stays charged.
+  void release_kept(CUmemGenericAllocationHandle h, size_t count);
   // Bookkeeping of one mapping of handle `h`, `count` granules at `head`: the segment's
   // granules, span and maps change only here, together (Segment::granules).
   void note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h);

@@ -141,15 +141,34 @@ bool VmmRoute::map_moved(Segment& seg, size_t first, size_t room, size_t* mapped
   return true;
 }
 
-void VmmRoute::release_moving() {
-  for (const auto& [h, count] : moving_) {
-    if (release_handle(h) != CUDA_SUCCESS) {
-      stuck_runs_.emplace_back(h, count * granule_);  // still charged as cached: retried later
-      continue;
-    }
-    budget_.uncharge(count * granule_, kCached);
-    bump(ledger_.num_device_free);
+void VmmRoute::release_kept(CUmemGenericAllocationHandle h, size_t count) {
+  moving_bytes_ -= count * granule_;
+  if (release_handle(h) != CUDA_SUCCESS) {
+    stuck_runs_.emplace_back(h, count * granule_);  // still charged as cached: retried later
+    return;
   }
+  budget_.uncharge(count * granule_, kCached);
+  bump(ledger_.num_device_free);
+}
+
+void VmmRoute::release_unmatched(const std::vector<std::pair<size_t, size_t>>& runs, size_t from) {
+  std::vector<size_t> lengths;  // of the runs still to map, each taken by at most one kept handle
+  for (size_t k = from; k < runs.size(); ++k) lengths.push_back(runs[k].second);
+  std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> kept;
+  for (const auto& [h, count] : moving_) {
+    auto it = std::find(lengths.begin(), lengths.end(), count);
+    if (it != lengths.end()) {
+      lengths.erase(it);
+      kept.emplace_back(h, count);
+    } else {
+      release_kept(h, count);
+    }
+  }
+  moving_.swap(kept);
+}
+
+void VmmRoute::release_moving() {
+  for (const auto& [h, count] : moving_) release_kept(h, count);
   moving_.clear();
   moving_bytes_ = 0;
 }
