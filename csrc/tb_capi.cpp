@@ -247,6 +247,16 @@ int tb_release_tag(int device, int tag, int backup) {
   return d->release_tag(tag, backup) ? 0 : code();
 }
 
+int tb_release_tag_discarding(int device, int tag, int backup, const uint64_t* ptrs, int64_t n) {
+  clear_error();
+  TB_REQUIRE(n >= 0 && (n == 0 || ptrs != nullptr), kInvalidArgument,
+             "discardable addresses: " + std::to_string(n) + " given at a null pointer", code());
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  const std::vector<uintptr_t> discardable(ptrs, ptrs + n);
+  return d->release_tag(tag, backup, discardable) ? 0 : code();
+}
+
 int tb_restore_tag(int device, int tag) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);
@@ -299,6 +309,13 @@ int tb_ptr_tag(void* ptr) {
   int device = 0;
   BlockInfo info{};
   return Allocator::get().lookup(ptr, &device, &info) ? info.tag : -1;
+}
+
+int tb_ptr_device(void* ptr) {
+  clear_error();
+  int device = 0;
+  BlockInfo info{};
+  return Allocator::get().lookup(ptr, &device, &info) ? device : -1;
 }
 
 namespace {

@@ -85,6 +85,9 @@ TB_API int tb_device_ready(int device);    // 1 once torch_budget serves allocat
 // tb_set_disk_backup_dir names, Note [Disk backups], core/disk_backup.h); | 0x100 retains a
 // cpu / pinned backup past the restore (Note [Retained backups], core/tag_sleep.h).
 TB_API int tb_release_tag(int device, int tag, int backup);
+// As tb_release_tag; `ptrs` (n of them) are live allocations of the tag whose contents need not
+// survive: mapped back by the restore, never copied (Note [Discardable blocks], core/tag_sleep.h).
+TB_API int tb_release_tag_discarding(int device, int tag, int backup, const uint64_t* ptrs, int64_t n);
 TB_API int tb_restore_tag(int device, int tag);
 // The directory disk backups go to (it must exist and be writable; "" or NULL forgets it).
 TB_API int tb_set_disk_backup_dir(const char* dir);
@@ -108,6 +111,8 @@ TB_API void tb_backup_view_end(void* view);
 // The tag of graph pool (id0, id1) / of the live block at `ptr`; -1 when there is none.
 TB_API int tb_pool_tag(int device, uint64_t id0, uint64_t id1);
 TB_API int tb_ptr_tag(void* ptr);
+// The device of the live block at `ptr`; -1 when there is none.
+TB_API int tb_ptr_device(void* ptr);
 // Gives the tag's clean cached memory back to the driver; *returned: bytes.
 TB_API int tb_trim_tag(int device, int tag, int64_t* returned);
 // The pinned host pool that backups use (process-wide).

@@ -313,9 +313,13 @@ class Host:
     def set_disk_dir(self, path):
         _native.check(self.lib, self.lib.tb_set_disk_backup_dir(None if path is None else str(path).encode()))
 
-    def release(self, tag, backup="none", device=0, retain=False):
+    def release(self, tag, backup="none", device=0, retain=False, discard=None):
         mode = self.BACKUPS[backup] | (0x100 if retain else 0)
-        _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), mode))
+        if discard is None:
+            _native.check(self.lib, self.lib.tb_release_tag(device, self.tag(tag), mode))
+        else:
+            ptrs = (ctypes.c_uint64 * max(len(discard), 1))(*discard)
+            _native.check(self.lib, self.lib.tb_release_tag_discarding(device, self.tag(tag), mode, ptrs, len(discard)))
 
     def retain(self, tag, on, device=0):
         _native.check(self.lib, self.lib.tb_retain_tag_backup(device, self.tag(tag), int(on)))

@@ -150,7 +150,9 @@ class DeviceAllocator {
 
   // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
   // not live / not released, during a capture, or with live memory off the VMM route.
-  bool release_tag(int tag, int backup);  // backup: a Backup, with kBackupRetain or-ed in for cpu / pinned
+  // backup: a Backup, with kBackupRetain or-ed in for cpu / pinned. `discardable`: addresses of live
+  // blocks of the tag whose contents need not survive (Note [Discardable blocks], tag_sleep.h).
+  bool release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable = {});
   bool restore_tag(int tag);
   bool drop_tag_backup(int tag);          // Note [Retained backups]
   bool retain_tag_backup(int tag, bool on);

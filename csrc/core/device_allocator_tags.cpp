@@ -22,7 +22,7 @@ bool DeviceAllocator::check_tag(int tag, const char* what) {
   return true;
 }
 
-bool DeviceAllocator::release_tag(int tag, int backup) {
+bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable) {
   const bool retain = (backup & kBackupRetain) != 0;
   backup &= ~kBackupRetain;
   TB_REQUIRE(backup >= 0 && backup < kBackupModes, kInvalidArgument,
@@ -31,6 +31,12 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
              std::string("only a cpu or pinned backup can be retained, not ") + backup_name(backup), false);
   TB_REQUIRE(backup != kBackupDisk || !DiskBackup::dir().empty(), kInvalidArgument,
              "a disk backup needs a directory: set one first (torch_budget.sleep.set_disk_backup_dir)", false);
+  // Note [Discardable blocks]: a backup with holes is neither retained nor written to disk.
+  TB_REQUIRE(discardable.empty() || (!retain && backup != kBackupDisk), kInvalidArgument,
+             std::string("discardable blocks leave holes in the backup, which a ") +
+                 (retain ? "retained" : "disk") + " backup cannot have: release without them, or with a " +
+                 (retain ? "backup that is not retained" : "cpu or pinned backup"),
+             false);
   std::unique_lock<std::mutex> lock(mu_);
   if (!check_tag(tag, "release")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
@@ -42,8 +48,24 @@ bool DeviceAllocator::release_tag(int tag, int backup) {
   TB_REQUIRE(synced, kState, "release of " + name + ": the device could not be synchronised", false);
   uses_.settle();
   TB_REQUIRE(tags_.live(tag), kState, name + " was released by another thread meanwhile", false);
+  // Looked up after the synchronisation, under the lock the release keeps: the blocks stay as found.
+  std::unordered_set<const Block*> discard;
+  for (uintptr_t ptr : discardable) {
+    const Block* b = live_.find(ptr);
+    TB_REQUIRE(b != nullptr && b->allocated, kInvalidArgument,
+               "release of " + name + ": discardable address " + std::to_string(ptr) +
+                   " is not the start of a live allocation of this device",
+               false);
+    TB_REQUIRE(b->tag == tag && b->route == kRouteVmm && !b->segment->pool->graph_pool(), kInvalidArgument,
+               "release of " + name + ": the allocation at discardable address " + std::to_string(ptr) + " is " +
+                   (b->tag != tag ? "under tag '" + tag_name(b->tag) + "'"
+                                  : std::string(b->route != kRouteVmm ? "off the vmm route" : "in a CUDA graph pool")) +
+                   ", not one of the tag's own",
+               false);
+    discard.insert(b);
+  }
   RelaxedCaptureMode relaxed(open_captures() > 0);
-  return tags_.release(tag, static_cast<Backup>(backup), retain, name);
+  return tags_.release(tag, static_cast<Backup>(backup), retain, name, discard);
 }
 
 bool DeviceAllocator::restore_tag(int tag) {

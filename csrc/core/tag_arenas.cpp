@@ -73,7 +73,27 @@ std::vector<std::vector<bool>> TagArenas::still_needed(const TagState& st) const
   return out;
 }
 
-bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& name) {
+// Note [Discardable blocks]: the granules of `seg` holding a byte of a live block not in
+// `discard`, widened to whole mappings.
+std::vector<bool> TagArenas::kept(const Segment& seg, const std::unordered_set<const Block*>& discard) const {
+  const size_t g = vmm_->granule();
+  std::vector<bool> out(seg.granules.size(), seg.pool->graph_pool());
+  if (seg.pool->graph_pool()) return out;
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+    if (b->is_free() || discard.count(b) != 0) continue;
+    const size_t lo = (b->ptr - seg.base) / g, hi = (b->ptr + b->size - 1 - seg.base) / g;
+    for (size_t i = lo; i <= hi; ++i) out[i] = true;
+  }
+  for (size_t h = 0; h < seg.span.size(); ++h) {
+    if (seg.span[h] <= 1) continue;
+    const auto first = out.begin() + static_cast<long>(h), end = first + seg.span[h];
+    if (std::find(first, end, true) != end) std::fill(first, end, true);
+  }
+  return out;
+}
+
+bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& name,
+                        const std::unordered_set<const Block*>& discard) {
   // Checked after the owner's synchronisation: other threads may have allocated under the tag meanwhile.
   // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
   // released and restored, the producer would read and write new memory the consumer never sees.
@@ -100,6 +120,7 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   for (BlockPool* pool : pools_of(tag)) {
     for (const auto& seg : pool->segments()) {
       const std::vector<bool> cov = covered(*seg);
+      const std::vector<bool> keep = discard.empty() ? cov : kept(*seg, discard);
       for (size_t i = 0; i < seg->granules.size();) {
         if (seg->granules[i] == 0) {
           ++i;
@@ -110,7 +131,16 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
           // Pieces end at mapping boundaries: a piece is dropped once its copy is done.
           size_t j = i;
           while (j < seg->granules.size() && seg->granules[j] != 0 && cov[j]) ++j;
-          cut_pieces(seg.get(), i, j, per_piece, &pieces);
+          // Note [Discardable blocks]: cut where whole mappings turn from kept to discarded (keep is
+          // the same across each mapping, and i and j are mapping heads).
+          for (size_t a = i; a < j;) {
+            size_t b = a + 1;
+            while (b < j && keep[b] == keep[a]) ++b;
+            const size_t from = pieces.size();
+            cut_pieces(seg.get(), a, b, per_piece, &pieces);
+            for (size_t k = from; k < pieces.size(); ++k) pieces[k].discard = !keep[a];
+            a = b;
+          }
           i = j;
         }
       }
@@ -298,7 +328,7 @@ int TagArenas::drop_stale_backups() {
         const size_t g = vmm_->granule();
         size_t gone = 0;
         for (size_t k = 0; k < st.pieces.size(); ++k)
-          for (size_t i = 0; i < st.pieces[k].count;) {
+          for (size_t i = 0; i < st.pieces[k].count && !st.pieces[k].discard;) {
             size_t j = i;
             while (j < st.pieces[k].count && !needed[k][j]) ++j;
             if (j > i) gone += st.space->give_back(st.pieces[k].offset + i * g, j - i, g);

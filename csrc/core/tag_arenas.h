@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "block_cache.h"
@@ -55,9 +56,11 @@ class TagArenas {
   void uncharge(const Block& b) { if (b.route != kRouteVmm) --off_route_[b.tag]; }
 
   // Releases `tag` (live, the device idle) with `backup` (`retain`: kept past the restore,
-  // Note [Retained backups]); `name` says which tag where, for messages. kState when it
+  // Note [Retained backups]); `discard`: live blocks of the tag's own pool whose contents need not
+  // survive (Note [Discardable blocks]); `name` says which tag where, for messages. kState when it
   // cannot be released now.
-  bool release(int tag, Backup backup, bool retain, const std::string& name);
+  bool release(int tag, Backup backup, bool retain, const std::string& name,
+               const std::unordered_set<const Block*>& discard = {});
   // Gives back the backup a live `tag` retained; false + kState when the tag is released.
   bool drop_retained(int tag, const std::string& name);
   // While `tag` is released with a cpu or pinned backup: whether its restore keeps the backup
@@ -89,6 +92,9 @@ class TagArenas {
   // For each granule of `seg`: whether an allocated or waiting block covers it (every
   // granule of a graph pool; a run mapping whole when any of its granules).
   std::vector<bool> covered(const Segment& seg) const;
+  // Note [Discardable blocks]: the granules of `seg` whose contents a release keeps when the blocks
+  // in `discard` need none, each mapping whole.
+  std::vector<bool> kept(const Segment& seg, const std::unordered_set<const Block*>& discard) const;
   std::vector<std::vector<bool>> still_needed(const TagState& st) const;
   // Whether every segment a live tag's retained backup describes is still one of its pools'.
   bool kept_in_place(int tag) const;

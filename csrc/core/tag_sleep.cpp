@@ -117,6 +117,7 @@ bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<H
   for (uintptr_t at = ptr, end = ptr + bytes; at < end;) {
     const Piece* p = nullptr;
     for (const Piece& q : from) {
+      if (q.discard) continue;  // Note [Discardable blocks]: not in the backup
       const uintptr_t lo = q.seg->base + q.first * granule;
       if (at >= lo && at < lo + q.count * granule) {
         p = &q;
@@ -255,15 +256,18 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   const size_t g = vmm_.granule();
-  size_t total = 0;
+  size_t total = 0, device_total = 0;  // the backup's bytes; the device's
+  bool holes = false;                  // Note [Discardable blocks]
   for (Piece& p : pieces) {
     p.offset = total;
-    total += p.count * g;
+    device_total += p.count * g;
+    holes = holes || p.discard;
+    if (!p.discard) total += p.count * g;
   }
   const bool copies = mode == kBackupCpu || mode == kBackupPinned;
   // Note [Retained backups]: the device digests every piece, batch by batch, while the host
   // drops the pieces whose granules all kept their digest and copies the granules that changed.
-  const bool reuse = copies && reusable(pieces, mode, *state);
+  const bool reuse = copies && !holes && reusable(pieces, mode, *state);
   std::vector<Digest> before;
   std::vector<size_t> batch_of;
   bool digested = false;
@@ -285,8 +289,8 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   }
   state->pieces.clear();
   state->backup = mode;
-  state->retain = retain && copies;
-  state->last_device_bytes = static_cast<int64_t>(total);
+  state->retain = retain && copies && !holes;
+  state->last_device_bytes = static_cast<int64_t>(device_total);
   state->last_backup_bytes = 0;
   copied_ = 0;
   if (copies && total > 0 && !reuse) {
@@ -331,6 +335,11 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   bool ok = true;
   for (size_t i = 0; i < n && ok; ++i) {
     const Piece& p = pieces[i];
+    if (p.discard) {  // Note [Discardable blocks]: nothing to keep (the device is idle)
+      drop_piece(p);
+      state->pieces.push_back(p);
+      continue;
+    }
     const std::vector<bool>* only = nullptr;
     if (digested) {
       while (digested && finished <= batch_of[i]) digested = digester_.finish(finished++, &now);
@@ -362,8 +371,9 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   while (ok && !pending.empty()) ok = settle();
   if (ok) {
     // Pieces in the order of the backup, as the next release lists them (reusable()).
-    std::sort(state->pieces.begin(), state->pieces.end(),
-              [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+    // Stable: a discarded piece shares its offset with the piece after it (Note [Discardable blocks]).
+    std::stable_sort(state->pieces.begin(), state->pieces.end(),
+                     [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
     state->last_backup_bytes = static_cast<int64_t>(copied_);
     return true;
   }
@@ -444,7 +454,9 @@ bool TagMover::restore(TagState* state, const std::vector<std::vector<bool>>& ne
     const Piece& p = state->pieces[k];
     ok = map_piece(state->pieces, needed, k, &mapped);
     if (!ok) break;
-    if (state->backup == kBackupMemset) {
+    if (p.discard) {
+      continue;  // Note [Discardable blocks]: the caller writes it again
+    } else if (state->backup == kBackupMemset) {
       ok = fill_zero(p);
     } else if (state->backup == kBackupDisk) {
       // wait(): the next piece reuses the buffer

@@ -70,6 +70,17 @@
 // holds, as torch_memory_saver's backups do. A view of a retained backup exposes it: the next
 // release copies every granule into the space (digests only tell what the device changed),
 // and the backup stays exposed while a view of it is alive.
+//
+// Note [Discardable blocks]
+// A release may name live blocks of the tag whose contents the caller writes again after the
+// restore (vLLM's discardable allocations: weights it reloads). Granules under such blocks only
+// are not copied: their pieces take no backup space, are dropped at once and are mapped back at
+// their addresses by the restore with whatever the new memory holds. A granule that also holds a
+// byte of another live block keeps its contents, and since a mapping goes only whole (Note [Run
+// mappings]) so does every granule of its mapping: pieces are cut where mappings change from
+// kept to discarded, and a mapping holding both is copied whole. Such a backup has holes, so it
+// is never retained, never written to disk and never read (Note [Reading backups]) where the
+// caller said it did not care.
 #pragma once
 
 #include <cuda.h>
@@ -102,8 +113,9 @@ struct Piece {
   Segment* seg;
   size_t first;
   size_t count;
-  size_t offset;    // into the tag's backup space
+  size_t offset;    // into the tag's backup space (none for a discarded piece)
   uint64_t serial;  // seg's (Segment::serial): a retained piece whose segment is gone is told apart
+  bool discard = false;  // Note [Discardable blocks]: mapped back by the restore, never copied
 };
 
 // Appends to `out` the pieces of granules [first, end) of `seg` (mapped, under live blocks): at
