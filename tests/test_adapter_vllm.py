@@ -429,10 +429,14 @@ def test_the_backend_sleeps_as_vllm_0_34s_cumem_backend_with_the_addresses_a_lev
     assert [host.peek(p, 4096) for p in params] == [b"p" * 4096, b"q" * 4096]
     assert host.peek(runtime, 4096) == b"r" * 4096, "the runtime state is kept at every level"
     backend.resume()
-    backend.suspend(set(params))  # level 2, with a buffer beside the parameters: the weights keep a copy
+    backend.suspend(set(params))  # level 2, with a buffer beside the parameters: only the buffer is copied
+    weights = sleep.tag_states()["weights"]
     assert _states()["weights"] == ("released", "pinned")
+    assert weights["backup_bytes"] == 2 * MiB and weights["released"] >= 3 * 2 * MiB, weights  # its page only
     backend.resume()
     assert host.peek(buffer, 4096) == b"b" * 4096
+    for p in params:  # mapped again, for the weight update to write
+        assert host.poke(p, b"u" * 4096) and host.peek(p, 4096) == b"u" * 4096
     backend.suspend(set(params) | {buffer})  # every weights allocation rewritten: no copy at all
     assert _states()["weights"] == ("released", "none") and _states()["runtime"] == ("released", "pinned")
     backend.resume()

@@ -251,3 +251,37 @@ def test_calls_that_need_install_say_so():
             call()
     with pytest.raises(RuntimeError):  # what it raised before it had its own class
         torch_budget.set_budget("1GiB")
+
+
+@isolated
+def test_release_with_discardable_tensors_copies_only_the_rest_and_refuses_what_is_not_the_tags():
+    # Note [Discardable blocks]: parameters the caller reloads after the wake go without a copy; the
+    # buffer beside them (its own small-pool page) keeps its contents.
+    host = _installed_host()
+    params = [_tagged(host, "weights", 8 * MiB, b"p"), _tagged(host, "weights", 6 * MiB, b"q")]
+    buffer = _tagged(host, "weights", 64 * 1024, b"b")
+    other = _tagged(host, "kv", 2 * MiB, b"k")
+    for bad, error, message in [
+        (5, TypeError, "collection of storage addresses or tensors"),
+        (["x"], TypeError, "holds str"),
+        ([0], InvalidArgumentError, "no device address"),
+        ([other], InvalidArgumentError, "under tag 'kv', not one of the tags released here"),
+        ([params[0] + 4096], InvalidArgumentError, "no live allocation"),
+    ]:
+        with pytest.raises(error, match=message):
+            torch_budget.release("weights", discardable=bad)
+        assert sleep.tag_states()["weights"]["state"] == "live"
+    with pytest.raises(InvalidArgumentError, match="retained backup cannot have"):
+        torch_budget.release("weights", retain=True, discardable=params)
+    report = torch_budget.release("weights", discardable=params)
+    weights = sleep.tag_states()["weights"]
+    assert report["backup_bytes"] == weights["backup_bytes"] == 2 * MiB, (report, weights)
+    assert report["bytes"] == weights["released"] >= 16 * MiB
+    torch_budget.restore("weights")
+    assert host.peek(buffer, 4096) == b"b" * 4096
+    assert all(host.poke(p, b"n" * 4096) for p in params)
+    # Both tags at once: each address goes to its own tag's release.
+    report = torch_budget.release(["weights", "kv"], discardable=params + [other])
+    assert report["backup_bytes"] == 2 * MiB
+    torch_budget.restore()
+    assert host.peek(buffer, 4096) == b"b" * 4096

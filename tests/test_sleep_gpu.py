@@ -405,3 +405,42 @@ def retained_backup_copies_only_the_granule_that_changed():
     assert torch_budget.sleep.drop_backup("weights") == resident
     assert torch_budget.sleep.host_pool_stats()["used"] == 0
     print("retained ok")
+
+
+@pytest.mark.exclusive
+def test_discardable_parameters_go_without_a_copy_and_come_back_at_their_addresses(fresh):
+    out = fresh(discardable_parameters_go_without_a_copy_and_come_back_at_their_addresses)
+    assert "discardable ok" in out
+
+
+def discardable_parameters_go_without_a_copy_and_come_back_at_their_addresses():
+    # vLLM's level 2 (Note [Discardable blocks]): the parameters are reloaded after the wake, so
+    # 1 GiB of them goes back to the driver without a copy; the buffer beside them keeps its bytes.
+    torch_budget.install()
+    with torch_budget.region("weights"):
+        params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (64 << 20, 64 << 20, 3 << 20)]
+        rotary = torch.randn(4096, device="cuda")
+    expected = rotary.clone()
+    loaded = [p.detach().clone() for p in params]  # what the weight update writes back
+    torch.cuda.synchronize()
+    resident = torch_budget.sleep.tag_states()["weights"]["resident"]
+    free = free_bytes()
+    rep = torch_budget.release("weights", discardable=params)
+    assert rep["bytes"] == resident and rep["backup_bytes"] == 2 * MiB, rep  # the buffer's page only
+    assert free_bytes() - free >= resident - 2 * MiB
+    assert torch_budget.sleep.host_pool_stats()["used"] == 2 * MiB
+    with pytest.raises(torch_budget.TorchBudgetError, match="does not hold"):
+        torch_budget.sleep.backup_of(params[0])
+    torch_budget.restore("weights")
+    assert torch.equal(rotary, expected)
+    with torch.no_grad():
+        for p, src in zip(params, loaded):
+            p.copy_(src)
+    assert all(torch.equal(p, src) for p, src in zip(params, loaded))
+    assert torch_budget.sleep.host_pool_stats()["used"] == 0
+    ptrs = [p.data_ptr() for p in params]
+    rep = torch_budget.release("weights", discardable=ptrs)  # storage addresses, as vLLM passes them
+    assert rep["backup_bytes"] == 2 * MiB
+    torch_budget.restore("weights")
+    assert [p.data_ptr() for p in params] == ptrs and torch.equal(rotary, expected)
+    print("discardable ok")

@@ -28,6 +28,13 @@ sleeps (a cpu or pinned backup's host memory; a disk backup's files stay until t
 all of it stays while a copy=False view of the backup is alive); a backup with such holes is
 not retained past the restore.
 
+Discardable allocations (`release(..., discardable=[...])`, storage addresses or tensors of the
+released tags): contents the caller writes again after the wake, as vLLM's discardable
+allocations (weights it reloads). They are not copied; the restore maps them back at their
+addresses with undefined contents. A 2 MiB granule holding a byte of another allocation keeps
+its contents, and so does the rest of its mapping (a mapping goes back only whole). Such a
+backup is not retained and not written to disk.
+
 Reading a backup (`backup_of(tensor)`): while a tensor's tag is released with a cpu or pinned
 backup, or a live tag retains one, the tensor's contents as the backup holds them, as a CPU
 tensor: a copy, or (`copy=False`) a view of the backup's host memory itself, which keeps that
@@ -48,6 +55,7 @@ Tagged memory on the pool or sync routes cannot be released: the error names the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypedDict
@@ -190,14 +198,69 @@ def _report(lib, targets, moved: int, backed: int, start: float) -> SleepReport:
             "backup_bytes": backed, "allocations": allocations, "seconds": seconds}
 
 
-def _release(lib, targets, backup: str, retain: bool = False) -> SleepReport:
+def _addresses(discardable) -> list[int]:
+    """The storage addresses `discardable` names: ints, or tensors (their storage's)."""
+    if isinstance(discardable, (int, str, bytes)) or not isinstance(discardable, Iterable):
+        raise TypeError(f"discardable must be a collection of storage addresses or tensors, got "
+                        f"{type(discardable).__name__}")
+    out = []
+    for item in discardable:
+        if isinstance(item, bool) or not isinstance(item, int):
+            storage = getattr(item, "untyped_storage", None)
+            if storage is None:
+                raise TypeError(f"discardable holds {type(item).__name__} ({item!r}): expected storage addresses "
+                                f"(int) or tensors")
+            item = storage().data_ptr()
+        if item <= 0:
+            raise InvalidArgumentError(f"discardable holds {item}, which is no device address")
+        out.append(item)
+    return out
+
+
+def _discarding(lib, targets, addresses: list[int]) -> dict[tuple[int, int], list[int]]:
+    """`addresses` by the (device, tag) of `targets` each is a live allocation of; one that is none
+    of theirs raises InvalidArgumentError naming it."""
+    out: dict[tuple[int, int], list[int]] = {(dev, tag): [] for dev, tag, _ in targets}
+    names = {tag: name for _, tag, name in targets}
+    for ptr in addresses:
+        dev, tag = lib.tb_ptr_device(ctypes.c_void_p(ptr)), lib.tb_ptr_tag(ctypes.c_void_p(ptr))
+        if (dev, tag) not in out:
+            what = ("no live allocation of torch_budget's" if dev < 0 else
+                    f"an allocation on device {dev} under {_tag_label(lib, tag)}")
+            raise InvalidArgumentError(f"discardable address {ptr:#x} is {what}, not one of the tags released here "
+                                       f"({', '.join(repr(n) for n in sorted(set(names.values())))})")
+        out[(dev, tag)].append(ptr)
+    return out
+
+
+def _tag_label(lib, tag: int) -> str:
+    if tag == 0:
+        return "no tag"
+    for name in _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(None))["tags"]:
+        if lib.tb_tag_find(name.encode()) == tag:
+            return f"tag {name!r}"
+    return f"tag id {tag}"
+
+
+def _release(lib, targets, backup: str, retain: bool = False, discardable=()) -> SleepReport:
     mode = _backup_id(backup, retain)
+    addresses = _addresses(discardable)
+    if addresses and (retain or backup == "disk"):
+        raise InvalidArgumentError(f"discardable allocations leave holes in the backup, which a "
+                                   f"{'retained' if retain else 'disk'} backup cannot have")
+    discard = _discarding(lib, targets, addresses) if addresses else {}
     start = time.perf_counter()
     moved = backed = 0
     done: list[tuple[int, int, str]] = []
     try:
         for dev, tag, name in targets:
-            _native.check(lib, lib.tb_release_tag(dev, tag, mode), state=TagStateError)
+            mine = discard.get((dev, tag))
+            if mine:
+                ptrs = (ctypes.c_uint64 * len(mine))(*mine)
+                rc = lib.tb_release_tag_discarding(dev, tag, mode, ptrs, len(mine))
+            else:
+                rc = lib.tb_release_tag(dev, tag, mode)
+            _native.check(lib, rc, state=TagStateError)
             done.append((dev, tag, name))
             b, k = _moved(lib, dev, tag)
             moved, backed = moved + b, backed + k
@@ -229,7 +292,7 @@ def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
 
 
 def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
-            retain: bool = False) -> SleepReport:
+            retain: bool = False, discardable: Iterable = ()) -> SleepReport:
     """Releases the device memory of `tags` (a name or names; None: every live tag) on
     `device` (None: the current device; "all": every device where the tag is live), backing
     the contents up as `backup` says (default "pinned": contents kept); `retain=True` keeps
@@ -238,13 +301,18 @@ def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = No
     "backup_bytes" (bytes this release copied), "allocations" (the live allocations of those
     tags on those devices: how many tensors it acted on), "seconds"}.
 
+    `discardable`: live allocations of those tags (storage addresses, or tensors) whose contents
+    the caller writes again after the restore, as vLLM's discardable allocations: they are not
+    copied, and the restore maps them back at their addresses with undefined contents. A backup
+    with such holes is not retained, not written to disk, and cannot be read where it has none.
+
     All or nothing: a tag in the wrong state raises TagStateError before anything is
     released; when a release fails, the ones this call did before it are restored and the
     error raised.
     """
     lib = _runtime.require_installed("torch_budget.release()")
     _backup_id(backup, retain)
-    return _release(lib, _targets(lib, tags, device, _LIVE), backup, retain)
+    return _release(lib, _targets(lib, tags, device, _LIVE), backup, retain, discardable)
 
 
 def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = None) -> SleepReport:

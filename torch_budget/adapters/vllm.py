@@ -20,10 +20,11 @@ The mapping (vLLM name -> what torch_budget does):
   sleep(offload_tags=None, discardable=())  every tag used: release(tag, backup="pinned") for offload_tags
                                (None: ("default",)), backup="none" for the rest; then the cache is emptied.
                                `discardable` (vLLM 0.34: storage addresses of the tensors the caller rewrites
-                               after waking): "weights" goes without a copy when every live allocation under
-                               it starts at one of them, as vLLM discards such allocations; else it keeps
-                               its copy whole (vLLM drops those allocations one by one; torch_budget releases
-                               a tag with one backup, and keeping more is what vLLM allows)
+                               after waking): the "weights" allocations among them are released without a
+                               copy (release(discardable=...)) and mapped back empty, as vLLM discards
+                               them; what else "weights" holds (a buffer beside the parameters) keeps its
+                               copy, per 2 MiB granule (vLLM: per segment); "weights" with nothing else goes
+                               with backup="none"
   discard(tags)                release(tags, backup="none")
   wake_up(tags=None)           restore(...) of the released tags (None: all); a list wakes those tags and
                                every tag outside DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
@@ -170,16 +171,22 @@ def _addresses(values, what: str) -> frozenset:
     return values
 
 
-def _covers_every_allocation(tag: str, addresses: frozenset) -> bool:
-    """Whether every live allocation under `tag` (on every device) starts at one of `addresses`."""
+def _allocations_under(tag: str, addresses: frozenset) -> list[int]:
+    """The addresses that are live allocations under `tag` (on any device), as vLLM's
+    discardable_allocations reads only the weights pool's."""
     if not torch_budget.installed():
-        return False
+        return []
     lib = _runtime.library()
     tag_id = lib.tb_tag_find(tag.encode())
+    return sorted(a for a in addresses if tag_id > 0 and lib.tb_ptr_tag(ctypes.c_void_p(a)) == tag_id)
+
+
+def _covers_every_allocation(tag: str, covered: list[int]) -> bool:
+    """Whether `covered` (live allocations under `tag`) is every live allocation under it, on every device."""
+    lib = _runtime.library()
     live = sum(torch_budget.stats(device)["by_tag"].get(tag, {}).get("allocations", 0)
                for device in _runtime.served_devices(lib))
-    covered = sum(1 for a in addresses if lib.tb_ptr_tag(ctypes.c_void_p(a)) == tag_id)
-    return live > 0 and covered == live
+    return live > 0 and len(covered) == live
 
 
 def _tag_tuple(tags, what: str) -> tuple[str, ...]:
@@ -241,9 +248,12 @@ class CuMemAllocator:
         offload += (GRAPH_TAG,)
         addresses = _addresses(discardable, "discardable")
         wanted = {t: _OFFLOAD if t in offload else _DISCARD for t in self._known()}
-        if addresses and wanted.get(WEIGHTS_TAG) == _OFFLOAD and _covers_every_allocation(WEIGHTS_TAG, addresses):
-            wanted[WEIGHTS_TAG] = _DISCARD
-        self._release(wanted, "sleep")
+        rewritten: list[int] = []  # weights allocations the caller rewrites: released without a copy
+        if addresses and wanted.get(WEIGHTS_TAG) == _OFFLOAD:
+            rewritten = _allocations_under(WEIGHTS_TAG, addresses)
+            if _covers_every_allocation(WEIGHTS_TAG, rewritten):
+                wanted[WEIGHTS_TAG], rewritten = _DISCARD, []
+        self._release(wanted, "sleep", rewritten)
         gc.collect()
         if torch_budget.installed():
             torch_budget.empty_cache(device="all")
@@ -338,8 +348,9 @@ class CuMemAllocator:
         asleep = sleep.released_tags()
         return [_Allocation(t, t in asleep) for t in self._tags]
 
-    def _release(self, wanted: dict[str, str], verb: str) -> None:
-        """Releases each tag of `wanted` (tag -> backup) that is live; all or nothing."""
+    def _release(self, wanted: dict[str, str], verb: str, discardable: list[int] = ()) -> None:
+        """Releases each tag of `wanted` (tag -> backup) that is live, the offloaded ones without a copy of
+        the allocations in `discardable` (Note [Discardable blocks]); all or nothing."""
         if not wanted:
             return
         _install("torch_budget's CuMemAllocator was used")
@@ -358,7 +369,8 @@ class CuMemAllocator:
                 for backup in (_OFFLOAD, _DISCARD):
                     group = [t for t, b in live.items() if b == backup]
                     if group:
-                        torch_budget.release(group, backup=backup, device="all")
+                        extra = {"discardable": discardable} if backup == _OFFLOAD and WEIGHTS_TAG in group else {}
+                        torch_budget.release(group, backup=backup, device="all", **extra)
                         done += group
             except BaseException:
                 if done:  # all or nothing, as one release() is
