@@ -285,3 +285,6 @@ def test_release_with_discardable_tensors_copies_only_the_rest_and_refuses_what_
     assert report["backup_bytes"] == 2 * MiB
     torch_budget.restore()
     assert host.peek(buffer, 4096) == b"b" * 4096
+    with torch_budget.sleeping("weights", discardable=params) as report:  # as release() takes it
+        assert report["backup_bytes"] == 2 * MiB
+    assert host.peek(buffer, 4096) == b"b" * 4096 and sleep.tag_states()["weights"]["state"] == "live"

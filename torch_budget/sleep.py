@@ -334,14 +334,14 @@ def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = N
 
 @contextlib.contextmanager
 def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
-             retain: bool = False) -> Iterator[SleepReport]:
+             retain: bool = False, discardable: Iterable = ()) -> Iterator[SleepReport]:
     """`with torch_budget.sleeping("weights"):` releases on entry (as release(), same
     arguments and defaults) and restores exactly what it released on exit, also when the
     body raises. Yields the release report; the restore report is added under "restore"."""
     lib = _runtime.require_installed("torch_budget.sleeping()")
     _backup_id(backup, retain)
     targets = _targets(lib, tags, device, _LIVE)
-    report = _release(lib, targets, backup, retain)
+    report = _release(lib, targets, backup, retain, discardable)
     try:
         yield report
     finally:
