@@ -30,8 +30,11 @@
 // mapping passes it by up to a granule, so it is where the peak stays within 2 %. Over the host
 // stand-in (tools/sim_alloc.py) the serving-like mix peaked at 1.021 with the line at 2 % and
 // 1.020 a granule below, with mappings per thousand operations 7.08 -> 7.12 (llama_generate
-// 0.41 -> 0.48). Slack above it costs packing: one granule above halved decode_graphs' moves
-// but took llama_generate from 1.024 to 1.030.
+// 0.41 -> 0.48). Slack is what the recorded traces' steady state trades against moves: with the
+// line a granule above 2 %, decode_graphs' last pass maps 0.44 per thousand operations instead of
+// 0.89, at 1.021 of peak live instead of 1.013 (llama_generate 1.019 instead of 1.013); its steady
+// state moves a 16 MiB run for two small-pool pages each pass while 62 MiB of the large pool is
+// free but mapped, and needs 1.021 to move nothing.
 //
 // Note [Peer access to VMM memory]
 // A mapping is accessible only to the devices named in cuMemSetAccess. Every
