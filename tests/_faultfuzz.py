@@ -27,13 +27,14 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     live = {}            # ptr -> requested bytes
     held_pools = []      # graph pools still to release
     counts = {"alloc": 0, "oom": 0, "free": 0, "record": 0, "empty_cache": 0, "capture": 0, "release": 0,
-              "restore": 0, "sleep_failed": 0, "checkpoint": 0, "checkpoint_failed": 0, "capture_reuse": 0}
+              "restore": 0, "sleep_failed": 0, "discarding": 0, "checkpoint": 0, "checkpoint_failed": 0, "capture_reuse": 0}
     next_pool = 1
     # Sleep and wake (VMM only): blocks under tag "t" carry a pattern that a restore with a
     # cpu or pinned backup must bring back, whatever failed before.
     sleepy = route == "vmm"
     tagged = {}          # ptr -> pattern bytes (None: contents undefined)
     backup = None        # the tag's last release mode while it is released
+    discarded = []       # blocks its last release was told to discard (Note [Discardable blocks])
 
     def released():
         return h.tag_info("t")["life"] != 0 if sleepy and "t" in tag_names else False
@@ -94,15 +95,17 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
             if not released():
                 what = "release"
                 mode = rng.choice(["none", "memset", "cpu", "pinned"])
+                discard = [p for p in tagged if rng.random() < 0.5] if rng.random() < 0.3 else None
                 try:
-                    h.release("t", mode)
+                    h.release("t", mode, discard=discard)
                     counts["release"] += 1
+                    counts["discarding"] += discard is not None
                 except (TorchBudgetError, *OOM):
                     counts["sleep_failed"] += 1
                 if released():
-                    backup = mode
+                    backup, discarded = mode, discard or []
                 else:
-                    verify("a failed release")  # put back whole
+                    verify("a failed release")  # put back whole, discardable blocks included
             else:
                 what = "restore"
                 try:
@@ -111,8 +114,8 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
                 except (TorchBudgetError, *OOM):
                     counts["sleep_failed"] += 1
                 if not released():
-                    if backup in ("none", "memset"):
-                        for p in tagged:
+                    for p in list(tagged) if backup in ("none", "memset") else discarded:
+                        if p in tagged:  # contents undefined: the caller writes them again
                             pattern(p)
                     verify("a restore")
         elif r < 0.91 and live:
@@ -191,6 +194,8 @@ def run(route, ops, seed, rate=0.01, library="_host_core", budget=256 * MiB, cap
     if released():
         h.restore("t")
         if backup in ("cpu", "pinned"):
+            for p in discarded:
+                tagged.pop(p, None)  # contents undefined
             verify("the final restore")
     for p in list(live):
         h.free(p)

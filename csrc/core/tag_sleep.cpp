@@ -330,14 +330,14 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     return true;
   };
   std::vector<Digest> now;
+  std::vector<size_t> discarded;  // pieces of discardable blocks only, kept mapped while anything may fail
   size_t finished = 0, at = 0;  // digest batches waited for; digests of the pieces before this one
   std::vector<bool> stale;
   bool ok = true;
   for (size_t i = 0; i < n && ok; ++i) {
     const Piece& p = pieces[i];
-    if (p.discard) {  // Note [Discardable blocks]: nothing to keep (the device is idle)
-      drop_piece(p);
-      state->pieces.push_back(p);
+    if (p.discard) {  // Note [Discardable blocks]: nothing to copy; dropped once every copy is done
+      discarded.push_back(i);
       continue;
     }
     const std::vector<bool>* only = nullptr;
@@ -370,10 +370,10 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
   }
   while (ok && !pending.empty()) ok = settle();
   if (ok) {
-    // Pieces in the order of the backup, as the next release lists them (reusable()).
-    // Stable: a discarded piece shares its offset with the piece after it (Note [Discardable blocks]).
-    std::stable_sort(state->pieces.begin(), state->pieces.end(),
-                     [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+    for (size_t i : discarded) drop_piece(pieces[i]);
+    // Every piece is dropped: all of them, in the order of the backup, as the next release lists
+    // them (reusable()).
+    state->pieces = std::move(pieces);
     state->last_backup_bytes = static_cast<int64_t>(copied_);
     return true;
   }

@@ -74,7 +74,8 @@
 // Note [Discardable blocks]
 // A release may name live blocks of the tag whose contents the caller writes again after the
 // restore (vLLM's discardable allocations: weights it reloads). Granules under such blocks only
-// are not copied: their pieces take no backup space, are dropped at once and are mapped back at
+// are not copied: their pieces take no backup space, are dropped once every copy of the release is
+// done (a release that fails leaves them mapped, with their contents) and are mapped back at
 // their addresses by the restore with whatever the new memory holds. A granule that also holds a
 // byte of another live block keeps its contents, and since a mapping goes only whole (Note [Run
 // mappings]) so does every granule of its mapping: pieces are cut where mappings change from
