@@ -19,6 +19,7 @@ import pytest
 
 from _harness import REPO
 from _hostcore import MiB, isolated
+from torch_budget import sleep
 from test_adapter_vllm import _asleep, _served_like_vllm, _states, _vllm
 
 SOURCES = sorted((REPO / ".stack_src").glob("vllm-*"), key=lambda p: tuple(int(x) for x in p.name[5:].split(".")))
@@ -155,8 +156,11 @@ def test_vllms_own_cumem_backend_sleeps_and_wakes_torch_budgets_allocator(source
         assert isinstance(backend, real.backends.CuMemBackend)
         params, buffer, runtime = _served_like_vllm(host, module)
         backend.suspend(set(params) if _version(source) >= (0, 34) else 1)
-        # 0.34 with the parameters alone: the buffer beside them keeps the weights' copy whole
+        # 0.34 with the parameters alone: the buffer beside them keeps its copy, the parameters go
+        # without one (Note [Discardable blocks]); 0.33's level 1 copies all of the weights
         assert _states() == _asleep("pinned")
+        copied = sleep.tag_states()["weights"]["backup_bytes"]
+        assert copied == (2 * MiB if _version(source) >= (0, 34) else sleep.tag_states()["weights"]["released"])
         backend.resume(None)
         assert host.peek(buffer, 4096) == b"b" * 4096 and host.peek(runtime, 4096) == b"r" * 4096
         assert module.CuMemAllocator.get_instance().get_current_usage() >= 9 * MiB
