@@ -172,6 +172,32 @@ def test_packing_takes_from_a_free_block_only_what_the_line_needs():
         h.free(p)
 
 
+def _holed(h):
+    """768 MiB live with a freed 16 MiB hole below a 2 MiB block, at the packing line (peaks reset)."""
+    keep = [h.malloc(256 * MiB) for _ in range(3)]
+    hole = h.malloc(16 * MiB)
+    keep.append(h.malloc(2 * MiB))
+    h.free(hole)
+    h.reset_peaks()
+    return keep
+
+
+def _kv_past_the_line(h):
+    """10 MiB under tag kv (its own pool: no adoption), which the line moves the hole for."""
+    h.push("vmm", "kv")
+    try:
+        return h.malloc(10 * MiB, S1)
+    finally:
+        h.pop()
+
+
+def _free_all(h, keep):
+    for p in keep:
+        h.free(p)
+    h.empty_cache()
+    assert h.counters()["handles"] == 0 and h.reserved() == 0
+
+
 @isolated
 def test_a_move_maps_the_handles_it_gave_back_instead_of_creating_new_ones():
     # Note [Moving handles]: what the line needs of S2's 96 MiB (all but the 2 % slack) comes
@@ -185,10 +211,7 @@ def test_a_move_maps_the_handles_it_gave_back_instead_of_creating_new_ones():
     assert st["num_moves"] >= 4 and st["num_moves"] + new_runs == 6, (st["num_moves"], new_runs)
     assert st["num_device_free"] == released  # nothing went back to the driver: it moved
     h.free(extra)
-    for p in keep:
-        h.free(p)
-    h.empty_cache()
-    assert h.counters()["handles"] == 0 and h.reserved() == 0
+    _free_all(h, keep)
 
 
 @pytest.mark.parametrize("entry_point", ["cuMemMap", "cuMemSetAccess"])
@@ -299,22 +322,11 @@ def test_on_a_full_card_kept_handles_go_back_before_new_memory_is_asked_for():
     # memory, so it goes back before the create, which then fits, with no retry (a device sync and
     # the whole cache).
     h = Host(capacity=790 * MiB, route="vmm", packing_time=1.0)
-    keep = [h.malloc(256 * MiB) for _ in range(3)]
-    hole = h.malloc(16 * MiB)
-    keep.append(h.malloc(2 * MiB))
-    h.free(hole)
-    h.reset_peaks()
-    h.push("vmm", "kv")
-    try:
-        keep.append(h.malloc(10 * MiB, S1))
-    finally:
-        h.pop()
+    keep = _holed(h)
+    keep.append(_kv_past_the_line(h))
     st = h.stats()
     assert st["num_alloc_retries"] == 0 and st["num_reclaims"] == 1 and h.counters()["syncs"] == 0, st
-    for p in keep:
-        h.free(p)
-    h.empty_cache()
-    assert h.counters()["handles"] == 0 and h.reserved() == 0
+    _free_all(h, keep)
 
 
 @isolated
@@ -324,25 +336,14 @@ def test_a_move_never_holds_its_old_and_new_memory_at_once():
     # is made, so the peak is the higher of before and after; it went back only once the
     # allocation was backed, and the peak held both for a moment (796 MiB here, not 786).
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
-    keep = [h.malloc(256 * MiB) for _ in range(3)]
-    hole = h.malloc(16 * MiB)
-    keep.append(h.malloc(2 * MiB))
-    h.free(hole)
-    h.reset_peaks()
+    keep = _holed(h)
     before = h.reserved()
-    h.push("vmm", "kv")
-    try:
-        keep.append(h.malloc(10 * MiB, S1))
-    finally:
-        h.pop()
+    keep.append(_kv_past_the_line(h))
     st = h.stats()
     assert st["num_reclaims"] == 1 and st["num_moves"] == 0, st
     assert h.reserved() < before
     assert st["reserved_bytes"]["all"]["peak"] == before, (st["reserved_bytes"]["all"]["peak"] / MiB, before / MiB)
-    for p in keep:
-        h.free(p)
-    h.empty_cache()
-    assert h.counters()["handles"] == 0 and h.reserved() == 0
+    _free_all(h, keep)
 
 
 def test_the_recorded_traces_peak_within_two_percent_of_their_live_peak():

@@ -55,7 +55,6 @@ Tagged memory on the pool or sync routes cannot be released: the error names the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypedDict
@@ -221,25 +220,19 @@ def _discarding(lib, targets, addresses: list[int]) -> dict[tuple[int, int], lis
     """`addresses` by the (device, tag) of `targets` each is a live allocation of; one that is none
     of theirs raises InvalidArgumentError naming it."""
     out: dict[tuple[int, int], list[int]] = {(dev, tag): [] for dev, tag, _ in targets}
-    names = {tag: name for _, tag, name in targets}
     for ptr in addresses:
-        dev, tag = lib.tb_ptr_device(ctypes.c_void_p(ptr)), lib.tb_ptr_tag(ctypes.c_void_p(ptr))
+        address = _native.ctypes.c_void_p(ptr)
+        dev, tag = lib.tb_ptr_device(address), lib.tb_ptr_tag(address)
         if (dev, tag) not in out:
-            what = ("no live allocation of torch_budget's" if dev < 0 else
-                    f"an allocation on device {dev} under {_tag_label(lib, tag)}")
+            if dev < 0:
+                what = "no live allocation of torch_budget's"
+            else:
+                what = f"an allocation on device {dev} under " + (
+                    "no tag" if tag == 0 else f"tag {_name_of(lib, dev, tag) or tag!r}")
             raise InvalidArgumentError(f"discardable address {ptr:#x} is {what}, not one of the tags released here "
-                                       f"({', '.join(repr(n) for n in sorted(set(names.values())))})")
+                                       f"({', '.join(repr(n) for n in sorted({name for _, _, name in targets}))})")
         out[(dev, tag)].append(ptr)
     return out
-
-
-def _tag_label(lib, tag: int) -> str:
-    if tag == 0:
-        return "no tag"
-    for name in _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(None))["tags"]:
-        if lib.tb_tag_find(name.encode()) == tag:
-            return f"tag {name!r}"
-    return f"tag id {tag}"
 
 
 def _release(lib, targets, backup: str, retain: bool = False, discardable=()) -> SleepReport:
@@ -256,7 +249,7 @@ def _release(lib, targets, backup: str, retain: bool = False, discardable=()) ->
         for dev, tag, name in targets:
             mine = discard.get((dev, tag))
             if mine:
-                ptrs = (ctypes.c_uint64 * len(mine))(*mine)
+                ptrs = (_native.ctypes.c_uint64 * len(mine))(*mine)
                 rc = lib.tb_release_tag_discarding(dev, tag, mode, ptrs, len(mine))
             else:
                 rc = lib.tb_release_tag(dev, tag, mode)

@@ -40,13 +40,13 @@ std::vector<BlockPool*> TagArenas::pools_of(int tag) const {
   return out;
 }
 
-std::vector<bool> TagArenas::covered(const Segment& seg) const {
+std::vector<bool> TagArenas::covered(const Segment& seg, const std::unordered_set<const Block*>& skip) const {
   const size_t g = vmm_->granule();
   // A captured graph may address any block of its pool, freed ones included.
   std::vector<bool> out(seg.granules.size(), seg.pool->graph_pool());
   if (seg.pool->graph_pool()) return out;
   for (const Block* b = seg.head; b != nullptr; b = b->next) {
-    if (b->is_free()) continue;
+    if (b->is_free() || skip.count(b) != 0) continue;
     const size_t lo = (b->ptr - seg.base) / g, hi = (b->ptr + b->size - 1 - seg.base) / g;
     for (size_t i = lo; i <= hi; ++i) out[i] = true;
   }
@@ -69,25 +69,6 @@ std::vector<std::vector<bool>> TagArenas::still_needed(const TagState& st) const
       last = p.seg;
     }
     out.emplace_back(cov.begin() + static_cast<long>(p.first), cov.begin() + static_cast<long>(p.first + p.count));
-  }
-  return out;
-}
-
-// Note [Discardable blocks]: the granules of `seg` holding a byte of a live block not in
-// `discard`, widened to whole mappings.
-std::vector<bool> TagArenas::kept(const Segment& seg, const std::unordered_set<const Block*>& discard) const {
-  const size_t g = vmm_->granule();
-  std::vector<bool> out(seg.granules.size(), seg.pool->graph_pool());
-  if (seg.pool->graph_pool()) return out;
-  for (const Block* b = seg.head; b != nullptr; b = b->next) {
-    if (b->is_free() || discard.count(b) != 0) continue;
-    const size_t lo = (b->ptr - seg.base) / g, hi = (b->ptr + b->size - 1 - seg.base) / g;
-    for (size_t i = lo; i <= hi; ++i) out[i] = true;
-  }
-  for (size_t h = 0; h < seg.span.size(); ++h) {
-    if (seg.span[h] <= 1) continue;
-    const auto first = out.begin() + static_cast<long>(h), end = first + seg.span[h];
-    if (std::find(first, end, true) != end) std::fill(first, end, true);
   }
   return out;
 }
@@ -120,7 +101,7 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   for (BlockPool* pool : pools_of(tag)) {
     for (const auto& seg : pool->segments()) {
       const std::vector<bool> cov = covered(*seg);
-      const std::vector<bool> keep = discard.empty() ? cov : kept(*seg, discard);
+      const std::vector<bool> keep = discard.empty() ? cov : covered(*seg, discard);  // Note [Discardable blocks]
       for (size_t i = 0; i < seg->granules.size();) {
         if (seg->granules[i] == 0) {
           ++i;

@@ -89,12 +89,10 @@ class TagArenas {
   int drop_stale_backups();
 
  private:
-  // For each granule of `seg`: whether an allocated or waiting block covers it (every
-  // granule of a graph pool; a run mapping whole when any of its granules).
-  std::vector<bool> covered(const Segment& seg) const;
-  // Note [Discardable blocks]: the granules of `seg` whose contents a release keeps when the blocks
-  // in `discard` need none, each mapping whole.
-  std::vector<bool> kept(const Segment& seg, const std::unordered_set<const Block*>& discard) const;
+  // For each granule of `seg`: whether an allocated or waiting block not in `skip` covers it (every
+  // granule of a graph pool; a run mapping whole when any of its granules). With `skip` the
+  // discardable blocks of a release: the granules whose contents it keeps (Note [Discardable blocks]).
+  std::vector<bool> covered(const Segment& seg, const std::unordered_set<const Block*>& skip = {}) const;
   std::vector<std::vector<bool>> still_needed(const TagState& st) const;
   // Whether every segment a live tag's retained backup describes is still one of its pools'.
   bool kept_in_place(int tag) const;
