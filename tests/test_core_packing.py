@@ -366,3 +366,49 @@ def _replayed_peak_over_live(trace):
         replay()
         replay.free_all()
     return h.stats()["reserved_bytes"]["all"]["peak"] / trace.peak_live()
+
+
+@isolated
+def test_a_one_mib_request_fits_in_mapped_large_memory_and_counts_as_small():
+    # Note [Half-granule requests]: the small arena's granules are full, the large arena has a
+    # mapped free hole; two 1 MiB requests take the hole instead of mapping a granule, and torch's
+    # stats still count them in small_pool.
+    h = Host(capacity=16 * GiB, route="vmm")
+    smalls = [h.malloc(512 << 10) for _ in range(4)]  # two granules of the small arena, full
+    big = [h.malloc(8 * MiB), h.malloc(8 * MiB)]
+    h.free(big[0])  # a mapped clean free hole in the large arena
+    before = h.counters()["maps"]
+    ones = [h.malloc(MiB), h.malloc(MiB)]
+    assert h.counters()["maps"] == before
+    st = h.stats()
+    assert st["allocation"]["small_pool"]["current"] == 6, st["allocation"]
+    assert st["allocated_bytes"]["small_pool"]["current"] == 4 * (512 << 10) + 2 * MiB
+    assert st["allocated_bytes"]["large_pool"]["current"] == 8 * MiB
+    for p in ones + smalls + big[1:]:
+        h.free(p)
+    st = h.stats()
+    assert st["allocation"]["all"]["current"] == 0 and st["active_bytes"]["all"]["current"] == 0, st
+
+
+def test_the_decode_trace_maps_nothing_once_grown():
+    # decode_graphs' steady state moved a 16 MiB run each pass for two short-lived 1 MiB requests
+    # at the packing line (0.89 mappings per thousand operations in the last pass).
+    from torch_budget.replay.child import read_trace
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "traces")
+    trace = read_trace(os.path.join(here, "decode_graphs.tbtrace.gz"))
+    maps = in_child(_maps_per_pass, trace, 3)
+    assert maps[-1] == 0, maps
+
+
+def _maps_per_pass(trace, passes):
+    h = Host(capacity=141 * GiB, route="vmm", packing_time=1.0)
+    streams = [h.stream() for _ in range(max(trace.num_streams, 1))]
+    replay = h.replayer(trace, streams)
+    maps = []
+    for _ in range(passes):
+        before = h.counters()["maps"]
+        replay()
+        replay.free_all()
+        maps.append(h.counters()["maps"] - before)
+    return maps

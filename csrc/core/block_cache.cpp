@@ -5,13 +5,6 @@
 #include "error.h"
 
 namespace tb {
-namespace {
-
-// A remainder smaller than this stays inside the allocated block: splitting a large
-// block for a sliver only fragments the free set.
-size_t min_split_remainder(bool small) { return small ? kMinBlockSize : kSmallSize + 1; }
-
-}  // namespace
 
 Block* BlockStore::make() {
   if (free_.empty()) {
@@ -35,6 +28,7 @@ void BlockStore::recycle(Block* b) {
   b->allocated = false;
   b->pending = 0;
   b->shared = false;
+  b->small_request = false;
   b->tag = 0;
   b->route = 0;
   b->freed_at = 0;
@@ -197,7 +191,7 @@ FreeSet::iterator BlockPool::adoptable(FreeSet& fs, size_t rounded, CUstream str
 
 Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   const size_t rounded = round_size(size);
-  const bool small = rounded <= kSmallSize;
+  const bool small = rounded <= small_max_;
   FreeSet& fs = free_set(small);
   Block key;
   key.stream = stream;
@@ -279,6 +273,7 @@ Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
     return nullptr;
   }
   block->requested = requested;
+  block->small_request = round_size(requested) <= kSmallSize;
   return block;
 }
 

@@ -113,6 +113,9 @@ struct Block {
   bool allocated = false;
   int pending = 0;        // recorded-stream events outstanding after free
   bool shared = false;    // handed to another process (Note [Sharing memory between processes]) since allocated
+  // Allocated for a request of torch's small size class (rounded, up to kSmallSize), wherever it
+  // lies: torch's stats count such blocks in small_pool (Note [Half-granule requests], route_vmm.h).
+  bool small_request = false;
   int tag = 0;
   int route = 0;          // route charged in the ledger
   int device = 0;         // immutable: set by the BlockStore that owns the object
@@ -167,6 +170,9 @@ class Backing {
   // The driver caches for this backing (the pool route): a block's memory goes
   // back as soon as the block is freed.
   virtual bool release_on_free() const { return false; }
+  // Rounded requests up to this many bytes come from small segments, larger ones from large
+  // segments (torch's rule: up to kSmallSize). See Note [Half-granule requests] (route_vmm.h).
+  virtual size_t small_max() const { return kSmallSize; }
   // Granules [ptr, ptr+size) of `seg` still lacks: what handing it out would map
   // (0 where all memory is backed; see Note [Placement by mapped memory]).
   virtual size_t unbacked(const Segment& /*seg*/, uintptr_t /*ptr*/, size_t /*size*/) const { return 0; }
@@ -182,7 +188,7 @@ class BlockPool {
  public:
   BlockPool(Backing* backing, int route, bool graph_pool, BlockStore* store, StreamClock* clock)
       : backing_(backing), route_(route), graph_pool_(graph_pool), release_on_free_(backing->release_on_free()),
-        store_(store), clock_(clock) {}
+        small_max_(backing->small_max()), store_(store), clock_(clock) {}
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -270,6 +276,9 @@ class BlockPool {
   // Whether free neighbours a and b may merge, and the stream and free stamp the merged block takes.
   bool mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const;
   size_t span(const Block* b, size_t rounded) const;
+  // A remainder smaller than this stays inside the allocated block: splitting a large block
+  // for a sliver no request of its free set can use only fragments the set.
+  size_t min_split_remainder(bool small) const { return small ? kMinBlockSize : small_max_ + 1; }
   // A block out of the free set becomes allocated and backed (`backed`: the caller found
   // all its memory mapped already); nullptr + error (the block freed again) when backing it
   // failed.
@@ -286,6 +295,7 @@ class BlockPool {
   int route_;
   bool graph_pool_;
   bool release_on_free_;
+  size_t small_max_;  // Backing::small_max()
   BlockStore* store_;
   StreamClock* clock_;
   FreeSet small_free_;

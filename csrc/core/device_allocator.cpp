@@ -9,7 +9,8 @@
 namespace tb {
 namespace {
 
-bool is_small(const Block* b) { return b->segment->small; }
+// torch's small_pool stats count requests of its small size class, wherever they lie.
+bool is_small(const Block* b) { return b->small_request; }
 
 // Syncs before an allocation gives up on remapping cached granules and grows.
 constexpr int kSyncRounds = 3;
