@@ -1,9 +1,11 @@
 """End to end: the three real workloads of tools/workloads.py, natively and under
-torch_budget.install(), each in its own process, interleaved over rounds. Prints the timed
-part's seconds (paired median ratio installed / native), peak reserved bytes of both, and
-whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
+torch_budget.install(), each in its own process, interleaved over rounds. Each process times its
+part several times after a warm run and reports the median. Prints the timed part's seconds
+(paired median ratio installed / native, and each round's ratio), peak reserved bytes of both,
+and whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
 
-Environment: BENCH_E2E_ROUNDS (3), BENCH_E2E_WORKLOADS (comma-separated).
+Environment: BENCH_E2E_ROUNDS (3), BENCH_E2E_REPEATS (timed runs per process, 5),
+BENCH_E2E_WORKLOADS (comma-separated).
 """
 import json
 import os
@@ -20,7 +22,8 @@ WORKLOADS = ["llama_generate", "resnet_amp", "decode_graphs"]
 
 
 def run(name, installed):
-    cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name] + (["--install"] if installed else [])
+    cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name,
+           "--repeats", os.environ.get("BENCH_E2E_REPEATS", "5")] + (["--install"] if installed else [])
     env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKLOAD ")]
@@ -54,13 +57,14 @@ def main():
             err = next((x["error"] for x in nat + tb if "error" in x), "no result")
             print(f"{n:16} FAILED: {err}")
             continue
-        ratio = statistics.median(b["seconds"] / a["seconds"] for a, b in pairs)
+        ratios = [b["seconds"] / a["seconds"] for a, b in pairs]
+        ratio = statistics.median(ratios)
         nat_rsv = statistics.median(a["peak_reserved"] for a, _ in pairs)
         tb_rsv = statistics.median(b["peak_reserved"] for _, b in pairs)
         equal = all(a["check"] == b["check"] for a, b in pairs)
         print(f"{n:16} {statistics.median(a['seconds'] for a, _ in pairs):9.3f} "
               f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.2f}x {nat_rsv / 2**20:15.0f} "
-              f"{tb_rsv / 2**20:11.0f} {str(equal):>13}")
+              f"{tb_rsv / 2**20:11.0f} {str(equal):>13}  rounds: {' '.join(f'{x:.3f}' for x in ratios)}")
         summary.append(f"{n}={ratio:.2f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if equal else ',CHECK_DIFFERS'}")
     print("RESULT bench_e2e " + " ".join(summary) + (f" failed={failed}" if failed else ""))
     return 1 if failed else 0

@@ -8,5 +8,5 @@ dest=${1:-tools/traces}
 mkdir -p "$dest"
 for w in llama_generate resnet_amp decode_graphs; do
   echo "== $w"
-  timeout ${RECORD_TIMEOUT:-300} ${PYTHON:-python3} tools/workloads.py "$w" --record "$dest/$w.tbtrace.gz" | tail -1
+  timeout ${RECORD_TIMEOUT:-300} ${PYTHON:-python3} tools/workloads.py "$w" --repeats 1 --record "$dest/$w.tbtrace.gz" | tail -1
 done

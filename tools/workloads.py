@@ -6,10 +6,11 @@
   decode_graphs    a small decoder's decode step over a static KV cache under
                    torch.compile(mode="reduce-overhead") (CUDA graph trees), prefill eager.
 
-    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N]
+    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K]
 
-prints `WORKLOAD {json}`: seconds of the timed part, peak reserved and allocated bytes, and a
-checksum of the outputs (equal natively and installed). With --record the allocations are
+prints `WORKLOAD {json}`: seconds of the timed part (the median of K timed runs after a warm one:
+one run of a process is as noisy as its first steps), peak reserved and allocated bytes, and a
+checksum of each timed run's outputs (equal natively and installed). With --record the allocations are
 recorded with torch's own memory history and saved as a torch_budget trace (replay.trace).
 """
 import argparse
@@ -142,7 +143,10 @@ def main():
     ap.add_argument("--install", action="store_true")
     ap.add_argument("--record", metavar="TRACE")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs; their median is reported")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     import torch
 
     if args.install:
@@ -156,11 +160,14 @@ def main():
     torch.cuda.synchronize()
     warm = run()  # compiles, captures and fills caches; its allocations are part of the trace
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    check = run()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    out = {"workload": args.name, "installed": args.install, "seconds": seconds, "check": check, "warm_check": warm,
+    times, checks = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        checks.append(run())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {"workload": args.name, "installed": args.install, "seconds": sorted(times)[len(times) // 2],
+           "times": times, "check": checks, "warm_check": warm,
            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
     if args.record:
         from torch_budget.replay.trace import from_snapshot
