@@ -272,12 +272,22 @@ class _FakeTorch:
         return types.SimpleNamespace(add_=lambda x: None)
 
 
+def _fake_torch(monkeypatch):
+    """A _FakeTorch as `torch`, and torch_budget not installed, whatever an earlier test of this
+    worker process did (an install() over the host stand-in leaves it installed)."""
+    import torch_budget
+
+    fake = _FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(torch_budget, "installed", lambda: False)
+    return fake
+
+
 def test_a_replay_times_every_pass_with_its_calibration_and_runs_a_short_trace_longer(monkeypatch):
     from torch_budget.replay import child
     from torch_budget.replay.mixes import mix
 
-    fake = _FakeTorch()
-    monkeypatch.setitem(sys.modules, "torch", fake)
+    fake = _fake_torch(monkeypatch)
     trace = mix("small:2000")
     out = child.replay(trace, passes=3, min_grown_seconds=0.05)
     n = len(out["us_per_op"])
@@ -298,9 +308,8 @@ def test_a_replays_reserved_peak_covers_every_pass_and_the_first_is_kept_beside_
     from torch_budget.replay import child
     from torch_budget.replay.mixes import mix
 
-    fake = _FakeTorch()
+    fake = _fake_torch(monkeypatch)
     fake.cuda.max_memory_reserved = lambda: fake.allocations << 20  # grows with every pass
-    monkeypatch.setitem(sys.modules, "torch", fake)
     trace = mix("small:2000")
     out = child.replay(trace, passes=3, min_grown_seconds=0.0)
     allocated = sum(1 for s in trace.sizes if s)
