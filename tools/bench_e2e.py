@@ -4,8 +4,11 @@ part several times after a warm run and reports the median. Prints the timed par
 (paired median ratio installed / native, and each round's ratio), peak reserved bytes of both,
 and whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
 
+Every process runs beside the GPU and times on one core there (workloads.py --pin), unless
+BENCH_E2E_PIN=0.
+
 Environment: BENCH_E2E_ROUNDS (3), BENCH_E2E_REPEATS (timed runs per process, 5),
-BENCH_E2E_WORKLOADS (comma-separated).
+BENCH_E2E_PIN (1), BENCH_E2E_WORKLOADS (comma-separated).
 """
 import json
 import os
@@ -23,7 +26,8 @@ WORKLOADS = ["llama_generate", "resnet_amp", "decode_graphs"]
 
 def run(name, installed):
     cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name,
-           "--repeats", os.environ.get("BENCH_E2E_REPEATS", "5")] + (["--install"] if installed else [])
+           "--repeats", os.environ.get("BENCH_E2E_REPEATS", "5")] + (["--install"] if installed else []) + \
+        (["--pin"] if os.environ.get("BENCH_E2E_PIN", "1") != "0" else [])
     env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKLOAD ")]

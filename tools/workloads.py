@@ -6,11 +6,14 @@
   decode_graphs    a small decoder's decode step over a static KV cache under
                    torch.compile(mode="reduce-overhead") (CUDA graph trees), prefill eager.
 
-    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K]
+    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K] [--pin]
 
 prints `WORKLOAD {json}`: seconds of the timed part (the median of K timed runs after a warm one:
 one run of a process is as noisy as its first steps), peak reserved and allocated bytes, and a
-checksum of each timed run's outputs (equal natively and installed). With --record the allocations are
+checksum of each timed run's outputs (equal natively and installed). With --pin the process
+runs on the CPU cores beside the GPU and its main thread, once warm, on one of them, the same in
+every process (torch_budget.replay.machine): where a process lands moved the timed part by up
+to 2x between processes. With --record the allocations are
 recorded with torch's own memory history and saved as a torch_budget trace (replay.trace).
 """
 import argparse
@@ -144,9 +147,14 @@ def main():
     ap.add_argument("--record", metavar="TRACE")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs; their median is reported")
+    ap.add_argument("--pin", action="store_true", help="run beside the GPU, timed on one core")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.pin:
+        from torch_budget.replay.machine import pin_near_gpu
+
+        pin_near_gpu()  # before torch: what it touches first lands on the GPU's node
     import torch
 
     if args.install:
@@ -160,6 +168,10 @@ def main():
     torch.cuda.synchronize()
     warm = run()  # compiles, captures and fills caches; its allocations are part of the trace
     torch.cuda.synchronize()
+    if args.pin:
+        from torch_budget.replay.machine import pin_to_one_core
+
+        pin_to_one_core()  # the thread that launches the timed part (compiling had every local core)
     times, checks = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
