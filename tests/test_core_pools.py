@@ -142,6 +142,36 @@ def test_a_no_split_pool_gives_each_allocation_a_whole_segment():
         h.pool_options((0, 77), no_split=True)
 
 
+@isolated
+def test_a_no_split_pool_under_a_tag_gives_each_allocation_whole_granules_not_the_arena():
+    # A tagged pool lives in a VMM arena, one free block of the card's size: never splitting it
+    # handed a 4 MiB request the whole arena, every byte of the card mapped for it.
+    h = Host(capacity=16 * 1024 * MiB, route="vmm")
+    pool = (0, 32)
+    captured(h, [], pool=pool, tag="kv")  # the pool exists before the option is set
+    h.pool_options(pool, no_split=True)
+    ptrs = captured(h, [4 * MiB, 512, 3 * MiB], pool=pool, tag="kv")
+    assert h.allocated() == h.reserved() == 4 * MiB + 2 * MiB + 4 * MiB
+
+    def blocks():  # address -> size of each allocated block of the pool
+        out = {}
+        for seg in (s for s in h.segments() if tuple(s["pool"]) == pool):
+            at = seg["address"]
+            for size, _requested, allocated in seg["blocks"]:
+                if allocated:
+                    out[at] = size
+                at += size
+        return out
+
+    assert {p: blocks()[p] for p in ptrs} == dict(zip(ptrs, [4 * MiB, 2 * MiB, 4 * MiB]))
+    assert all(p % (2 * MiB) == 0 for p in ptrs), ptrs  # no two blocks share a granule
+    h.free(ptrs[0])
+    again = captured(h, [4 * MiB - 512], pool=pool, tag="kv")  # the freed block, whole
+    assert again == ptrs[:1] and blocks()[again[0]] == 4 * MiB
+    for p in again + ptrs[1:]:
+        h.free(p)
+
+
 @pytest.mark.parametrize("route", ["vmm", "sync"])
 def test_the_trace_reports_each_action_once(route):
     @isolated

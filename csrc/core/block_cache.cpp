@@ -127,8 +127,15 @@ Block* BlockPool::split_tail(Block* block, size_t rounded, FreeSet& fs, FreeSet:
 }
 
 size_t BlockPool::span(const Block* b, size_t rounded) const {
-  // What handing out the front of `b` covers: all of it when it is too small to split.
-  return !no_split_ && b->size - rounded >= min_split_remainder(b->segment->small) ? rounded : b->size;
+  // All of `b` when the rest is too small to split. A pool that never splits takes a free block
+  // whole, but out of an arena (one free block spanning the card) a block of its own size.
+  size_t want = rounded;
+  if (no_split_) {
+    const size_t whole = backing_->whole_block(rounded);
+    if (whole == 0 || whole >= b->size) return b->size;
+    want = whole;
+  }
+  return b->size - want >= min_split_remainder(b->segment->small) ? want : b->size;
 }
 
 FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end,
@@ -215,7 +222,8 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
       Block* b = *other;
       FreeSet::node_type node = fs.extract(other);
       // The remainder stays its old stream's, clean there.
-      if (!no_split_ && b->size - rounded >= min_split_remainder(small)) split(b, rounded, fs, std::move(node));
+      const size_t take = span(b, rounded);
+      if (take < b->size) split(b, take, fs, std::move(node));
       else keep(std::move(node));
       b->stream = stream;  // clean: its old stream's work on it is done
       if (adopted_ != nullptr) adopted_->fetch_add(1, std::memory_order_relaxed);
@@ -236,7 +244,8 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   FreeSet::node_type node = fs.extract(it);
   // place() measured what is handed out: nothing missing means nothing to map.
   if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size, missing == 0);
-  if (!no_split_ && block->size - rounded >= min_split_remainder(small)) split(block, rounded, fs, std::move(node));
+  const size_t take = span(block, rounded);
+  if (take < block->size) split(block, take, fs, std::move(node));
   else keep(std::move(node));
   return activate(block, size, missing == 0);
 }

@@ -176,6 +176,10 @@ class Backing {
   // Granules [ptr, ptr+size) of `seg` still lacks: what handing it out would map
   // (0 where all memory is backed; see Note [Placement by mapped memory]).
   virtual size_t unbacked(const Segment& /*seg*/, uintptr_t /*ptr*/, size_t /*size*/) const { return 0; }
+  // For pools that never split (torch's MemPool(no_split=True)): the bytes a block for a request
+  // of `rounded` bytes spans when it is carved out of address range that is not a segment of its
+  // own (an arena); 0 where every segment is one (the block is then its whole free block).
+  virtual size_t whole_block(size_t /*rounded*/) const { return 0; }
   // The longest usable stretch of free block `b` (torch's cacheInfo: cuDNN sizes its
   // workspaces from it): the block itself where all memory is backed.
   virtual size_t usable(const Block& b) const { return b.size; }
@@ -201,7 +205,8 @@ class BlockPool {
   // Best fit on `stream`, growing through the backing when nothing fits (unless `grow`
   // is false: then nullptr + kOutOfMemory).
   Block* malloc(size_t size, CUstream stream, bool grow = true);
-  // Blocks are never split (torch's MemPool(no_split=True)).
+  // Blocks are never split (torch's MemPool(no_split=True)): a request takes a free block whole,
+  // or, carved out of an arena, a block of Backing::whole_block() bytes.
   void set_no_split() { no_split_ = true; }
   // Note [Adopting clean blocks]: requests may take clean free blocks of other streams, each
   // counted in *count.
@@ -275,6 +280,8 @@ class BlockPool {
   void absorb_next(Block* b, CUstream stream, uint64_t freed_at);
   // Whether free neighbours a and b may merge, and the stream and free stamp the merged block takes.
   bool mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const;
+  // The bytes handing out the front of free block `b` for a request of `rounded` bytes takes:
+  // what split() cuts off, or all of `b`.
   size_t span(const Block* b, size_t rounded) const;
   // A remainder smaller than this stays inside the allocated block: splitting a large block
   // for a sliver no request of its free set can use only fragments the set.

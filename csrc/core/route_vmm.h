@@ -125,6 +125,8 @@ class VmmRoute final : public Backing {
   bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
   // Note [Half-granule requests].
   size_t small_max() const override { return kSmallSize - kMinBlockSize; }
+  // A pool that never splits gets blocks of whole granules: no two of its blocks share one.
+  size_t whole_block(size_t rounded) const override { return (rounded + granule_ - 1) / granule_ * granule_; }
   bool ensure_backed(Segment& seg, uintptr_t ptr, size_t size) override;
   void release_cached(BlockPool& pool) override;
   bool destroy_segment(Segment& seg) override;
