@@ -119,6 +119,7 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
         return undo();
       }
       b->requested = cb.requested;
+      b->small_request = BlockPool::round_size(cb.requested) <= kSmallSize;  // its stats' pool, as before
       b->tag = p->tag;
       owner.adopt(b);
       created->push_back(b);
