@@ -61,6 +61,10 @@ class Program:
             assert st["tags"]["t"]["allocations"]["current"] == len(self.live) - len(self.untagged), \
                 f"{where}: the tag's live allocations are not its live blocks"
         assert reserved["small_pool"]["current"] + reserved["large_pool"]["current"] == reserved["all"]["current"], where
+        # torch's small_pool counts requests of its small size class, wherever they lie (Note
+        # [Half-granule requests]: 1 MiB ones live in the large arena).
+        small = sum(1 for size, _ in self.live.values() if size <= 1 * MiB)
+        assert st["allocation"]["small_pool"]["current"] == small, f"{where}: small_pool counts the wrong blocks"
         assert self.budget < 0 or h.reserved() <= self.budget, f"{where}: reserved past the budget"
         mapped = sum(s["mapped_size"] for s in h.segments())
         assert mapped == h.counters()["mappings"] * GRANULE, f"{where}: segments and driver disagree on mappings"
@@ -78,7 +82,8 @@ class Program:
     def allocate(self):
         rng, h = self.rng, self.h
         size = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 * MiB),
-                           rng.randrange(1 * MiB, 200 * MiB), GRANULE * rng.randrange(1, 20)])
+                           rng.randrange(1 * MiB, 200 * MiB), GRANULE * rng.randrange(1, 20),
+                           1 * MiB - rng.randrange(512)])  # requests that round to exactly 1 MiB
         stream = S1 if rng.random() < 0.6 else S2
         tagged = self.tags and not self.released and rng.random() < 0.3
         if tagged:
