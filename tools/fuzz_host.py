@@ -1,8 +1,10 @@
-"""The long run of the host stand-in's random programs (tests/test_core_vmm_fuzz.py): many seeds
+"""The long run of the host stand-in's random programs (tests/test_core_vmm_fuzz.py, and
+tests/test_core_pool_fuzz.py's as the `pools` configuration): many seeds
 of every configuration, optionally over the AddressSanitizer build of the core, each program in
 its own process, with progress and a table at the end. No GPU: this reaches the error paths the
 driver seldom takes (injected failures of five VMM entry points, budgets, tag release / restore
-with retained backups, sharing); tools/fuzz_gpu.py is its counterpart on a device.
+with retained backups, sharing; private pools, their checkpoints and options); tools/fuzz_gpu.py is
+its counterpart on a device.
 
     python tools/fuzz_host.py [--seeds 100] [--ops 10000] [--configs moves,budget,...]
                               [--asan] [--jobs 2] [--first-seed 1000]
@@ -30,8 +32,12 @@ CHILD = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-from test_core_vmm_fuzz import CONFIGS, Program
-program = Program({seed}, library={library!r}, **CONFIGS[{config!r}])
+if {config!r} == "pools":
+    from test_core_pool_fuzz import Program
+    program = Program({seed}, library={library!r})
+else:
+    from test_core_vmm_fuzz import CONFIGS, Program
+    program = Program({seed}, library={library!r}, **CONFIGS[{config!r}])
 t0 = time.perf_counter()
 for step in range({ops}):
     program.step()
@@ -61,7 +67,9 @@ def one(config, seed, ops, library, env):
 
 
 def main(argv=None):
-    from test_core_vmm_fuzz import CONFIGS
+    from test_core_vmm_fuzz import CONFIGS as VMM_CONFIGS
+
+    CONFIGS = [*VMM_CONFIGS, "pools"]
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=100, help="programs per configuration")
