@@ -1,7 +1,8 @@
 """Random programs over private pools on the host stand-in: graph pools captured untagged (the
 synchronous route, torch's layout) and under a tag (a VMM arena), MemPools that never split,
 record_stream, pool checkpoints restored at the same addresses (CUDA graph trees), pools released
-and revived, the default pool beside them, empty_cache. After every few steps: no two live blocks
+and revived, the tag released with a copy and restored (sleep / wake), the default pool beside
+them, empty_cache. After every few steps: no two live blocks
 overlap, every block the program wrote still reads back its stamp, each pool's live blocks are
 the model's, the ledger counts exactly the live blocks (torch's small_pool the requests of its
 small size class), reserved memory is what the driver holds; at the end nothing is left.
@@ -13,7 +14,7 @@ import struct
 import pytest
 
 from _hostcore import GiB, Host, MiB, S1, S2, S3, in_child
-from torch_budget.errors import StateError
+from torch_budget.errors import InvalidArgumentError, StateError
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -46,6 +47,7 @@ class Program:
         self.uses = {p: 0 for p in POOLS}  # uses taken by captures, not yet released
         self.tagged = {}  # pool -> the tag it was created under (None: untagged), while it exists
         self.checkpoints = []  # (pool, checkpoint id, {ptr: size} live in the pool then)
+        self.asleep = False  # tag "g" released (with a copy): its pools wait for the restore
 
     # -- model
     def pool_live(self, pool):
@@ -64,8 +66,13 @@ class Program:
         del self.live[ptr]
 
     # -- steps
+    def sleeping(self, pool):
+        return self.asleep and self.tagged.get(pool) == "g"
+
     def open_pool(self):
         pool = self.rng.choice(POOLS)
+        if self.sleeping(pool) or (self.asleep and pool not in self.tagged):
+            return  # a capture into a pool of a released tag is refused (test_core_sleep)
         if pool not in self.tagged:
             tag = self.rng.choice([None, "g"])
             self.tagged[pool] = tag
@@ -97,14 +104,25 @@ class Program:
             self.forget(pool)
 
     def forget(self, pool):
-        """A pool without uses or live blocks is gone: so are its checkpoints and its tag."""
-        self.tagged.pop(pool, None)
+        """A pool without uses or live blocks is gone, and its checkpoints with it (the core may
+        keep it until its memory goes, and revive it: it keeps the tag it was created under)."""
         for _, cp, _ in [c for c in self.checkpoints if c[0] == pool]:
             self.h.lib.tb_pool_checkpoint_drop(cp)
         self.checkpoints = [c for c in self.checkpoints if c[0] != pool]
 
+    def sleep_or_wake(self):
+        """Releases tag "g" with a copy of its memory, or restores it: the tagged pools' blocks
+        come back at their addresses with their contents."""
+        if self.asleep:
+            self.h.restore("g")
+        else:
+            self.h.tag("g")
+            self.h.release("g", backup="cpu")
+        self.asleep = not self.asleep
+
     def checkpoint(self):
-        pools = [p for p in POOLS if p in self.tagged and p != self.capturing]
+        pools = [p for p in POOLS if (self.uses[p] or self.pool_live(p)) and p != self.capturing
+                 and not self.sleeping(p)]
         if not pools:
             return
         pool = self.rng.choice(pools)
@@ -113,7 +131,8 @@ class Program:
             self.h.lib.tb_pool_checkpoint_drop(self.checkpoints.pop(0)[1])
 
     def restore(self):
-        usable = [c for c in self.checkpoints if c[0] != self.capturing and self.uses[c[0]] > 0]
+        usable = [c for c in self.checkpoints
+                  if c[0] != self.capturing and self.uses[c[0]] > 0 and not self.sleeping(c[0])]
         if not usable:
             return
         pool, cp, then = self.rng.choice(usable)
@@ -162,9 +181,12 @@ class Program:
             self.checkpoint()
         elif x < 0.90:
             self.restore()
-        elif x < 0.95:
+        elif x < 0.93:
             h.complete(S3)
             self.pending.clear()
+        elif x < 0.95:
+            if not self.capturing:
+                self.sleep_or_wake()
         elif self.capturing:
             with pytest.raises(StateError, match="during CUDA graph capture"):
                 h.empty_cache()  # torch refuses it too
@@ -176,13 +198,16 @@ class Program:
         spans = sorted((p, v[0]) for p, v in self.live.items())
         for (a, n), (b, _) in zip(spans, spans[1:]):
             assert a + n <= b, f"{where}: live blocks {a:#x}+{n} and {b:#x} overlap"
-        for ptr, (size, sig, _) in self.live.items():
-            if sig is not None:
+        for ptr, (size, sig, pool) in self.live.items():
+            if sig is not None and not self.sleeping(pool):
                 for off in probes(size):
                     assert h.peek(ptr + off, 8) == stamp(sig, off), f"{where}: live block {ptr:#x}+{off:#x} changed"
         for pool in POOLS:
-            if pool in self.tagged:
-                assert h.live_matches(pool, list(self.pool_live(pool))), f"{where}: pool {pool} holds other blocks"
+            mine = list(self.pool_live(pool))
+            try:
+                assert h.live_matches(pool, mine), f"{where}: pool {pool} holds other blocks"
+            except InvalidArgumentError:  # destroyed: nothing may be live in it
+                assert not mine and self.uses[pool] == 0, f"{where}: pool {pool} is gone under live blocks"
         st = h.stats()
         assert st["allocation"]["all"]["current"] == len(self.live), f"{where}: the ledger counts other blocks"
         small = sum(1 for size, _, _ in self.live.values() if size <= 1 * MiB)
@@ -200,6 +225,8 @@ class Program:
         h = self.h
         if self.capturing:
             self.close_pool()
+        if self.asleep:
+            self.sleep_or_wake()
         h.complete(S3)
         self.check("end")
         for ptr in list(self.live):
