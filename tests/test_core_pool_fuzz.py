@@ -24,6 +24,9 @@ SIZES = [lambda r: r.randrange(1, 64 << 10), lambda r: r.randrange(64 << 10, 1 <
          lambda r: r.randrange(12 * MiB, 40 * MiB)]
 
 
+ZERO = "zero"  # a block's contents after a memset backup
+
+
 def stamp(sig, offset):
     return struct.pack("<Q", (sig ^ offset) & (2**64 - 1))
 
@@ -41,7 +44,7 @@ class Program:
     def __init__(self, seed, library="_host_core"):
         self.rng = random.Random(seed)
         self.h = Host(capacity=4 * GiB, route="vmm", library=library)
-        self.live = {}  # ptr -> (size, signature or None: contents undefined, pool or None)
+        self.live = {}  # ptr -> (size, signature (None: undefined, ZERO: zeros), pool or None, tag or None)
         self.pending = set()  # freed blocks waiting on S3's work (record_stream)
         self.capturing = None  # the pool S2 allocates into while open
         self.uses = {p: 0 for p in POOLS}  # uses taken by captures, not yet released
@@ -53,13 +56,19 @@ class Program:
     def pool_live(self, pool):
         return {p: v[0] for p, v in self.live.items() if v[2] == pool}
 
-    def allocate(self, size, stream, pool):
-        ptr = self.h.malloc(size, stream)
+    def allocate(self, size, stream, pool, tag=None):
+        if tag:
+            self.h.push(tag=tag)
+        try:
+            ptr = self.h.malloc(size, stream)
+        finally:
+            if tag:
+                self.h.pop()
         assert ptr not in self.live, f"{ptr:#x} handed out twice"
         sig = self.rng.getrandbits(64)
         for off in probes(size):
             self.h.poke(ptr + off, stamp(sig, off))
-        self.live[ptr] = (size, sig, pool)
+        self.live[ptr] = (size, sig, pool, self.tagged[pool] if pool else tag)
 
     def free(self, ptr):
         self.h.free(ptr)
@@ -111,14 +120,25 @@ class Program:
         self.checkpoints = [c for c in self.checkpoints if c[0] != pool]
 
     def sleep_or_wake(self):
-        """Releases tag "g" with a copy of its memory, or restores it: the tagged pools' blocks
-        come back at their addresses with their contents."""
+        """Releases tag "g" (its pools' blocks and its allocations in the default pool), or
+        restores it: at the same addresses, with what the backup keeps (a copy, zeros, nothing),
+        and nothing of the blocks named discardable."""
         if self.asleep:
             self.h.restore("g")
-        else:
-            self.h.tag("g")
-            self.h.release("g", backup="cpu")
-        self.asleep = not self.asleep
+            self.asleep = False
+            return
+        self.h.tag("g")
+        backup = self.rng.choice(["cpu", "cpu", "memset", "none"])
+        mine = [p for p, v in self.live.items() if v[3] == "g"]
+        # Only the tag's own allocations can be dropped without a copy, not a graph pool's blocks.
+        own = [p for p in mine if self.live[p][2] is None]
+        discard = self.rng.sample(own, self.rng.randrange(len(own) + 1)) if backup == "cpu" else []
+        self.h.release("g", backup=backup, discard=discard or None)
+        self.asleep = True
+        after = {"cpu": lambda sig: sig, "memset": lambda sig: ZERO, "none": lambda sig: None}[backup]
+        for p in mine:
+            size, sig, pool, tag = self.live[p]
+            self.live[p] = (size, None if p in discard else after(sig), pool, tag)
 
     def checkpoint(self):
         pools = [p for p in POOLS if (self.uses[p] or self.pool_live(p)) and p != self.capturing
@@ -149,7 +169,7 @@ class Program:
         assert set(freed) == set(now), "a restore left blocks of the pool live"
         assert set(created) == set(then), "a restore did not bring back the checkpoint's blocks"
         for p in created:
-            self.live[p] = (then[p], None, pool)  # same address and size, contents undefined
+            self.live[p] = (then[p], None, pool, self.tagged[pool])  # same address and size, contents undefined
 
     def step(self):
         rng, h = self.rng, self.h
@@ -158,8 +178,8 @@ class Program:
             size = rng.choice(SIZES)(rng)
             if self.capturing and rng.random() < 0.7:
                 self.allocate(size, S2, self.capturing)
-            else:
-                self.allocate(size, S1, None)
+            else:  # the default pool, some under the tag (its arena of the default route)
+                self.allocate(size, S1, None, "g" if not self.asleep and rng.random() < 0.3 else None)
         elif x < 0.70 and self.live:
             ptr = rng.choice(list(self.live))
             pool = self.live[ptr][2]
@@ -198,10 +218,11 @@ class Program:
         spans = sorted((p, v[0]) for p, v in self.live.items())
         for (a, n), (b, _) in zip(spans, spans[1:]):
             assert a + n <= b, f"{where}: live blocks {a:#x}+{n} and {b:#x} overlap"
-        for ptr, (size, sig, pool) in self.live.items():
-            if sig is not None and not self.sleeping(pool):
+        for ptr, (size, sig, _, tag) in self.live.items():
+            if sig is not None and not (self.asleep and tag == "g"):
                 for off in probes(size):
-                    assert h.peek(ptr + off, 8) == stamp(sig, off), f"{where}: live block {ptr:#x}+{off:#x} changed"
+                    want = bytes(8) if sig is ZERO else stamp(sig, off)
+                    assert h.peek(ptr + off, 8) == want, f"{where}: live block {ptr:#x}+{off:#x} changed"
         for pool in POOLS:
             mine = list(self.pool_live(pool))
             try:
@@ -210,7 +231,7 @@ class Program:
                 assert not mine and self.uses[pool] == 0, f"{where}: pool {pool} is gone under live blocks"
         st = h.stats()
         assert st["allocation"]["all"]["current"] == len(self.live), f"{where}: the ledger counts other blocks"
-        small = sum(1 for size, _, _ in self.live.values() if size <= 1 * MiB)
+        small = sum(1 for size, *_ in self.live.values() if size <= 1 * MiB)
         assert st["allocation"]["small_pool"]["current"] == small, f"{where}: small_pool counts the wrong blocks"
         allocated = waiting = 0  # bytes of allocated blocks, and of freed ones waiting on S3's work
         for seg in h.segments():
