@@ -282,7 +282,7 @@ Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
     return nullptr;
   }
   block->requested = requested;
-  block->small_request = round_size(requested) <= kSmallSize;
+  block->small_request = small_class(requested);
   return block;
 }
 

@@ -202,6 +202,10 @@ class BlockPool {
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
   }
 
+  // Whether torch's stats count a request of `requested` bytes in small_pool (its size class,
+  // wherever the block lies: Note [Half-granule requests], route_vmm.h).
+  static bool small_class(size_t requested) { return round_size(requested) <= kSmallSize; }
+
   // Best fit on `stream`, growing through the backing when nothing fits (unless `grow`
   // is false: then nullptr + kOutOfMemory).
   Block* malloc(size_t size, CUstream stream, bool grow = true);

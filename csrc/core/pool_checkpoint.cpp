@@ -119,7 +119,7 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
         return undo();
       }
       b->requested = cb.requested;
-      b->small_request = BlockPool::round_size(cb.requested) <= kSmallSize;  // its stats' pool, as before
+      b->small_request = BlockPool::small_class(cb.requested);  // its stats' pool, as before the checkpoint
       b->tag = p->tag;
       owner.adopt(b);
       created->push_back(b);
