@@ -18,12 +18,19 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-build tests torch tms bench sanitize demo}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
+# A step's summary line is printed (and written to $OUT/summary.txt) as soon as the step ends, and
+# again in the table at the end: a call cut short by its time limit still tells what finished.
+note() {
+  summary+=("$1")
+  echo "SUMMARY $1"
+  echo "$1" >>"$OUT/summary.txt"
+}
 
 if has build || [ ! -e torch_budget/_C*.so ]; then
   echo "== build"
   start=$(date +%s)
   TORCH_BUDGET_BUILD=${TORCH_BUDGET_BUILD:-_C,_host_core} MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  summary+=("build        $(( $(date +%s) - start )) s")
+  note "build        $(( $(date +%s) - start )) s"
 fi
 
 if has tests; then
@@ -36,7 +43,7 @@ if has tests; then
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-exclusive.log" | tail -20
   $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs --durations=25 -n ${TEST_JOBS:-8} -m "not exclusive" \
     ${TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
-  summary+=("tests        alone: $(grep -E "(passed|failed|error)" "$OUT/pytest-exclusive.log" | tail -1); parallel: $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]")
+  note "tests        alone: $(grep -E "(passed|failed|error)" "$OUT/pytest-exclusive.log" | tail -1); parallel: $(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1) [$(( $(date +%s) - start )) s]"
 fi
 
 if has torch; then
@@ -46,9 +53,9 @@ if has torch; then
     echo "== torch's allocator tests"
     timeout ${TORCH_TESTS_TIMEOUT:-560} $PY tools/torch_allocator_tests.py --out "$OUT/torch_tests" 2>&1 \
       | tee "$OUT/torch_tests.log" | tail -40
-    summary+=("$(grep -h "^torch_tests" "$OUT/torch_tests.log" | tail -1)")
+    note "$(grep -h "^torch_tests" "$OUT/torch_tests.log" | tail -1)"
   else
-    summary+=("torch_tests  skipped: no .torch_tests/test_cuda.py")
+    note "torch_tests  skipped: no .torch_tests/test_cuda.py"
   fi
 fi
 
@@ -57,9 +64,9 @@ if has tms; then
   if [ -f .tms_examples/simple.py ]; then
     echo "== torch_memory_saver's examples"
     timeout ${TMS_TIMEOUT:-560} $PY tools/tms_examples.py .tms_examples 2>&1 | tee "$OUT/tms_examples.log" | tail -30
-    summary+=("$(grep -h "^RESULT tms_examples" "$OUT/tms_examples.log" | sed 's/^RESULT //' | tail -1)")
+    note "$(grep -h "^RESULT tms_examples" "$OUT/tms_examples.log" | sed 's/^RESULT //' | tail -1)"
   else
-    summary+=("tms_examples skipped: no .tms_examples/simple.py")
+    note "tms_examples skipped: no .tms_examples/simple.py"
   fi
 fi
 
@@ -77,7 +84,7 @@ if has fuzz; then
   start=$(date +%s)
   timeout ${FUZZ_TIMEOUT:-560} $PY tools/fuzz_gpu.py ${FUZZ_ARGS:---seeds 0-7 --ops 125000 --jobs 8} 2>&1 \
     | tee "$OUT/fuzz_gpu.log" | tail -20
-  summary+=("$(grep -h "^RESULT fuzz_gpu" "$OUT/fuzz_gpu.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]")
+  note "$(grep -h "^RESULT fuzz_gpu" "$OUT/fuzz_gpu.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]"
 fi
 
 SANITIZE_TOOL=${SANITIZE_TOOL:-memcheck}
@@ -93,7 +100,7 @@ if has sanitize-fuzz; then
     >"$OUT/sanitize_fuzz.log" 2>&1
   rc=$?
   tail -5 "$OUT/sanitize_fuzz.log"
-  summary+=("sanitize-fuzz $SANITIZE_TOOL rc=$rc (99: a sanitizer finding), $(grep -h "^RESULT fuzz_gpu" "$OUT/sanitize_fuzz.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]")
+  note "sanitize-fuzz $SANITIZE_TOOL rc=$rc (99: a sanitizer finding), $(grep -h "^RESULT fuzz_gpu" "$OUT/sanitize_fuzz.log" | sed 's/^RESULT //' | tail -1) [$(( $(date +%s) - start )) s]"
 fi
 
 if has sanitize; then
@@ -133,7 +140,7 @@ if has sanitize; then
   done
   rm -f "$OUT/sanitize-part.log"
   errors=$(grep -E "ERROR SUMMARY: [1-9]" -c "$OUT/sanitize.log")
-  summary+=("sanitizer    $SANITIZE_TOOL rc=$rc, processes with errors: $errors, $(grep -c "ERROR SUMMARY: 0 errors" "$OUT/sanitize.log") clean; $counts [$(( $(date +%s) - start )) s]")
+  note "sanitizer    $SANITIZE_TOOL rc=$rc, processes with errors: $errors, $(grep -c "ERROR SUMMARY: 0 errors" "$OUT/sanitize.log") clean; $counts [$(( $(date +%s) - start )) s]"
 fi
 
 if has demo; then
