@@ -282,11 +282,11 @@ Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
     return nullptr;
   }
   block->requested = requested;
-  block->small_request = small_class(requested);
+  block->small_request = round_size(requested) <= kSmallSize;  // Block::small_request
   return block;
 }
 
-Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size) {
+Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size, size_t requested) {
   FreeSet& fs = free_set(block->segment->small);
   FreeSet::node_type node = unfile(fs, block);
   if (ptr > block->ptr) {  // the front stays free, in the node
@@ -295,7 +295,7 @@ Block* BlockPool::carve(Block* block, uintptr_t ptr, size_t size) {
   }
   if (block->size > size) split(block, size, fs, std::move(node));
   else keep(std::move(node));
-  return activate(block, size);
+  return activate(block, requested);
 }
 
 std::vector<Segment*> BlockPool::idle_clean_segments() const {

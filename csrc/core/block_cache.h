@@ -202,10 +202,6 @@ class BlockPool {
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
   }
 
-  // Whether torch's stats count a request of `requested` bytes in small_pool (its size class,
-  // wherever the block lies: Note [Half-granule requests], route_vmm.h).
-  static bool small_class(size_t requested) { return round_size(requested) <= kSmallSize; }
-
   // Best fit on `stream`, growing through the backing when nothing fits (unless `grow`
   // is false: then nullptr + kOutOfMemory).
   Block* malloc(size_t size, CUstream stream, bool grow = true);
@@ -251,9 +247,10 @@ class BlockPool {
   size_t live_blocks() const { return live_; }
   // Allocates exactly [ptr, ptr + size) out of the free block `block`, which holds it,
   // whatever the split rules: what lies before and after stays free. So the layout a
-  // pool checkpoint recorded comes back exactly (Note [Pool checkpoints]). nullptr +
-  // error when backing it failed (nothing changed then but the splits).
-  Block* carve(Block* block, uintptr_t ptr, size_t size);
+  // pool checkpoint recorded comes back exactly (Note [Pool checkpoints]), for a request of
+  // `requested` bytes (its Block::requested and stats pool). nullptr + error when backing it
+  // failed (nothing changed then but the splits).
+  Block* carve(Block* block, uintptr_t ptr, size_t size, size_t requested);
   // Segments without live blocks whose last free is clean (Note [Clean blocks]): what a
   // backing may give back.
   std::vector<Segment*> idle_clean_segments() const;

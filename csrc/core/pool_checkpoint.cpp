@@ -113,13 +113,11 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
                               " at block " + hex(cb.ptr));
         return undo();
       }
-      Block* b = pool->carve(cur, cb.ptr, cb.size);
+      Block* b = pool->carve(cur, cb.ptr, cb.size, cb.requested);
       if (b == nullptr) {
         if (last_error_code() == kNeedSync) set_error(kOutOfMemory, "no memory for the checkpoint's blocks");
         return undo();
       }
-      b->requested = cb.requested;
-      b->small_request = BlockPool::small_class(cb.requested);  // its stats' pool, as before the checkpoint
       b->tag = p->tag;
       owner.adopt(b);
       created->push_back(b);
