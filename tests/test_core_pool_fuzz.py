@@ -9,11 +9,11 @@ small size class), reserved memory is what the driver holds; at the end nothing 
 
 The long run of these programs is tools/fuzz_host.py's `pools` configuration."""
 import random
-import struct
 
 import pytest
 
 from _hostcore import GiB, Host, MiB, S1, S2, S3, in_child
+from test_core_vmm_fuzz import probes, stamp  # a stamp in every granule a block touches
 from torch_budget.errors import InvalidArgumentError, StateError
 
 pytestmark = pytest.mark.built("_host_core")
@@ -27,17 +27,6 @@ SIZES = [lambda r: r.randrange(1, 64 << 10), lambda r: r.randrange(64 << 10, 1 <
 ZERO = "zero"  # a block's contents after a memset backup
 
 
-def stamp(sig, offset):
-    return struct.pack("<Q", (sig ^ offset) & (2**64 - 1))
-
-
-def probes(size):
-    """Offsets of 8-byte stamps that do not overlap: the start, the middle and the end."""
-    out = []
-    for off in sorted({0, (size // 2) & ~7, size - 8}):
-        if off >= 0 and off + 8 <= max(size, 8) and (not out or off >= out[-1] + 8):
-            out.append(off)
-    return out
 
 
 class Program:
