@@ -8,11 +8,13 @@ and torch_budget's routes side by side, on what users run:
     reduce-overhead decode;
   - single-size torch.empty + del round trips (4 KiB, 1 MiB, 64 MiB).
 
-Each configuration runs in its own processes; rounds interleave them, pinned to one core
-beside the GPU and unpinned (native, expandable and torch_budget's default route). Time per
-operation is a paired median ratio against native in the same round, once the cache has grown
-(the passes after the first), and apart from it for the first pass, which grows the cache from
-empty; memory is peak reserved over the trace's peak live bytes. The last line is `RESULT bench_alloc ...` for the GPU suite.
+Each configuration runs in its own processes, pinned to one core beside the GPU and unpinned
+(native, expandable and torch_budget's default route). In each round the processes of a pinning
+run at once and take turns, a slice of 2,048 operations each (replay.lockstep), so the machine's
+slow spells fall on all of them alike (BENCH_ALLOC_SEQUENTIAL=1: one after the other instead, with
+each process's speed calibrated). Time per operation is a paired median ratio against native over
+every pass once the cache has grown (the passes after the first), and apart from it for the first
+pass, which grows the cache from empty; memory is peak reserved over the trace's peak live bytes. The last line is `RESULT bench_alloc ...` for the GPU suite.
 
 Environment: BENCH_ALLOC_ROUNDS (3), BENCH_ALLOC_PASSES (timed passes per child, 3: the first
 and at least one more; a short trace runs more, until those after the first time 0.25 s, with Python's
@@ -51,15 +53,16 @@ def main():
     traces = os.environ.get("BENCH_ALLOC_TRACES", ",".join(MIXES + recorded + SINGLE)).split(",")
     runs = compare.compare(traces, configs, rounds, (True, False), passes=passes,
                            unpinned_configs={"native", "expandable", DEFAULT},
+                           in_lockstep=os.environ.get("BENCH_ALLOC_SEQUENTIAL", "0") != "1",
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     rows = compare.summarise(runs)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_alloc.json"), "w") as f:
             json.dump({"rows": rows, "runs": [r.__dict__ for r in runs]}, f, indent=1)
     print(compare.table(rows))
-    print(f"(medians over {rounds} interleaved rounds of {passes} passes; 'x native' is the paired median ratio of "
-          "the time per operation once the cache has grown (the passes after the first), '<=1 in' the rounds at or "
-          "under native, 'x cal' the same ratio with each process's time divided by its own speed first (a CPU "
+    print(f"(medians over {rounds} rounds of {passes} or more passes; 'x native' is the paired median ratio of "
+          "the time per operation once the cache has grown (the passes after the first; in lockstep, pass by pass), "
+          "'<=1 in' the pairs at or under native, 'x cal' (sequential rounds only) the same ratio with each process's time divided by its own speed first (a CPU "
           "allocation loop timed before each pass), '1st pass' the paired median ratio of the first pass, which "
           "grows the cache from empty; rsv/live is peak reserved over the trace's peak live bytes, over "
           "every pass (rsv 1st: the first pass's peak alone), floor the least any allocator reaches (peak live rounded up to 2 MiB granules); drv/kop is driver memory taken or "

@@ -1,19 +1,19 @@
 """End to end: the three real workloads of tools/workloads.py, natively and under
-torch_budget.install(), each in its own process, interleaved over rounds. Each process times its
-part several times after a warm run and reports the median. Prints the timed part's seconds
-(paired median ratio installed / native, and each round's ratio), peak reserved bytes of both,
-and whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
+torch_budget.install(), each in its own process, the two in lockstep (torch_budget.replay.lockstep):
+both processes warm up, then take turns, one timed run each (the order alternates), so a slow
+spell of the machine falls on both alike. Prints the timed part's seconds (the paired median of
+installed / native over every pair of every round, and each round's median), peak reserved bytes
+of both, and whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
 
-Every process runs beside the GPU and times on one core there (workloads.py --pin), unless
-BENCH_E2E_PIN=0.
+Every process runs beside the GPU and times on one core there, the same core for both
+(workloads.py --pin), unless BENCH_E2E_PIN=0.
 
-Environment: BENCH_E2E_ROUNDS (3), BENCH_E2E_REPEATS (timed runs per process, 5),
-BENCH_E2E_PIN (1), BENCH_E2E_WORKLOADS (comma-separated).
+Environment: BENCH_E2E_ROUNDS (2: fresh processes each), BENCH_E2E_REPEATS (timed runs per process
+and round, 8), BENCH_E2E_PIN (1), BENCH_E2E_WORKLOADS (comma-separated).
 """
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,56 +22,85 @@ from _bench import cuda_torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ["llama_generate", "resnet_amp", "decode_graphs"]
+TIMEOUT = 600.0
 
 
-def run(name, installed):
-    cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name,
-           "--repeats", os.environ.get("BENCH_E2E_REPEATS", "5")] + (["--install"] if installed else []) + \
-        (["--pin"] if os.environ.get("BENCH_E2E_PIN", "1") != "0" else [])
-    env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKLOAD ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}
-    return json.loads(lines[-1][9:])
+def one_round(name, repeats, pin):
+    """Native and installed processes of `name` in lockstep: {side: {"runs": [...], peaks}} or
+    {"error": ...}."""
+    from torch_budget.replay import lockstep
+
+    env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name, "--lockstep"] + (["--pin"] if pin else [])
+    started = lockstep.start({"native": (cmd, env), "installed": (cmd + ["--install"], env)}, TIMEOUT)
+    children = {k: v for k, v in started.items() if isinstance(v, lockstep.Child)}
+    try:
+        if len(children) < 2:
+            return {"error": "; ".join(str(v) for v in started.values() if not isinstance(v, lockstep.Child))}
+        out = {side: {"runs": []} for side in children}
+        for k in range(repeats):
+            for side in lockstep.rotation(["native", "installed"], k):
+                out[side]["runs"].append(json.loads(children[side].ask("run", TIMEOUT)))
+        for side, child in children.items():
+            out[side].update(json.loads(child.ask("result", TIMEOUT)))
+        return out
+    except lockstep.ChildError as e:
+        return {"error": str(e)}
+    finally:
+        for child in children.values():
+            child.close()
 
 
 def main():
     if cuda_torch("bench_e2e", "real workloads end to end") is None:
         return 0
-    rounds = int(os.environ.get("BENCH_E2E_ROUNDS", "3"))
+    rounds = int(os.environ.get("BENCH_E2E_ROUNDS", "2"))
+    repeats = int(os.environ.get("BENCH_E2E_REPEATS", "8"))
+    pin = os.environ.get("BENCH_E2E_PIN", "1") != "0"
     names = os.environ.get("BENCH_E2E_WORKLOADS", ",".join(WORKLOADS)).split(",")
-    res = {(n, i): [] for n in names for i in (False, True)}
+    res = {n: [] for n in names}
     for r in range(rounds):
         for n in names:
-            for installed in ((False, True) if r % 2 == 0 else (True, False)):
-                out = run(n, installed)
-                res[(n, installed)].append(out)
-                what = out.get("error") or f"{out['seconds']:.3f} s, peak reserved {out['peak_reserved'] / 2**20:.0f} MiB"
-                print(f"[round {r + 1}] {n} {'installed' if installed else 'native'}: {what}", file=sys.stderr,
-                      flush=True)
-    print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'native rsv MiB':>15} {'tb rsv MiB':>11}"
-          f" {'checks equal':>13}")
+            out = one_round(n, repeats, pin)
+            res[n].append(out)
+            if "error" in out:
+                what = "FAILED: " + out["error"]
+            else:
+                ratios = [b["seconds"] / a["seconds"] for a, b in zip(out["native"]["runs"], out["installed"]["runs"])]
+                what = (f"native {statistics.median(x['seconds'] for x in out['native']['runs']):.3f} s, installed "
+                        f"{statistics.median(x['seconds'] for x in out['installed']['runs']):.3f} s, paired median "
+                        f"{statistics.median(ratios):.3f}x")
+            print(f"[round {r + 1}] {n}: {what}", file=sys.stderr, flush=True)
+    print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'<=1 in':>7} {'native rsv MiB':>15} "
+          f"{'tb rsv MiB':>11} {'checks equal':>13}")
     summary, failed = [], 0
     for n in names:
-        nat, tb = res[(n, False)], res[(n, True)]
-        pairs = [(a, b) for a, b in zip(nat, tb) if "error" not in a and "error" not in b]
-        if not pairs:
+        ok = [x for x in res[n] if "error" not in x]
+        if not ok:
             failed += 1
-            err = next((x["error"] for x in nat + tb if "error" in x), "no result")
-            print(f"{n:16} FAILED: {err}")
+            print(f"{n:16} FAILED: {next((x['error'] for x in res[n]), 'no result')}")
             continue
+        pairs = [(a, b) for x in ok for a, b in zip(x["native"]["runs"], x["installed"]["runs"])]
         ratios = [b["seconds"] / a["seconds"] for a, b in pairs]
+        per_round = [statistics.median(b["seconds"] / a["seconds"] for a, b in zip(x["native"]["runs"],
+                                                                                    x["installed"]["runs"]))
+                     for x in ok]
         ratio = statistics.median(ratios)
-        nat_rsv = statistics.median(a["peak_reserved"] for a, _ in pairs)
-        tb_rsv = statistics.median(b["peak_reserved"] for _, b in pairs)
+        nat_rsv = statistics.median(x["native"]["peak_reserved"] for x in ok)
+        tb_rsv = statistics.median(x["installed"]["peak_reserved"] for x in ok)
         equal = all(a["check"] == b["check"] for a, b in pairs)
+        wins = sum(1 for q in ratios if q <= 1.0)
         print(f"{n:16} {statistics.median(a['seconds'] for a, _ in pairs):9.3f} "
-              f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.2f}x {nat_rsv / 2**20:15.0f} "
-              f"{tb_rsv / 2**20:11.0f} {str(equal):>13}  rounds: {' '.join(f'{x:.3f}' for x in ratios)}")
-        summary.append(f"{n}={ratio:.2f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if equal else ',CHECK_DIFFERS'}")
-    print("RESULT bench_e2e " + " ".join(summary) + (f" failed={failed}" if failed else ""))
-    return 1 if failed else 0
+              f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.3f}x {wins:>3}/{len(ratios):<3} "
+              f"{nat_rsv / 2**20:15.0f} {tb_rsv / 2**20:11.0f} {str(equal):>13}  rounds: "
+              + " ".join(f"{x:.3f}" for x in per_round))
+        summary.append(f"{n}={ratio:.3f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if equal else ',CHECK_DIFFERS'}")
+    errors = [x["error"] for n in names for x in res[n] if "error" in x]
+    print("(paired: each installed run over the native run next to it, the two processes taking turns; '<=1 in' "
+          "counts the pairs at or under native; peak reserved is each process's, medians over rounds)")
+    print("RESULT bench_e2e " + " ".join(summary) + (f" failed={failed}" if failed else "")
+          + (f" failed_rounds={len(errors)}" if errors else ""))
+    return 1 if failed or errors else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
   decode_graphs    a small decoder's decode step over a static KV cache under
                    torch.compile(mode="reduce-overhead") (CUDA graph trees), prefill eager.
 
-    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K] [--pin]
+    python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K] [--pin] [--lockstep]
 
 prints `WORKLOAD {json}`: seconds of the timed part (the median of K timed runs after a warm one:
 one run of a process is as noisy as its first steps), peak reserved and allocated bytes, and a
@@ -15,6 +15,9 @@ runs on the CPU cores beside the GPU and its main thread, once warm, on one of t
 every process (torch_budget.replay.machine): where a process lands moved the timed part by up
 to 2x between processes. With --record the allocations are
 recorded with torch's own memory history and saved as a torch_budget trace (replay.trace).
+With --lockstep the process, once warm, runs its timed part each time its parent asks (the protocol
+of torch_budget.replay.lockstep: `run` answers {"seconds", "check"}, `result` the peaks), so a parent
+can interleave it run by run with another process (tools/bench_e2e.py).
 """
 import argparse
 import json
@@ -140,6 +143,27 @@ def decode_graphs(torch, steps):
 WORKLOADS = {"llama_generate": (llama_generate, 3), "resnet_amp": (resnet_amp, 6), "decode_graphs": (decode_graphs, 6)}
 
 
+def serve(torch, run):
+    from torch_budget.replay import lockstep
+
+    lockstep.answer("ready")
+    for line in lockstep.commands():
+        try:
+            if line == "run":
+                t0 = time.perf_counter()
+                check = run()
+                torch.cuda.synchronize()
+                lockstep.answer(json.dumps({"seconds": time.perf_counter() - t0, "check": check}))
+            elif line == "result":
+                lockstep.answer(json.dumps({"peak_reserved": torch.cuda.max_memory_reserved(),
+                                            "peak_allocated": torch.cuda.max_memory_allocated()}))
+            else:
+                lockstep.answer(f"error unknown command {line!r}")
+        except Exception as e:  # noqa: BLE001  (the parent reports it)
+            lockstep.answer(f"error {type(e).__name__}: {e}".replace("\n", " "))
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("name", choices=sorted(WORKLOADS))
@@ -148,6 +172,7 @@ def main():
     ap.add_argument("--steps", type=int)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs; their median is reported")
     ap.add_argument("--pin", action="store_true", help="run beside the GPU, timed on one core")
+    ap.add_argument("--lockstep", action="store_true", help="once warm, run as the parent asks on stdin")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -172,6 +197,8 @@ def main():
         from torch_budget.replay.machine import pin_to_one_core
 
         pin_to_one_core()  # the thread that launches the timed part (compiling had every local core)
+    if args.lockstep:
+        return serve(torch, run)
     times, checks = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()

@@ -18,7 +18,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{PROG} replay",
         description="Replay allocation traces under torch's native allocator, its expandable segments, "
-                    "cudaMallocAsync and torch_budget's routes, each in its own process, in interleaved rounds; "
+                    "cudaMallocAsync and torch_budget's routes, each in its own process, those of a round at once "
+                    "taking turns slice by slice; "
                     "print time per operation (a paired ratio against native) and peak reserved over peak live "
                     "bytes side by side. A trace is a memory-history pickle from "
                     "torch.cuda.memory._dump_snapshot(), a torch_budget trace (.tbtrace[.gz]), or "
@@ -33,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
                         "until the replays after the first time 0.25 s)")
     p.add_argument("--pinning", choices=("pinned", "unpinned", "both"), default="pinned",
                    help="run each process on one CPU core beside the GPU, unpinned, or both (default pinned)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each process alone, one after the other, instead of all of a round at once taking "
+                        "turns slice by slice (the default: a machine whose speed moves while it runs moves every "
+                        "configuration alike)")
     p.add_argument("--touch", action="store_true", help="write the first byte of every tensor (launches a kernel "
                                                         "per allocation)")
     p.add_argument("--json", metavar="PATH", type=output_file,
@@ -74,7 +79,8 @@ def run(argv: list[str]) -> int:
         return 1
     pinning = {"pinned": (True,), "unpinned": (False,), "both": (True, False)}[args.pinning]
     runs = compare.compare(args.traces, configs, args.rounds, pinning, args.passes, args.touch,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+                           progress=lambda line: print(line, file=sys.stderr, flush=True),
+                           in_lockstep=not args.sequential)
     rows = compare.summarise(runs)
     print(compare.table(rows))
     if args.json:

@@ -2,7 +2,7 @@
 started CUDA yet: the configuration decides the allocator), and prints one `REPLAY {json}` line
 per trace, in order; each trace starts from an emptied cache.
 
-    python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch]
+    python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch] [--lockstep]
 
 TRACE is a file (replay.trace) or `mix:<spec>` (replay.mixes). The trace runs `passes` times
 over the same allocator; each pass is timed alone, with Python's garbage collector off (as
@@ -12,6 +12,9 @@ MIN_GROWN_SECONDS: a recorded decode of 4,500 operations is a few milliseconds, 
 scheduling hiccup doubles. Memory: peak reserved bytes over the trace's own peak live bytes
 (requested sizes rounded up to 512 bytes, the same denominator for every allocator), from torch's
 counters, which every configuration keeps: over every pass, and over the first pass alone.
+
+With --lockstep the child replays slices of the traces as its parent asks (serve(); Note in
+replay.lockstep): the parent interleaves the configurations slice by slice and times them together.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import sys
 import time
 
 from torch_budget.replay.configs import CONFIGS, apply_config
-from torch_budget.replay.machine import pin_to_one_core
+from torch_budget.replay.machine import pin_near_gpu, pin_to_one_core
 from torch_budget.replay.mixes import mix
 from torch_budget.replay.trace import load
 
@@ -80,39 +83,53 @@ def _backing_ns(torch_budget) -> tuple[int, int]:
     return raw.get("mapping_ns", 0), raw.get("packing_ns", 0)
 
 
-def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
-    import torch
+class Replayer:
+    """One trace over this process's allocator, pass by pass; a pass can run in slices (lockstep)."""
 
-    import torch_budget
+    def __init__(self, trace, touch: bool = False):
+        import torch
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(max(trace.num_streams - 1, 0))]
-    ops = list(zip(trace.ids, trace.sizes, trace.streams))
-    slots = [None] * trace.num_tensors
-    empty, uint8 = torch.empty, torch.uint8
-    # Warm-up outside the timed passes: CUDA's context, the first kernels and the streams.
-    torch.zeros(1, device=dev).add_(1)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base_reserved = torch.cuda.memory_reserved()
-    times = []
-    calibration = []  # calibrate()'s µs per operation just before each pass
-    device_calls = []  # memory the allocator took from or gave back to the driver, per pass
-    backing = []  # (mapping_ns, packing_ns) of torch_budget's allocation path, per pass
-    first_peak_reserved = None
-    grown_seconds = 0.0
-    p = 0
-    while wants_another_pass(p, passes, grown_seconds, min_grown_seconds):
-        before = _device_calls(torch)
-        backing_before = _backing_ns(torch_budget)
-        current = 0
-        torch.cuda.set_stream(streams[0])
-        calibration.append(calibrate(torch))
+        import torch_budget
+
+        self._torch, self._tb, self.trace, self.touch = torch, torch_budget, trace, touch
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        self.streams = [torch.cuda.current_stream()] + [torch.cuda.Stream()
+                                                        for _ in range(max(trace.num_streams - 1, 0))]
+        self.ops = list(zip(trace.ids, trace.sizes, trace.streams))
+        self.slots = [None] * trace.num_tensors
+        # Warm-up outside the timed passes: CUDA's context, the first kernels and the streams.
+        torch.zeros(1, device=self.dev).add_(1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.base_reserved = torch.cuda.memory_reserved()
+        self.times = []  # µs per operation, per pass
+        self.calibration = []  # calibrate()'s µs per operation just before each pass
+        self.device_calls = []  # memory the allocator took from or gave back to the driver, per pass
+        self.backing = []  # (mapping_ns, packing_ns) of torch_budget's allocation path, per pass
+        self.first_peak_reserved = None
+        self._pass_seconds = 0.0
+        self._stream = 0
+
+    def begin_pass(self, calibrate_first: bool = True) -> None:
+        self._calls_before = _device_calls(self._torch)
+        self._backing_before = _backing_ns(self._tb)
+        self._pass_seconds = 0.0
+        self._torch.cuda.set_stream(self.streams[0])
+        self._stream = 0  # the index of the current stream
+        if calibrate_first:
+            self.calibration.append(calibrate(self._torch))
         gc.collect()
         gc.disable()
+
+    def run(self, start: int, stop: int) -> float:
+        """Operations [start, stop) of the trace; returns their seconds."""
+        torch, dev, slots, streams = self._torch, self.dev, self.slots, self.streams
+        empty, uint8 = torch.empty, torch.uint8
+        ops = self.ops[start:stop]
+        current = self._stream
         t0 = time.perf_counter()
-        if touch:
+        if self.touch:
             for tid, size, s in ops:
                 if s != current:
                     torch.cuda.set_stream(streams[s])
@@ -132,31 +149,93 @@ def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float
                 else:
                     slots[tid] = None
         elapsed = time.perf_counter() - t0
+        self._stream = current
+        self._pass_seconds += elapsed
+        return elapsed
+
+    def end_pass(self) -> float:
+        """Ends the pass that ran: records it and frees what the trace left live (weights, say)."""
         gc.enable()  # (a failed pass ends the child: its error is the result)
+        torch = self._torch
+        torch.cuda.set_stream(self.streams[0])
+        self.times.append(self._pass_seconds / len(self.ops) * 1e6)
+        self.device_calls.append(_device_calls(torch) - self._calls_before)
+        self.backing.append(tuple(a - b for a, b in zip(_backing_ns(self._tb), self._backing_before)))
+        if len(self.times) == 1:
+            torch.cuda.synchronize()
+            self.first_peak_reserved = torch.cuda.max_memory_reserved() - self.base_reserved
+        self.slots = [None] * self.trace.num_tensors
+        return self._pass_seconds
+
+    def result(self) -> dict:
+        torch, trace = self._torch, self.trace
+        torch.cuda.synchronize()
+        # The peak over every pass: a cache that packs the first pass tightly and grows in later ones
+        # (the layout it left does not fit the next pass) holds its later peak, which the first hides.
+        peak_reserved = torch.cuda.max_memory_reserved() - self.base_reserved
+        peak_live = trace.peak_live()
+
+        def over_live(b):
+            return b / peak_live if peak_live else float("nan")
+
+        return {"us_per_op": self.times, "calibration_us": self.calibration, "device_calls": self.device_calls,
+                "backing_ns": self.backing, "ops": len(self.ops), "peak_reserved": peak_reserved,
+                "peak_live": peak_live, "reserved_over_live": over_live(peak_reserved),
+                "first_pass_reserved_over_live": over_live(self.first_peak_reserved)}
+
+
+def replay(trace, passes: int = 3, touch: bool = False, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
+    """The trace `passes` times (more while short), each pass timed whole."""
+    r = Replayer(trace, touch)
+    grown_seconds = 0.0
+    p = 0
+    while wants_another_pass(p, passes, grown_seconds, min_grown_seconds):
+        r.begin_pass()
+        r.run(0, len(r.ops))
+        elapsed = r.end_pass()
         if p > 0:
             grown_seconds += elapsed
-        torch.cuda.set_stream(streams[0])
-        times.append(elapsed / len(ops) * 1e6)
-        device_calls.append(_device_calls(torch) - before)
-        backing.append(tuple(a - b for a, b in zip(_backing_ns(torch_budget), backing_before)))
-        if p == 0:
-            torch.cuda.synchronize()
-            first_peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
-        slots = [None] * trace.num_tensors  # what the trace leaves live (weights, say) goes between passes
         p += 1
-    torch.cuda.synchronize()
-    # The peak over every pass: a cache that packs the first pass tightly and grows in later ones
-    # (the layout it left does not fit the next pass) holds its later peak, which the first hides.
-    peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
-    peak_live = trace.peak_live()
+    return r.result()
 
-    def over_live(b):
-        return b / peak_live if peak_live else float("nan")
 
-    return {"us_per_op": times, "calibration_us": calibration, "device_calls": device_calls,
-            "backing_ns": backing, "ops": len(ops), "peak_reserved": peak_reserved, "peak_live": peak_live,
-            "reserved_over_live": over_live(peak_reserved),
-            "first_pass_reserved_over_live": over_live(first_peak_reserved)}
+def serve(specs: list, traces: list, touch: bool) -> None:
+    """Lockstep (replay.lockstep): replays slices of the traces as the parent asks.
+
+    begin T         start trace T (an index) from an emptied cache    -> ok
+    pass            start a pass                                        -> ok
+    run A B         operations [A, B) of the current trace              -> <seconds>
+    end_pass        end the pass                                        -> ok
+    result          the trace's figures, as replay() returns them       -> <json>
+    """
+    from torch_budget.replay import lockstep
+
+    r = spec = None
+    lockstep.answer("ready")
+    for line in lockstep.commands():
+        word, *args = line.split()
+        try:
+            if word == "begin":
+                spec = specs[int(args[0])]
+                r = Replayer(traces[int(args[0])], touch)
+                lockstep.answer("ok")
+            elif word == "pass":
+                r.begin_pass(calibrate_first=False)
+                lockstep.answer("ok")
+            elif word == "run":
+                lockstep.answer(repr(r.run(int(args[0]), int(args[1]))))
+            elif word == "end_pass":
+                r.end_pass()
+                lockstep.answer("ok")
+            elif word == "result":
+                out = r.result()
+                out.update(trace=spec, pid=os.getpid(), lockstep=True)
+                r = None
+                lockstep.answer(json.dumps(out))
+            else:
+                lockstep.answer(f"error unknown command {line!r}")
+        except Exception as e:  # noqa: BLE001  (the parent reports it, naming the configuration)
+            lockstep.answer(f"error {type(e).__name__}: {e}".replace("\n", " "))
 
 
 def main(argv=None) -> int:
@@ -171,11 +250,23 @@ def main(argv=None) -> int:
                          "(0: exactly --passes)")
     ap.add_argument("--pin", action="store_true", help="pin this process to one CPU core beside the GPU")
     ap.add_argument("--touch", action="store_true", help="write the first byte of every tensor")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="replay slices as commands on stdin ask (replay.lockstep), pinned once ready")
     args = ap.parse_args(argv)
-    if args.pin:
+    if args.pin and not args.lockstep:
         pin_to_one_core()
+    elif args.pin:
+        pin_near_gpu()
     traces = [read_trace(spec) for spec in args.traces]
     apply_config(args.config)
+    if args.lockstep:
+        import torch
+
+        torch.zeros(1, device="cuda")  # CUDA's start, on every core of the GPU's node
+        if args.pin:
+            pin_to_one_core()
+        serve(args.traces, traces, args.touch)
+        return 0
     for spec, trace in zip(args.traces, traces):
         out = replay(trace, args.passes, args.touch, args.min_grown_seconds)
         out.update(config=args.config, trace=spec, pid=os.getpid())

@@ -10,6 +10,12 @@ time divided by native's time in the same round and pinning. The calibrated rati
 divides each process's time by its own speed first: a loop of small CPU tensor allocations
 (child.calibrate, the same Python and dispatch without the CUDA allocator), timed in the same
 process before each pass.
+
+That is not enough on every machine: a core's speed can halve for a second or more inside a
+pass, which no calibration taken before it sees. With `lockstep` (the default) the configurations
+of a round run at once instead, each in its own process, taking turns slice by slice
+(replay.lockstep): every slow spell falls on all of them alike, and a configuration's ratio is
+the median over every grown pass of every round of its pass time over native's same pass.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from torch_budget.replay.child import read_trace
+from torch_budget.replay import lockstep
+from torch_budget.replay.child import MIN_GROWN_SECONDS, read_trace, wants_another_pass
 from torch_budget.replay.configs import BASELINE, CONFIGS, environment
+
+SLICE_OPS = 2048  # operations a configuration runs before the next one takes its turn: a few ms
 
 
 @dataclass
@@ -34,8 +43,8 @@ class Run:
     errors: list = field(default_factory=list)
 
 
-def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool, timeout: float) -> list:
-    """One process of `config` replaying every trace; a result (or {"error": ...}) per trace."""
+def _child(config: str, traces: list, pinned: bool, passes: int, touch: bool) -> tuple:
+    """The command line and environment of a child replaying `traces` under `config`."""
     cmd = [sys.executable, "-m", "torch_budget.replay.child", config, *traces, "--passes", str(passes)]
     if pinned:
         cmd.append("--pin")
@@ -44,6 +53,12 @@ def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool,
     env = {**os.environ, **environment(config)}
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return cmd, env
+
+
+def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool, timeout: float) -> list:
+    """One process of `config` replaying every trace; a result (or {"error": ...}) per trace."""
+    cmd, env = _child(config, traces, pinned, passes, touch)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("REPLAY ")]
@@ -54,42 +69,107 @@ def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool,
     return [by_trace.get(t, {"error": why}) for t in traces]
 
 
+def run_lockstep(configs: list, traces: list, lengths: list, pinned: bool, passes: int, touch: bool,
+                 timeout: float, slice_ops: int = SLICE_OPS, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
+    """One round: a process per configuration, all at once, replaying every trace (`lengths`: its
+    operations) in turns of `slice_ops` operations; the order rotates from slice to slice and pass
+    to pass. Every configuration runs the same passes: the requested ones, then more while the
+    first configuration's passes after the first add up to less than `min_grown_seconds`.
+    Returns {config: [a result, or {"error": ...}, per trace]}; a child that fails leaves the round."""
+    children = {}
+    for c in configs:
+        cmd, env = _child(c, traces, pinned, passes, touch)
+        children[c] = (cmd + ["--lockstep"], env)
+    started = lockstep.start(children, timeout)
+    live = {c: x for c, x in started.items() if isinstance(x, lockstep.Child)}
+    errors = {c: str(x) for c, x in started.items() if not isinstance(x, lockstep.Child)}
+
+    def each(names, command):
+        """Every named live child's answer to `command`; a child that fails it leaves the round."""
+        answers = {}
+        for c in names:
+            if c in live:
+                try:
+                    answers[c] = live[c].ask(command, timeout)
+                except lockstep.ChildError as e:
+                    errors[c] = str(e)
+                    live.pop(c).close(timeout=5.0)
+        return answers
+
+    results = {c: [] for c in configs}
+    try:
+        for t, n in enumerate(lengths):
+            each(list(live), f"begin {t}")
+            done, grown = 0, 0.0
+            while live and wants_another_pass(done, passes, grown, min_grown_seconds):
+                each(list(live), "pass")
+                lead = next(iter(live))  # the configuration whose grown passes decide how many run
+                for k, a in enumerate(range(0, n, slice_ops)):
+                    answers = each(lockstep.rotation(list(live), k + done), f"run {a} {min(a + slice_ops, n)}")
+                    if done > 0 and lead in answers:
+                        grown += float(answers[lead])
+                each(list(live), "end_pass")
+                done += 1
+            answers = each(list(live), "result")
+            for c in configs:
+                results[c].append(json.loads(answers[c]) if c in answers else {"error": errors.get(c, "no result")})
+    finally:
+        for child in live.values():
+            child.close()
+    return results
+
+
 def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes: int = 3, touch: bool = False,
-            progress=None, timeout: float = 900.0, unpinned_configs=None) -> list:
-    """Every (trace, config, pinning) over `rounds` interleaved rounds; one process per
-    (config, pinning) and round replays every trace. `unpinned_configs` limits which
-    configurations also run unpinned (default: all). Returns the Runs; a trace that cannot be
-    read raises TraceError, naming it, before any process starts."""
+            progress=None, timeout: float = 900.0, unpinned_configs=None, in_lockstep: bool = True) -> list:
+    """Every (trace, config, pinning) over `rounds` interleaved rounds. In lockstep (the default)
+    each round starts one process per (config, pinning), runs those of a pinning at once in turns
+    (run_lockstep), and each replays every trace; otherwise each process runs alone, in an order
+    that rotates from round to round. `unpinned_configs` limits which configurations also run
+    unpinned (default: all). Returns the Runs; a trace that cannot be read raises TraceError,
+    naming it, before any process starts."""
     configs = list(configs or CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(CONFIGS)}")
-    for spec in traces:  # every child replays every trace: one that cannot be read would fail them all
-        read_trace(spec)
+    # every child replays every trace: one that cannot be read would fail them all
+    lengths = [len(read_trace(spec)) for spec in traces]
     if BASELINE not in configs:
         configs.insert(0, BASELINE)
     plan = [(c, p) for p in pinning for c in configs
             if p or unpinned_configs is None or c in unpinned_configs or c == BASELINE]
     runs = {(t, c, p): Run(t, c, p) for c, p in plan for t in traces}
-    total = rounds * len(plan)
+
+    def record(r, config, pinned, results, step, steps):
+        for trace, res in zip(traces, results):
+            run = runs[(trace, config, pinned)]
+            if "error" in res:
+                run.rounds.append(None)
+                run.errors.append(res["error"])
+            else:
+                run.rounds.append(res)
+        if progress:
+            ok = [x for x in results if "error" not in x]
+            what = (f"{len(ok)}/{len(results)} traces, median {statistics.median(_time(x) for x in ok):.2f} us/op"
+                    if ok else "FAILED: " + results[0]["error"])
+            progress(f"[{step}/{steps}] round {r + 1} {config}{' pinned' if pinned else ''}: {what}")
+
     done = 0
     for r in range(rounds):
+        if in_lockstep:
+            for pinned in pinning:
+                group = [c for c, p in plan if p == pinned]
+                if progress:
+                    progress(f"round {r + 1}{' pinned' if pinned else ''}: {', '.join(group)} in lockstep")
+                results = run_lockstep(group, list(traces), lengths, pinned, passes, touch, timeout)
+                for config in group:
+                    done += 1
+                    record(r, config, pinned, results[config], done, rounds * len(plan))
+            continue
         shift = (r * max(len(plan) // 3, 1)) % len(plan)
         for config, pinned in plan[shift:] + plan[:shift]:
-            results = run_child(config, list(traces), pinned, passes, touch, timeout)
             done += 1
-            for trace, res in zip(traces, results):
-                run = runs[(trace, config, pinned)]
-                if "error" in res:
-                    run.rounds.append(None)
-                    run.errors.append(res["error"])
-                else:
-                    run.rounds.append(res)
-            if progress:
-                ok = [x for x in results if "error" not in x]
-                what = (f"{len(ok)}/{len(results)} traces, median {statistics.median(_time(x) for x in ok):.2f} us/op"
-                        if ok else "FAILED: " + results[0]["error"])
-                progress(f"[{done}/{total}] round {r + 1} {config}{' pinned' if pinned else ''}: {what}")
+            record(r, config, pinned, run_child(config, list(traces), pinned, passes, touch, timeout),
+                   done, rounds * len(plan))
     return list(runs.values())
 
 
@@ -98,6 +178,16 @@ def _time(res: dict) -> float:
     only pass when there is one)."""
     times = res["us_per_op"]
     return statistics.median(times[1:] or times)
+
+
+def _paired_ratios(x: dict, n: dict) -> list:
+    """x's time over native's, as the two were paired: pass by pass (the passes after the first)
+    where they ran in lockstep, each pass's slices next to the other's; else one ratio of the
+    grown passes' medians, for processes that ran one after the other."""
+    xs, ns = x["us_per_op"], n["us_per_op"]
+    if x.get("lockstep") and n.get("lockstep") and len(xs) == len(ns):
+        return [a / b for a, b in zip(xs[1:] or xs, ns[1:] or ns)]
+    return [_time(x) / _time(n)]
 
 
 def _calibrated(res: dict) -> float | None:
@@ -167,7 +257,7 @@ def summarise(runs: list) -> list:
             nat = base.get((run.trace, run.pinned))
             pairs = [(x, n) for x, n in zip(run.rounds, nat.rounds if nat else []) if x is not None and n is not None]
             if pairs:
-                ratios = [_time(x) / _time(n) for x, n in pairs]
+                ratios = [q for x, n in pairs for q in _paired_ratios(x, n)]
                 row["x_native"] = statistics.median(ratios)
                 row["wins"] = sum(1 for q in ratios if q <= 1.0)
                 row["pairs"] = len(ratios)
