@@ -63,3 +63,17 @@ def fresh():
 def ranks():
     """Runs a test body as several ranks of a process group (see _harness.run_ranks)."""
     return run_ranks
+
+
+@pytest.fixture(autouse=True)
+def _installs_only_in_fresh_processes():
+    """A test that installs torch_budget in the pytest process itself leaves every later test of
+    that worker running installed (they then fail far from the cause): it errors here, by name.
+    Installs belong in `fresh` processes or in @isolated forks."""
+    from torch_budget import _runtime
+
+    before = _runtime._installed
+    yield
+    if _runtime._installed and not before:
+        pytest.fail("this test installed torch_budget in the pytest process; every later test of this worker "
+                    "would run installed: install in a `fresh` process or an @isolated fork", pytrace=False)
