@@ -17,7 +17,6 @@ one line `LOCKSTEP <answer>` on stdout (other output is ignored, so warnings can
 
 from __future__ import annotations
 
-import os
 import queue
 import subprocess
 import sys
@@ -136,9 +135,3 @@ def commands():
         if line:
             yield line
 
-
-def child_env(extra: dict | None = None) -> dict:
-    """The environment of a child started from this repository or an installed package."""
-    env = {**os.environ, **(extra or {})}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
