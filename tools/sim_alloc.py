@@ -17,7 +17,8 @@ the GPU path, and what changes to the hot path are compared by. With --costs the
 VMM calls spin for what they take on an H200 (TB_HOST_DRIVER_COSTS=1), so the packing figures
 show what a policy bounded in time (Note [Packing time]) does, Python's loop standing in for
 torch's time between operations, and `pack %` the share of the last pass's time packing moves
-took. --gap idles that long before each pass, as bench_alloc's processes do while they time their
+took. --turns N idles after every slice as a process in lockstep with N - 1 others does while they
+take their turns. --gap idles that long before each pass, as bench_alloc's processes do while they time their
 calibration loop and a server does between bursts: the packing credit refills meanwhile (without
 it, the stand-in showed 0.1 bounding lognormal churn, which on an H200 then moved in every pass).
 
@@ -38,11 +39,12 @@ from torch_budget.units import parse_bytes  # noqa: E402
 
 # µs per mapping made and later undone (create 8.6 + map 2.1 + access 20 + unmap 14 + release 10).
 US_PER_MAPPING = 55.0
+SLICE_OPS = 2048  # replay.compare's lockstep slice
 DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 
 
-def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0):
+def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turns=1):
     from _hostcore import Host
 
     trace = read_trace(spec)
@@ -56,13 +58,18 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0):
         time.sleep(gap)
         st = h.stats()
         adopted, packing = st["num_adoptions"], st["packing_ns"]
-        t0 = time.perf_counter()
-        for tid, size, s in ops:
-            if size:
-                slots[tid] = h.malloc(size, streams[s])
-            else:
-                h.free(slots.pop(tid))
-        dt = time.perf_counter() - t0
+        dt = 0.0
+        for a in range(0, len(ops), SLICE_OPS):
+            t0 = time.perf_counter()
+            for tid, size, s in ops[a:a + SLICE_OPS]:
+                if size:
+                    slots[tid] = h.malloc(size, streams[s])
+                else:
+                    h.free(slots.pop(tid))
+            took = time.perf_counter() - t0
+            dt += took
+            if turns > 1:
+                time.sleep(took * (turns - 1))  # the other configurations' turns
         for ptr in slots.values():
             h.free(ptr)
         after = h.counters()
@@ -94,6 +101,9 @@ def main():
     ap.add_argument("--packing-time", type=float, default=None, help="share of time packing may take")
     ap.add_argument("--costs", action="store_true", help="the stand-in's VMM calls take an H200's time")
     ap.add_argument("--gap", type=float, default=0.0, help="seconds idle before each pass")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="idle after every slice of 2,048 operations for (TURNS - 1) times its time, as a process "
+                         "in lockstep with TURNS - 1 others waits for its turn (replay.lockstep)")
     args = ap.parse_args()
     if args.costs:
         os.environ["TB_HOST_DRIVER_COSTS"] = "1"
@@ -102,7 +112,7 @@ def main():
           f"{'last pass maps/kop':>18} {'est us/op':>9} {'pack %':>6} {'adopted/kop':>11} {'core ns/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
-                     args.passes, args.packing_time, args.gap)
+                     args.passes, args.packing_time, args.gap, args.turns)
         n = r["ops"]
         m0, u0, _, _ = r["pass0"]
         m1, u1, _, a1 = r[f"pass{args.passes - 1}"]
