@@ -119,10 +119,30 @@ def test_a_comparison_names_a_trace_it_cannot_read_before_it_starts_a_process(mo
 
     started = []
     monkeypatch.setattr(compare, "run_child", lambda *a, **k: started.append(a) or [])
+    monkeypatch.setattr(compare, "run_lockstep", lambda *a, **k: started.append(a) or {})
     missing = str(tmp_path / "decode_graphs")
-    with pytest.raises(TraceError, match="decode_graphs: cannot read it"):
-        compare.compare(["mix:small", missing], ["native", "tb-vmm"], rounds=1)
+    for in_lockstep in (True, False):
+        with pytest.raises(TraceError, match="decode_graphs: cannot read it"):
+            compare.compare(["mix:small", missing], ["native", "tb-vmm"], rounds=1, in_lockstep=in_lockstep)
     assert started == []
+
+
+@pytest.mark.parametrize("argv,in_lockstep", [([], True), (["--sequential"], False)])
+def test_replay_runs_a_rounds_configurations_in_lockstep_unless_asked_one_after_another(monkeypatch, capsys, argv,
+                                                                                       in_lockstep):
+    torch = pytest.importorskip("torch")
+    from torch_budget.replay import compare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = {}
+
+    def fake_compare(traces, configs, rounds, pinning, passes, touch, progress=None, in_lockstep=None):
+        asked.update(traces=traces, configs=configs, in_lockstep=in_lockstep)
+        return []
+
+    monkeypatch.setattr(compare, "compare", fake_compare)
+    assert cli.main(["replay", "mix:small:2000", "--configs", "native,tb-vmm", *argv]) == 0
+    assert asked == {"traces": ["mix:small:2000"], "configs": ["native", "tb-vmm"], "in_lockstep": in_lockstep}
 
 
 def test_the_comparison_times_the_grown_cache_apart_from_the_first_pass():
