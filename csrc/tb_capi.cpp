@@ -170,6 +170,12 @@ int tb_configure_packing_time(double share) {
   return Allocator::get().configure_packing_time(share) ? 0 : code();
 }
 
+int tb_packing_idle(int device) {
+  clear_error();
+  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->packing_idle();
+  return 0;
+}
+
 int tb_reset_peak_stats(int device) {
   clear_error();
   if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->reset_peaks();

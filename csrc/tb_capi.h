@@ -60,6 +60,9 @@ TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
 // route may spend moving memory to pack it (0: never before the budget refuses; 1: always),
 // for every device, before the first allocation (after tb_configure, which resets it to 0.03).
 TB_API int tb_configure_packing_time(double share);
+// The time that has passed on `device` until now earns no packing credit (Note [Packing time]):
+// for a process that was paused on purpose, such as a benchmark's process waiting for its turn.
+TB_API int tb_packing_idle(int device);
 TB_API int tb_empty_cache(int device);
 // torch's emptyCache(mempool_id): the cached memory of private pool (id0, id1) only.
 TB_API int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1);

@@ -201,3 +201,24 @@ def test_the_turn_order_rotates():
     assert lockstep.rotation(["a", "b", "c"], 1) == ["b", "c", "a"]
     assert lockstep.rotation(["a", "b", "c"], 5) == ["c", "a", "b"]
     assert lockstep.rotation([], 3) == []
+
+
+def test_a_turn_tells_torch_budget_the_wait_earns_no_packing_credit(monkeypatch):
+    import torch_budget
+    from torch_budget import _runtime
+
+    calls = []
+
+    class Library:
+        def tb_packing_idle(self, device):
+            calls.append(device)
+            return 0
+
+    monkeypatch.setattr(_runtime, "library", lambda: Library())
+    monkeypatch.setattr(_runtime, "current_device", lambda: 3)
+    monkeypatch.setattr(torch_budget, "installed", lambda: False)
+    lockstep.turn_starts()
+    assert calls == []  # torch's own allocator: nothing to tell
+    monkeypatch.setattr(torch_budget, "installed", lambda: True)
+    lockstep.turn_starts()
+    assert calls == [3]

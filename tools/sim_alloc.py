@@ -18,7 +18,8 @@ VMM calls spin for what they take on an H200 (TB_HOST_DRIVER_COSTS=1), so the pa
 show what a policy bounded in time (Note [Packing time]) does, Python's loop standing in for
 torch's time between operations, and `pack %` the share of the last pass's time packing moves
 took. --turns N idles after every slice as a process in lockstep with N - 1 others does while they
-take their turns. --gap idles that long before each pass, as bench_alloc's processes do while they time their
+take their turns, and then says the wait earns no packing credit, as lockstep does (--waits-earn:
+it earns). --gap idles that long before each pass, as bench_alloc's processes do while they time their
 calibration loop and a server does between bursts: the packing credit refills meanwhile (without
 it, the stand-in showed 0.1 bounding lognormal churn, which on an H200 then moved in every pass).
 
@@ -44,7 +45,7 @@ DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 
 
-def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turns=1):
+def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turns=1, waits_earn=False):
     from _hostcore import Host
 
     trace = read_trace(spec)
@@ -70,6 +71,8 @@ def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turn
             dt += took
             if turns > 1:
                 time.sleep(took * (turns - 1))  # the other configurations' turns
+                if not waits_earn:
+                    h.lib.tb_packing_idle(0)  # as replay's lockstep says it waited (Note [Packing time])
         for ptr in slots.values():
             h.free(ptr)
         after = h.counters()
@@ -104,6 +107,8 @@ def main():
     ap.add_argument("--turns", type=int, default=1,
                     help="idle after every slice of 2,048 operations for (TURNS - 1) times its time, as a process "
                          "in lockstep with TURNS - 1 others waits for its turn (replay.lockstep)")
+    ap.add_argument("--waits-earn", action="store_true",
+                    help="with --turns: the waits earn packing credit (lockstep does not let them)")
     args = ap.parse_args()
     if args.costs:
         os.environ["TB_HOST_DRIVER_COSTS"] = "1"
@@ -112,7 +117,7 @@ def main():
           f"{'last pass maps/kop':>18} {'est us/op':>9} {'pack %':>6} {'adopted/kop':>11} {'core ns/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
-                     args.passes, args.packing_time, args.gap, args.turns)
+                     args.passes, args.packing_time, args.gap, args.turns, args.waits_earn)
         n = r["ops"]
         m0, u0, _, _ = r["pass0"]
         m1, u1, _, a1 = r[f"pass{args.passes - 1}"]

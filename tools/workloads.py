@@ -150,6 +150,7 @@ def serve(torch, run):
     for line in lockstep.commands():
         try:
             if line == "run":
+                lockstep.turn_starts()
                 t0 = time.perf_counter()
                 check = run()
                 torch.cuda.synchronize()

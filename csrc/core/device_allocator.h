@@ -147,6 +147,8 @@ class DeviceAllocator {
   bool cache_info(size_t* largest);
   void reset_peaks();
   void reset_accumulated();
+  // Note [Packing time]: the time that has passed until now earns no packing credit.
+  void packing_idle();
 
   // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
   // not live / not released, during a capture, or with live memory off the VMM route.

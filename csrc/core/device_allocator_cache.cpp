@@ -97,6 +97,11 @@ void DeviceAllocator::reset_peaks() {
   if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)));
 }
 
+void DeviceAllocator::packing_idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (vmm_) vmm_->packing_idle();
+}
+
 void DeviceAllocator::reset_accumulated() {
   std::lock_guard<std::mutex> lock(mu_);
   ledger_.reset_accumulated();

@@ -29,6 +29,12 @@
 // (1.022 against 1.041) and decode_graphs (1.021 against 1.185) need them; a burst that starts
 // empty, over the stand-in, gave lognormal churn never moving's 1.250 but the serving-like mix 1.055.
 // The budget's refusals are not moves: they reclaim whatever the credit.
+// A process that is paused on purpose can say so (idle()): the time since the last move or
+// check then earns nothing. torch-budget replay's lockstep does, for the process that waited
+// while others took their turns: without it, credit grew with the number of configurations in
+// the round (over the stand-in with an H200's call costs, tools/sim_alloc.py --turns 8
+// --waits-earn: lognormal churn whose process waited 7 times its own time moved in its last pass,
+// 22-23 % of its time, where alone, or told its waits were idle, it moved nothing).
 //
 // Lock rule: used only under the owning DeviceAllocator's mutex.
 #pragma once
@@ -58,6 +64,8 @@ class PackingTime {
     last_ = now;
     return credit_.count() > 0;
   }
+  // The time since the last check earns no credit.
+  void idle() { last_ = Clock::now(); }
   // A move took `giving_back`, then `mapping` of which `past_line` (a share) was the move's.
   void spent(Clock::duration giving_back, Clock::duration mapping, double past_line) {
     if (share_ >= 1.0) return;

@@ -119,6 +119,7 @@ class VmmRoute final : public Backing {
   bool reuse_before_grow() const { return reuse_; }
   // Note [Packing time]: the share of wall-clock time moves may take.
   void set_packing_time(double share) { packing_.set_share(share); }
+  void packing_idle() { packing_.idle(); }
   // At least one granule.
   void set_max_run(size_t bytes) { max_run_ = std::max<size_t>(1, bytes / granule_); }
 

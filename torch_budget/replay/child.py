@@ -223,6 +223,7 @@ def serve(specs: list, traces: list, touch: bool) -> None:
                 r.begin_pass(calibrate_first=False)
                 lockstep.answer("ok")
             elif word == "run":
+                lockstep.turn_starts()
                 lockstep.answer(repr(r.run(int(args[0]), int(args[1]))))
             elif word == "end_pass":
                 r.end_pass()

@@ -16,10 +16,8 @@ pass, which no calibration taken before it sees. With `lockstep` (the default) t
 of a round run at once instead, each in its own process, taking turns slice by slice
 (replay.lockstep): every slow spell falls on all of them alike, and a configuration's ratio is
 the median over every grown pass of every round of its pass time over native's same pass.
-A process that waits for its turn sees time pass, as a workload whose kernels run between its
-allocations does: torch_budget's packing budget (Note [Packing time], a share of wall-clock time)
-accrues then too, so a tight churn that runs out of it alone may pack more here, and spend more
-time moving memory, than in a process timed alone.
+The time a process waits for its turn earns torch_budget no packing credit (lockstep.turn_starts;
+Note [Packing time]: moves draw on a share of wall-clock time): it packs as a process timed alone.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ not theirs. Here every configuration runs at once, each in its own process (the 
 chosen before CUDA starts), but only one works at a time: the parent hands the turn to each in
 a rotating order, a slice of work each (a few milliseconds of a trace, one step of a model), so
 a slow spell of the machine falls on every configuration's slices alike; the pinned ones all
-share one core. A waiting process sleeps on its pipe and has synchronised its device work.
+share one core. A waiting process sleeps on its pipe and has synchronised its device work; the
+time it waited earns torch_budget no packing credit (turn_starts()).
 
 The protocol is lines: the parent writes a command to a child's stdin; the child answers with
 one line `LOCKSTEP <answer>` on stdout (other output is ignored, so warnings cannot break it);
@@ -124,6 +125,18 @@ def rotation(names: list, turn: int) -> list:
 def answer(text: str) -> None:
     sys.stdout.write(PREFIX + text + "\n")
     sys.stdout.flush()
+
+
+def turn_starts() -> None:
+    """In a child, as its turn starts: the time it waited earns torch_budget no packing credit
+    (Note [Packing time]), so it packs as a process that never waited does. Without this a
+    configuration's packing depended on how many others shared its round, and how slow they were."""
+    import torch_budget
+
+    if torch_budget.installed():
+        from torch_budget import _runtime
+
+        _runtime.library().tb_packing_idle(_runtime.current_device())
 
 
 def commands():
