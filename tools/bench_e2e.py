@@ -51,6 +51,11 @@ def one_round(name, repeats, pin):
             child.close()
 
 
+def paired(out):
+    """Each installed run's seconds over the native run's next to it, in one round."""
+    return [b["seconds"] / a["seconds"] for a, b in zip(out["native"]["runs"], out["installed"]["runs"])]
+
+
 def main():
     if cuda_torch("bench_e2e", "real workloads end to end") is None:
         return 0
@@ -66,10 +71,9 @@ def main():
             if "error" in out:
                 what = "FAILED: " + out["error"]
             else:
-                ratios = [b["seconds"] / a["seconds"] for a, b in zip(out["native"]["runs"], out["installed"]["runs"])]
                 what = (f"native {statistics.median(x['seconds'] for x in out['native']['runs']):.3f} s, installed "
                         f"{statistics.median(x['seconds'] for x in out['installed']['runs']):.3f} s, paired median "
-                        f"{statistics.median(ratios):.3f}x")
+                        f"{statistics.median(paired(out)):.3f}x")
             print(f"[round {r + 1}] {n}: {what}", file=sys.stderr, flush=True)
     print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'<=1 in':>7} {'native rsv MiB':>15} "
           f"{'tb rsv MiB':>11} {'checks equal':>13}")
@@ -81,10 +85,8 @@ def main():
             print(f"{n:16} FAILED: {next((x['error'] for x in res[n]), 'no result')}")
             continue
         pairs = [(a, b) for x in ok for a, b in zip(x["native"]["runs"], x["installed"]["runs"])]
-        ratios = [b["seconds"] / a["seconds"] for a, b in pairs]
-        per_round = [statistics.median(b["seconds"] / a["seconds"] for a, b in zip(x["native"]["runs"],
-                                                                                    x["installed"]["runs"]))
-                     for x in ok]
+        ratios = [q for x in ok for q in paired(x)]
+        per_round = [statistics.median(paired(x)) for x in ok]
         ratio = statistics.median(ratios)
         nat_rsv = statistics.median(x["native"]["peak_reserved"] for x in ok)
         tb_rsv = statistics.median(x["installed"]["peak_reserved"] for x in ok)

@@ -36,11 +36,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from torch_budget.replay.child import read_trace  # noqa: E402
+from torch_budget.replay.compare import SLICE_OPS  # noqa: E402  (lockstep's turn)
 from torch_budget.units import parse_bytes  # noqa: E402
 
 # µs per mapping made and later undone (create 8.6 + map 2.1 + access 20 + unmap 14 + release 10).
 US_PER_MAPPING = 55.0
-SLICE_OPS = 2048  # replay.compare's lockstep slice
 DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 

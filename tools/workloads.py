@@ -144,24 +144,21 @@ WORKLOADS = {"llama_generate": (llama_generate, 3), "resnet_amp": (resnet_amp, 6
 
 
 def serve(torch, run):
+    """Lockstep (torch_budget.replay.lockstep): `run` times the timed part once, `result` the peaks."""
     from torch_budget.replay import lockstep
 
-    lockstep.answer("ready")
-    for line in lockstep.commands():
-        try:
-            if line == "run":
-                lockstep.turn_starts()
-                t0 = time.perf_counter()
-                check = run()
-                torch.cuda.synchronize()
-                lockstep.answer(json.dumps({"seconds": time.perf_counter() - t0, "check": check}))
-            elif line == "result":
-                lockstep.answer(json.dumps({"peak_reserved": torch.cuda.max_memory_reserved(),
-                                            "peak_allocated": torch.cuda.max_memory_allocated()}))
-            else:
-                lockstep.answer(f"error unknown command {line!r}")
-        except Exception as e:  # noqa: BLE001  (the parent reports it)
-            lockstep.answer(f"error {type(e).__name__}: {e}".replace("\n", " "))
+    def timed():
+        lockstep.turn_starts()
+        t0 = time.perf_counter()
+        check = run()
+        torch.cuda.synchronize()
+        return json.dumps({"seconds": time.perf_counter() - t0, "check": check})
+
+    def peaks():
+        return json.dumps({"peak_reserved": torch.cuda.max_memory_reserved(),
+                           "peak_allocated": torch.cuda.max_memory_allocated()})
+
+    lockstep.serve({"run": timed, "result": peaks})
     return 0
 
 

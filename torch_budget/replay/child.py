@@ -210,33 +210,30 @@ def serve(specs: list, traces: list, touch: bool) -> None:
     """
     from torch_budget.replay import lockstep
 
-    r = spec = None
-    lockstep.answer("ready")
-    for line in lockstep.commands():
-        word, *args = line.split()
-        try:
-            if word == "begin":
-                spec = specs[int(args[0])]
-                r = Replayer(traces[int(args[0])], touch)
-                lockstep.answer("ok")
-            elif word == "pass":
-                r.begin_pass(calibrate_first=False)
-                lockstep.answer("ok")
-            elif word == "run":
-                lockstep.turn_starts()
-                lockstep.answer(repr(r.run(int(args[0]), int(args[1]))))
-            elif word == "end_pass":
-                r.end_pass()
-                lockstep.answer("ok")
-            elif word == "result":
-                out = r.result()
-                out.update(trace=spec, pid=os.getpid(), lockstep=True)
-                r = None
-                lockstep.answer(json.dumps(out))
-            else:
-                lockstep.answer(f"error unknown command {line!r}")
-        except Exception as e:  # noqa: BLE001  (the parent reports it, naming the configuration)
-            lockstep.answer(f"error {type(e).__name__}: {e}".replace("\n", " "))
+    current = {}  # the trace being replayed: its spec and Replayer
+
+    def begin(t):
+        current.update(spec=specs[int(t)], replayer=Replayer(traces[int(t)], touch))
+        return "ok"
+
+    def start_pass():
+        current["replayer"].begin_pass(calibrate_first=False)
+        return "ok"
+
+    def run(start, stop):
+        lockstep.turn_starts()
+        return repr(current["replayer"].run(int(start), int(stop)))
+
+    def end_pass():
+        current["replayer"].end_pass()
+        return "ok"
+
+    def result():
+        out = current.pop("replayer").result()
+        out.update(trace=current["spec"], pid=os.getpid(), lockstep=True)
+        return json.dumps(out)
+
+    lockstep.serve({"begin": begin, "pass": start_pass, "run": run, "end_pass": end_pass, "result": result})
 
 
 def main(argv=None) -> int:

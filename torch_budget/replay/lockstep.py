@@ -148,3 +148,21 @@ def commands():
         if line:
             yield line
 
+
+def serve(handlers: dict) -> None:
+    """A child's loop: says `ready`, then answers each command with what its handler returns
+    (called with the command's words after the first); a handler's exception, or a command
+    without one, is answered as an error, and the child goes on."""
+    answer("ready")
+    for line in commands():
+        word, *args = line.split()
+        handler = handlers.get(word)
+        if handler is None:
+            answer(f"error unknown command {line!r}")
+            continue
+        try:
+            text = handler(*args)
+        except Exception as e:  # noqa: BLE001  (the parent reports it, naming the configuration)
+            text = f"error {type(e).__name__}: {e}".replace("\n", " ")
+        answer(text)
+
