@@ -1,0 +1,117 @@
+"""Where a `torch.empty + del` round trip spends its time, natively and under install(): the
+configurations run at once, each in its own process, all pinned to the same core, timing
+batches of round trips in CPU time (so the time the other process holds the core is not
+counted, and a slow spell of the core falls on both); the median batch is reported, with the
+same loop on torch's `meta` device (no memory at all) as the floor every CUDA allocator sits on.
+With --perf DIR and `perf` on the machine, each configuration is then profiled alone and the
+time by library and by symbol written to DIR/<config>.txt.
+
+    python tools/probe_roundtrip.py [--sizes 4096,1048576,67108864] [--perf DIR]
+"""
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIGS = ("native", "tb-vmm")
+BATCH = 4000
+BATCHES = 60
+
+
+def child(config, sizes, batches, meta):
+    from torch_budget.replay.configs import apply_config
+    from torch_budget.replay.machine import pin_to_one_core
+
+    pin_to_one_core()
+    import torch
+
+    apply_config(config)
+    dev = torch.device("meta") if meta else torch.device("cuda", 0)
+    empty, uint8 = torch.empty, torch.uint8
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    for size in sizes:
+        for _ in range(BATCH):  # the cache grows outside the timed batches
+            t = empty(size, dtype=uint8, device=dev)
+            del t
+        times = []
+        for _ in range(batches):
+            t0 = time.thread_time()
+            for _ in range(BATCH):
+                t = empty(size, dtype=uint8, device=dev)
+                del t
+            times.append((time.thread_time() - t0) / BATCH * 1e6)
+        print(f"ROUNDTRIP {size} {statistics.median(times):.4f} {min(times):.4f}", flush=True)
+
+
+def run_together(sizes, batches):
+    cmds = {c: [sys.executable, __file__, "--child", c, "--sizes", ",".join(map(str, sizes)),
+                "--batches", str(batches)] for c in CONFIGS}
+    cmds["meta"] = cmds["native"] + ["--meta"]
+    procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCH_BUDGET_CONF": ""})
+             for c, cmd in cmds.items()}
+    out = {}
+    for c, p in procs.items():
+        text, _ = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"probe_roundtrip: {c} failed ({p.returncode})")
+        out[c] = {int(f[1]): (float(f[2]), float(f[3])) for f in (ln.split() for ln in text.splitlines())
+                  if f and f[0] == "ROUNDTRIP"}
+    return out
+
+
+def profile(sizes, folder):
+    if shutil.which("perf") is None:
+        print("probe_roundtrip: no perf on this machine: no profiles")
+        return
+    os.makedirs(folder, exist_ok=True)
+    for c in CONFIGS:
+        data = os.path.join(folder, f"{c}.data")
+        cmd = [sys.executable, __file__, "--child", c, "--sizes", ",".join(map(str, sizes)), "--batches", "100"]
+        r = subprocess.run(["perf", "record", "-F", "4000", "-o", data, "--"] + cmd, capture_output=True,
+                           text=True, env={**os.environ, "TORCH_BUDGET_CONF": ""})
+        if r.returncode:
+            print(f"probe_roundtrip: perf record {c} failed: {r.stderr[-400:]}")
+            continue
+        with open(os.path.join(folder, f"{c}.txt"), "w") as f:
+            for sort in ("dso", "dso,symbol"):
+                f.flush()
+                subprocess.run(["perf", "report", "-i", data, "--stdio", "--percent-limit", "0.2", "--sort", sort],
+                               stdout=f, stderr=subprocess.DEVNULL)
+        os.remove(data)
+        print(f"probe_roundtrip: profile of {c} in {folder}/{c}.txt")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4096,1048576,67108864")
+    ap.add_argument("--batches", type=int, default=BATCHES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--perf")
+    ap.add_argument("--child")
+    ap.add_argument("--meta", action="store_true")
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if a.child:
+        child(a.child, sizes, a.batches, a.meta)
+        return
+    rows = {}
+    for _ in range(a.rounds):
+        for c, by_size in run_together(sizes, a.batches).items():
+            for size, (med, _) in by_size.items():
+                rows.setdefault((size, c), []).append(med)
+    print(f"{'size':>10} {'meta us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} {'(tb-meta)/(native-meta)':>24}")
+    for size in sizes:
+        m, n, t = (statistics.median(rows[(size, c)]) for c in ("meta", "native", "tb-vmm"))
+        print(f"{size:>10} {m:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {(t - m) / (n - m):24.3f}")
+    if a.perf:
+        profile(sizes, a.perf)
+
+
+if __name__ == "__main__":
+    main()
