@@ -176,6 +176,12 @@ int tb_packing_idle(int device) {
   return 0;
 }
 
+int tb_packing_refill(int device) {
+  clear_error();
+  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->packing_refill();
+  return 0;
+}
+
 int tb_reset_peak_stats(int device) {
   clear_error();
   if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->reset_peaks();

@@ -63,6 +63,10 @@ TB_API int tb_configure_packing_time(double share);
 // The time that has passed on `device` until now earns no packing credit (Note [Packing time]):
 // for a process that was paused on purpose, such as a benchmark's process waiting for its turn.
 TB_API int tb_packing_idle(int device);
+// The packing credit of `device` is a full burst again, as at the process's start (Note [Packing
+// time]): for a benchmark that replays one trace after another in one process, each as a process
+// of its own would.
+TB_API int tb_packing_refill(int device);
 TB_API int tb_empty_cache(int device);
 // torch's emptyCache(mempool_id): the cached memory of private pool (id0, id1) only.
 TB_API int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1);

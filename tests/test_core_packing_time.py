@@ -31,18 +31,21 @@ int main() {
   std::this_thread::sleep_for(80ms);
   p.idle();
   const bool after_idle = p.may_move();
-  std::printf("%d %d %d\n", right_after, after_waiting, after_idle);
+  // Starting over (a benchmark's next trace, as a process of its own): a full burst at once.
+  p.refill();
+  const bool after_refill = p.may_move();
+  std::printf("%d %d %d %d\n", right_after, after_waiting, after_idle, after_refill);
   return 0;
 }
 """
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile the header's test program")
-def test_waiting_earns_packing_credit_unless_the_wait_was_idle(tmp_path):
+def test_waiting_earns_packing_credit_unless_the_wait_was_idle_and_a_refill_gives_a_burst(tmp_path):
     src = tmp_path / "packing_time.cpp"
     src.write_text(PROGRAM)
     exe = tmp_path / "packing_time"
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(REPO / "csrc"), str(src), "-o", str(exe)], check=True,
                    capture_output=True, text=True, timeout=120)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout.split()
-    assert out == ["0", "1", "0"], out
+    assert out == ["0", "1", "0", "1"], out

@@ -227,3 +227,24 @@ def test_a_turn_tells_torch_budget_the_wait_earns_no_packing_credit(monkeypatch)
     monkeypatch.setattr(torch_budget, "installed", lambda: True)
     lockstep.turn_starts()
     assert calls == [3]
+
+
+def test_each_trace_starts_with_the_packing_credit_of_a_fresh_process(monkeypatch):
+    import torch_budget
+    from torch_budget import _runtime
+    from torch_budget.replay import child
+
+    calls = []
+
+    class Library:
+        def tb_packing_refill(self, device):
+            calls.append(device)
+            return 0
+
+    monkeypatch.setattr(_runtime, "library", lambda: Library())
+    monkeypatch.setattr(_runtime, "current_device", lambda: 2)
+    child.starts_afresh(torch_budget)  # not installed here: torch's own allocator
+    assert calls == []
+    monkeypatch.setattr(torch_budget, "installed", lambda: True)
+    child.starts_afresh(torch_budget)
+    assert calls == [2]

@@ -57,6 +57,7 @@ def _core_signatures():
         "tb_configure_tag_budget": (i, [i, i64, d]),
         "tb_configure_packing_time": (i, [d]),
         "tb_packing_idle": (i, [i]),
+        "tb_packing_refill": (i, [i]),
         "tb_empty_cache": (i, [i]),
         "tb_empty_pool_cache": (i, [i, u64, u64]),
         "tb_reset_peak_stats": (i, [i]),

@@ -147,8 +147,10 @@ class DeviceAllocator {
   bool cache_info(size_t* largest);
   void reset_peaks();
   void reset_accumulated();
-  // Note [Packing time]: the time that has passed until now earns no packing credit.
+  // Note [Packing time]: the time that has passed until now earns no packing credit;
+  // packing_refill(): the credit is a full burst again, as at the process's start.
   void packing_idle();
+  void packing_refill();
 
   // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
   // not live / not released, during a capture, or with live memory off the VMM route.

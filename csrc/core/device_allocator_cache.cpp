@@ -102,6 +102,11 @@ void DeviceAllocator::packing_idle() {
   if (vmm_) vmm_->packing_idle();
 }
 
+void DeviceAllocator::packing_refill() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (vmm_) vmm_->packing_refill();
+}
+
 void DeviceAllocator::reset_accumulated() {
   std::lock_guard<std::mutex> lock(mu_);
   ledger_.reset_accumulated();

@@ -35,6 +35,12 @@
 // the round (over the stand-in with an H200's call costs, tools/sim_alloc.py --turns 8
 // --waits-earn: lognormal churn whose process waited 7 times its own time moved in its last pass,
 // 22-23 % of its time, where alone, or told its waits were idle, it moved nothing).
+// A process that starts over on purpose can say so too (refill()): the credit is a full burst
+// again, as at its start. torch-budget replay does, as each trace begins from an emptied cache,
+// so that a trace replayed after others in the same process packs as it would in a process of its
+// own: with its waits idle but the credit left as the trace before spent it (lognormal churn spends
+// the whole burst), decode_graphs in lockstep on an H100 packed to 1.185, never moving's figure,
+// where a process of its own (the stand-in, tools/sim_alloc.py) packs it to 1.013.
 //
 // Lock rule: used only under the owning DeviceAllocator's mutex.
 #pragma once
@@ -66,6 +72,11 @@ class PackingTime {
   }
   // The time since the last check earns no credit.
   void idle() { last_ = Clock::now(); }
+  // A full burst of credit, as at the start.
+  void refill() {
+    credit_ = kBurst;
+    last_ = Clock::now();
+  }
   // A move took `giving_back`, then `mapping` of which `past_line` (a share) was the move's.
   void spent(Clock::duration giving_back, Clock::duration mapping, double past_line) {
     if (share_ >= 1.0) return;

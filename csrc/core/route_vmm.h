@@ -120,6 +120,7 @@ class VmmRoute final : public Backing {
   // Note [Packing time]: the share of wall-clock time moves may take.
   void set_packing_time(double share) { packing_.set_share(share); }
   void packing_idle() { packing_.idle(); }
+  void packing_refill() { packing_.refill(); }
   // At least one granule.
   void set_max_run(size_t bytes) { max_run_ = std::max<size_t>(1, bytes / granule_); }
 
