@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="a memory-history pickle, a .tbtrace[.gz] file, or mix:<name>")
     p.add_argument("--configs", default=",".join(DEFAULT),
-                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; native is always run)")
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; native is always run)".replace("%", "%%"))
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--passes", type=positive_int, default=3,
                    help="replays of the trace in each process, each timed (default 3; a short trace runs more, "
