@@ -2,7 +2,11 @@
 configurations run at once, each in its own process, all pinned to the same core, timing
 batches of round trips in CPU time (so the time the other process holds the core is not
 counted, and a slow spell of the core falls on both); the median batch is reported, with the
-same loop on torch's `meta` device (no memory at all) as the floor every CUDA allocator sits on.
+same loop on torch's `meta` device (no memory at all), and under `floor`: a subclass of torch's
+CUDAPluggableAllocator that overrides allocate() and raw_deleter() as torch_budget's bridge does
+and hands out addresses from one cudaMalloc with no bookkeeping at all (a bump pointer, frees
+ignored), built here with torch's extension builder: the least any allocator behind torch's
+interface can cost, so (tb - floor) / (native - floor) is what each allocator's own work costs.
 With --perf DIR and `perf` on the machine, each configuration is then profiled alone and the
 time by library and by symbol written to DIR/<config>.txt.
 
@@ -19,6 +23,74 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIGS = ("native", "tb-vmm")
+FLOOR_ARENA = 256 << 20  # the bump pointer wraps within it: each tensor dies before the next
+
+FLOOR_SOURCE = r"""
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <memory>
+
+namespace {
+char* base = nullptr;
+size_t capacity = 0, offset = 0;
+void ignore(void*) {}
+
+class Floor final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  Floor()
+      : CUDAPluggableAllocator([](size_t, int, cudaStream_t) -> void* { return nullptr; },
+                               [](void*, size_t, int, cudaStream_t) {}) {}
+  c10::DataPtr allocate(size_t size) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    (void)c10::cuda::getCurrentCUDAStream(device);  // what every allocator asks for
+    size = (size + 511) & ~size_t{511};
+    if (offset + size > capacity) offset = 0;
+    void* p = base + offset;
+    offset += size;
+    return {p, p, &ignore, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &ignore; }
+};
+}  // namespace
+
+extern "C" int probe_install_floor(long long bytes) {
+  if (cudaMalloc(reinterpret_cast<void**>(&base), static_cast<size_t>(bytes)) != cudaSuccess) return 1;
+  capacity = static_cast<size_t>(bytes);
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(std::make_shared<Floor>());
+  return 0;
+}
+"""
+
+
+def build_floor():
+    """FLOOR_SOURCE as a library, by torch's extension builder, which caches it: the parent builds
+    it once before any process is timed, the children find it built."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    folder = os.path.join(tempfile.gettempdir(), "tb_probe_floor")
+    os.makedirs(folder, exist_ok=True)
+    source = os.path.join(folder, "floor.cpp")
+    if not os.path.exists(source) or open(source).read() != FLOOR_SOURCE:
+        with open(source, "w") as f:
+            f.write(FLOOR_SOURCE)
+    return load("tb_probe_floor", sources=[source], with_cuda=True, is_python_module=False, extra_cflags=["-O2"],
+                build_directory=folder)
+
+
+def install_floor():
+    """Makes the floor allocator torch's, before CUDA's first allocation."""
+    import ctypes
+
+    lib = ctypes.CDLL(build_floor())
+    if lib.probe_install_floor(ctypes.c_longlong(FLOOR_ARENA)) != 0:
+        raise SystemExit("probe_roundtrip: the floor allocator's cudaMalloc failed")
+
+
 BATCH = 4000
 BATCHES = 60
 
@@ -30,7 +102,10 @@ def child(config, sizes, batches, meta):
     pin_to_one_core()
     import torch
 
-    apply_config(config)
+    if config == "floor":
+        install_floor()
+    else:
+        apply_config(config)
     dev = torch.device("meta") if meta else torch.device("cuda", 0)
     empty, uint8 = torch.empty, torch.uint8
     torch.zeros(1, device="cuda").add_(1)
@@ -53,6 +128,7 @@ def run_together(sizes, batches):
     cmds = {c: [sys.executable, __file__, "--child", c, "--sizes", ",".join(map(str, sizes)),
                 "--batches", str(batches)] for c in CONFIGS}
     cmds["meta"] = cmds["native"] + ["--meta"]
+    cmds["floor"] = [x if x != "native" else "floor" for x in cmds["native"]]
     procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCH_BUDGET_CONF": ""})
              for c, cmd in cmds.items()}
     out = {}
@@ -100,15 +176,18 @@ def main():
     if a.child:
         child(a.child, sizes, a.batches, a.meta)
         return
+    build_floor()
     rows = {}
     for _ in range(a.rounds):
         for c, by_size in run_together(sizes, a.batches).items():
             for size, (med, _) in by_size.items():
                 rows.setdefault((size, c), []).append(med)
-    print(f"{'size':>10} {'meta us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} {'(tb-meta)/(native-meta)':>24}")
+    print(f"{'size':>10} {'meta us':>8} {'floor us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} "
+          f"{'floor/native':>12} {'(tb-meta)/(native-meta)':>24} {'(tb-floor)/(native-floor)':>26}")
     for size in sizes:
-        m, n, t = (statistics.median(rows[(size, c)]) for c in ("meta", "native", "tb-vmm"))
-        print(f"{size:>10} {m:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {(t - m) / (n - m):24.3f}")
+        m, f, n, t = (statistics.median(rows[(size, c)]) for c in ("meta", "floor", "native", "tb-vmm"))
+        print(f"{size:>10} {m:8.3f} {f:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {f / n:12.3f} {(t - m) / (n - m):24.3f} "
+              f"{(t - f) / (n - f):26.3f}")
     if a.perf:
         profile(sizes, a.perf)
 
