@@ -184,10 +184,13 @@ def main():
                 rows.setdefault((size, c), []).append(med)
     print(f"{'size':>10} {'meta us':>8} {'floor us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} "
           f"{'floor/native':>12} {'(tb-meta)/(native-meta)':>24} {'(tb-floor)/(native-floor)':>26}")
+    result = []
     for size in sizes:
         m, f, n, t = (statistics.median(rows[(size, c)]) for c in ("meta", "floor", "native", "tb-vmm"))
         print(f"{size:>10} {m:8.3f} {f:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {f / n:12.3f} {(t - m) / (n - m):24.3f} "
               f"{(t - f) / (n - f):26.3f}")
+        result.append(f"{size}B:tb={t / n:.3f}x,floor={f / n:.3f}x")
+    print("RESULT probe_roundtrip " + " ".join(result))
     if a.perf:
         profile(sizes, a.perf)
 
