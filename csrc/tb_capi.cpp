@@ -26,6 +26,14 @@ int code() {
   return c == kOk ? kDriverError : c;
 }
 
+// A call that only tells `device` something: done if the device has served, else nothing to tell.
+template <typename Tell>
+int tell_device(int device, Tell tell) {
+  clear_error();
+  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) tell(*d);
+  return 0;
+}
+
 int64_t hand_over(const std::string& text, char* buffer, int64_t capacity) {
   const auto n = static_cast<int64_t>(text.size());
   if (buffer != nullptr && capacity > n) std::memcpy(buffer, text.c_str(), text.size() + 1);
@@ -171,21 +179,15 @@ int tb_configure_packing_time(double share) {
 }
 
 int tb_packing_idle(int device) {
-  clear_error();
-  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->packing_idle();
-  return 0;
+  return tell_device(device, [](DeviceAllocator& d) { d.packing_idle(); });
 }
 
 int tb_packing_refill(int device) {
-  clear_error();
-  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->packing_refill();
-  return 0;
+  return tell_device(device, [](DeviceAllocator& d) { d.packing_refill(); });
 }
 
 int tb_reset_peak_stats(int device) {
-  clear_error();
-  if (DeviceAllocator* d = Allocator::get().device_if_ready(device)) d->reset_peaks();
-  return 0;
+  return tell_device(device, [](DeviceAllocator& d) { d.reset_peaks(); });
 }
 
 int tb_empty_cache(int device) {
