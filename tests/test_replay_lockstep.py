@@ -6,6 +6,7 @@ import os
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -208,43 +209,31 @@ def test_the_turn_order_rotates():
     assert lockstep.rotation([], 3) == []
 
 
-def test_a_turn_tells_torch_budget_the_wait_earns_no_packing_credit(monkeypatch):
+def _told(monkeypatch, call, device, tell):
+    """The devices `tell()` passes to the C ABI's `call`: under torch's own allocator, then installed."""
     import torch_budget
     from torch_budget import _runtime
 
     calls = []
-
-    class Library:
-        def tb_packing_idle(self, device):
-            calls.append(device)
-            return 0
-
-    monkeypatch.setattr(_runtime, "library", lambda: Library())
-    monkeypatch.setattr(_runtime, "current_device", lambda: 3)
+    monkeypatch.setattr(_runtime, "library", lambda: SimpleNamespace(**{call: lambda d: calls.append(d) or 0}))
+    monkeypatch.setattr(_runtime, "current_device", lambda: device)
     monkeypatch.setattr(torch_budget, "installed", lambda: False)
-    lockstep.turn_starts()
-    assert calls == []  # torch's own allocator: nothing to tell
+    tell()
+    native = list(calls)
     monkeypatch.setattr(torch_budget, "installed", lambda: True)
-    lockstep.turn_starts()
-    assert calls == [3]
+    tell()
+    return native, calls[len(native):]
+
+
+def test_a_turn_tells_torch_budget_the_wait_earns_no_packing_credit(monkeypatch):
+    native, installed = _told(monkeypatch, "tb_packing_idle", 3, lockstep.turn_starts)
+    assert native == []  # torch's own allocator: nothing to tell
+    assert installed == [3]
 
 
 def test_each_trace_starts_with_the_packing_credit_of_a_fresh_process(monkeypatch):
-    import torch_budget
-    from torch_budget import _runtime
     from torch_budget.replay import child
 
-    calls = []
-
-    class Library:
-        def tb_packing_refill(self, device):
-            calls.append(device)
-            return 0
-
-    monkeypatch.setattr(_runtime, "library", lambda: Library())
-    monkeypatch.setattr(_runtime, "current_device", lambda: 2)
-    child.starts_afresh(torch_budget)  # not installed here: torch's own allocator
-    assert calls == []
-    monkeypatch.setattr(torch_budget, "installed", lambda: True)
-    child.starts_afresh(torch_budget)
-    assert calls == [2]
+    native, installed = _told(monkeypatch, "tb_packing_refill", 2, child.starts_afresh)
+    assert native == []
+    assert installed == [2]

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from torch_budget.replay import lockstep
 from torch_budget.replay.configs import CONFIGS, apply_config
 from torch_budget.replay.machine import pin_near_gpu, pin_to_one_core
 from torch_budget.replay.mixes import mix
@@ -75,17 +76,14 @@ def _device_calls(torch) -> int:
     return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
 
-def starts_afresh(torch_budget) -> None:
+def starts_afresh() -> None:
     """Under install(): the packing credit is a full burst again, as when a process starts (Note
     [Packing time]). One process replays trace after trace, each from an emptied cache with its
     peaks reset; without this a trace also began with whatever credit the one before left (lognormal
     churn spends all of it), and packed as no process of its own does: decode_graphs replayed after
     lognormal churn in lockstep, on an H100, 1.185 peak reserved over peak live where a process of its
     own packs it to 1.013 (over the stand-in with an H200's call costs, 1.185 and 1.013)."""
-    if torch_budget.installed():
-        from torch_budget import _runtime
-
-        _runtime.library().tb_packing_refill(_runtime.current_device())
+    lockstep.tell_installed("tb_packing_refill")
 
 
 def _backing_ns(torch_budget) -> tuple[int, int]:
@@ -116,7 +114,7 @@ class Replayer:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        starts_afresh(torch_budget)
+        starts_afresh()
         self.base_reserved = torch.cuda.memory_reserved()
         self.times = []  # µs per operation, per pass
         self.calibration = []  # calibrate()'s µs per operation just before each pass
@@ -223,8 +221,6 @@ def serve(specs: list, traces: list, touch: bool) -> None:
     end_pass        end the pass                                        -> ok
     result          the trace's figures, as replay() returns them       -> <json>
     """
-    from torch_budget.replay import lockstep
-
     current = {}  # the trace being replayed: its spec and Replayer
 
     def begin(t):

@@ -127,16 +127,22 @@ def answer(text: str) -> None:
     sys.stdout.flush()
 
 
-def turn_starts() -> None:
-    """In a child, as its turn starts: the time it waited earns torch_budget no packing credit
-    (Note [Packing time]), so it packs as a process that never waited does. Without this a
-    configuration's packing depended on how many others shared its round, and how slow they were."""
+def tell_installed(call: str) -> None:
+    """Under install(): the C ABI's `call` on the current device (a replaying child's word on its
+    packing credit, Note [Packing time]); torch's own allocator has nothing to tell."""
     import torch_budget
 
     if torch_budget.installed():
         from torch_budget import _runtime
 
-        _runtime.library().tb_packing_idle(_runtime.current_device())
+        getattr(_runtime.library(), call)(_runtime.current_device())
+
+
+def turn_starts() -> None:
+    """In a child, as its turn starts: the time it waited earns torch_budget no packing credit
+    (Note [Packing time]), so it packs as a process that never waited does. Without this a
+    configuration's packing depended on how many others shared its round, and how slow they were."""
+    tell_installed("tb_packing_idle")
 
 
 def commands():
