@@ -121,23 +121,26 @@ def child(config, sizes, batches, meta):
                 t = empty(size, dtype=uint8, device=dev)
                 del t
             times.append((time.thread_time() - t0) / BATCH * 1e6)
-        print(f"ROUNDTRIP {size} {statistics.median(times):.4f} {min(times):.4f}", flush=True)
+        print(f"ROUNDTRIP {size} {statistics.median(times):.4f}", flush=True)
+
+
+def child_command(config, sizes, batches, meta=False):
+    """This script as a child timing `config`, and its environment (no torch_budget settings
+    inherited: install() is given the configuration's own)."""
+    cmd = [sys.executable, __file__, "--child", config, "--sizes", ",".join(map(str, sizes)), "--batches", str(batches)]
+    return cmd + ["--meta"] * meta, {**os.environ, "TORCH_BUDGET_CONF": ""}
 
 
 def run_together(sizes, batches):
-    cmds = {c: [sys.executable, __file__, "--child", c, "--sizes", ",".join(map(str, sizes)),
-                "--batches", str(batches)] for c in CONFIGS}
-    cmds["meta"] = cmds["native"] + ["--meta"]
-    cmds["floor"] = [x if x != "native" else "floor" for x in cmds["native"]]
-    procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCH_BUDGET_CONF": ""})
-             for c, cmd in cmds.items()}
+    cmds = {c: child_command(c, sizes, batches) for c in CONFIGS + ("floor",)}
+    cmds["meta"] = child_command("native", sizes, batches, meta=True)
+    procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for c, (cmd, env) in cmds.items()}
     out = {}
     for c, p in procs.items():
         text, _ = p.communicate()
         if p.returncode:
             raise SystemExit(f"probe_roundtrip: {c} failed ({p.returncode})")
-        out[c] = {int(f[1]): (float(f[2]), float(f[3])) for f in (ln.split() for ln in text.splitlines())
-                  if f and f[0] == "ROUNDTRIP"}
+        out[c] = {int(f[1]): float(f[2]) for f in (ln.split() for ln in text.splitlines()) if f and f[0] == "ROUNDTRIP"}
     return out
 
 
@@ -148,9 +151,9 @@ def profile(sizes, folder):
     os.makedirs(folder, exist_ok=True)
     for c in CONFIGS:
         data = os.path.join(folder, f"{c}.data")
-        cmd = [sys.executable, __file__, "--child", c, "--sizes", ",".join(map(str, sizes)), "--batches", "100"]
-        r = subprocess.run(["perf", "record", "-F", "4000", "-o", data, "--"] + cmd, capture_output=True,
-                           text=True, env={**os.environ, "TORCH_BUDGET_CONF": ""})
+        cmd, env = child_command(c, sizes, 100)
+        r = subprocess.run(["perf", "record", "-F", "4000", "-o", data, "--"] + cmd, capture_output=True, text=True,
+                           env=env)
         if r.returncode:
             print(f"probe_roundtrip: perf record {c} failed: {r.stderr[-400:]}")
             continue
@@ -180,8 +183,8 @@ def main():
     rows = {}
     for _ in range(a.rounds):
         for c, by_size in run_together(sizes, a.batches).items():
-            for size, (med, _) in by_size.items():
-                rows.setdefault((size, c), []).append(med)
+            for size, median in by_size.items():
+                rows.setdefault((size, c), []).append(median)
     print(f"{'size':>10} {'meta us':>8} {'floor us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} "
           f"{'floor/native':>12} {'(tb-meta)/(native-meta)':>24} {'(tb-floor)/(native-floor)':>26}")
     result = []
