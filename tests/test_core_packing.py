@@ -43,19 +43,27 @@ def test_the_cost_of_new_memory_does_not_grow_with_the_card():
     assert large < 2 * small, (small, large)
 
 
-def event_calls_over_frees(busy, n=1024):
+MARK_INTERVAL = 500e-6  # StreamClock::kMarkInterval
+
+
+def event_calls_over_frees(busy, n=1024, pause=0.0):
     """cuEventRecord / cuEventQuery calls over n allocate + free pairs on one stream, whose
-    queued work never completes when `busy` (a GPU far behind the host)."""
+    queued work never completes when `busy` (a GPU far behind the host), and the seconds they
+    took; with `pause`, the loop stops that long halfway."""
     h = Host(capacity=4 * GiB, route="vmm")
     s = h.stream()
     h.free(h.malloc(MiB, s))
     before = h.event_calls()
-    for _ in range(n):
+    t0 = time.perf_counter()
+    for i in range(n):
         if busy:
             h.submit(s)
+        if pause and i == n // 2:
+            time.sleep(pause)
         h.free(h.malloc(4096, s))
+    elapsed = time.perf_counter() - t0
     after = h.event_calls()
-    return {k: after[k] - before[k] for k in after}
+    return {**{k: after[k] - before[k] for k in after}, "seconds": elapsed}
 
 
 def test_a_stream_far_behind_the_host_costs_no_event_query_per_free():
@@ -63,9 +71,19 @@ def test_a_stream_far_behind_the_host_costs_no_event_query_per_free():
     # One mark outstanding, looked at every eighth free (it was queried on every free past
     # the 32nd once it was outstanding).
     assert busy["records"] <= 1 and busy["queries"] <= 1024 // 8 + 1, busy
-    idle = in_child(event_calls_over_frees, False)
-    # A stream whose work completes is still marked every 32 frees, so its memory turns clean.
-    assert 1024 // 32 - 2 <= idle["records"] <= 1024 // 32 + 2, idle
+
+
+def test_a_tight_loop_of_frees_is_marked_by_time_not_by_count():
+    # A record and a query are two driver calls: a mark every 32 frees was
+    # a record and a query per 32 round trips of a tight loop. By time, the loop pays for
+    # one per kMarkInterval at most (and the first free's).
+    idle = in_child(event_calls_over_frees, False, 4096)
+    assert idle["records"] <= idle["seconds"] / MARK_INTERVAL + 2, idle
+    # Memory freed a while ago still turns clean without waiting: a free after the interval
+    # marks the stream again.
+    paused = in_child(event_calls_over_frees, False, 4096, 0.01)
+    assert paused["records"] >= 2, paused
+    assert paused["records"] <= paused["seconds"] / MARK_INTERVAL + 2, paused
 
 
 @isolated

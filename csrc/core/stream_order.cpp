@@ -31,7 +31,10 @@ void StreamClock::note_free(CUstream stream) {
   // whose queued work runs far behind the host keeps incomplete for many frees.
   if (m != nullptr && (++m->frees & 7) != 0) return;
   const auto now = std::chrono::steady_clock::now();
-  if (m != nullptr && m->frees < kMarkFrees && now - m->at < kMarkInterval) return;
+  // By time alone: a record and a query are two driver calls, which a mark
+  // every 32 frees charged a tight loop of allocations (the slow path, refresh(), marks
+  // anew whenever it needs to know what is clean).
+  if (m != nullptr && now - m->at < kMarkInterval) return;
   if (m == nullptr) {
     marks_.push_back(Mark{stream, 0, nullptr, now, 0});
     m = &marks_.back();

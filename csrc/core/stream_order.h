@@ -13,11 +13,11 @@
 // need more, they ask for synchronisations (request()); the device allocator runs
 // them with its lock released and retries.
 // Waiting is the last resort: as frees happen, the clock records an event on the
-// freeing stream now and then (at most one outstanding per stream; a new one after
-// kMarkFrees frees or kMarkInterval since the last, looked at every eighth free so that
-// a stream far behind the host costs no query per free), and an event found complete makes
-// that stream clean up to the stamp it was recorded at. So memory freed a while ago is
-// clean without anyone waiting for the device.
+// freeing stream now and then (at most one outstanding per stream; a new one kMarkInterval
+// after the last, looked at every eighth free so that a stream far behind the host costs no
+// query per free; the slow path marks anew when it needs to know, refresh()), and an event
+// found complete makes that stream clean up to the stamp it was recorded at. So memory freed
+// a while ago is clean without anyone waiting for the device.
 //
 // Lock rule: used only under the owning DeviceAllocator's mutex (events come from the
 // EventCache, whose own mutex nests inside it).
@@ -43,7 +43,6 @@ class StreamClock {
   StreamClock& operator=(const StreamClock&) = delete;
 
   static constexpr std::chrono::microseconds kMarkInterval{500};
-  static constexpr int kMarkFrees = 32;
 
   uint64_t stamp() { return ++now_; }
   uint64_t now() const { return now_; }
