@@ -310,16 +310,70 @@ std::vector<Segment*> BlockPool::idle_clean_segments() const {
   return idle;
 }
 
-void BlockPool::free(Block* block) {
+void BlockPool::free(Block* block, uint64_t freed_at) {
   block->allocated = false;
   block->pending = 0;
   block->recorded.clear();
-  block->freed_at = clock_->stamp();
+  block->freed_at = freed_at != 0 ? freed_at : clock_->stamp();
   block->segment->live--;
   live_--;
   block = coalesce(block, FreeSet::node_type());
   // A refusal leaves the segment cached; release_cached retries it.
   if (release_on_free_ && block->segment->live == 0) backing_->destroy_segment(*block->segment);
+}
+
+Block* BlockPool::take_back(Block* b, size_t size) {
+  const size_t rounded = round_size(size);
+  const bool small = rounded <= small_max_;
+  if (no_split_ || release_on_free_ || b->size != rounded || b->segment->small != small) return nullptr;
+  CUstream stream = nullptr;
+  uint64_t stamp = 0;
+  // A free front neighbour would merge: the block handed out would start before b.
+  if (b->prev != nullptr && mergeable(b, b->prev, &stream, &stamp)) return nullptr;
+  Block* next = nullptr;
+  uint64_t next_stamp = 0;
+  if (b->next != nullptr && mergeable(b, b->next, &stream, &next_stamp)) {
+    // The merged block must stay b's stream's and split again where b ends.
+    if (stream != b->stream || b->next->size < min_split_remainder(small)) return nullptr;
+    next = b->next;
+  }
+  const size_t merged = rounded + (next != nullptr ? next->size : 0);
+  // Best fit: b (merged) is chosen unless another free block of its stream fits before it in
+  // the set's order (stream, size, address). Its memory is mapped (it was live), so place()
+  // takes it without looking further, and splits it where b ends.
+  FreeSet& fs = free_set(small);
+  Block key;
+  key.stream = b->stream;
+  key.size = rounded;
+  key.ptr = 0;
+  auto it = fs.lower_bound(&key);
+  if (it != fs.end() && *it == next) ++it;
+  if (it != fs.end() && (*it)->stream == b->stream) {
+    const Block* other = *it;
+    if (other->size < merged || (other->size == merged && other->ptr < b->ptr)) return nullptr;
+  }
+  // What the pair leaves besides b: coalesce's notes of neighbours left apart (Note [Adopting
+  // clean blocks]; stale ones are pruned later, as after the pair), and the remainder split()
+  // cuts off the merged block: b's stream, the merged stamp and figure, noted in turn.
+  Block* after = next != nullptr ? next->next : b->next;
+  const bool apart_after = after != nullptr && after->is_free();
+  if (b->prev != nullptr && b->prev->is_free()) unmerged_.push_back(b->prev);
+  if (apart_after) unmerged_.push_back(b);
+  if (unmerged_.size() > 64 + 2 * (small_free_.size() + large_free_.size())) prune_unmerged();
+  if (next != nullptr) {
+    if (next->stream != stream) {  // the set is ordered by stream first
+      FreeSet::node_type node = unfile(fs, next);
+      next->stream = stream;
+      file(fs, next, std::move(node));
+    }
+    next->freed_at = next_stamp;
+    next->requested = b->requested;  // Block::requested: the figure of the block freed last
+    if (apart_after) unmerged_.push_back(next);
+  }
+  b->born = store_->birth();
+  b->requested = size;
+  b->small_request = rounded <= kSmallSize;  // Block::small_request
+  return b;
 }
 
 bool BlockPool::mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const {

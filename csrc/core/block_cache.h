@@ -218,7 +218,14 @@ class BlockPool {
   std::atomic<int64_t>* adoption_count() const { return adopted_; }
   // Returns a block to the free set, merging with free neighbours; a backing that
   // releases on free gets the segment back at once.
-  void free(Block* block);
+  // `freed_at`: the block's free stamp when it was taken at its free (a parked block); 0:
+  // stamped now.
+  void free(Block* block, uint64_t freed_at = 0);
+  // Note [The parked block] (device_allocator.h): if free(b) and then malloc(size) on b's
+  // stream would hand out b again, at its address and size, leaving every other block as
+  // the pair would (its stamps included), does that and returns b; else nullptr, nothing
+  // changed. `b` was freed with stamp b->freed_at and has stayed out of the pool since.
+  Block* take_back(Block* b, size_t size);
 
   // Registers a new segment of `size` bytes at `base`, covered by one free block (used by
   // backings); VMM arenas start with `granules` unmapped granule slots.

@@ -19,6 +19,7 @@ constexpr int kSyncRounds = 3;
 
 std::atomic<int> DeviceAllocator::open_captures_{0};
 std::atomic<bool> DeviceAllocator::capture_reuse_{false};
+std::atomic<bool> DeviceAllocator::parking_{true};
 
 DeviceAllocator::DeviceAllocator(int device)
     : ctx_{device, nullptr}, budget_(device, ledger_), clock_(device, open_captures_), store_(device) {}
@@ -79,7 +80,7 @@ bool DeviceAllocator::init(const Settings& settings) {
 }
 
 void DeviceAllocator::apply(const Settings& settings) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   budget_.set_limit(Budget::resolve(settings.budget_bytes, settings.budget_fraction, caps_.total_bytes));
   for (int t = 0; t < kMaxTags; ++t)
     budget_.set_tag_limit(t, Budget::resolve(settings.tag_bytes[t], settings.tag_fraction[t], caps_.total_bytes));
@@ -128,6 +129,7 @@ bool DeviceAllocator::sync_device(std::unique_lock<std::mutex>& lock) {
       ok = driver()->ctxSynchronize() == CUDA_SUCCESS;
   }
   lock.lock();
+  unpark();  // Note [The parked block]: a free may have parked one meanwhile
   if (ok) {
     clock_.device_synced(upto);
     bump(ledger_.num_sync_all_streams);
@@ -147,6 +149,7 @@ void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std
       if (guard.ok() && driver()->streamSynchronize(s) == CUDA_SUCCESS) done.push_back(s);
   }
   lock.lock();
+  unpark();  // Note [The parked block]: a free may have parked one meanwhile
   for (CUstream s : done) clock_.stream_synced(s, upto);
   bump(ledger_.num_stream_syncs, static_cast<int64_t>(done.size()));
 }
@@ -162,6 +165,7 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
   sync_->free_detached(list);
   for (const UserFree& f : user) f.source->free(f.base);  // route_user.h: may wait, or take the GIL
   lock.lock();
+  unpark();  // Note [The parked block]: a free may have parked one meanwhile
   sync_->settle(list);
   for (const UserFree& f : user) {
     budget_.uncharge(f.size, Placement{kRouteSync, f.small, true});
@@ -225,6 +229,9 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   std::unique_lock<std::mutex> lock(mu_);
+  if (parked_ != nullptr) {
+    if (Block* b = take_parked(size, stream, route, tag)) return b;
+  }
   // Note [Tag arenas]: a block captured into a graph pool is the pool's, whatever scope is open:
   // charged, budgeted and released with the tag the pool was created under.
   const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
@@ -376,21 +383,22 @@ void DeviceAllocator::account_inactive(Block* b) {
 // ---------------------------------------------------------------- free
 
 bool DeviceAllocator::free(Block* b) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();  // a block parked before must not be a neighbour left out of its pool
   // Safe to read under the lock even for a stale pointer: see BlockStore.
   TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
              "free of a block that is not allocated (double free?)", false);
-  free_locked(b);
+  live_.erase(b->ptr);
+  free_taken(b, /*may_park=*/true);
   if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
 
 bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   Block* b = live_.take(ptr);
   *found = b != nullptr;
   if (b == nullptr) return false;
-  free_taken(b);
+  free_taken(b, /*may_park=*/true);
   if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
@@ -400,13 +408,16 @@ void DeviceAllocator::free_locked(Block* b) {
   free_taken(b);
 }
 
-void DeviceAllocator::free_taken(Block* b) {
+void DeviceAllocator::free_taken(Block* b, bool may_park) {
   trace_block(TraceAction::kFreeRequested, b);
   account_release(b);
   b->allocated = false;  // `requested` stays: the trace reports it
   b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it
   if (!uses_.must_wait(b, b->segment->pool->release_on_free())) {
-    retire(b);
+    const BlockPool* pool = b->segment->pool;
+    if (may_park && !pool->graph_pool() && !pool->release_on_free() && parking_.load(std::memory_order_relaxed))
+      park(b);
+    else retire(b);
     return;
   }
   uses_.hold(b, capture_reuse_.load(std::memory_order_relaxed));
@@ -429,8 +440,48 @@ void DeviceAllocator::retire(Block* b) {
   if (pool->graph_pool()) note_if_dead(pool);
 }
 
+std::unique_lock<std::mutex> DeviceAllocator::hold() {
+  std::unique_lock<std::mutex> lock(mu_);
+  unpark();
+  return lock;
+}
+
+void DeviceAllocator::park(Block* b) {
+  // As retire(), but the block stays out of its pool, which still counts it handed out.
+  trace_block(TraceAction::kFreeCompleted, b);
+  account_inactive(b);
+  b->allocated = true;
+  b->freed_at = clock_.stamp();
+  parked_ = b;
+  clock_.note_free(b->stream);
+}
+
+void DeviceAllocator::unpark() {
+  Block* b = parked_;
+  if (b == nullptr) return;
+  parked_ = nullptr;
+  b->segment->pool->free(b, b->freed_at);
+}
+
+Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int tag) {
+  Block* b = parked_;
+  // The pool attempt() would pick, and nothing else to do first: no capture or pool
+  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams.
+  const int used = resolve_route(caps_, route);
+  BlockPool* pool = used == kRouteVmm ? tags_.pool(tag) : default_pool(used);
+  if (b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() || !uses_.idle() ||
+      pool->take_back(b, size) == nullptr) {
+    unpark();
+    return nullptr;
+  }
+  // Nothing ran under the lock since the free: the budget and the tag's took it before.
+  parked_ = nullptr;
+  adopt(b);
+  return b;
+}
+
 bool DeviceAllocator::lookup(uintptr_t ptr, BlockInfo* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   Block* b = live_.find(ptr);
   if (b == nullptr) return false;
   *out = BlockInfo{b->ptr, b->size, b->requested, b->route, b->tag};
@@ -438,7 +489,7 @@ bool DeviceAllocator::lookup(uintptr_t ptr, BlockInfo* out) {
 }
 
 bool DeviceAllocator::record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   Block* b = live_.find(ptr);
   *found = b != nullptr;
   if (b == nullptr) return false;

@@ -216,7 +216,7 @@ class DeviceAllocator {
   // (torch's memory_stats compares them), at the price of waiting for the lock.
   template <typename Fn>
   void read_locked(Fn fn) {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     fn(static_cast<const Ledger&>(ledger_));
   }
 
@@ -226,6 +226,9 @@ class DeviceAllocator {
   // during capture after record_stream is reused in the same capture once the graph
   // orders it after every use (Note [Reuse during capture], capture_graph.h).
   static void set_capture_reuse(bool on) { capture_reuse_.store(on, std::memory_order_relaxed); }
+  // Note [The parked block] for every device (on by default); the stand-in's tests turn it
+  // off to compare what the pools hand out with and without it.
+  static void set_parking(bool on) { parking_.store(on, std::memory_order_relaxed); }
 
  private:
   class CheckpointHost;  // the allocator's side of a checkpoint restore (PoolOwner)
@@ -259,8 +262,28 @@ class DeviceAllocator {
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
   void free_locked(Block* b);
-  void free_taken(Block* b);  // free_locked of a block already taken out of live_
+  // free_locked of a block already taken out of live_; `may_park`: a free of the caller's,
+  // whose block may be parked (Note [The parked block]).
+  void free_taken(Block* b, bool may_park = false);
   void retire(Block* b);            // active -> back to its pool
+  // Note [The parked block]
+  // A round trip of one size on one stream -- free a block, allocate the same size again --
+  // is torch's commonest pattern, and splitting a block off a free one and merging it back
+  // is most of its cost. So the block a free would hand back to its pool stays out of it,
+  // "parked", until the next operation under the lock: an allocation of its size, stream,
+  // route and tag takes it back as it is; anything else returns it to its pool first
+  // (unpark). Invariant: parked_ is set only between a free and the next operation under
+  // the lock, so every other path sees the pools exactly as without parking. Every lock is
+  // taken through hold(), which unparks, or by malloc / free, which unpark themselves; every
+  // wait that releases the lock unparks once it has it back. A parked block is out of live_
+  // and out of the ledger (freed, not active), but its pool still counts it handed out
+  // (allocated, its segment's live count), so no neighbour's merge and no release of its
+  // segment touches it. Only blocks of the device's own pools (not a graph pool, not one
+  // that gives memory back at every free) park; a block freed after record_stream never does.
+  std::unique_lock<std::mutex> hold();
+  void park(Block* b);
+  void unpark();
+  Block* take_parked(size_t size, CUstream stream, int route, int tag);
   void trace_block(TraceAction action, const Block* b);
   void note_if_dead(BlockPool* pool);
   // The four below take the lock held and return with it held, releasing it while
@@ -302,12 +325,14 @@ class DeviceAllocator {
   GraphPools graphs_;
   std::vector<DeadPool> dead_;
   PtrMap live_;                   // every allocated block, by address
+  Block* parked_ = nullptr;       // Note [The parked block]
   StreamUses uses_{[this](Block* b) { retire(b); }, open_captures_};  // frees waiting for other streams
   std::vector<int> peers_;        // devices granted access to this one
   TagArenas tags_{graphs_, store_, clock_};  // each tag's pools and sleep state (Note [Tag arenas])
 
   static std::atomic<int> open_captures_;
   static std::atomic<bool> capture_reuse_;
+  static std::atomic<bool> parking_;
 };
 
 }  // namespace tb

@@ -9,7 +9,7 @@ namespace tb {
 // ---------------------------------------------------------------- cache and budget
 
 bool DeviceAllocator::empty_cache() {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   TB_REQUIRE(!graphs_.capturing(), kState, "empty_cache() during CUDA graph capture", false);
   release_cached(lock);
   return true;
@@ -19,7 +19,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
   TB_REQUIRE(bytes >= 0 || (fraction > 0 && fraction <= 1), kInvalidArgument,
              "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
   bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   // Only resident memory counts: a released tag's blocks hold no device memory now.
   int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
   for (int t = 1; t < kMaxTags; ++t)
@@ -50,7 +50,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
 bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
   if (!Budget::check_tag_setting(tag, fraction)) return false;
   const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   const int64_t used = budget_.tag_used(tag);
   TB_REQUIRE(limit == Budget::kNone || limit >= used, kInvalidArgument,
              "budget of " + format_size(static_cast<uint64_t>(limit)) + " for tag '" + tag_name(tag) +
@@ -64,7 +64,7 @@ bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
 bool DeviceAllocator::grant_peer(int peer) {
   TB_REQUIRE(peer >= 0 && peer != ctx_.device, kInvalidArgument,
              "device " + std::to_string(peer) + " cannot be a peer of device " + std::to_string(ctx_.device), false);
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   if (std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return true;
   if (vmm_ && !vmm_->grant_peer(peer)) return false;
   if (pool_ && !pool_->grant_peer(peer)) return false;
@@ -73,7 +73,7 @@ bool DeviceAllocator::grant_peer(int peer) {
 }
 
 size_t DeviceAllocator::largest_free() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   size_t best = sync_pool_->largest_free();
   if (vmm_pool_) best = std::max(best, vmm_pool_->largest_free());
   for (const BlockPool* p : tags_.own_pools()) best = std::max(best, p->largest_free());
@@ -91,31 +91,31 @@ bool DeviceAllocator::cache_info(size_t* largest) {
 }
 
 void DeviceAllocator::reset_peaks() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   ledger_.reset_peaks();
   // The packing line follows the peak the user measures from (Note [Packing: reclaim before growth]).
   if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)));
 }
 
 void DeviceAllocator::packing_idle() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   if (vmm_) vmm_->packing_idle();
 }
 
 void DeviceAllocator::packing_refill() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   if (vmm_) vmm_->packing_refill();
 }
 
 void DeviceAllocator::reset_accumulated() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   ledger_.reset_accumulated();
 }
 
 // ---------------------------------------------------------------- introspection
 
 std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   std::vector<std::pair<const BlockPool*, PoolId>> pools{{vmm_pool_.get(), PoolId{0, 0}}};
   for (const BlockPool* p : tags_.own_pools()) pools.emplace_back(p, PoolId{0, 0});
   pools.emplace_back(sync_pool_.get(), PoolId{0, 0});
@@ -127,7 +127,7 @@ std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
 std::vector<SegmentView> DeviceAllocator::mapped_segments() { return split_at_mappings(segments(/*runs=*/true)); }
 
 void DeviceAllocator::inactive_split(int64_t* count, int64_t* bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get()};
   for (const BlockPool* p : tags_.own_pools()) pools.push_back(p);
   count_inactive_split(pools, count, bytes);

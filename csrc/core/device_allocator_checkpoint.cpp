@@ -21,7 +21,7 @@ class DeviceAllocator::CheckpointHost final : public PoolOwner {
 };
 
 bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   TB_REQUIRE(p != nullptr, kInvalidArgument, "no private pool " + describe(id) + " on device " +
                                                  std::to_string(ctx_.device) + " to checkpoint", false);
@@ -32,7 +32,7 @@ bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
 
 bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed,
                                          std::vector<Block*>* created) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   // Re-created blocks take cached or clean memory only: a restore never asks for a stream
   // synchronisation half-way (the internal "needs sync" code must not escape).
   clock_.allow_requests(false);
@@ -42,7 +42,7 @@ bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<u
 }
 
 bool DeviceAllocator::pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   TB_REQUIRE(p != nullptr, kInvalidArgument, "no private pool " + describe(id) + " on device " +
                                                  std::to_string(ctx_.device), false);

@@ -15,7 +15,7 @@ constexpr int kShareRestarts = 3;
 }  // namespace
 
 bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   Block* b = live_.find(ptr);
   TB_REQUIRE(b != nullptr, kInvalidArgument,
              "cannot share memory that does not start a live allocation of torch_budget on device " +
@@ -82,7 +82,7 @@ bool DeviceAllocator::cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_
 bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) {
   std::vector<int> peers;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     peers = peers_;
   }
   return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);

@@ -21,7 +21,7 @@ Backing* DeviceAllocator::private_backing(int tag) {
 }
 
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   // Refused before the pool takes a use (Note [Interaction with CUDA graph capture]).
   TB_REQUIRE(!graphs_.capturing_into(id), kState,
              "beginAllocateToPool: graph pool " + describe(id) + " on device " + std::to_string(ctx_.device) +
@@ -36,7 +36,7 @@ bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filt
 }
 
 bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   if (!graphs_.end_capture(id)) return false;
   open_captures_.fetch_sub(1, std::memory_order_acq_rel);
   if (!graphs_.capturing()) {  // markers and walks name nodes of graphs no longer captured
@@ -50,7 +50,7 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
 }
 
 void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   std::unique_ptr<Backing> own;
   if (source != nullptr && graphs_.find(id) == nullptr)
     own = std::make_unique<UserRoute>(ctx_.device, budget_, ledger_, user_frees_, std::move(source));
@@ -60,7 +60,7 @@ void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<Se
 }
 
 bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no_split) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   TB_REQUIRE(p != nullptr, kInvalidArgument,
              "no memory pool " + describe(id) + " on device " +
@@ -72,7 +72,7 @@ bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no
 }
 
 bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   // As release_cached: a pool's free blocks are written by every replay of the graphs it served,
   // so only a pool no graph (and no MemPool) holds gives them back, and only after a
   // synchronisation of the whole device; refused while a capture is open, the pool keeps them.
@@ -88,13 +88,13 @@ bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
 }
 
 int DeviceAllocator::pool_use_count(const PoolId& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   return p ? p->use_count : 0;
 }
 
 bool DeviceAllocator::release_pool(const PoolId& id) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   if (!graphs_.release(id)) return false;
   PrivatePool* p = graphs_.find(id);
   note_if_dead(p->blocks.get());
@@ -103,7 +103,7 @@ bool DeviceAllocator::release_pool(const PoolId& id) {
 }
 
 void DeviceAllocator::settle_pools() {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   if (!dead_.empty() && open_captures() == 0) {
     uses_.settle();
     destroy_dead_pools(lock);

@@ -37,7 +37,7 @@ bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr
                  (retain ? "retained" : "disk") + " backup cannot have: release without them, or with a " +
                  (retain ? "backup that is not retained" : "cpu or pinned backup"),
              false);
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   if (!check_tag(tag, "release")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
   TB_REQUIRE(tags_.live(tag), kState, name + " is already released: restore it first", false);
@@ -69,7 +69,7 @@ bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr
 }
 
 bool DeviceAllocator::restore_tag(int tag) {
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   if (!check_tag(tag, "restore")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
   const int life = tags_.view(tag).life;
@@ -92,25 +92,25 @@ bool DeviceAllocator::restore_tag(int tag) {
 }
 
 bool DeviceAllocator::retain_tag_backup(int tag, bool on) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   return tags_.set_retain(tag, on, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
 }
 
 bool DeviceAllocator::drop_tag_backup(int tag) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   return tags_.drop_retained(tag, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
 }
 
 TagView DeviceAllocator::tag_view(int tag) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   return tags_.view(tag);
 }
 
 bool DeviceAllocator::backup_of(uintptr_t base, size_t offset, size_t bytes, bool view, std::vector<HostExtent>* spans,
                                 std::shared_ptr<BackupSpace>* space, bool* found) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   spans->clear();
   space->reset();
   Block* b = live_.find(base);
@@ -130,14 +130,14 @@ bool DeviceAllocator::backup_of(uintptr_t base, size_t offset, size_t bytes, boo
 }
 
 int DeviceAllocator::pool_tag(const PoolId& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   return p == nullptr ? -1 : p->tag;
 }
 
 bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
   *returned = 0;
-  std::unique_lock<std::mutex> lock(mu_);
+  auto lock = hold();
   TB_REQUIRE(tag >= 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   // Its own cached memory, and the graph pools of the tag no graph holds any more (a graph's
   // private pool takes the tag of the region it was captured in), which a tag-less

@@ -1128,6 +1128,9 @@ int tb_host_open_share(int device, const char* bytes, int64_t n) {
   return 0;
 }
 
+// Note [The parked block] on or off, for every device.
+void tb_host_parking(int on) { tb::DeviceAllocator::set_parking(on != 0); }
+
 // The ProbingSource's allocations, frees, and frees that ran under the device lock.
 void tb_host_user_counts(int64_t out[3]) {
   out[0] = g_user_allocs.load();

@@ -1,0 +1,139 @@
+"""Note [The parked block] over the host stand-in: a freed block stays out of its pool until
+the next call, and an allocation of its size on its stream takes it back as it is. Nothing
+else may tell the difference: every other call sees the block free, and every program gets
+exactly the addresses, segments and counters it gets without parking."""
+import random
+
+import pytest
+
+from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated
+from torch_budget.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.built("_host_core")
+
+SIZES = [512, 4096, 24 << 10, 200 << 10, MiB, 2 * MiB + 4096, 7 * MiB, 24 * MiB, 61 * MiB]
+
+
+def comparable(stats):
+    """Every counter but the clocks (nanoseconds spent, which differ from run to run)."""
+    return {k: v for k, v in stats.items() if not k.endswith("_ns")}
+
+
+def program(parking, route, seed, steps=6000):
+    """A random program on one host, its allocations' addresses (None for an out-of-memory
+    refusal), and the segments and counters at a few points along it."""
+    h = Host(capacity=4 * GiB, route=route)
+    h.lib.tb_host_parking(int(parking))
+    h.tag("kv")
+    rng = random.Random(seed)
+    live, out, views = [], [], []
+    for step in range(steps):
+        r = rng.random()
+        if live and (r < 0.45 or len(live) > 300):
+            # mostly the newest (a round trip), sometimes any
+            ptr = live.pop() if rng.random() < 0.6 else live.pop(rng.randrange(len(live)))
+            h.free(ptr)
+            continue
+        if r < 0.47 and live:
+            # used on a second stream: its free waits for that stream's work (never parked)
+            ptr = live[rng.randrange(len(live))]
+            h.record_stream(ptr, S2)
+            continue
+        if r < 0.48:
+            h.complete(S2)
+            continue
+        if r < 0.485:
+            h.empty_cache()
+            continue
+        if r < 0.49:
+            try:
+                if rng.random() < 0.4:  # tight: just above what is held once the cache is emptied
+                    h.empty_cache()
+                    h.set_budget(h.reserved() + 32 * MiB)
+                else:
+                    h.set_budget(rng.choice([GiB, 4 * GiB]))
+                out.append("budget set")
+            except InvalidArgumentError:  # below what is allocated
+                out.append("budget refused")
+            continue
+        if r < 0.5:
+            views.append((step, h.segments(), comparable(h.stats())))
+            continue
+        size = rng.choice(SIZES) - rng.randrange(0, 512)
+        tagged = rng.random() < 0.1
+        if tagged:
+            h.push(tag="kv")
+        try:
+            ptr = h.malloc(size, S2 if rng.random() < 0.15 else S1)
+            live.append(ptr)
+            out.append(ptr)
+        except OOM:
+            out.append(None)
+        finally:
+            if tagged:
+                h.pop()
+    views.append((steps, h.segments(), comparable(h.stats())))
+    return out, views
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync", "pool"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_parking_hands_out_exactly_what_the_pools_would(route, seed):
+    without = in_child(program, False, route, seed)
+    parked = in_child(program, True, route, seed)
+    # The same address for every allocation, the same refusals, and at every look the same
+    # segments (every block's address, size and state) and counters.
+    first = next((i for i, (a, b) in enumerate(zip(without[0], parked[0])) if a != b), None)
+    assert first is None and len(without[0]) == len(parked[0]), f"allocation {first} differs"
+    for (step, seg_a, st_a), (_, seg_b, st_b) in zip(without[1], parked[1]):
+        assert seg_a == seg_b, f"segments differ at step {step}"
+        assert st_a == st_b, f"counters differ at step {step}: " + str(
+            {k: (st_a[k], st_b[k]) for k in st_a if st_a[k] != st_b.get(k)})
+    assert sum(p is None for p in without[0]) > 0, "the program should meet the budget now and then"
+
+
+@isolated
+def test_a_round_trip_of_one_size_takes_the_same_block_back_and_counts_it():
+    h = Host(capacity=4 * GiB, route="vmm")
+    first = h.malloc(4000, S1)
+    h.free(first)
+    again = h.malloc(4096, S1)
+    assert again == first
+    st = h.stats()
+    # counted as torch counts an allocation and a free: two allocations, one live
+    assert st["allocation"]["all"]["allocated"] == 2 and st["allocation"]["all"]["current"] == 1
+    assert st["requested_bytes"]["all"]["current"] == 4096
+    assert st["allocated_bytes"]["all"]["current"] == 4096
+    h.submit(S1)  # work queued on S1 that may still use the block
+    h.free(again)
+    # another stream does not take it while S1's work may still use it: stream-ordered reuse
+    other = h.malloc(4096, S2)
+    assert other != first
+    h.free(other)
+
+
+@isolated
+def test_a_freed_block_is_free_to_every_other_call():
+    h = Host(capacity=4 * GiB, route="vmm")
+    keep = h.malloc(MiB, S1)
+    ptr = h.malloc(8 * MiB, S1)
+    h.free(ptr)
+    st = h.stats()
+    assert st["allocated_bytes"]["all"]["current"] == MiB
+    assert st["active_bytes"]["all"]["current"] == MiB
+    # the snapshot shows it free, merged with the free memory after it: one live block left
+    (seg,) = h.segments()
+    assert [b[0] for b in seg["blocks"] if b[2] != 0] == [MiB], seg["blocks"]
+    assert len(seg["blocks"]) == 2 and seg["allocated_size"] == MiB
+    # a second free of it is refused as a double free, and changes nothing
+    with pytest.raises(InvalidArgumentError, match="double free"):
+        h.free(ptr)
+    assert h.stats()["allocated_bytes"]["all"]["current"] == MiB
+    # empty_cache gives its memory back at once
+    reserved = h.reserved()
+    h.free(h.malloc(32 * MiB, S1))
+    h.empty_cache()
+    assert h.reserved() < reserved
+    h.free(keep)
+    h.empty_cache()
+    assert h.reserved() == 0
