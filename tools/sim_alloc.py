@@ -1,7 +1,7 @@
 """Replays allocation traces over the host stand-in of the driver (no GPU): what the VMM route's
 policy does to packing and how many driver calls it makes, in seconds instead of GPU time.
 
-    python tools/sim_alloc.py [TRACE ...] [--capacity 141GiB] [--map-run 16MiB] [--noreuse]
+    python tools/sim_alloc.py [TRACE ...] [--capacity 141GiB] [--map-run 16MiB] [--noreuse] [--no-parking]
                               [--packing-time SHARE] [--costs] [--gap SECONDS] [--passes N]
 
 TRACE is a file (torch_budget.replay.trace) or `mix:<spec>`; the default is the benchmark's
@@ -45,11 +45,12 @@ DEFAULT_TRACES = ["mix:serving", "mix:small", "mix:lognormal"] + sorted(
     glob.glob(os.path.join(HERE, "traces", "*.tbtrace.gz")))
 
 
-def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turns=1, waits_earn=False):
+def simulate(spec, capacity, map_run, reuse, passes, packing_time, gap=0.0, turns=1, waits_earn=False, parking=True):
     from _hostcore import Host
 
     trace = read_trace(spec)
     h = Host(capacity=capacity, route="vmm", reuse_before_grow=reuse, map_run=map_run, packing_time=packing_time)
+    h.lib.tb_host_parking(int(parking))
     streams = [h.stream() for _ in range(max(trace.num_streams, 1))]
     ops = list(zip(trace.ids, trace.sizes, trace.streams))
     out = {}
@@ -100,6 +101,8 @@ def main():
     ap.add_argument("--capacity", default="141GiB")
     ap.add_argument("--map-run", default="0", help="bytes per run mapping (0: the default)")
     ap.add_argument("--noreuse", action="store_true")
+    ap.add_argument("--no-parking", action="store_true",
+                    help="without Note [The parked block]: what it saves is the core ns/op column's difference")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--packing-time", type=float, default=None, help="share of time packing may take")
     ap.add_argument("--costs", action="store_true", help="the stand-in's VMM calls take an H200's time")
@@ -117,7 +120,7 @@ def main():
           f"{'last pass maps/kop':>18} {'est us/op':>9} {'pack %':>6} {'adopted/kop':>11} {'core ns/op':>10}")
     for spec in args.traces:
         r = in_child(simulate, spec, parse_bytes(args.capacity), parse_bytes(args.map_run), not args.noreuse,
-                     args.passes, args.packing_time, args.gap, args.turns, args.waits_earn)
+                     args.passes, args.packing_time, args.gap, args.turns, args.waits_earn, not args.no_parking)
         n = r["ops"]
         m0, u0, _, _ = r["pass0"]
         m1, u1, _, a1 = r[f"pass{args.passes - 1}"]
