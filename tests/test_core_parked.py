@@ -8,7 +8,7 @@ import random
 import pytest
 
 from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated
-from torch_budget.errors import InvalidArgumentError
+from torch_budget.errors import InvalidArgumentError, StateError
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -28,6 +28,7 @@ def program(parking, route, seed, steps=6000):
     h.tag("kv")
     rng = random.Random(seed)
     live, out, views = [], [], []
+    released = False
     for step in range(steps):
         r = rng.random()
         if live and (r < 0.45 or len(live) > 300):
@@ -57,19 +58,32 @@ def program(parking, route, seed, steps=6000):
             except InvalidArgumentError:  # below what is allocated
                 out.append("budget refused")
             continue
+        if r < 0.495:
+            try:
+                if released:
+                    h.restore("kv")
+                else:
+                    h.release("kv")  # its live tensors stay live (and may be freed) while released
+                released = not released
+                out.append("tag released" if released else "tag restored")
+            except (StateError, *OOM) as e:  # e.g. a restore the budget refuses
+                out.append(f"refused: {type(e).__name__}")
+            continue
         if r < 0.5:
             views.append((step, h.segments(), comparable(h.stats())))
             continue
         size = rng.choice(SIZES) - rng.randrange(0, 512)
         tagged = rng.random() < 0.1
         if tagged:
-            h.push(tag="kv")
+            h.push(route="vmm", tag="kv")  # releasable: the tag's memory on the vmm route
         try:
             ptr = h.malloc(size, S2 if rng.random() < 0.15 else S1)
             live.append(ptr)
             out.append(ptr)
         except OOM:
             out.append(None)
+        except StateError:  # under the released tag
+            out.append("refused: released")
         finally:
             if tagged:
                 h.pop()
@@ -91,6 +105,7 @@ def test_parking_hands_out_exactly_what_the_pools_would(route, seed):
         assert st_a == st_b, f"counters differ at step {step}: " + str(
             {k: (st_a[k], st_b[k]) for k in st_a if st_a[k] != st_b.get(k)})
     assert sum(p is None for p in without[0]) > 0, "the program should meet the budget now and then"
+    assert "refused: released" in without[0], "the program should allocate under the released tag now and then"
 
 
 @isolated
@@ -173,3 +188,24 @@ def test_a_recorded_trace_gets_the_same_addresses_with_and_without_parking():
     first = next((i for i, (a, b) in enumerate(zip(without, parked)) if a != b), None)
     assert first is None and len(without) == len(parked), f"allocation {first} of {len(without)} differs"
     assert peak_parked == peak_without
+
+
+@isolated
+def test_a_block_freed_while_its_tag_is_released_is_not_handed_out_under_it():
+    h = Host(capacity=4 * GiB, route="vmm")
+    h.tag("kv")
+    h.push(tag="kv")
+    try:
+        ptr = h.malloc(8 * MiB, S1)
+        h.release("kv")
+        h.free(ptr)  # a tensor of the released tag goes
+        with pytest.raises(StateError, match="is released"):
+            h.malloc(8 * MiB, S1)  # its size, stream and tag: still refused while released
+    finally:
+        h.pop()
+    h.restore("kv")
+    h.push(tag="kv")
+    try:
+        h.free(h.malloc(8 * MiB, S1))
+    finally:
+        h.pop()

@@ -466,11 +466,13 @@ void DeviceAllocator::unpark() {
 Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int tag) {
   Block* b = parked_;
   // The pool attempt() would pick, and nothing else to do first: no capture or pool
-  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams.
+  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams,
+  // and a tag that is not released (a tensor of a released tag may be freed; malloc refuses
+  // to allocate under it).
   const int used = resolve_route(caps_, route);
   BlockPool* pool = used == kRouteVmm ? tags_.pool(tag) : default_pool(used);
   if (b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() || !uses_.idle() ||
-      pool->take_back(b, size) == nullptr) {
+      !tags_.live(tag) || pool->take_back(b, size) == nullptr) {
     unpark();
     return nullptr;
   }

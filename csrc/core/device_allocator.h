@@ -268,7 +268,7 @@ class DeviceAllocator {
   void retire(Block* b);            // active -> back to its pool
   // Note [The parked block]
   // A round trip of one size on one stream -- free a block, allocate the same size again --
-  // is torch's commonest pattern, and splitting a block off a free one and merging it back
+  // is a common pattern of torch programs, and splitting a block off a free one and merging it back
   // is most of its cost. So the block a free would hand back to its pool stays out of it,
   // "parked", until the next operation under the lock: an allocation of its size, stream,
   // route and tag takes it back as it is; anything else returns it to its pool first
