@@ -478,6 +478,7 @@ Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int
   }
   // Nothing ran under the lock since the free: the budget and the tag's took it before.
   parked_ = nullptr;
+  bump(ledger_.num_take_backs);
   adopt(b);
   return b;
 }

@@ -42,6 +42,7 @@ void Ledger::reset_accumulated() {
   num_reclaims.store(0, std::memory_order_relaxed);
   num_moves.store(0, std::memory_order_relaxed);
   num_adoptions.store(0, std::memory_order_relaxed);
+  num_take_backs.store(0, std::memory_order_relaxed);
   mapping_ns.store(0, std::memory_order_relaxed);
   packing_ns.store(0, std::memory_order_relaxed);
 }

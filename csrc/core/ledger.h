@@ -92,6 +92,7 @@ struct Ledger {
   std::atomic<int64_t> num_reclaims{0};      // times clean free mappings went back for packing
   std::atomic<int64_t> num_moves{0};         // mappings made with handles a packing reclaim unmapped
   std::atomic<int64_t> num_adoptions{0};     // clean blocks of another stream taken (Note [Adopting clean blocks])
+  std::atomic<int64_t> num_take_backs{0};    // freed blocks taken back as they were (Note [The parked block])
   // Wall time the VMM allocation path spent backing new allocations (giving back, creating and
   // mapping: the driver's calls), and the part of it that was packing moves (Note [Packing time]).
   std::atomic<int64_t> mapping_ns{0};

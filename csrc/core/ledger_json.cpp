@@ -118,6 +118,7 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("num_reclaims", l.num_reclaims.load());
     j.field("num_moves", l.num_moves.load());
     j.field("num_adoptions", l.num_adoptions.load());
+    j.field("num_take_backs", l.num_take_backs.load());
     j.field("mapping_ns", l.mapping_ns.load());
     j.field("packing_ns", l.packing_ns.load());
     j.key("routes").open('{');
