@@ -229,9 +229,6 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   std::unique_lock<std::mutex> lock(mu_);
-  if (parked_ != nullptr) {
-    if (Block* b = take_parked(size, stream, route, tag)) return b;
-  }
   // Note [Tag arenas]: a block captured into a graph pool is the pool's, whatever scope is open:
   // charged, budgeted and released with the tag the pool was created under.
   const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
@@ -252,6 +249,11 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
     fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
     return nullptr;
+  }
+  // Admitted as every allocation is (the checks above look at no pool): the block freed last
+  // may be taken back as it is (Note [The parked block]).
+  if (parked_ != nullptr) {
+    if (Block* b = take_parked(size, stream, route, tag)) return b;
   }
   // A block may be larger than the rounded request (a remainder too small to split):
   // the budget of the tag it is charged to (b->tag) is checked on the block itself too.
@@ -466,17 +468,16 @@ void DeviceAllocator::unpark() {
 Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int tag) {
   Block* b = parked_;
   // The pool attempt() would pick, and nothing else to do first: no capture or pool
-  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams,
-  // and a tag that is not released (a tensor of a released tag may be freed; malloc refuses
-  // to allocate under it).
+  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams.
   const int used = resolve_route(caps_, route);
   BlockPool* pool = used == kRouteVmm ? tags_.pool(tag) : default_pool(used);
   if (b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() || !uses_.idle() ||
-      !tags_.live(tag) || pool->take_back(b, size) == nullptr) {
+      pool->take_back(b, size) == nullptr) {
     unpark();
     return nullptr;
   }
-  // Nothing ran under the lock since the free: the budget and the tag's took it before.
+  // Nothing that changes the ledger or a pool ran since the free: the budget took the block
+  // before, and malloc's checks admitted the request (its tag live, within the tag's budget).
   parked_ = nullptr;
   bump(ledger_.num_take_backs);
   adopt(b);

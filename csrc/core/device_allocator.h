@@ -271,11 +271,12 @@ class DeviceAllocator {
   // is a common pattern of torch programs, and splitting a block off a free one and merging it back
   // is most of its cost. So the block a free would hand back to its pool stays out of it,
   // "parked", until the next operation under the lock: an allocation of its size, stream,
-  // route and tag takes it back as it is; anything else returns it to its pool first
-  // (unpark). Invariant: parked_ is set only between a free and the next operation under
-  // the lock, so every other path sees the pools exactly as without parking. Every lock is
-  // taken through hold(), which unparks, or by malloc / free, which unpark themselves; every
-  // wait that releases the lock unparks once it has it back. A parked block is out of live_
+  // route and tag, admitted by malloc's checks as any is, takes it back as it is; anything
+  // else returns it to its pool first (unpark). Invariant: parked_ is set only between a free
+  // and the next operation under the lock that looks at a pool, so every path sees the pools
+  // exactly as without parking. Every lock is taken through hold(), which unparks, or by
+  // malloc (which unparks once its checks pass, before any pool) and free (through hold());
+  // every wait that releases the lock unparks once it has it back. A parked block is out of live_
   // and out of the ledger (freed, not active), but its pool still counts it handed out
   // (allocated, its segment's live count), so no neighbour's merge and no release of its
   // segment touches it. Only blocks of the device's own pools (not a graph pool, not one
