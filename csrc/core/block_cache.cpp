@@ -168,6 +168,14 @@ FreeSet::iterator BlockPool::place(FreeSet& fs, FreeSet::iterator it, size_t rou
   return best;
 }
 
+FreeSet::iterator BlockPool::best_fit(FreeSet& fs, CUstream stream, size_t rounded) {
+  Block key;
+  key.stream = stream;
+  key.size = rounded;
+  key.ptr = 0;
+  return fs.lower_bound(&key);
+}
+
 FreeSet::iterator BlockPool::adoptable(FreeSet& fs, size_t rounded, CUstream stream) const {
   constexpr int kCandidates = 8;
   FreeSet::iterator best = fs.end();
@@ -175,12 +183,9 @@ FreeSet::iterator BlockPool::adoptable(FreeSet& fs, size_t rounded, CUstream str
   // Stream by stream, only those with free blocks: the set is ordered by (stream, size, address).
   for (auto group = fs.begin(); group != fs.end();) {
     const CUstream s = (*group)->stream;
-    key.stream = s;
     if (s != stream) {
-      key.size = rounded;
-      key.ptr = 0;
       int looked = 0;
-      for (auto c = fs.lower_bound(&key); c != fs.end() && (*c)->stream == s && looked < kCandidates; ++c, ++looked) {
+      for (auto c = best_fit(fs, s, rounded); c != fs.end() && (*c)->stream == s && looked < kCandidates; ++c, ++looked) {
         const Block* b = *c;
         if (best != fs.end() && b->size >= (*best)->size) break;
         if (clock_->clean(s, b->freed_at) && backing_->unbacked(*b->segment, b->ptr, span(b, rounded)) == 0) {
@@ -189,6 +194,7 @@ FreeSet::iterator BlockPool::adoptable(FreeSet& fs, size_t rounded, CUstream str
         }
       }
     }
+    key.stream = s;
     key.size = SIZE_MAX;
     key.ptr = UINTPTR_MAX;
     group = fs.upper_bound(&key);
@@ -200,18 +206,14 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   const size_t rounded = round_size(size);
   const bool small = rounded <= small_max_;
   FreeSet& fs = free_set(small);
-  Block key;
-  key.stream = stream;
-  key.size = rounded;
-  key.ptr = 0;
-  auto it = fs.lower_bound(&key);
+  auto it = best_fit(fs, stream, rounded);
   bool own = it != fs.end() && (*it)->stream == stream;
   bool at_end = false;
   size_t missing = SIZE_MAX;
   if (!own && !unmerged_.empty()) {  // Note [Adopting clean blocks]: neighbours left apart may fit together now
     clock_->refresh();
     merge_clean();
-    it = fs.lower_bound(&key);
+    it = best_fit(fs, stream, rounded);
     own = it != fs.end() && (*it)->stream == stream;
   }
   if (own) it = place(fs, it, rounded, &at_end, &missing);
@@ -233,7 +235,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   if (!own) {
     TB_REQUIRE(grow, kOutOfMemory, "no cached block fits", nullptr);
     if (!backing_->grow(*this, rounded, small, stream)) return nullptr;
-    it = fs.lower_bound(&key);
+    it = best_fit(fs, stream, rounded);
     if (it == fs.end() || (*it)->stream != stream) {
       set_error(kDriverError, "internal: a new segment did not provide a fitting block");
       return nullptr;
@@ -342,11 +344,7 @@ Block* BlockPool::take_back(Block* b, size_t size) {
   // the set's order (stream, size, address). Its memory is mapped (it was live), so place()
   // takes it without looking further, and splits it where b ends.
   FreeSet& fs = free_set(small);
-  Block key;
-  key.stream = b->stream;
-  key.size = rounded;
-  key.ptr = 0;
-  auto it = fs.lower_bound(&key);
+  auto it = best_fit(fs, b->stream, rounded);
   if (it != fs.end() && *it == next) ++it;
   if (it != fs.end() && (*it)->stream == b->stream) {
     const Block* other = *it;

@@ -281,6 +281,9 @@ class BlockPool {
   // Note [Placement by mapped memory]: the block at `it` or a later fitting one, and
   // whether to serve from its end.
   FreeSet::iterator place(FreeSet& fs, FreeSet::iterator it, size_t rounded, bool* at_end, size_t* missing) const;
+  // The first free block of `stream` in `fs` that holds `rounded` bytes: the best fit, as the
+  // set is ordered by (stream, size, address). Past them (another stream's block, or end) if none.
+  static FreeSet::iterator best_fit(FreeSet& fs, CUstream stream, size_t rounded);
   // Note [Adopting clean blocks]: the best-fitting clean free block of another stream that
   // serves `rounded` bytes from its front without new memory; fs.end() if none.
   FreeSet::iterator adoptable(FreeSet& fs, size_t rounded, CUstream stream) const;
