@@ -5,7 +5,8 @@
 # $OUT when it is set.
 #
 # Steps can be chosen with STEPS (default: "build tests torch tms bench sanitize demo"; "probe"
-# times a torch.empty + del round trip against a bookkeeping-free allocator (tools/probe_roundtrip.py); "fuzz"
+# times a torch.empty + del round trip against a bookkeeping-free allocator (tools/probe_roundtrip.py,
+# PROBE_ARGS its arguments); "fuzz"
 # runs the GPU fuzzer, FUZZ_ARGS its arguments; "sanitize-fuzz" runs it under compute-sanitizer,
 # SANITIZE_FUZZ_ARGS its arguments); TESTS, PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES,
 # SANITIZE_TESTS (files), SANITIZE_MARK (a marker expression, default gpu) and SANITIZE_K
@@ -83,7 +84,7 @@ if has probe; then
   # A torch.empty + del round trip natively, installed, and over an allocator with no bookkeeping
   # (tools/probe_roundtrip.py): the floor any allocator behind torch's interface sits on.
   echo "== round-trip probe"
-  timeout ${PROBE_TIMEOUT:-300} $PY tools/probe_roundtrip.py 2>&1 | tee "$OUT/probe_roundtrip.log" | tail -6
+  timeout ${PROBE_TIMEOUT:-300} $PY tools/probe_roundtrip.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_roundtrip.log" | tail -6
   note "$(grep -h "^RESULT probe_roundtrip" "$OUT/probe_roundtrip.log" | sed 's/^RESULT //' | tail -1)"
 fi
 
