@@ -149,7 +149,7 @@ def profile(sizes, folder):
         print("probe_roundtrip: no perf on this machine: no profiles")
         return
     os.makedirs(folder, exist_ok=True)
-    for c in CONFIGS:
+    for c in CONFIGS + ("floor",):
         data = os.path.join(folder, f"{c}.data")
         cmd, env = child_command(c, sizes, 100)
         r = subprocess.run(["perf", "record", "-F", "4000", "-o", data, "--"] + cmd, capture_output=True, text=True,
