@@ -200,6 +200,9 @@ TB_API int tb_host_user_pool(int device, uint64_t id0, uint64_t id1);
 TB_API void tb_host_user_counts(int64_t out[3]);
 // Note [The parked block] (device_allocator.h) on or off for every device.
 TB_API void tb_host_parking(int on);
+// The stream clock's mark interval (stream_order.h) for every device, in microseconds; 0 makes a
+// program's marks depend on its frees alone, not on how fast it runs.
+TB_API void tb_host_mark_interval(int64_t microseconds);
 // Opens n bytes of a share handle on `device` and closes it again: 0 or the error code.
 TB_API int tb_host_open_share(int device, const char* bytes, int64_t n);
 // Replays a trace over the core in C (the core's own time per operation; tools/sim_alloc.py).

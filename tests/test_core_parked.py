@@ -21,11 +21,20 @@ def comparable(stats):
     return {k: v for k, v in stats.items() if not k.endswith("_ns") and k != "num_take_backs"}
 
 
+def steady_host(parking, **kwargs):
+    """A host whose every decision follows from the program alone, not from how fast it runs: the
+    stream clock marks by frees only and packing moves whenever it helps (each by time otherwise,
+    so two runs side by side on a busy machine took different paths at allocation 2399 of 6000)."""
+    h = Host(packing_time=1.0, **kwargs)
+    h.lib.tb_host_mark_interval(0)
+    h.lib.tb_host_parking(int(parking))
+    return h
+
+
 def program(parking, route, seed, steps=6000):
     """A random program on one host, its allocations' addresses (None for an out-of-memory
     refusal), and the segments and counters at a few points along it."""
-    h = Host(capacity=4 * GiB, route=route)
-    h.lib.tb_host_parking(int(parking))
+    h = steady_host(parking, capacity=4 * GiB, route=route)
     h.tag("kv")
     rng = random.Random(seed)
     live, out, views = [], [], []
@@ -171,8 +180,7 @@ def trace_addresses(path, parking, passes=3):
     from torch_budget.replay.child import read_trace
 
     trace = read_trace(path)
-    h = Host(capacity=141 * GiB, route="vmm")
-    h.lib.tb_host_parking(int(parking))
+    h = steady_host(parking, capacity=141 * GiB, route="vmm")
     streams = [h.stream() for _ in range(max(trace.num_streams, 1))]
     addresses = []
     for _ in range(passes):

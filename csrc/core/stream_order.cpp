@@ -5,6 +5,8 @@
 
 namespace tb {
 
+std::atomic<int64_t> StreamClock::mark_interval_us_{kMarkInterval.count()};
+
 bool StreamClock::settle(Mark& m) {
   if (m.event == nullptr) return false;
   if (EventCache::get().query(m.event) != CUDA_SUCCESS) return false;
@@ -34,7 +36,8 @@ void StreamClock::note_free(CUstream stream) {
   // By time alone: a record and a query are two driver calls, which a mark
   // every 32 frees charged a tight loop of allocations (the slow path, refresh(), marks
   // anew whenever it needs to know what is clean).
-  if (m != nullptr && now - m->at < kMarkInterval) return;
+  if (m != nullptr && now - m->at < std::chrono::microseconds(mark_interval_us_.load(std::memory_order_relaxed)))
+    return;
   if (m == nullptr) {
     marks_.push_back(Mark{stream, 0, nullptr, now, 0});
     m = &marks_.back();

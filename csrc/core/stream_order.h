@@ -14,8 +14,8 @@
 // them with its lock released and retries.
 // Waiting is the last resort: as frees happen, the clock records an event on the
 // freeing stream now and then (at most one outstanding per stream; a new one kMarkInterval
-// after the last, looked at every eighth free so that a stream far behind the host costs no
-// query per free; the slow path marks anew when it needs to know, refresh()), and an event
+// (set_mark_interval) after the last, looked at every eighth free so that a stream far behind
+// the host costs no query per free; the slow path marks anew when it needs to know, refresh()), and an event
 // found complete makes that stream clean up to the stamp it was recorded at. So memory freed
 // a while ago is clean without anyone waiting for the device.
 //
@@ -43,6 +43,11 @@ class StreamClock {
   StreamClock& operator=(const StreamClock&) = delete;
 
   static constexpr std::chrono::microseconds kMarkInterval{500};
+  // The interval for every device from now on (the host stand-in's tests set 0: a mark at every
+  // eighth free whose last mark completed, so that a program's marks do not depend on its speed).
+  static void set_mark_interval(std::chrono::microseconds interval) {
+    mark_interval_us_.store(interval.count(), std::memory_order_relaxed);
+  }
 
   uint64_t stamp() { return ++now_; }
   uint64_t now() const { return now_; }
@@ -118,6 +123,7 @@ class StreamClock {
   const int device_;
   const std::atomic<int>& open_captures_;
   std::vector<Mark> marks_;
+  static std::atomic<int64_t> mark_interval_us_;
 };
 
 }  // namespace tb

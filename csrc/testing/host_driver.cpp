@@ -1064,6 +1064,7 @@ void tb_host_trace(int on, int64_t counts[9]) {
 #include "../core/allocator.h"
 #include "../core/error.h"
 #include "../core/route_user.h"
+#include "../core/stream_order.h"
 
 namespace {
 
@@ -1130,6 +1131,11 @@ int tb_host_open_share(int device, const char* bytes, int64_t n) {
 
 // Note [The parked block] on or off, for every device.
 void tb_host_parking(int on) { tb::DeviceAllocator::set_parking(on != 0); }
+
+// The stream clock's mark interval, for every device.
+void tb_host_mark_interval(int64_t microseconds) {
+  tb::StreamClock::set_mark_interval(std::chrono::microseconds(microseconds));
+}
 
 // The ProbingSource's allocations, frees, and frees that ran under the device lock.
 void tb_host_user_counts(int64_t out[3]) {
