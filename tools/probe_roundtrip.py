@@ -7,6 +7,11 @@ CUDAPluggableAllocator that overrides allocate() and raw_deleter() as torch_budg
 and hands out addresses from one cudaMalloc with no bookkeeping at all (a bump pointer, frees
 ignored), built here with torch's extension builder: the least any allocator behind torch's
 interface can cost, so (tb - floor) / (native - floor) is what each allocator's own work costs.
+Each process then times the same round trip without Python, in a C++ loop over torch's current
+allocator (`allocate` and the DataPtr's deleter: the allocator behind torch's interface, no tensor),
+and the torch_budget process a C loop over the core's C ABI (`tb_malloc` / `tb_free`: the core
+alone, on the real driver); together they split a round trip into torch's own part, the bridge's
+and the core's.
 With --perf DIR and `perf` on the machine, each configuration is then profiled alone and the
 time by library and by symbol written to DIR/<config>.txt.
 
@@ -29,9 +34,14 @@ FLOOR_SOURCE = r"""
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <sys/types.h>
+#include <time.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 namespace {
 char* base = nullptr;
@@ -54,7 +64,48 @@ class Floor final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAll
   }
   c10::DeleterFnPtr raw_deleter() const override { return &ignore; }
 };
+
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// The median over `batches` of the time per call of `round_trip`, in microseconds (thread CPU time).
+template <typename Fn>
+double median_us(long long batch, int batches, Fn round_trip) {
+  for (long long i = 0; i < batch; ++i) round_trip();  // grown outside the timed batches
+  std::vector<double> times;
+  for (int b = 0; b < batches; ++b) {
+    const double t0 = thread_seconds();
+    for (long long i = 0; i < batch; ++i) round_trip();
+    times.push_back((thread_seconds() - t0) / static_cast<double>(batch) * 1e6);
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
 }  // namespace
+
+// torch's current CUDA allocator, from C++: allocate, then the DataPtr's deleter.
+extern "C" double probe_allocator_roundtrip(long long size, long long batch, int batches) {
+  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
+  return median_us(batch, batches, [&] { c10::DataPtr p = a->allocate(static_cast<size_t>(size)); });
+}
+
+// The core's C ABI in the library at `path` (torch_budget's, loaded already) on `device` and `stream`:
+// -1 if the library is not loaded or has no such symbols.
+extern "C" double probe_core_roundtrip(const char* path, long long size, long long batch, int batches, int device,
+                                       cudaStream_t stream) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) return -1;
+  using Malloc = void* (*)(ssize_t, int, cudaStream_t);
+  using Free = void (*)(void*, ssize_t, int, cudaStream_t);
+  auto m = reinterpret_cast<Malloc>(dlsym(lib, "tb_malloc"));
+  auto f = reinterpret_cast<Free>(dlsym(lib, "tb_free"));
+  if (m == nullptr || f == nullptr) return -1;
+  const auto n = static_cast<ssize_t>(size);
+  return median_us(batch, batches, [&] { f(m(n, device, stream), n, device, stream); });
+}
 
 extern "C" int probe_install_floor(long long bytes) {
   if (cudaMalloc(reinterpret_cast<void**>(&base), static_cast<size_t>(bytes)) != cudaSuccess) return 1;
@@ -82,17 +133,31 @@ def build_floor():
                 build_directory=folder)
 
 
-def install_floor():
-    """Makes the floor allocator torch's, before CUDA's first allocation."""
+def probe_library():
+    """The probe's library (built by the parent), its functions declared."""
     import ctypes
 
     lib = ctypes.CDLL(build_floor())
-    if lib.probe_install_floor(ctypes.c_longlong(FLOOR_ARENA)) != 0:
+    ll = ctypes.c_longlong
+    lib.probe_install_floor.argtypes = [ll]
+    lib.probe_allocator_roundtrip.argtypes = [ll, ll, ctypes.c_int]
+    lib.probe_allocator_roundtrip.restype = ctypes.c_double
+    lib.probe_core_roundtrip.argtypes = [ctypes.c_char_p, ll, ll, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.probe_core_roundtrip.restype = ctypes.c_double
+    return lib
+
+
+def install_floor(lib):
+    """Makes the floor allocator torch's, before CUDA's first allocation."""
+    if lib.probe_install_floor(FLOOR_ARENA) != 0:
         raise SystemExit("probe_roundtrip: the floor allocator's cudaMalloc failed")
 
 
 BATCH = 4000
 BATCHES = 60
+# What a child prints, one line per kind and size: the round trip from Python (torch.empty + del),
+# from C++ over torch's allocator interface, and over the core's C ABI (torch_budget only).
+KINDS = ("ROUNDTRIP", "ALLOCATOR", "CORE")
 
 
 def child(config, sizes, batches, meta):
@@ -102,8 +167,9 @@ def child(config, sizes, batches, meta):
     pin_to_one_core()
     import torch
 
+    lib = probe_library()
     if config == "floor":
-        install_floor()
+        install_floor(lib)
     else:
         apply_config(config)
     dev = torch.device("meta") if meta else torch.device("cuda", 0)
@@ -122,6 +188,21 @@ def child(config, sizes, batches, meta):
                 del t
             times.append((time.thread_time() - t0) / BATCH * 1e6)
         print(f"ROUNDTRIP {size} {statistics.median(times):.4f}", flush=True)
+    if meta:
+        return
+    # Without Python: torch's allocator interface from C++, then (torch_budget) the core's C ABI.
+    for size in sizes:
+        print(f"ALLOCATOR {size} {lib.probe_allocator_roundtrip(size, BATCH, batches):.4f}", flush=True)
+    if config.startswith("tb"):
+        from torch_budget import _native
+
+        path = _native.library_path("_C").encode()
+        stream = torch.cuda.current_stream()
+        for size in sizes:
+            us = lib.probe_core_roundtrip(path, size, BATCH, batches, stream.device.index, stream.cuda_stream)
+            if us < 0:
+                raise SystemExit("probe_roundtrip: torch_budget's library has no tb_malloc / tb_free")
+            print(f"CORE {size} {us:.4f}", flush=True)
 
 
 def child_command(config, sizes, batches, meta=False):
@@ -140,7 +221,8 @@ def run_together(sizes, batches):
         text, _ = p.communicate()
         if p.returncode:
             raise SystemExit(f"probe_roundtrip: {c} failed ({p.returncode})")
-        out[c] = {int(f[1]): float(f[2]) for f in (ln.split() for ln in text.splitlines()) if f and f[0] == "ROUNDTRIP"}
+        rows = [f for f in (ln.split() for ln in text.splitlines()) if len(f) == 3 and f[0] in KINDS]
+        out[c] = {(f[0], int(f[1])): float(f[2]) for f in rows}
     return out
 
 
@@ -182,17 +264,33 @@ def main():
     build_floor()
     rows = {}
     for _ in range(a.rounds):
-        for c, by_size in run_together(sizes, a.batches).items():
-            for size, median in by_size.items():
-                rows.setdefault((size, c), []).append(median)
+        for c, measured in run_together(sizes, a.batches).items():
+            for (kind, size), median in measured.items():
+                rows.setdefault((kind, size, c), []).append(median)
+
+    def med(kind, size, c):
+        return statistics.median(rows[(kind, size, c)])
+
+    print("From Python (torch.empty + del), us per round trip:")
     print(f"{'size':>10} {'meta us':>8} {'floor us':>8} {'native us':>9} {'tb us':>7} {'tb/native':>9} "
           f"{'floor/native':>12} {'(tb-meta)/(native-meta)':>24} {'(tb-floor)/(native-floor)':>26}")
     result = []
     for size in sizes:
-        m, f, n, t = (statistics.median(rows[(size, c)]) for c in ("meta", "floor", "native", "tb-vmm"))
+        m, f, n, t = (med("ROUNDTRIP", size, c) for c in ("meta", "floor", "native", "tb-vmm"))
         print(f"{size:>10} {m:8.3f} {f:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {f / n:12.3f} {(t - m) / (n - m):24.3f} "
               f"{(t - f) / (n - f):26.3f}")
         result.append(f"{size}B:tb={t / n:.3f}x,floor={f / n:.3f}x")
+    print("Without Python, us per round trip: torch's allocator interface from C++ (allocate and the "
+          "deleter) under each allocator, and torch_budget's core through its C ABI:")
+    print(f"{'size':>10} {'floor':>8} {'native':>8} {'tb':>8} {'tb core':>8} {'tb/native':>9} "
+          f"{'native-floor':>12} {'tb-floor':>9} {'bridge':>7}")
+    for i, size in enumerate(sizes):
+        f, n, t = (med("ALLOCATOR", size, c) for c in ("floor", "native", "tb-vmm"))
+        core = med("CORE", size, "tb-vmm")
+        print(f"{size:>10} {f:8.3f} {n:8.3f} {t:8.3f} {core:8.3f} {t / n:9.3f} {n - f:12.3f} {t - f:9.3f} "
+              f"{t - f - core:7.3f}")
+        result[i] += f",cxx_tb={t / n:.3f}x,core_us={core:.3f},bridge_us={t - f - core:.3f}"
+    print("('bridge': what torch_budget's allocator adds over the floor beside its core's C ABI round trip)")
     print("RESULT probe_roundtrip " + " ".join(result))
     if a.perf:
         profile(sizes, a.perf)
