@@ -1,5 +1,6 @@
 import collections
 import os
+import zlib
 
 import pytest
 
@@ -20,7 +21,33 @@ def _cuda_available():
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", metavar="K/N", default=None,
+                     help="run only shard K of N (1-based): each test falls in one shard by its id, so N runs with "
+                          "K = 1..N run every test once (a long run such as compute-sanitizer's, split over calls)")
+
+
+def _shard(value):
+    try:
+        k, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes K/N with whole numbers, such as 2/5; got {value!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard {value}: K must be within 1..N")
+    return k, n
+
+
+def pytest_configure(config):
+    if config.getoption("--shard"):
+        _shard(config.getoption("--shard"))  # a bad value stops the run before anything is collected
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--shard"):
+        k, n = _shard(config.getoption("--shard"))
+        keep = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")

@@ -182,3 +182,27 @@ def test_code_strings_still_run_as_scripts(fresh, ranks):
     outs = ranks("import os, sys; print(os.environ['RANK'], sys.argv[1:])", 2, rank_args=[[5], [6]])
     assert outs == ["0 ['5']\n", "1 ['6']\n"]
     assert outs[0].value is None
+
+
+def collected(*args):
+    """The test ids pytest collects from this repository's tests with `args`, and its exit code."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *args],
+                       cwd=os.path.dirname(here), capture_output=True, text=True, timeout=120)
+    return [ln for ln in r.stdout.splitlines() if "::" in ln], r.returncode, r.stdout + r.stderr
+
+
+def test_shards_split_the_tests_so_that_their_runs_together_run_each_test_once():
+    # A run too long for one call (compute-sanitizer over the suite) is split with --shard K/N.
+    files = ["tests/test_config.py", "tests/test_harness.py"]
+    whole, rc, _ = collected(*files)
+    assert rc == 0 and len(whole) > 30
+    shards = [collected(*files, "--shard", f"{k}/3")[0] for k in (1, 2, 3)]
+    assert all(shards), "each of three shards should hold some of these tests"
+    assert sorted(sum(shards, [])) == sorted(whole)  # every test in exactly one shard
+    assert collected(*files, "--shard", "2/3")[0] == shards[1]  # the same split every time
+    for bad in ("4/3", "two/3"):
+        ids, rc, out = collected(*files, "--shard", bad)
+        assert rc != 0 and not ids and "--shard" in out, out

@@ -9,8 +9,9 @@
 # PROBE_ARGS its arguments); "fuzz"
 # runs the GPU fuzzer, FUZZ_ARGS its arguments; "sanitize-fuzz" runs it under compute-sanitizer,
 # SANITIZE_FUZZ_ARGS its arguments); TESTS, PYTEST_ARGS (split on spaces), TEST_JOBS, BENCHES,
-# SANITIZE_TESTS (files), SANITIZE_MARK (a marker expression, default gpu) and SANITIZE_K
-# narrow them; SANITIZE_TOOL picks the sanitizer's tool (memcheck, racecheck, synccheck,
+# SANITIZE_TESTS (files), SANITIZE_MARK (a marker expression, default gpu), SANITIZE_K and
+# SANITIZE_SHARD (K/N: one of N shards, so that N calls with SANITIZE_TESTS=tests cover the whole
+# suite) narrow them; SANITIZE_TOOL picks the sanitizer's tool (memcheck, racecheck, synccheck,
 # initcheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,7 +136,8 @@ if has sanitize; then
     # which tests passed or failed before it (pytest's summary comes only at the end).
     timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool $SANITIZE_TOOL --target-processes all --error-exitcode 99 \
       $PY -m pytest -v -p no:cacheprovider -p no:benchmark -n $jobs -m "${SANITIZE_MARK:-gpu} and $part" \
-      ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} -k "${SANITIZE_K:-not eight_threads and not reduce_overhead}" >"$OUT/sanitize-part.log" 2>&1
+      ${SANITIZE_TESTS:-tests/test_allocator_gpu.py} -k "${SANITIZE_K:-not eight_threads and not reduce_overhead}" \
+      ${SANITIZE_SHARD:+--shard $SANITIZE_SHARD} >"$OUT/sanitize-part.log" 2>&1
     part_rc=$?
     # pytest's "no tests ran" (5) is not a failure of a part that selects nothing
     [ $part_rc -ne 0 ] && [ $part_rc -ne 5 ] && rc=$part_rc
@@ -150,7 +152,7 @@ if has sanitize; then
   done
   rm -f "$OUT/sanitize-part.log"
   errors=$(grep -E "ERROR SUMMARY: [1-9]" -c "$OUT/sanitize.log")
-  note "sanitizer    $SANITIZE_TOOL rc=$rc, processes with errors: $errors, $(grep -c "ERROR SUMMARY: 0 errors" "$OUT/sanitize.log") clean; $counts [$(( $(date +%s) - start )) s]"
+  note "sanitizer    $SANITIZE_TOOL${SANITIZE_SHARD:+ shard $SANITIZE_SHARD} rc=$rc, processes with errors: $errors, $(grep -c "ERROR SUMMARY: 0 errors" "$OUT/sanitize.log") clean; $counts [$(( $(date +%s) - start )) s]"
 fi
 
 if has demo; then
