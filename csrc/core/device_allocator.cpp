@@ -389,8 +389,7 @@ bool DeviceAllocator::free(Block* b) {
   // Safe to read under the lock even for a stale pointer: see BlockStore.
   TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
              "free of a block that is not allocated (double free?)", false);
-  live_.erase(b->ptr);
-  free_taken(b, /*may_park=*/true);
+  free_locked(b, /*may_park=*/true);
   if (!dead_.empty()) destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   return true;
 }
@@ -405,9 +404,9 @@ bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
   return true;
 }
 
-void DeviceAllocator::free_locked(Block* b) {
+void DeviceAllocator::free_locked(Block* b, bool may_park) {
   live_.erase(b->ptr);
-  free_taken(b);
+  free_taken(b, may_park);
 }
 
 void DeviceAllocator::free_taken(Block* b, bool may_park) {
@@ -417,9 +416,7 @@ void DeviceAllocator::free_taken(Block* b, bool may_park) {
   b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it
   if (!uses_.must_wait(b, b->segment->pool->release_on_free())) {
     const BlockPool* pool = b->segment->pool;
-    if (may_park && !pool->graph_pool() && !pool->release_on_free() && parking_.load(std::memory_order_relaxed))
-      park(b);
-    else retire(b);
+    retire(b, may_park && !pool->graph_pool() && !pool->release_on_free() && parking_.load(std::memory_order_relaxed));
     return;
   }
   uses_.hold(b, capture_reuse_.load(std::memory_order_relaxed));
@@ -432,12 +429,18 @@ void DeviceAllocator::trace_block(TraceAction action, const Block* b) {
   trace(action, ctx_.device, b->ptr, b->requested, b->stream, pool->id(), b->tag, b->route);
 }
 
-void DeviceAllocator::retire(Block* b) {
+void DeviceAllocator::retire(Block* b, bool park) {
   trace_block(TraceAction::kFreeCompleted, b);
   account_inactive(b);
   BlockPool* pool = b->segment->pool;
   const CUstream stream = b->stream;
-  pool->free(b);
+  if (park) {  // out of its pool, which still counts it handed out, stamped as its free would
+    b->allocated = true;
+    b->freed_at = clock_.stamp();
+    parked_ = b;
+  } else {
+    pool->free(b);
+  }
   clock_.note_free(stream);
   if (pool->graph_pool()) note_if_dead(pool);
 }
@@ -446,16 +449,6 @@ std::unique_lock<std::mutex> DeviceAllocator::hold() {
   std::unique_lock<std::mutex> lock(mu_);
   unpark();
   return lock;
-}
-
-void DeviceAllocator::park(Block* b) {
-  // As retire(), but the block stays out of its pool, which still counts it handed out.
-  trace_block(TraceAction::kFreeCompleted, b);
-  account_inactive(b);
-  b->allocated = true;
-  b->freed_at = clock_.stamp();
-  parked_ = b;
-  clock_.note_free(b->stream);
 }
 
 void DeviceAllocator::unpark() {

@@ -261,11 +261,11 @@ class DeviceAllocator {
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
-  void free_locked(Block* b);
-  // free_locked of a block already taken out of live_; `may_park`: a free of the caller's,
-  // whose block may be parked (Note [The parked block]).
-  void free_taken(Block* b, bool may_park = false);
-  void retire(Block* b);            // active -> back to its pool
+  // `may_park`: a free of the caller's, whose block may be parked (Note [The parked block]).
+  void free_locked(Block* b, bool may_park = false);
+  void free_taken(Block* b, bool may_park = false);  // free_locked of a block already taken out of live_
+  // active -> back to its pool, or `park`ed out of it (Note [The parked block])
+  void retire(Block* b, bool park = false);
   // Note [The parked block]
   // A round trip of one size on one stream -- free a block, allocate the same size again --
   // is a common pattern of torch programs, and splitting a block off a free one and merging it back
@@ -282,7 +282,6 @@ class DeviceAllocator {
   // segment touches it. Only blocks of the device's own pools (not a graph pool, not one
   // that gives memory back at every free) park; a block freed after record_stream never does.
   std::unique_lock<std::mutex> hold();
-  void park(Block* b);
   void unpark();
   Block* take_parked(size_t size, CUstream stream, int route, int tag);
   void trace_block(TraceAction action, const Block* b);

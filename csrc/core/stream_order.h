@@ -15,9 +15,9 @@
 // Waiting is the last resort: as frees happen, the clock records an event on the
 // freeing stream now and then (at most one outstanding per stream; a new one kMarkInterval
 // (set_mark_interval) after the last, looked at every eighth free so that a stream far behind
-// the host costs no query per free; the slow path marks anew when it needs to know, refresh()), and an event
-// found complete makes that stream clean up to the stamp it was recorded at. So memory freed
-// a while ago is clean without anyone waiting for the device.
+// the host costs no query per free; the slow path marks anew when it needs to know,
+// refresh()), and an event found complete makes that stream clean up to the stamp it was
+// recorded at. So memory freed a while ago is clean without anyone waiting for the device.
 //
 // Lock rule: used only under the owning DeviceAllocator's mutex (events come from the
 // EventCache, whose own mutex nests inside it).
