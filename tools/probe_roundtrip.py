@@ -117,8 +117,8 @@ extern "C" int probe_install_floor(long long bytes) {
 
 
 def build_floor():
-    """FLOOR_SOURCE as a library, by torch's extension builder, which caches it: the parent builds
-    it once before any process is timed, the children find it built."""
+    """FLOOR_SOURCE as a library (its path), by torch's extension builder: the parent builds it once
+    before any process is timed and gives the children its path."""
     import tempfile
 
     from torch.utils.cpp_extension import load
@@ -133,11 +133,11 @@ def build_floor():
                 build_directory=folder)
 
 
-def probe_library():
-    """The probe's library (built by the parent), its functions declared."""
+def probe_library(path):
+    """The probe's library at `path` (built by the parent), its functions declared."""
     import ctypes
 
-    lib = ctypes.CDLL(build_floor())
+    lib = ctypes.CDLL(path)
     ll = ctypes.c_longlong
     lib.probe_install_floor.argtypes = [ll]
     lib.probe_allocator_roundtrip.argtypes = [ll, ll, ctypes.c_int]
@@ -160,14 +160,14 @@ BATCHES = 60
 KINDS = ("ROUNDTRIP", "ALLOCATOR", "CORE")
 
 
-def child(config, sizes, batches, meta):
+def child(config, sizes, batches, meta, library):
     from torch_budget.replay.configs import apply_config
     from torch_budget.replay.machine import pin_to_one_core
 
     pin_to_one_core()
     import torch
 
-    lib = probe_library()
+    lib = probe_library(library)
     if config == "floor":
         install_floor(lib)
     else:
@@ -205,16 +205,17 @@ def child(config, sizes, batches, meta):
             print(f"CORE {size} {us:.4f}", flush=True)
 
 
-def child_command(config, sizes, batches, meta=False):
+def child_command(config, sizes, batches, library, meta=False):
     """This script as a child timing `config`, and its environment (no torch_budget settings
     inherited: install() is given the configuration's own)."""
-    cmd = [sys.executable, __file__, "--child", config, "--sizes", ",".join(map(str, sizes)), "--batches", str(batches)]
+    cmd = [sys.executable, __file__, "--child", config, "--sizes", ",".join(map(str, sizes)), "--batches", str(batches),
+           "--library", library]
     return cmd + ["--meta"] * meta, {**os.environ, "TORCH_BUDGET_CONF": ""}
 
 
-def run_together(sizes, batches):
-    cmds = {c: child_command(c, sizes, batches) for c in CONFIGS + ("floor",)}
-    cmds["meta"] = child_command("native", sizes, batches, meta=True)
+def run_together(sizes, batches, library):
+    cmds = {c: child_command(c, sizes, batches, library) for c in CONFIGS + ("floor",)}
+    cmds["meta"] = child_command("native", sizes, batches, library, meta=True)
     procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for c, (cmd, env) in cmds.items()}
     out = {}
     for c, p in procs.items():
@@ -226,14 +227,14 @@ def run_together(sizes, batches):
     return out
 
 
-def profile(sizes, folder):
+def profile(sizes, folder, library):
     if shutil.which("perf") is None:
         print("probe_roundtrip: no perf on this machine: no profiles")
         return
     os.makedirs(folder, exist_ok=True)
     for c in CONFIGS + ("floor",):
         data = os.path.join(folder, f"{c}.data")
-        cmd, env = child_command(c, sizes, 100)
+        cmd, env = child_command(c, sizes, 100, library)
         r = subprocess.run(["perf", "record", "-F", "4000", "-o", data, "--"] + cmd, capture_output=True, text=True,
                            env=env)
         if r.returncode:
@@ -255,16 +256,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--perf")
     ap.add_argument("--child")
+    ap.add_argument("--library", help="(children) the probe's library, built by the parent")
     ap.add_argument("--meta", action="store_true")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.child:
-        child(a.child, sizes, a.batches, a.meta)
+        child(a.child, sizes, a.batches, a.meta, a.library)
         return
-    build_floor()
+    library = build_floor()
     rows = {}
     for _ in range(a.rounds):
-        for c, measured in run_together(sizes, a.batches).items():
+        for c, measured in run_together(sizes, a.batches, library).items():
             for (kind, size), median in measured.items():
                 rows.setdefault((kind, size, c), []).append(median)
 
@@ -293,7 +295,7 @@ def main():
     print("('bridge': what torch_budget's allocator adds over the floor beside its core's C ABI round trip)")
     print("RESULT probe_roundtrip " + " ".join(result))
     if a.perf:
-        profile(sizes, a.perf)
+        profile(sizes, a.perf, library)
 
 
 if __name__ == "__main__":
