@@ -45,8 +45,10 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--shard"):
         k, n = _shard(config.getoption("--shard"))
-        keep = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        keep, drop = [], []
+        for item in items:
+            (keep if zlib.crc32(item.nodeid.encode()) % n == k - 1 else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
     if _cuda_available():
         return
