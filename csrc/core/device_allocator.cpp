@@ -118,7 +118,7 @@ bool DeviceAllocator::mem_info(size_t* free_bytes, size_t* total_bytes) {
 
 // ---------------------------------------------------------------- waiting for the device
 
-bool DeviceAllocator::sync_device(std::unique_lock<std::mutex>& lock) {
+bool DeviceAllocator::sync_device(DeviceLock& lock) {
   if (open_captures() > 0) return false;  // would invalidate the capture
   const uint64_t upto = clock_.stamp();
   lock.unlock();
@@ -139,7 +139,7 @@ bool DeviceAllocator::sync_device(std::unique_lock<std::mutex>& lock) {
   return ok && open_captures() == 0;
 }
 
-void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams) {
+void DeviceAllocator::sync_streams(DeviceLock& lock, const std::vector<CUstream>& streams) {
   const uint64_t upto = clock_.now();
   lock.unlock();
   std::vector<CUstream> done;
@@ -154,7 +154,7 @@ void DeviceAllocator::sync_streams(std::unique_lock<std::mutex>& lock, const std
   bump(ledger_.num_stream_syncs, static_cast<int64_t>(done.size()));
 }
 
-void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
+void DeviceAllocator::free_detached(DeviceLock& lock) {
   // cuMemFree waits for the device: never while a capture is open (kept for later).
   if (open_captures() > 0) return;
   std::vector<SyncRoute::Detached> list = sync_->take_detached();
@@ -173,7 +173,7 @@ void DeviceAllocator::free_detached(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-void DeviceAllocator::release_cached(std::unique_lock<std::mutex>& lock) {
+void DeviceAllocator::release_cached(DeviceLock& lock) {
   // Refused while a capture is open anywhere: then nothing is known of queued replays.
   bool synced = sync_device(lock);
   const size_t waiting = uses_.waiting();
@@ -228,7 +228,7 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
 
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
-  std::unique_lock<std::mutex> lock(mu_);
+  DeviceLock lock(mu_);
   // Note [Tag arenas]: a block captured into a graph pool is the pool's, whatever scope is open:
   // charged, budgeted and released with the tag the pool was created under.
   const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
@@ -445,8 +445,8 @@ void DeviceAllocator::retire(Block* b, bool park) {
   if (pool->graph_pool()) note_if_dead(pool);
 }
 
-std::unique_lock<std::mutex> DeviceAllocator::hold() {
-  std::unique_lock<std::mutex> lock(mu_);
+DeviceLock DeviceAllocator::hold() {
+  DeviceLock lock(mu_);
   unpark();
   return lock;
 }

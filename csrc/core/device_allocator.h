@@ -40,6 +40,7 @@
 #include "block_cache.h"
 #include "budget.h"
 #include "capture_graph.h"
+#include "device_mutex.h"
 #include "driver.h"
 #include "graph_pools.h"
 #include "ledger.h"
@@ -281,7 +282,7 @@ class DeviceAllocator {
   // (allocated, its segment's live count), so no neighbour's merge and no release of its
   // segment touches it. Only blocks of the device's own pools (not a graph pool, not one
   // that gives memory back at every free) park; a block freed after record_stream never does.
-  std::unique_lock<std::mutex> hold();
+  DeviceLock hold();
   void unpark();
   Block* take_parked(size_t size, CUstream stream, int route, int tag);
   void trace_block(TraceAction action, const Block* b);
@@ -289,30 +290,30 @@ class DeviceAllocator {
   // The four below take the lock held and return with it held, releasing it while
   // they wait for the device. sync_device is false when the device could not be waited
   // for, or when a capture is open once the lock is back (one may begin meanwhile).
-  bool sync_device(std::unique_lock<std::mutex>& lock);
-  void sync_streams(std::unique_lock<std::mutex>& lock, const std::vector<CUstream>& streams);
-  void release_cached(std::unique_lock<std::mutex>& lock);
+  bool sync_device(DeviceLock& lock);
+  void sync_streams(DeviceLock& lock, const std::vector<CUstream>& streams);
+  void release_cached(DeviceLock& lock);
   // Note [Sharing run mappings]: cuts the mappings under the live VMM block at `ptr` (*block,
   // looked up again after each wait) to one handle size, waiting for the device with the
   // lock released. false + error, every mapping whole.
-  bool cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_t ptr, Block** block);
+  bool cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** block);
   // `may_wait`: synchronise the device for pools that died after its last synchronisation
   // (never on the free path: there only pools already clean go).
   // `tag` >= 0: only the dead pools of that tag (trim_tag).
-  void destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all = false, bool may_wait = true, int tag = -1);
+  void destroy_dead_pools(DeviceLock& lock, bool all = false, bool may_wait = true, int tag = -1);
   bool has_dead_pool_of(int tag);
   bool dead_pool_of(const DeadPool& d, int tag);  // tag < 0: any
   // The route of a new private pool (Note [Private pool routes]).
   int private_route(int tag) const;
   Backing* private_backing(int tag);
-  void free_detached(std::unique_lock<std::mutex>& lock);
+  void free_detached(DeviceLock& lock);
 
   DeviceContext ctx_;
   Capabilities caps_;
   Ledger ledger_;
   Budget budget_;
 
-  std::mutex mu_;
+  DeviceMutex mu_;  // Note [The device lock]
   StreamClock clock_{ctx_.device, open_captures_};
   BlockStore store_;
   std::unique_ptr<VmmRoute> vmm_;

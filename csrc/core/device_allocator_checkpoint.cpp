@@ -7,7 +7,7 @@ namespace tb {
 // The allocator's side of a checkpoint restore, its lock held throughout.
 class DeviceAllocator::CheckpointHost final : public PoolOwner {
  public:
-  CheckpointHost(DeviceAllocator& a, std::unique_lock<std::mutex>& lock) : a_(a), lock_(lock) {}
+  CheckpointHost(DeviceAllocator& a, DeviceLock& lock) : a_(a), lock_(lock) {}
   PrivatePool* find_pool(const PoolId& id) override { return a_.graphs_.find(id); }
   void free_live(Block* b) override { a_.free_locked(b); }
   void settle() override { a_.uses_.settle(); }
@@ -17,7 +17,7 @@ class DeviceAllocator::CheckpointHost final : public PoolOwner {
 
  private:
   DeviceAllocator& a_;
-  std::unique_lock<std::mutex>& lock_;
+  DeviceLock& lock_;
 };
 
 bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {

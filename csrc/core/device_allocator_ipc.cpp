@@ -27,7 +27,7 @@ bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, 
   return true;
 }
 
-bool DeviceAllocator::cut_for_share(std::unique_lock<std::mutex>& lock, uintptr_t ptr, Block** block) {
+bool DeviceAllocator::cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** block) {
   const uint64_t born = (*block)->born;
   const std::string device = std::to_string(ctx_.device);
   const std::string capture = "sharing this tensor first maps its memory again, which needs a device "

@@ -136,7 +136,7 @@ bool DeviceAllocator::has_dead_pool_of(int tag) {
   return false;
 }
 
-void DeviceAllocator::destroy_dead_pools(std::unique_lock<std::mutex>& lock, bool all, bool may_wait, int tag) {
+void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wait, int tag) {
   if (dead_.empty() || open_captures() > 0) return;
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
