@@ -3,41 +3,28 @@ freeing at once, each in the core's C loop (which runs without Python's lock), m
 ledger that counts every operation: a lock that let two threads in at once loses counter
 updates (the ledger's counters are written with plain loads and stores under the lock) or
 hands one block out twice."""
-import random
 import threading
 
 import pytest
 
-from _hostcore import GiB, MiB, Host, in_child
-from torch_budget.replay.trace import Trace
+from _hostcore import GiB, Host, in_child
+from torch_budget.replay import mixes
 
 pytestmark = pytest.mark.built("_host_core")
 
-KiB = 1 << 10
-THREADS = 4
 ROUNDS = 6
 
 
-def churn(seed, n=6000):
-    """A program of round trips of one size (the parked block's path) mixed with other sizes
-    and several live tensors (the pools' paths); every tensor freed by the end."""
-    rng = random.Random(seed)
-    t, live, next_id = Trace(f"churn{seed}"), [], 0
-    for _ in range(n):
-        if live and (rng.random() < 0.5 or len(live) > 24):
-            t.free(live.pop(rng.randrange(len(live))))
-        else:
-            t.alloc(next_id, rng.choice([4 * KiB, 4 * KiB, 4 * KiB, 100 * KiB, 3 * MiB]) + rng.randrange(512), 0)
-            live.append(next_id)
-            next_id += 1
-    for tid in live:
-        t.free(tid)
-    return t
+def programs():
+    """Two threads churn the benchmark's small-only mix (the pools' paths, hundreds of live
+    tensors), two a 4 KiB round trip (the parked block's path); every tensor freed by the end."""
+    return [mixes.small(6000, seed=0), mixes.small(6000, seed=1), mixes.one_size(4096, 6000),
+            mixes.one_size(4096, 6000)]
 
 
 def threads_replaying_at_once():
     h = Host(capacity=16 * GiB, route="vmm")
-    traces = [churn(seed) for seed in range(THREADS)]
+    traces = programs()
     replays = [h.replayer(t, [h.stream()]) for t in traces]
     errors = []
 
