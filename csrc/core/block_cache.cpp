@@ -77,6 +77,7 @@ void BlockPool::remove_segment(Segment* seg) {
   if (seg->granules.empty())
     trace(TraceAction::kSegmentFree, device(), seg->base, seg->size, seg->stream, id_, tag_, route_);
   // Without live blocks a segment is one free block; every block goes, whatever the layout.
+  ++shape_;
   for (Block* b = seg->head; b != nullptr;) {
     Block* next = b->next;
     free_set(seg->small).erase(b);
@@ -222,7 +223,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
     auto other = adoptable(fs, rounded, stream);
     if (other != fs.end()) {
       Block* b = *other;
-      FreeSet::node_type node = fs.extract(other);
+      FreeSet::node_type node = take_out(fs, other);
       // The remainder stays its old stream's, clean there.
       const size_t take = span(b, rounded);
       if (take < b->size) split(b, take, fs, std::move(node));
@@ -243,7 +244,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
     it = place(fs, it, rounded, &at_end, &missing);
   }
   Block* block = *it;
-  FreeSet::node_type node = fs.extract(it);
+  FreeSet::node_type node = take_out(fs, it);
   // place() measured what is handed out: nothing missing means nothing to map.
   if (at_end) return activate(split_tail(block, rounded, fs, std::move(node)), size, missing == 0);
   const size_t take = span(block, rounded);
@@ -253,6 +254,7 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
 }
 
 void BlockPool::file(FreeSet& fs, Block* b, FreeSet::node_type node) {
+  ++shape_;
   if (node.empty() && !spare_.empty()) {
     node = std::move(spare_.back());
     spare_.pop_back();
@@ -328,17 +330,32 @@ Block* BlockPool::take_back(Block* b, size_t size) {
   const size_t rounded = round_size(size);
   const bool small = rounded <= small_max_;
   if (no_split_ || release_on_free_ || b->size != rounded || b->segment->small != small) return nullptr;
+  Block* next = b->next != nullptr && b->next->is_free() ? b->next : nullptr;
+  if (b != taken_back_ || shape_ != taken_back_shape_) {
+    if (!may_take_back(b, rounded, small, &next)) return nullptr;
+  } else if (next != nullptr) {  // of b's stream: the verdict's condition
+    next->freed_at = std::max(next->freed_at, b->freed_at);
+    next->requested = b->requested;  // Block::requested: the figure of the block freed last
+  }
+  b->born = store_->birth();
+  b->requested = size;
+  b->small_request = rounded <= kSmallSize;  // Block::small_request
+  return b;
+}
+
+bool BlockPool::may_take_back(Block* b, size_t rounded, bool small, Block** merged_next) {
   CUstream stream = nullptr;
   uint64_t stamp = 0;
   // A free front neighbour would merge: the block handed out would start before b.
-  if (b->prev != nullptr && mergeable(b, b->prev, &stream, &stamp)) return nullptr;
+  if (b->prev != nullptr && mergeable(b, b->prev, &stream, &stamp)) return false;
   Block* next = nullptr;
   uint64_t next_stamp = 0;
   if (b->next != nullptr && mergeable(b, b->next, &stream, &next_stamp)) {
     // The merged block must stay b's stream's and split again where b ends.
-    if (stream != b->stream || b->next->size < min_split_remainder(small)) return nullptr;
+    if (stream != b->stream || b->next->size < min_split_remainder(small)) return false;
     next = b->next;
   }
+  *merged_next = next;
   const size_t merged = rounded + (next != nullptr ? next->size : 0);
   // Best fit: b (merged) is chosen unless another free block of its stream fits before it in
   // the set's order (stream, size, address). Its memory is mapped (it was live), so place()
@@ -348,18 +365,20 @@ Block* BlockPool::take_back(Block* b, size_t size) {
   if (it != fs.end() && *it == next) ++it;
   if (it != fs.end() && (*it)->stream == b->stream) {
     const Block* other = *it;
-    if (other->size < merged || (other->size == merged && other->ptr < b->ptr)) return nullptr;
+    if (other->size < merged || (other->size == merged && other->ptr < b->ptr)) return false;
   }
   // What the pair leaves besides b: coalesce's notes of neighbours left apart (Note [Adopting
   // clean blocks]; stale ones are pruned later, as after the pair), and the remainder split()
   // cuts off the merged block: b's stream, the merged stamp and figure, noted in turn.
   Block* after = next != nullptr ? next->next : b->next;
   const bool apart_after = after != nullptr && after->is_free();
-  if (b->prev != nullptr && b->prev->is_free()) unmerged_.push_back(b->prev);
+  const bool apart_before = b->prev != nullptr && b->prev->is_free();
+  if (apart_before) unmerged_.push_back(b->prev);
   if (apart_after) unmerged_.push_back(b);
   if (unmerged_.size() > 64 + 2 * (small_free_.size() + large_free_.size())) prune_unmerged();
+  const bool restreamed = next != nullptr && next->stream != stream;
   if (next != nullptr) {
-    if (next->stream != stream) {  // the set is ordered by stream first
+    if (restreamed) {  // the set is ordered by stream first
       FreeSet::node_type node = unfile(fs, next);
       next->stream = stream;
       file(fs, next, std::move(node));
@@ -368,10 +387,17 @@ Block* BlockPool::take_back(Block* b, size_t size) {
     next->requested = b->requested;  // Block::requested: the figure of the block freed last
     if (apart_after) unmerged_.push_back(next);
   }
-  b->born = store_->birth();
-  b->requested = size;
-  b->small_request = rounded <= kSmallSize;  // Block::small_request
-  return b;
+  // Note [The parked block]'s verdict: it holds until the free sets change, unless it read the
+  // stream clock (a neighbour of another stream, whose work may complete in between) or left notes.
+  const bool other_stream = (b->prev != nullptr && b->prev->is_free() && b->prev->stream != b->stream) ||
+                            (b->next != nullptr && b->next->is_free() && b->next->stream != b->stream);
+  if (!apart_before && !apart_after && !restreamed && !other_stream) {
+    taken_back_ = b;
+    taken_back_shape_ = shape_;
+  } else {
+    taken_back_ = nullptr;
+  }
+  return true;
 }
 
 bool BlockPool::mergeable(const Block* a, const Block* b, CUstream* stream, uint64_t* freed_at) const {

@@ -305,7 +305,16 @@ class BlockPool {
   // and remembers where (Block::where): the hot path allocates no tree nodes.
   void file(FreeSet& fs, Block* b, FreeSet::node_type node);
   // Takes `b` out of `fs` by its position.
-  FreeSet::node_type unfile(FreeSet& fs, Block* b) { return fs.extract(b->where); }
+  FreeSet::node_type unfile(FreeSet& fs, Block* b) { return take_out(fs, b->where); }
+  // Every change to the free sets goes through file() and take_out(), which count it in shape_.
+  FreeSet::node_type take_out(FreeSet& fs, FreeSet::iterator it) {
+    ++shape_;
+    return fs.extract(it);
+  }
+  // take_back's checks for `b`, `rounded` bytes of the `small` set; true with *next the free
+  // neighbour the pair merges into b (nullptr if none) when b may be taken back, its effects
+  // on the pool applied, and the verdict remembered when it holds while shape_ stays.
+  bool may_take_back(Block* b, size_t rounded, bool small, Block** next);
   // A tree node that filed nothing, kept for the next file() (a few at most).
   void keep(FreeSet::node_type node);
 
@@ -336,6 +345,13 @@ class BlockPool {
   // Drops the entries that no longer name such a pair, and repeats; merges nothing.
   void prune_unmerged();
   std::vector<FreeSet::node_type> spare_;  // see keep()
+  // Note [The parked block]: changes to the free sets so far, and the block whose take-back
+  // may_take_back last allowed without reading the stream clock, with shape_ then. While
+  // shape_ stays, nothing take_back looks at changed: every neighbour and every free block is
+  // as it was, so the same block of the same size is allowed again without looking.
+  uint64_t shape_ = 0;
+  const Block* taken_back_ = nullptr;
+  uint64_t taken_back_shape_ = 0;
 };
 
 }  // namespace tb
