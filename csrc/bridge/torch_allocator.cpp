@@ -59,7 +59,7 @@ void report_to_profiler(int device, uintptr_t ptr, int64_t delta) {
   tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
   if (d == nullptr) return;
   c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(ptr), delta,
-                                   static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+                                   static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
                                    static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
@@ -91,11 +91,11 @@ void bridge::raise_last_error(const char* what, int device, size_t size) {
       d->mem_info(&free_b, &total_b);
       const int64_t limit = d->budget() < static_cast<int64_t>(total_b) ? d->budget() : static_cast<int64_t>(total_b);
       if (d->budget_refused())
-        History::get().notify_rejection(device, size, static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+        History::get().notify_rejection(device, size, static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
                                         static_cast<size_t>(limit));
       History::get().notify_oom(device, size, static_cast<size_t>(limit), free_b);
       c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size),
-                                       static_cast<size_t>(d->ledger().allocated_bytes.s[kAggregate].get()),
+                                       static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
                                        static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
                                        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
     }
@@ -148,6 +148,10 @@ void copy_stat(c10::CachingAllocator::Stat& out, const Stat& in) {
 
 void copy_array(c10::CachingAllocator::StatArray& out, const StatArray3& in) {
   for (int i = 0; i < kPoolKinds; ++i) copy_stat(out[i], in.s[i]);
+}
+
+void copy_array(c10::CachingAllocator::StatArray& out, const Ledger& l, Stat BlockStats::*s) {
+  for (int i = 0; i < kPoolKinds; ++i) copy_stat(out[i], l.blocks[i].*s);
 }
 
 // A MemPool's own allocator, as the core's segment source.
@@ -277,13 +281,13 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
     if (d == nullptr) return stats;
     d->read_locked([&](const Ledger& l) {
-      copy_array(stats.allocation, l.allocation);
+      copy_array(stats.allocation, l, &BlockStats::allocation);
       copy_array(stats.segment, l.segment);
-      copy_array(stats.active, l.active);
-      copy_array(stats.allocated_bytes, l.allocated_bytes);
+      copy_array(stats.active, l, &BlockStats::active);
+      copy_array(stats.allocated_bytes, l, &BlockStats::allocated_bytes);
       copy_array(stats.reserved_bytes, l.reserved_bytes);
-      copy_array(stats.active_bytes, l.active_bytes);
-      copy_array(stats.requested_bytes, l.requested_bytes);
+      copy_array(stats.active_bytes, l, &BlockStats::active_bytes);
+      copy_array(stats.requested_bytes, l, &BlockStats::requested_bytes);
       stats.num_alloc_retries = l.num_alloc_retries.load();
       stats.num_ooms = l.num_ooms.load();
       stats.num_sync_all_streams = l.num_sync_all_streams.load();

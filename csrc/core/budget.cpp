@@ -38,11 +38,11 @@ void Budget::place(size_t bytes, const Placement& where, bool add) {
   const auto n = static_cast<int64_t>(bytes);
   if (add) {
     ledger_.reserved_bytes.add(where.small, n);
-    ledger_.route_reserved[where.route].add(n);
+    ledger_.route[where.route].reserved.add(n);
     if (where.graph_pool) ledger_.graph_pool_reserved.add(n);
   } else {
     ledger_.reserved_bytes.sub(where.small, n);
-    ledger_.route_reserved[where.route].sub(n);
+    ledger_.route[where.route].reserved.sub(n);
     if (where.graph_pool) ledger_.graph_pool_reserved.sub(n);
   }
 }
@@ -64,8 +64,8 @@ void Budget::move(size_t bytes, const Placement& from, const Placement& to) {
     ledger_.reserved_bytes.s[to.small ? kSmallPool : kLargePool].add(n);
   }
   if (from.route != to.route) {
-    ledger_.route_reserved[from.route].sub(n);
-    ledger_.route_reserved[to.route].add(n);
+    ledger_.route[from.route].reserved.sub(n);
+    ledger_.route[to.route].reserved.add(n);
   }
   if (from.graph_pool != to.graph_pool) {
     if (from.graph_pool) ledger_.graph_pool_reserved.sub(n);
@@ -114,7 +114,7 @@ std::string Budget::oom_message(size_t size, int route, const std::string& tag, 
   msg += "torch_budget: route " + std::string(route_name(route)) + ", tag '" + tag + "': ";
   msg += refused_ ? "it would exceed the budget of " + describe() + "."
                   : "the driver refused it (" + cause + ").";
-  msg += " Allocated " + format_size(ledger_.allocated_bytes.s[kAggregate].get()) + ", reserved " +
+  msg += " Allocated " + format_size(ledger_.blocks[kAggregate].allocated_bytes.get()) + ", reserved " +
          format_size(static_cast<uint64_t>(reserved())) + ", budget " + describe() + ", device free " +
          format_size(device_free) + " of " + format_size(device_total) +
          "; cached memory was released and the allocation retried. ";

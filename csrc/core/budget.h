@@ -76,7 +76,7 @@ class Budget {
   // Note [Tag budgets]: kNone for a tag without one.
   int64_t tag_limit(int tag) const { return tag_limit_[tag].load(std::memory_order_relaxed); }
   void set_tag_limit(int tag, int64_t bytes) { tag_limit_[tag].store(bytes, std::memory_order_relaxed); }
-  int64_t tag_used(int tag) const { return ledger_.tag_allocated[tag].get(); }
+  int64_t tag_used(int tag) const { return ledger_.tag[tag].allocated.get(); }
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
   // Whether `bytes` more allocated under `tag` stays within the tag's budget.

@@ -348,17 +348,20 @@ void DeviceAllocator::account_alloc(Block* b) {
   const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
   const auto requested = static_cast<int64_t>(b->requested);
-  ledger_.allocation.add(small, 1);
-  ledger_.allocated_bytes.add(small, size);
-  ledger_.active.add(small, 1);
-  ledger_.active_bytes.add(small, size);
-  ledger_.requested_bytes.add(small, requested);
-  ledger_.route_allocated[b->route].add(size);
-  bump(ledger_.route_count[b->route]);
-  ledger_.tag_allocated[b->tag].add(size);
-  ledger_.tag_requested[b->tag].add(requested);
-  bump(ledger_.tag_count[b->tag]);
-  ledger_.tag_allocations[b->tag].add(1);
+  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
+    k->allocation.add(1);
+    k->active.add(1);
+    k->allocated_bytes.add(size);
+    k->active_bytes.add(size);
+    k->requested_bytes.add(requested);
+  }
+  RouteStats& r = ledger_.route[b->route];
+  bump(r.count);
+  r.allocated.add(size);
+  TagStats& t = ledger_.tag[b->tag];
+  t.allocated.add(size);
+  t.requested.add(requested);
+  t.allocations.add(1);
   tags_.charge(*b);
 }
 
@@ -366,20 +369,25 @@ void DeviceAllocator::account_release(Block* b) {
   const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
   const auto requested = static_cast<int64_t>(b->requested);
-  ledger_.allocation.sub(small, 1);
-  ledger_.allocated_bytes.sub(small, size);
-  ledger_.requested_bytes.sub(small, requested);
-  ledger_.route_allocated[b->route].sub(size);
-  ledger_.tag_allocated[b->tag].sub(size);
-  ledger_.tag_requested[b->tag].sub(requested);
-  ledger_.tag_allocations[b->tag].sub(1);
+  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
+    k->allocation.sub(1);
+    k->allocated_bytes.sub(size);
+    k->requested_bytes.sub(requested);
+  }
+  ledger_.route[b->route].allocated.sub(size);
+  TagStats& t = ledger_.tag[b->tag];
+  t.allocated.sub(size);
+  t.requested.sub(requested);
+  t.allocations.sub(1);
   tags_.uncharge(*b);
 }
 
 void DeviceAllocator::account_inactive(Block* b) {
   const bool small = is_small(b);
-  ledger_.active.sub(small, 1);
-  ledger_.active_bytes.sub(small, static_cast<int64_t>(b->size));
+  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
+    k->active.sub(1);
+    k->active_bytes.sub(static_cast<int64_t>(b->size));
+  }
 }
 
 // ---------------------------------------------------------------- free

@@ -21,9 +21,9 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
   bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
   auto lock = hold();
   // Only resident memory counts: a released tag's blocks hold no device memory now.
-  int64_t allocated = ledger_.allocated_bytes.s[kAggregate].get();
+  int64_t allocated = ledger_.blocks[kAggregate].allocated_bytes.get();
   for (int t = 1; t < kMaxTags; ++t)
-    if (!tags_.live(t)) allocated -= ledger_.tag_allocated[t].get();
+    if (!tags_.live(t)) allocated -= ledger_.tag[t].allocated.get();
   TB_REQUIRE(!strict || bytes >= allocated, kInvalidArgument,
              "budget of " + format_size(bytes) + " is below what device " + std::to_string(ctx_.device) +
                  " already has allocated (" + format_size(allocated) + "): free tensors first",
@@ -94,7 +94,7 @@ void DeviceAllocator::reset_peaks() {
   auto lock = hold();
   ledger_.reset_peaks();
   // The packing line follows the peak the user measures from (Note [Packing: reclaim before growth]).
-  if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)));
+  if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.blocks[kAggregate].allocated_bytes.get(), 0)));
 }
 
 void DeviceAllocator::packing_idle() {

@@ -13,26 +13,33 @@ const char* route_name(int route) {
   }
 }
 
+namespace {
+constexpr Stat BlockStats::*kBlockStats[] = {&BlockStats::allocation, &BlockStats::active, &BlockStats::allocated_bytes,
+                                             &BlockStats::active_bytes, &BlockStats::requested_bytes};
+}  // namespace
+
 void Ledger::reset_peaks() {
-  for (StatArray3* a : {&allocation, &segment, &active, &allocated_bytes, &reserved_bytes, &active_bytes,
-                        &requested_bytes})
-    a->reset_peak();
-  for (int r = 0; r < kRouteCount; ++r) {
-    route_allocated[r].reset_peak();
-    route_reserved[r].reset_peak();
+  for (BlockStats& k : blocks)
+    for (Stat BlockStats::*s : kBlockStats) (k.*s).reset_peak();
+  segment.reset_peak();
+  reserved_bytes.reset_peak();
+  for (RouteStats& r : route) {
+    r.allocated.reset_peak();
+    r.reserved.reset_peak();
   }
-  for (int t = 0; t < kMaxTags; ++t) {
-    tag_allocated[t].reset_peak();
-    tag_requested[t].reset_peak();
-    tag_allocations[t].reset_peak();
+  for (TagStats& t : tag) {
+    t.allocated.reset_peak();
+    t.requested.reset_peak();
+    t.allocations.reset_peak();
   }
   graph_pool_reserved.reset_peak();
 }
 
 void Ledger::reset_accumulated() {
-  for (StatArray3* a : {&allocation, &segment, &active, &allocated_bytes, &reserved_bytes, &active_bytes,
-                        &requested_bytes})
-    a->reset_accumulated();
+  for (BlockStats& k : blocks)
+    for (Stat BlockStats::*s : kBlockStats) (k.*s).reset_accumulated();
+  segment.reset_accumulated();
+  reserved_bytes.reset_accumulated();
   num_alloc_retries.store(0, std::memory_order_relaxed);
   num_ooms.store(0, std::memory_order_relaxed);
   num_device_alloc.store(0, std::memory_order_relaxed);

@@ -82,12 +82,20 @@ void stat(Json& j, const char* name, const Stat& s) {
   j.close('}');
 }
 
-void stat3(Json& j, const char* name, const StatArray3& a) {
+void stat3(Json& j, const char* name, const Stat& all, const Stat& small, const Stat& large) {
   j.key(name).open('{');
-  stat(j, "all", a.s[kAggregate]);
-  stat(j, "small_pool", a.s[kSmallPool]);
-  stat(j, "large_pool", a.s[kLargePool]);
+  stat(j, "all", all);
+  stat(j, "small_pool", small);
+  stat(j, "large_pool", large);
   j.close('}');
+}
+
+void stat3(Json& j, const char* name, const StatArray3& a) {
+  stat3(j, name, a.s[kAggregate], a.s[kSmallPool], a.s[kLargePool]);
+}
+
+void stat3(Json& j, const char* name, const Ledger& l, Stat BlockStats::*s) {
+  stat3(j, name, l.blocks[kAggregate].*s, l.blocks[kSmallPool].*s, l.blocks[kLargePool].*s);
 }
 
 }  // namespace
@@ -101,13 +109,13 @@ std::string stats_json(DeviceAllocator& d) {
     j.field("device", d.device());
     j.field("budget", d.budget() == Budget::kNone ? -1 : d.budget());
     j.field("total", static_cast<int64_t>(d.caps().total_bytes));
-    stat3(j, "allocation", l.allocation);
+    stat3(j, "allocation", l, &BlockStats::allocation);
     stat3(j, "segment", l.segment);
-    stat3(j, "active", l.active);
-    stat3(j, "allocated_bytes", l.allocated_bytes);
+    stat3(j, "active", l, &BlockStats::active);
+    stat3(j, "allocated_bytes", l, &BlockStats::allocated_bytes);
     stat3(j, "reserved_bytes", l.reserved_bytes);
-    stat3(j, "active_bytes", l.active_bytes);
-    stat3(j, "requested_bytes", l.requested_bytes);
+    stat3(j, "active_bytes", l, &BlockStats::active_bytes);
+    stat3(j, "requested_bytes", l, &BlockStats::requested_bytes);
     stat(j, "graph_pool_reserved", l.graph_pool_reserved);
     j.field("num_alloc_retries", l.num_alloc_retries.load());
     j.field("num_ooms", l.num_ooms.load());
@@ -124,9 +132,9 @@ std::string stats_json(DeviceAllocator& d) {
     j.key("routes").open('{');
     for (int r = 0; r < kRouteCount; ++r) {
       j.key(route_name(r)).open('{');
-      stat(j, "allocated", l.route_allocated[r]);
-      stat(j, "reserved", l.route_reserved[r]);
-      j.field("count", l.route_count[r].load());
+      stat(j, "allocated", l.route[r].allocated);
+      stat(j, "reserved", l.route[r].reserved);
+      j.field("count", l.route[r].count.load());
       j.close('}');
     }
     j.close('}');
@@ -135,10 +143,10 @@ std::string stats_json(DeviceAllocator& d) {
     for (int t = 0; t < ntags; ++t) {
       const std::string name = tag_name(t);
       j.key(name.c_str()).open('{');
-      stat(j, "allocated", l.tag_allocated[t]);
-      stat(j, "requested", l.tag_requested[t]);
-      j.field("count", l.tag_count[t].load());
-      stat(j, "allocations", l.tag_allocations[t]);
+      stat(j, "allocated", l.tag[t].allocated);
+      stat(j, "requested", l.tag[t].requested);
+      j.field("count", l.tag[t].allocations.allocated.load());
+      stat(j, "allocations", l.tag[t].allocations);
       j.field("budget", d.tag_budget(t) == Budget::kNone ? -1 : d.tag_budget(t));
       j.key("state").str(tag_life_name(views[t].life));
       if (views[t].backup < 0) j.key("backup").null();

@@ -135,7 +135,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
   // Note [Packing: reclaim before growth]
-  const size_t live = static_cast<size_t>(std::max<int64_t>(ledger_.allocated_bytes.s[kAggregate].get(), 0)) + size;
+  const size_t live = static_cast<size_t>(std::max<int64_t>(ledger_.blocks[kAggregate].allocated_bytes.get(), 0)) + size;
   high_water_ = std::max(high_water_, live);
   const int64_t over = budget_.reserved() + static_cast<int64_t>(missing * granule_) - allowance();
   // A move costs what it gives back and the part of the new mapping past the line (the
