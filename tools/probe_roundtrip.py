@@ -157,7 +157,15 @@ BATCH = 4000
 BATCHES = 60
 # What a child prints, one line per kind and size: the round trip from Python (torch.empty + del),
 # from C++ over torch's allocator interface, and over the core's C ABI (torch_budget only).
-KINDS = ("ROUNDTRIP", "ALLOCATOR", "CORE")
+KINDS = ("ROUNDTRIP", "ALLOCATOR", "CORE", "TAKEBACK")
+
+
+def take_backs():
+    """torch_budget's count of freed blocks taken back as they were (Note [The parked block]): a
+    round trip that took another path shows as a share below 1."""
+    import torch_budget
+
+    return torch_budget.stats()["raw"]["num_take_backs"]
 
 
 def child(config, sizes, batches, meta, library):
@@ -181,6 +189,7 @@ def child(config, sizes, batches, meta, library):
             t = empty(size, dtype=uint8, device=dev)
             del t
         times = []
+        taken = take_backs() if config.startswith("tb") else 0
         for _ in range(batches):
             t0 = time.thread_time()
             for _ in range(BATCH):
@@ -188,6 +197,8 @@ def child(config, sizes, batches, meta, library):
                 del t
             times.append((time.thread_time() - t0) / BATCH * 1e6)
         print(f"ROUNDTRIP {size} {statistics.median(times):.4f}", flush=True)
+        if config.startswith("tb"):
+            print(f"TAKEBACK {size} {(take_backs() - taken) / (batches * BATCH):.4f}", flush=True)
     if meta:
         return
     # Without Python: torch's allocator interface from C++, then (torch_budget) the core's C ABI.
@@ -281,7 +292,9 @@ def main():
         m, f, n, t = (med("ROUNDTRIP", size, c) for c in ("meta", "floor", "native", "tb-vmm"))
         print(f"{size:>10} {m:8.3f} {f:8.3f} {n:9.3f} {t:7.3f} {t / n:9.3f} {f / n:12.3f} {(t - m) / (n - m):24.3f} "
               f"{(t - f) / (n - f):26.3f}")
-        result.append(f"{size}B:tb={t / n:.3f}x,floor={f / n:.3f}x")
+        result.append(f"{size}B:tb={t / n:.3f}x,floor={f / n:.3f}x,taken_back={med('TAKEBACK', size, 'tb-vmm'):.2f}")
+    print("Share of torch_budget's round trips from Python that took the freed block back (Note [The parked block]): "
+          + ", ".join(f"{size}: {med('TAKEBACK', size, 'tb-vmm'):.3f}" for size in sizes))
     print("Without Python, us per round trip: torch's allocator interface from C++ (allocate and the "
           "deleter) under each allocator, and torch_budget's core through its C ABI:")
     print(f"{'size':>10} {'floor':>8} {'native':>8} {'tb':>8} {'tb core':>8} {'tb/native':>9} "
