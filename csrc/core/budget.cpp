@@ -79,13 +79,6 @@ bool Budget::check_tag_setting(int tag, double fraction) {
   return true;
 }
 
-bool Budget::tag_fits(int tag, size_t bytes) const {
-  const int64_t limit = tag_limit(tag);
-  if (limit == kNone) return true;
-  const int64_t room = limit - tag_used(tag);
-  return room >= 0 && bytes <= static_cast<uint64_t>(room);
-}
-
 std::string Budget::torch_head(size_t size, size_t device_free, size_t device_total) const {
   return "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " + std::to_string(device_) +
          " has a total capacity of " + format_size(device_total) + " of which " + format_size(device_free) +

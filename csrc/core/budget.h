@@ -80,7 +80,12 @@ class Budget {
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
   // Whether `bytes` more allocated under `tag` stays within the tag's budget.
-  bool tag_fits(int tag, size_t bytes) const;
+  bool tag_fits(int tag, size_t bytes) const {
+    const int64_t limit = tag_limit(tag);
+    if (limit == kNone) return true;
+    const int64_t room = limit - tag_used(tag);
+    return room >= 0 && bytes <= static_cast<uint64_t>(room);
+  }
   // `charged`: the bytes the allocation would have counted (its block, rounded).
   std::string tag_oom_message(size_t size, size_t charged, int tag, const std::string& name, size_t device_free,
                               size_t device_total) const;

@@ -24,14 +24,7 @@ void StreamClock::record(Mark& m, std::chrono::steady_clock::time_point now) {
   if (m.event == nullptr) clear_error();  // a failed record only delays cleanliness
 }
 
-void StreamClock::note_free(CUstream stream) {
-  if (open_captures_.load(std::memory_order_acquire) > 0) return;
-  Mark* m = nullptr;
-  for (Mark& x : marks_)
-    if (x.stream == stream) m = &x;
-  // Looked at every eighth free only: the clock, and the outstanding event, which a stream
-  // whose queued work runs far behind the host keeps incomplete for many frees.
-  if (m != nullptr && (++m->frees & 7) != 0) return;
+void StreamClock::note_eighth_free(CUstream stream, Mark* m) {
   const auto now = std::chrono::steady_clock::now();
   // By time alone: a record and a query are two driver calls, which a mark
   // every 32 frees charged a tight loop of allocations (the slow path, refresh(), marks

@@ -82,7 +82,16 @@ class StreamClock {
   }
 
   // A block of `stream` was just freed (stamped): records a marking event now and then.
-  void note_free(CUstream stream);
+  void note_free(CUstream stream) {
+    if (open_captures_.load(std::memory_order_acquire) > 0) return;
+    Mark* m = nullptr;
+    for (Mark& x : marks_)
+      if (x.stream == stream) m = &x;
+    // Looked at every eighth free only: the clock, and the outstanding event, which a stream
+    // whose queued work runs far behind the host keeps incomplete for many frees.
+    if (m != nullptr && (++m->frees & 7) != 0) return;
+    note_eighth_free(stream, m);
+  }
   // Queries the outstanding marking events; those complete make their stream clean.
   // Then records one on each stream with frees since its last and none outstanding, so
   // that the next look finds memory freed until now clean once the device got there.
@@ -119,6 +128,8 @@ class StreamClock {
   };
   // Queries `m`'s event; true when it completed (the stream is then clean up to it).
   bool settle(Mark& m);
+  // note_free's every eighth call on a stream (`m`: its mark, nullptr if it has none yet).
+  void note_eighth_free(CUstream stream, Mark* m);
   void record(Mark& m, std::chrono::steady_clock::time_point now);
   const int device_;
   const std::atomic<int>& open_captures_;

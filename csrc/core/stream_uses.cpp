@@ -14,11 +14,6 @@ void StreamUses::record(Block* b, CUstream stream, int stream_device, int own_de
   b->recorded.push_back(StreamRef{stream, stream_device});
 }
 
-bool StreamUses::must_wait(const Block* b, bool ordered_free) const {
-  // A stream-ordered free is a stream operation: none while a capture is open.
-  return !b->recorded.empty() || (ordered_free && capturing());
-}
-
 void StreamUses::finish_one(Block* b) {
   if (--b->pending == 0) retire_(b);
 }

@@ -31,7 +31,10 @@ class StreamUses {
   static void record(Block* b, CUstream stream, int stream_device, int own_device);
   // Whether the free of `b` must wait for other streams: it was used on one, or it is a
   // stream-ordered free (`ordered_free`) while a capture is open.
-  bool must_wait(const Block* b, bool ordered_free) const;
+  bool must_wait(const Block* b, bool ordered_free) const {
+    // A stream-ordered free is a stream operation: none while a capture is open.
+    return !b->recorded.empty() || (ordered_free && capturing());
+  }
   // Holds the freed block `b` until its uses completed. `capture_reuse`: torch's
   // graph_capture_record_stream_reuse (Note [Reuse during capture]).
   void hold(Block* b, bool capture_reuse);

@@ -13,8 +13,7 @@ void TagArenas::init(const DeviceContext& ctx, VmmRoute* vmm, BlockPool* untagge
   mover_ = std::make_unique<TagMover>(ctx, *vmm);
 }
 
-BlockPool* TagArenas::pool(int tag) {
-  if (tag == 0) return untagged_;
+BlockPool* TagArenas::create_pool(int tag) {
   std::unique_ptr<BlockPool>& p = pools_[tag];
   if (!p) {
     p = std::make_unique<BlockPool>(vmm_, kRouteVmm, false, &store_, &clock_);

@@ -45,7 +45,11 @@ class TagArenas {
 
   bool live(int tag) const { return state_[tag].life == kTagLive; }
   // The VMM pool of `tag` (the default VMM pool for tag 0), created on first use.
-  BlockPool* pool(int tag);
+  BlockPool* pool(int tag) {
+    if (tag == 0) return untagged_;
+    BlockPool* p = pools_[tag].get();
+    return p != nullptr ? p : create_pool(tag);
+  }
   // Pools of tags 1.. that exist, live or not.
   std::vector<BlockPool*> own_pools() const;
   // Every pool holding the tag's VMM memory: its own pool and graph pools created under it.
@@ -102,6 +106,7 @@ class TagArenas {
   StreamClock& clock_;
   VmmRoute* vmm_ = nullptr;  // nullptr: no VMM on this device, nothing to release
   BlockPool* untagged_ = nullptr;
+  BlockPool* create_pool(int tag);  // pool()'s first use of `tag`
   std::unique_ptr<TagMover> mover_;
   std::unique_ptr<BlockPool> pools_[kMaxTags];  // VMM pools of tags 1..
   TagState state_[kMaxTags];
