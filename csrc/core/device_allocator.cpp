@@ -305,39 +305,6 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   }
 }
 
-void DeviceAllocator::fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause) {
-  size_t free_b = 0;
-  const std::string text = oom_text(size, route, tag, cause, &free_b);
-  report_oom(size, stream, route, tag, free_b, text);
-}
-
-void DeviceAllocator::fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag) {
-  budget_.clear_refusal();  // the device's budget did not refuse it
-  size_t free_b = 0, total_b = 0;
-  device_memory(&free_b, &total_b);
-  report_oom(size, stream, route, tag, free_b,
-             budget_.tag_oom_message(size, charged, tag, tag_name(tag), free_b, total_b));
-}
-
-void DeviceAllocator::report_oom(size_t size, CUstream stream, int route, int tag, size_t device_free,
-                                 const std::string& text) {
-  bump(ledger_.num_ooms);
-  trace(TraceAction::kOom, ctx_.device, device_free, size, stream, {0, 0}, tag, route);
-  set_error(kOutOfMemory, text);
-}
-
-void DeviceAllocator::device_memory(size_t* free_bytes, size_t* total_bytes) {
-  mem_info(free_bytes, total_bytes);
-  if (*total_bytes == 0) *total_bytes = caps_.total_bytes;
-}
-
-std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free) {
-  size_t free_b = 0, total_b = 0;
-  device_memory(&free_b, &total_b);
-  if (device_free != nullptr) *device_free = free_b;
-  return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
-}
-
 void DeviceAllocator::adopt(Block* b) {
   account_alloc(b);
   live_.insert(b->ptr, b);
