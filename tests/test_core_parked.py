@@ -148,6 +148,38 @@ def test_a_round_trip_of_one_size_takes_the_same_block_back_and_counts_it():
     h.free(other)
 
 
+def round_trips(parking):
+    """Runs of round trips, each run one size asked for with one request (the parked block's free
+    and its take-back are then accounted as one count, Note [The parked block]), between runs of
+    other requests of the same rounded size and of sizes around torch's small-pool line; the
+    counters read in the middle of runs, and each read's."""
+    h = steady_host(parking, capacity=4 * GiB, route="vmm")
+    reads = []
+    rng = random.Random(7)
+    held = h.malloc(3 * MiB, S1)  # something live throughout
+    for run in range(40):
+        size = rng.choice([4096, 4000, MiB, MiB - 512, MiB + 512, 2 * MiB, 9 * MiB + 100])
+        for i in range(rng.randrange(1, 60)):
+            h.free(h.malloc(size - (rng.randrange(2) * 256 if run % 3 == 0 else 0), S1))
+            if rng.random() < 0.03:
+                reads.append((run, i, comparable(h.stats())))
+        reads.append((run, -1, comparable(h.stats())))
+    h.free(held)
+    reads.append(("end", -1, comparable(h.stats())))
+    return reads, h.stats()["num_take_backs"]
+
+
+def test_repeated_round_trips_are_counted_as_if_each_freed_and_allocated():
+    without, _ = in_child(round_trips, False)
+    parked, taken = in_child(round_trips, True)
+    assert taken > 500  # most round trips took the block back
+    for (run, i, a), (_, _, b) in zip(without, parked):
+        assert a == b, f"counters differ in run {run} at {i}: " + str({k: (a[k], b[k]) for k in a if a[k] != b.get(k)})
+    last = parked[-1][2]
+    assert last["allocation"]["all"]["current"] == 0 and last["active_bytes"]["all"]["current"] == 0
+    assert last["allocation"]["all"]["allocated"] == last["allocation"]["all"]["freed"] > 500
+
+
 @isolated
 def test_a_freed_block_is_free_to_every_other_call():
     h = Host(capacity=4 * GiB, route="vmm")

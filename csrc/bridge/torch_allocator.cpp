@@ -54,13 +54,17 @@ using bridge::History;
 // torch.profiler(profile_memory=True) hears of each allocation and free from the
 // allocator, as torch's own reports them: the block's size (negative for a free), then
 // the device's allocated and reserved totals after the call. Nothing is read unless
-// the profiler is recording memory.
+// the profiler is recording memory; then under the lock, which accounts a parked block's
+// free first (Note [The parked block]).
 void report_to_profiler(int device, uintptr_t ptr, int64_t delta) {
   tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
   if (d == nullptr) return;
-  c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(ptr), delta,
-                                   static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
-                                   static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
+  size_t allocated = 0, reserved = 0;
+  d->read_locked([&](const Ledger& l) {
+    allocated = static_cast<size_t>(l.blocks[kAggregate].allocated_bytes.get());
+    reserved = static_cast<size_t>(l.reserved_bytes.s[kAggregate].get());
+  });
+  c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(ptr), delta, allocated, reserved,
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
 

@@ -229,6 +229,12 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
 Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   DeviceLock lock(mu_);
+  // The block freed last may be taken back as it is (Note [The parked block]), before anything
+  // reads the ledger, which counts it until then: nothing changed since its free, and its bytes
+  // were within the budgets; take_parked checks what malloc's checks below would refuse.
+  if (parked_ != nullptr) {
+    if (Block* b = take_parked(size, stream, route, tag)) return b;
+  }
   // Note [Tag arenas]: a block captured into a graph pool is the pool's, whatever scope is open:
   // charged, budgeted and released with the tag the pool was created under.
   const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
@@ -249,11 +255,6 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
     fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
     return nullptr;
-  }
-  // Admitted as every allocation is (the checks above look at no pool): the block freed last
-  // may be taken back as it is (Note [The parked block]).
-  if (parked_ != nullptr) {
-    if (Block* b = take_parked(size, stream, route, tag)) return b;
   }
   // A block may be larger than the rounded request (a remainder too small to split):
   // the budget of the tag it is charged to (b->tag) is checked on the block itself too.
@@ -349,6 +350,43 @@ void DeviceAllocator::account_release(Block* b) {
   tags_.uncharge(*b);
 }
 
+void DeviceAllocator::account_take_back(Block* b, size_t requested, bool small) {
+  const auto size = static_cast<int64_t>(b->size);
+  const auto out = static_cast<int64_t>(requested);
+  const auto in = static_cast<int64_t>(b->requested);
+  auto cycle = [&](BlockStats& k) {
+    k.allocation.cycle(1, 1);
+    k.active.cycle(1, 1);
+    k.allocated_bytes.cycle(size, size);
+    k.active_bytes.cycle(size, size);
+    k.requested_bytes.cycle(out, in);
+  };
+  cycle(ledger_.blocks[kAggregate]);
+  BlockStats& was = ledger_.blocks[small ? kSmallPool : kLargePool];
+  BlockStats& now = ledger_.blocks[is_small(b) ? kSmallPool : kLargePool];
+  if (&was == &now) {
+    cycle(now);
+  } else {  // its request moved it between torch's small and large stats
+    was.allocation.sub(1);
+    was.active.sub(1);
+    was.allocated_bytes.sub(size);
+    was.active_bytes.sub(size);
+    was.requested_bytes.sub(out);
+    now.allocation.add(1);
+    now.active.add(1);
+    now.allocated_bytes.add(size);
+    now.active_bytes.add(size);
+    now.requested_bytes.add(in);
+  }
+  RouteStats& r = ledger_.route[b->route];
+  bump(r.count);
+  r.allocated.cycle(size, size);
+  TagStats& t = ledger_.tag[b->tag];
+  t.allocated.cycle(size, size);
+  t.requested.cycle(out, in);
+  t.allocations.cycle(1, 1);
+}
+
 void DeviceAllocator::account_inactive(Block* b) {
   const bool small = is_small(b);
   for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
@@ -386,14 +424,17 @@ void DeviceAllocator::free_locked(Block* b, bool may_park) {
 
 void DeviceAllocator::free_taken(Block* b, bool may_park) {
   trace_block(TraceAction::kFreeRequested, b);
-  account_release(b);
   b->allocated = false;  // `requested` stays: the trace reports it
   b->shared = false;     // torch keeps a shared tensor alive until every consumer dropped it
-  if (!uses_.must_wait(b, b->segment->pool->release_on_free())) {
-    const BlockPool* pool = b->segment->pool;
-    retire(b, may_park && !pool->graph_pool() && !pool->release_on_free() && parking_.load(std::memory_order_relaxed));
+  const BlockPool* pool = b->segment->pool;
+  if (!uses_.must_wait(b, pool->release_on_free())) {
+    const bool park =
+        may_park && !pool->graph_pool() && !pool->release_on_free() && parking_.load(std::memory_order_relaxed);
+    if (!park) account_release(b);  // a parked block's free is accounted when it leaves parked_
+    retire(b, park);
     return;
   }
+  account_release(b);
   uses_.hold(b, capture_reuse_.load(std::memory_order_relaxed));
 }
 
@@ -406,7 +447,7 @@ void DeviceAllocator::trace_block(TraceAction action, const Block* b) {
 
 void DeviceAllocator::retire(Block* b, bool park) {
   trace_block(TraceAction::kFreeCompleted, b);
-  account_inactive(b);
+  if (!park) account_inactive(b);
   BlockPool* pool = b->segment->pool;
   const CUstream stream = b->stream;
   if (park) {  // out of its pool, which still counts it handed out, stamped as its free would
@@ -426,10 +467,38 @@ DeviceLock DeviceAllocator::hold() {
   return lock;
 }
 
+void DeviceAllocator::settle_tally() {
+  const int64_t n = tally_.pending;
+  if (n == 0) return;
+  tally_.pending = 0;
+  const int64_t bytes = n * tally_.size;
+  const int64_t asked = n * tally_.requested;
+  auto both = [](Stat& s, int64_t v) {  // cycle(v, v), as many times as counted: current and peak stay
+    s.allocated.store(s.allocated.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+    s.freed.store(s.freed.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+  };
+  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[tally_.small ? kSmallPool : kLargePool]}) {
+    both(k->allocation, n);
+    both(k->active, n);
+    both(k->allocated_bytes, bytes);
+    both(k->active_bytes, bytes);
+    both(k->requested_bytes, asked);
+  }
+  RouteStats& r = ledger_.route[tally_.route];
+  bump(r.count, n);
+  both(r.allocated, bytes);
+  TagStats& t = ledger_.tag[tally_.tag];
+  both(t.allocated, bytes);
+  both(t.requested, asked);
+  both(t.allocations, n);
+}
+
 void DeviceAllocator::unpark() {
   Block* b = parked_;
   if (b == nullptr) return;
   parked_ = nullptr;
+  account_release(b);  // the free, accounted now (Note [The parked block])
+  account_inactive(b);
   b->segment->pool->free(b, b->freed_at);
 }
 
@@ -439,16 +508,30 @@ Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int
   // allocation open (their blocks come from elsewhere), no free waiting on recorded streams.
   const int used = resolve_route(caps_, route);
   BlockPool* pool = used == kRouteVmm ? tags_.pool(tag) : default_pool(used);
-  if (b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() || !uses_.idle() ||
-      pool->take_back(b, size) == nullptr) {
+  const size_t requested = b->requested;  // as freed: take_back sets the new request's
+  const bool small = is_small(b);
+  // Its tag may have been released since its allocation (its tensors stay live): malloc refuses then.
+  if (size > b->size || b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() ||
+      !uses_.idle() || !tags_.live(tag) || pool->take_back(b, size) == nullptr) {
     unpark();
     return nullptr;
   }
   // Nothing that changes the ledger or a pool ran since the free: the budget took the block
-  // before, and malloc's checks admitted the request (its tag live, within the tag's budget).
+  // before, and malloc's checks admitted the request (its tag live).
   parked_ = nullptr;
   bump(ledger_.num_take_backs);
-  adopt(b);
+  TakeBackTally& t = tally_;
+  if (static_cast<int64_t>(b->size) == t.size && static_cast<int64_t>(requested) == t.requested &&
+      b->requested == requested && small == t.small && is_small(b) == small && b->route == t.route && b->tag == t.tag) {
+    ++t.pending;
+  } else {
+    settle_tally();
+    account_take_back(b, requested, small);
+    if (b->requested == requested && is_small(b) == small)
+      t = TakeBackTally{0, static_cast<int64_t>(b->size), static_cast<int64_t>(requested), small, b->route, b->tag};
+  }
+  live_.insert(b->ptr, b);
+  trace_block(TraceAction::kAlloc, b);
   return b;
 }
 

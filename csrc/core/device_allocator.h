@@ -218,6 +218,7 @@ class DeviceAllocator {
   template <typename Fn>
   void read_locked(Fn fn) {
     auto lock = hold();
+    settle_tally();
     fn(static_cast<const Ledger&>(ledger_));
   }
 
@@ -262,6 +263,24 @@ class DeviceAllocator {
   void account_alloc(Block* b);
   void account_release(Block* b);   // allocated -> not allocated
   void account_inactive(Block* b);  // active -> free
+  // The parked block `b` taken back (Note [The parked block]): its free's account_release and
+  // account_inactive, as the block was (`requested` bytes asked, `small` its stats pool), then its
+  // account_alloc as it is now, counter by counter as one cycle.
+  void account_take_back(Block* b, size_t requested, bool small);
+  // A take-back like the last one accounted (the same bytes and request, stats pool, route and
+  // tag) moves no current value and no peak: each adds the same counts to every counter's
+  // cumulative pair, so they are counted here and added when the ledger is read (read_locked, the
+  // only reader of cumulative counts), before reset_accumulated, or at a take-back unlike them.
+  struct TakeBackTally {
+    int64_t pending = 0;  // take-backs not yet added
+    int64_t size = -1;
+    int64_t requested = 0;
+    bool small = false;
+    int route = 0;
+    int tag = 0;
+  };
+  TakeBackTally tally_;
+  void settle_tally();
   // `may_park`: a free of the caller's, whose block may be parked (Note [The parked block]).
   void free_locked(Block* b, bool may_park = false);
   void free_taken(Block* b, bool may_park = false);  // free_locked of a block already taken out of live_
@@ -277,10 +296,14 @@ class DeviceAllocator {
   // and the next operation under the lock that looks at a pool, so every path sees the pools
   // exactly as without parking. Every lock is taken through hold(), which unparks, or by
   // malloc (which unparks once its checks pass, before any pool) and free (through hold());
-  // every wait that releases the lock unparks once it has it back. A parked block is out of live_
-  // and out of the ledger (freed, not active), but its pool still counts it handed out
-  // (allocated, its segment's live count), so no neighbour's merge and no release of its
-  // segment touches it. Only blocks of the device's own pools (not a graph pool, not one
+  // every wait that releases the lock unparks once it has it back. A parked block is out of live_,
+  // but its pool still counts it handed out (allocated, its segment's live count), so no
+  // neighbour's merge and no release of its segment touches it. The ledger still counts it too,
+  // allocated and active, until unpark() accounts its free or the take-back its free and its
+  // allocation as one cycle of each counter: only the pair's net change and the counts it adds
+  // (a third of a round trip's instructions otherwise; repeated ones are only counted, see
+  // TakeBackTally). Nothing reads the ledger in between: every reader takes the lock through
+  // hold() (read_locked, the profiler's report), and malloc tries the take-back before any check. Only blocks of the device's own pools (not a graph pool, not one
   // that gives memory back at every free) park; a block freed after record_stream never does.
   DeviceLock hold();
   void unpark();

@@ -109,6 +109,7 @@ void DeviceAllocator::packing_refill() {
 
 void DeviceAllocator::reset_accumulated() {
   auto lock = hold();
+  settle_tally();  // counted before the reset, then reset with the rest
   ledger_.reset_accumulated();
 }
 

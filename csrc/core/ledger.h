@@ -34,6 +34,15 @@ struct Stat {
     current.store(current.load(std::memory_order_relaxed) - n, std::memory_order_relaxed);
     freed.store(freed.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   }
+  // sub(out) then add(in), nothing between: the same four numbers (the peak was at least the
+  // current before, so only what `in` adds past `out` can raise it).
+  void cycle(int64_t out, int64_t in) {
+    int64_t c = current.load(std::memory_order_relaxed) + (in - out);
+    current.store(c, std::memory_order_relaxed);
+    if (c > peak.load(std::memory_order_relaxed)) peak.store(c, std::memory_order_relaxed);
+    allocated.store(allocated.load(std::memory_order_relaxed) + in, std::memory_order_relaxed);
+    freed.store(freed.load(std::memory_order_relaxed) + out, std::memory_order_relaxed);
+  }
   void reset_peak() { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
   void reset_accumulated() {
     allocated.store(0, std::memory_order_relaxed);
