@@ -407,8 +407,8 @@ Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int
     unpark();
     return nullptr;
   }
-  // Nothing that changes the ledger or a pool ran since the free: the budget took the block
-  // before, and malloc's checks admitted the request (its tag live).
+  // Nothing that changes the ledger or a pool ran since the free: the budgets took the block
+  // before (its tag's too: the same bytes, the same tag), and its tag is live.
   parked_ = nullptr;
   bump(ledger_.num_take_backs);
   TakeBackTally& t = tally_;

@@ -295,7 +295,7 @@ class DeviceAllocator {
   // else returns it to its pool first (unpark). Invariant: parked_ is set only between a free
   // and the next operation under the lock that looks at a pool, so every path sees the pools
   // exactly as without parking. Every lock is taken through hold(), which unparks, or by
-  // malloc (which unparks once its checks pass, before any pool) and free (through hold());
+  // malloc (which tries the take-back first and unparks otherwise) and free (through hold());
   // every wait that releases the lock unparks once it has it back. A parked block is out of live_,
   // but its pool still counts it handed out (allocated, its segment's live count), so no
   // neighbour's merge and no release of its segment touches it. The ledger still counts it too,
@@ -303,8 +303,10 @@ class DeviceAllocator {
   // allocation as one cycle of each counter: only the pair's net change and the counts it adds
   // (a third of a round trip's instructions otherwise; repeated ones are only counted, see
   // TakeBackTally). Nothing reads the ledger in between: every reader takes the lock through
-  // hold() (read_locked, the profiler's report), and malloc tries the take-back before any check. Only blocks of the device's own pools (not a graph pool, not one
-  // that gives memory back at every free) park; a block freed after record_stream never does.
+  // hold() (read_locked, the profiler's report), and malloc tries the take-back before any of
+  // its checks, take_parked refusing what they would refuse. Only blocks of the device's own
+  // pools (not a graph pool, not one that gives memory back at every free) park; a block freed
+  // after record_stream never does.
   DeviceLock hold();
   void unpark();
   Block* take_parked(size_t size, CUstream stream, int route, int tag);
