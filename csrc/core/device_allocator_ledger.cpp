@@ -12,16 +12,10 @@ bool is_small(const Block* b) { return b->small_request; }
 }  // namespace
 
 void DeviceAllocator::account_alloc(Block* b) {
-  const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
   const auto requested = static_cast<int64_t>(b->requested);
-  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
-    k->allocation.add(1);
-    k->active.add(1);
-    k->allocated_bytes.add(size);
-    k->active_bytes.add(size);
-    k->requested_bytes.add(requested);
-  }
+  ledger_.blocks[kAggregate].charge(size, requested);
+  ledger_.pool_kind(is_small(b)).charge(size, requested);
   RouteStats& r = ledger_.route[b->route];
   bump(r.count);
   r.allocated.add(size);
@@ -33,14 +27,10 @@ void DeviceAllocator::account_alloc(Block* b) {
 }
 
 void DeviceAllocator::account_release(Block* b) {
-  const bool small = is_small(b);
   const auto size = static_cast<int64_t>(b->size);
   const auto requested = static_cast<int64_t>(b->requested);
-  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
-    k->allocation.sub(1);
-    k->allocated_bytes.sub(size);
-    k->requested_bytes.sub(requested);
-  }
+  ledger_.blocks[kAggregate].release(size, requested);
+  ledger_.pool_kind(is_small(b)).release(size, requested);
   ledger_.route[b->route].allocated.sub(size);
   TagStats& t = ledger_.tag[b->tag];
   t.allocated.sub(size);
@@ -53,45 +43,26 @@ void DeviceAllocator::account_take_back(Block* b, size_t requested, bool small) 
   const auto size = static_cast<int64_t>(b->size);
   const auto out = static_cast<int64_t>(requested);
   const auto in = static_cast<int64_t>(b->requested);
-  auto cycle = [&](BlockStats& k) {
-    k.allocation.cycle(1, 1);
-    k.active.cycle(1, 1);
-    k.allocated_bytes.cycle(size, size);
-    k.active_bytes.cycle(size, size);
-    k.requested_bytes.cycle(out, in);
-  };
-  cycle(ledger_.blocks[kAggregate]);
-  BlockStats& was = ledger_.blocks[small ? kSmallPool : kLargePool];
-  BlockStats& now = ledger_.blocks[is_small(b) ? kSmallPool : kLargePool];
+  ledger_.blocks[kAggregate].cycle(1, size, out, in);
+  BlockStats& was = ledger_.pool_kind(small);
+  BlockStats& now = ledger_.pool_kind(is_small(b));
   if (&was == &now) {
-    cycle(now);
+    now.cycle(1, size, out, in);
   } else {  // its request moved it between torch's small and large stats
-    was.allocation.sub(1);
-    was.active.sub(1);
-    was.allocated_bytes.sub(size);
-    was.active_bytes.sub(size);
-    was.requested_bytes.sub(out);
-    now.allocation.add(1);
-    now.active.add(1);
-    now.allocated_bytes.add(size);
-    now.active_bytes.add(size);
-    now.requested_bytes.add(in);
+    was.release(size, out);
+    was.retire(size);
+    now.charge(size, in);
   }
   RouteStats& r = ledger_.route[b->route];
   bump(r.count);
   r.allocated.cycle(size, size);
-  TagStats& t = ledger_.tag[b->tag];
-  t.allocated.cycle(size, size);
-  t.requested.cycle(out, in);
-  t.allocations.cycle(1, 1);
+  ledger_.tag[b->tag].cycle(1, size, out, in);
 }
 
 void DeviceAllocator::account_inactive(Block* b) {
-  const bool small = is_small(b);
-  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[small ? kSmallPool : kLargePool]}) {
-    k->active.sub(1);
-    k->active_bytes.sub(static_cast<int64_t>(b->size));
-  }
+  const auto size = static_cast<int64_t>(b->size);
+  ledger_.blocks[kAggregate].retire(size);
+  ledger_.pool_kind(is_small(b)).retire(size);
 }
 
 void DeviceAllocator::settle_tally() {
@@ -100,24 +71,13 @@ void DeviceAllocator::settle_tally() {
   tally_.pending = 0;
   const int64_t bytes = n * tally_.size;
   const int64_t asked = n * tally_.requested;
-  auto both = [](Stat& s, int64_t v) {  // cycle(v, v), as many times as counted: current and peak stay
-    s.allocated.store(s.allocated.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
-    s.freed.store(s.freed.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
-  };
-  for (BlockStats* k : {&ledger_.blocks[kAggregate], &ledger_.blocks[tally_.small ? kSmallPool : kLargePool]}) {
-    both(k->allocation, n);
-    both(k->active, n);
-    both(k->allocated_bytes, bytes);
-    both(k->active_bytes, bytes);
-    both(k->requested_bytes, asked);
-  }
+  // n cycles of the same block and request: current values and peaks stay, the counts grow.
+  ledger_.blocks[kAggregate].cycle(n, bytes, asked, asked);
+  ledger_.pool_kind(tally_.small).cycle(n, bytes, asked, asked);
   RouteStats& r = ledger_.route[tally_.route];
   bump(r.count, n);
-  both(r.allocated, bytes);
-  TagStats& t = ledger_.tag[tally_.tag];
-  both(t.allocated, bytes);
-  both(t.requested, asked);
-  both(t.allocations, n);
+  r.allocated.cycle(bytes, bytes);
+  ledger_.tag[tally_.tag].cycle(n, bytes, asked, asked);
 }
 
 }  // namespace tb

@@ -84,12 +84,46 @@ struct alignas(64) BlockStats {
   Stat allocated_bytes;  // bytes of live blocks (rounded sizes)
   Stat active_bytes;
   Stat requested_bytes;  // bytes asked for by callers (unrounded)
+
+  // A block of `size` bytes allocated for a request of `requested`; its free (no longer
+  // allocated); its retirement (no longer active).
+  void charge(int64_t size, int64_t requested) {
+    allocation.add(1);
+    active.add(1);
+    allocated_bytes.add(size);
+    active_bytes.add(size);
+    requested_bytes.add(requested);
+  }
+  void release(int64_t size, int64_t requested) {
+    allocation.sub(1);
+    allocated_bytes.sub(size);
+    requested_bytes.sub(requested);
+  }
+  void retire(int64_t size) {
+    active.sub(1);
+    active_bytes.sub(size);
+  }
+  // `n` blocks of `bytes` in all freed (asked for `out` bytes) and allocated again (for `in`),
+  // nothing between: charge after release and retire, as one Stat::cycle each.
+  void cycle(int64_t n, int64_t bytes, int64_t out, int64_t in) {
+    allocation.cycle(n, n);
+    active.cycle(n, n);
+    allocated_bytes.cycle(bytes, bytes);
+    active_bytes.cycle(bytes, bytes);
+    requested_bytes.cycle(out, in);
+  }
 };
 
 struct alignas(64) TagStats {
   Stat allocated;
   Stat requested;
   Stat allocations;  // live allocations (count); `allocated` of it counts every one served
+
+  void cycle(int64_t n, int64_t bytes, int64_t out, int64_t in) {  // as BlockStats::cycle
+    allocated.cycle(bytes, bytes);
+    requested.cycle(out, in);
+    allocations.cycle(n, n);
+  }
 };
 
 struct alignas(64) RouteStats {
@@ -102,6 +136,7 @@ struct Ledger {
   // torch's names (see c10::CachingDeviceAllocator::DeviceStats): `allocation`, `active`,
   // `allocated_bytes`, `active_bytes` and `requested_bytes` of each pool kind are in blocks[kind].
   BlockStats blocks[kPoolKinds];
+  BlockStats& pool_kind(bool small) { return blocks[small ? kSmallPool : kLargePool]; }
   StatArray3 segment;           // segments / VMM arenas (count)
   StatArray3 reserved_bytes;    // bytes held from the driver, cached included
 
