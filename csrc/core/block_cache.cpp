@@ -387,11 +387,10 @@ bool BlockPool::may_take_back(Block* b, size_t rounded, bool small, Block** merg
     next->requested = b->requested;  // Block::requested: the figure of the block freed last
     if (apart_after) unmerged_.push_back(next);
   }
-  // Note [The parked block]'s verdict: it holds until the free sets change, unless it read the
-  // stream clock (a neighbour of another stream, whose work may complete in between) or left notes.
-  const bool other_stream = (b->prev != nullptr && b->prev->is_free() && b->prev->stream != b->stream) ||
-                            (b->next != nullptr && b->next->is_free() && b->next->stream != b->stream);
-  if (!apart_before && !apart_after && !restreamed && !other_stream) {
+  // Note [The parked block]'s verdict: it holds until the free sets change, unless it left notes
+  // or moved a neighbour to b's stream. A free neighbour of another stream, whose work may
+  // complete in between (the stream clock decides), always ends in one of those or in no.
+  if (!apart_before && !apart_after && !restreamed) {
     taken_back_ = b;
     taken_back_shape_ = shape_;
   } else {

@@ -306,7 +306,8 @@ class BlockPool {
   void file(FreeSet& fs, Block* b, FreeSet::node_type node);
   // Takes `b` out of `fs` by its position.
   FreeSet::node_type unfile(FreeSet& fs, Block* b) { return take_out(fs, b->where); }
-  // Every change to the free sets goes through file() and take_out(), which count it in shape_.
+  // Every change to the free sets goes through file() and take_out(), which count it in shape_
+  // (remove_segment, which erases a whole segment's blocks, counts its own).
   FreeSet::node_type take_out(FreeSet& fs, FreeSet::iterator it) {
     ++shape_;
     return fs.extract(it);
@@ -346,7 +347,7 @@ class BlockPool {
   void prune_unmerged();
   std::vector<FreeSet::node_type> spare_;  // see keep()
   // Note [The parked block]: changes to the free sets so far, and the block whose take-back
-  // may_take_back last allowed without reading the stream clock, with shape_ then. While
+  // may_take_back last allowed leaving no notes and moving no neighbour, with shape_ then. While
   // shape_ stays, nothing take_back looks at changed: every neighbour and every free block is
   // as it was, so the same block of the same size is allowed again without looking.
   uint64_t shape_ = 0;
