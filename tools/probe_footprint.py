@@ -16,9 +16,11 @@ import argparse
 import concurrent.futures
 import glob
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,16 +61,20 @@ FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fno-semantic-interposition", "-Wno-unus
 SKIPPED = ("main", "evict_code", "_dl", "dl-")  # the harness and the loader, not the core
 
 
-def cuda_include():
-    for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        if d and os.path.exists(os.path.join(d, "include", "cuda.h")):
-            return os.path.join(d, "include")
-    raise SystemExit("probe_footprint: no CUDA headers (cuda.h): set CUDA_HOME")
+def cuda_includes():
+    """The CUDA header directories, found as setup.py finds them for the build (CUDA_HOME, else the
+    CUDA wheels of this environment, else a system toolkit)."""
+    # setup.py run under another name than __main__: its functions, without running setup()
+    setup = runpy.run_path(os.path.join(REPO, "setup.py"), run_name="tb_setup")
+    dirs = setup["cuda_include_dirs"](os.environ.get("CUDA_HOME"), sysconfig.get_paths()["purelib"])
+    if not dirs:
+        raise SystemExit("probe_footprint: no CUDA headers (cuda.h): set CUDA_HOME")
+    return dirs
 
 
 def build(source, folder):
     """The core of `source` as folder/libcore.so and the harness as folder/roundtrip."""
-    inc = ["-I" + os.path.join(source, "csrc"), "-I" + cuda_include()]
+    inc = ["-I" + os.path.join(source, "csrc")] + ["-I" + d for d in cuda_includes()]
     units = sorted(glob.glob(os.path.join(source, "csrc", "core", "*.cpp")))
     units += [os.path.join(source, "csrc", "tb_capi.cpp"), os.path.join(source, "csrc", "testing", "host_driver.cpp")]
 
