@@ -48,3 +48,27 @@ def test_a_file_without_events_is_refused(tmp_path):
     out.write_text("fn=main\n1 2 3\n")
     with pytest.raises(ValueError, match="not a cachegrind output file"):
         load_tool().totals(str(out))
+
+
+def test_the_simulated_caches_are_fixed_so_figures_do_not_follow_the_host(tmp_path, monkeypatch):
+    # cachegrind takes the host's caches unless told: with a 64 KiB instruction cache the 40 KiB of
+    # code between round trips evicted nothing and every round trip read 0 instruction lines.
+    tool = load_tool()
+    seen = []
+
+    class Done:
+        returncode = 0
+        stderr = ""
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        out = next(a for a in cmd if a.startswith("--cachegrind-out-file="))
+        with open(out.split("=", 1)[1], "w") as f:
+            f.write("events: Ir I1mr D1mr D1mw\nfn=tb::x()\n1 10 2 3 4\n")
+        return Done()
+
+    monkeypatch.setattr(tool.subprocess, "run", run)
+    assert tool.counted("roundtrip", 4096, 10, 1, str(tmp_path))["I1mr"] == 2
+    i1 = [a for a in seen[0] if a.startswith("--I1=")]
+    assert i1 == ["--I1=32768,8,64"], seen[0]
+    assert any(a.startswith("--D1=") for a in seen[0]) and any(a.startswith("--LL=") for a in seen[0])

@@ -8,6 +8,9 @@ counts, per round trip:
   cold  the first-level lines missed when 128 KiB of data and 40 KiB of code run between round
         trips (the instruction lines stand for code spread over the path, the data lines for
         the state it touches: ledger, pools, blocks).
+The simulated caches are a server core's, whatever machine runs the tool (CACHES): cachegrind
+otherwise takes the host's, and where its first-level instruction cache holds 64 KiB, the 40 KiB
+of code between round trips evicts nothing and every round trip reads 0 instruction lines.
 Needs g++ and valgrind; the CUDA headers only (the stand-in replaces the driver).
 
     python tools/probe_footprint.py [--sizes 4096,67108864] [--source DIR] [--iterations 20000]
@@ -58,6 +61,9 @@ int main(int argc, char** argv) {
 """
 
 FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fno-semantic-interposition", "-Wno-unused-function"]
+# First level: 32 KiB of instructions (8-way) and 48 KiB of data (12-way), 64-byte lines, as on the
+# GPU machines' server cores; a last level of 32 MiB, which the evictors never fill.
+CACHES = ["--I1=32768,8,64", "--D1=49152,12,64", "--LL=33554432,16,64"]
 SKIPPED = ("main", "evict_code", "_dl", "dl-")  # the harness and the loader, not the core
 
 
@@ -120,7 +126,7 @@ def totals(path):
 
 def counted(exe, size, iterations, cold, folder):
     data = os.path.join(folder, f"cg.{size}.{iterations}.{cold}")
-    r = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={data}",
+    r = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", *CACHES, f"--cachegrind-out-file={data}",
                         exe, str(size), str(iterations), str(cold)], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"probe_footprint: the round trip of {size} bytes failed ({r.returncode}):\n"
