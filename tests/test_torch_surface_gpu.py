@@ -308,6 +308,7 @@ def a_live_block_keeps_its_stack_after_recording_stops():
     print("stacks ok")
 
 
+@pytest.mark.exclusive  # compares the observer's free bytes with device-wide free memory
 def test_oom_observer_is_called_once_with_device_size_and_free_bytes(fresh):
     out = fresh(oom_observer_is_called_once_with_device_size_and_free_bytes)
     assert "observer ok" in out
