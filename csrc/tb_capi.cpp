@@ -232,7 +232,7 @@ int tb_cache_info(int device, int64_t* largest) {
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
   size_t out = 0;
-  if (!d->cache_info(&out)) return code();
+  if (!d->cache_info(&out, current_scope().tag)) return code();
   *largest = static_cast<int64_t>(out);
   return 0;
 }

@@ -146,11 +146,16 @@ def test_cudnn_benchmark_convolution_works(fresh):
 
 
 def cudnn_benchmark_convolution_works():
-    torch_budget.install()
+    torch_budget.install(budget=4 * GiB)
     torch.backends.cudnn.benchmark = True
     conv = torch.nn.Conv2d(16, 32, 3).cuda()
     x = torch.randn(8, 16, 64, 64, device="cuda")
+    cached = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+    del cached  # something cached, far less than the budget's room
     out = conv(x)
+    # cacheInfo told cuDNN what one allocation gets within the budget (Note [What cacheInfo tells]):
+    # the workspace it then allocated for its plans never failed.
+    assert torch.cuda.memory_stats()["num_ooms"] == 0 and torch.cuda.memory_stats()["num_alloc_retries"] == 0
     torch.backends.cudnn.enabled = False
     ref = conv(x)
     assert torch.allclose(out, ref, rtol=1e-2, atol=1e-2)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated
+from torch_budget import _native
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -150,14 +151,52 @@ def test_clean_free_memory_is_reused_without_waiting_and_packs_tightly(map_run, 
 
 
 @isolated
-def test_cache_info_counts_only_mapped_free_memory_within_the_budget():
+def test_cache_info_is_what_one_allocation_gets_within_the_budget():
+    # Note [What cacheInfo tells]: torch's own answer is the device's free memory or its largest
+    # cached block, whichever is more; cuDNN's benchmark drops every plan whose workspace is larger.
     h = Host(capacity=141 * GiB, route="vmm", budget=8 * GiB)
     a = h.malloc(64 * MiB)
     h.free(a)
-    # The arena's unmapped tail is address range, not cache: a's 64 MiB is what is cached.
-    assert h.cache_info() == 64 * MiB
+    # The arena's unmapped tail (141 GiB of address range) is not cache and not within the budget:
+    # the room left in the budget is what one allocation can still get.
+    assert h.cache_info() == 8 * GiB - 64 * MiB
+    big = h.malloc(6 * GiB)
+    h.free(big)
+    # 6 GiB cached, 2 GiB - 64 MiB of room: the cached stretch is more (its 64 MiB neighbour merged in or not).
+    assert 6 * GiB <= h.cache_info() <= 8 * GiB
+    kept = h.malloc(7 * GiB + 512 * MiB)
+    assert h.cache_info() <= 8 * GiB - (7 * GiB + 512 * MiB)
+    h.free(kept)
     h.empty_cache()
-    assert h.cache_info() <= 8 * GiB
+    assert h.cache_info() == 8 * GiB
+    h.malloc(4 * GiB)
+    assert h.cache_info() == 4 * GiB
+
+
+@isolated
+def test_cache_info_without_a_budget_is_the_devices_free_memory_and_never_less_than_the_cache():
+    h = Host(capacity=16 * GiB, route="vmm")
+    assert h.cache_info() == 16 * GiB - h.device_used()
+    a = h.malloc(256 * MiB)
+    h.free(a)  # 256 MiB cached: the device's free memory is still more
+    assert h.cache_info() == 16 * GiB - h.device_used() > 256 * MiB
+    hog = h.malloc(15 * GiB + 512 * MiB)
+    h.free(hog)  # nearly all of it cached and nothing free on the device: the cache answers
+    assert h.cache_info() >= 15 * GiB + 512 * MiB
+
+
+@isolated
+def test_cache_info_under_a_tag_stays_within_the_tags_budget():
+    h = Host(capacity=16 * GiB, route="vmm")
+    kv = h.tag("kv")
+    _native.check(h.lib, h.lib.tb_set_tag_budget(0, kv, 1 * GiB, -1.0))
+    h.push(tag="kv")
+    try:
+        h.malloc(256 * MiB)
+        assert h.cache_info() == 768 * MiB  # what the tag may still allocate, not the device's 15.75 GiB
+    finally:
+        h.pop()
+    assert h.cache_info() == 16 * GiB - h.device_used()  # untagged: the device's
 
 
 def _line_pressed(h, stream=S1):

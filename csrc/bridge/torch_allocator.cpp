@@ -27,6 +27,7 @@
 #include "bridge/ipc.h"
 #include "core/allocator.h"
 #include "core/error.h"
+#include "core/scope.h"
 #include "tb_capi.h"
 
 namespace tb {
@@ -255,7 +256,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
     tb::DeviceAllocator* d = ready(device, "cacheInfo");
-    if (!d->cache_info(largest)) raise_last_error("cacheInfo");
+    if (!d->cache_info(largest, tb::current_scope().tag)) raise_last_error("cacheInfo");
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {

@@ -143,9 +143,10 @@ class DeviceAllocator {
   bool grant_peer(int peer);
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
   size_t largest_free();
-  // torch's cacheInfo (cuDNN sizes its benchmark workspaces from it): the longest free
-  // stretch that is backed now, else what could still be had within the budget.
-  bool cache_info(size_t* largest);
+  // torch's cacheInfo for an allocation under `tag` (cuDNN sizes its benchmark workspaces from
+  // it): the longest free stretch backed now or the free memory within the budget, whichever is
+  // more, within the tag's budget (Note [What cacheInfo tells]).
+  bool cache_info(size_t* largest, int tag);
   void reset_peaks();
   void reset_accumulated();
   // Note [Packing time]: the time that has passed until now earns no packing credit;

@@ -80,13 +80,29 @@ size_t DeviceAllocator::largest_free() {
   return best;
 }
 
-bool DeviceAllocator::cache_info(size_t* largest) {
-  *largest = largest_free();
-  if (*largest > 0) return true;
+bool DeviceAllocator::cache_info(size_t* largest, int tag) {
+  // Note [What cacheInfo tells]
+  // torch's own allocator answers with the device's free memory or its largest cached free
+  // block, whichever is more (it starts from cudaMemGetInfo when asked with 0, as every caller
+  // asks): an optimistic bound of what one allocation can get. cuDNN's benchmark keeps only the
+  // plans whose workspace fits it and then allocates the largest of theirs, halving on each
+  // failure. So the answer is what an allocation gets without any failure: the longest cached
+  // stretch that is backed now (never the arena's unmapped address range), or the device's free
+  // memory within the budget's room, whichever is more, and no more than the room of the
+  // allocating scope's tag budget. Answering the cached stretch alone made the benchmark drop
+  // every plan needing more workspace than happened to be cached whenever anything was, which
+  // native torch would have timed; answering past the budget made each plan it tried a full
+  // out-of-memory path.
+  size_t best = largest_free();
   size_t free_b = 0, total_b = 0;
   if (!mem_info(&free_b, &total_b)) return false;
   const int64_t room = budget_.limit() - budget_.reserved();
-  *largest = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
+  const size_t within = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
+  best = std::max(best, within);
+  const int64_t tag_limit = budget_.tag_limit(tag);
+  if (tag_limit != Budget::kNone)
+    best = std::min(best, static_cast<size_t>(std::max<int64_t>(tag_limit - budget_.tag_used(tag), 0)));
+  *largest = best;
   return true;
 }
 
