@@ -25,7 +25,7 @@ int64_t Budget::resolve(int64_t bytes, double fraction, size_t total) {
 }
 
 bool Budget::fits(size_t bytes) {
-  const int64_t room = limit() - reserved();
+  const int64_t room = this->room();
   if (room < 0 || bytes > static_cast<uint64_t>(room)) {
     refused_ = true;
     set_error(kOutOfMemory, "budget");

@@ -54,6 +54,8 @@ class Budget {
   int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
   void set_limit(int64_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
   int64_t reserved() const { return ledger_.reserved_bytes.s[kAggregate].get(); }
+  // What the limit still admits past what is reserved (negative when over it).
+  int64_t room() const { return limit() - reserved(); }
 
   // Whether `bytes` more stays within the limit, for any size (no overflow). When
   // not, records kOutOfMemory and remembers that the budget refused.
@@ -79,12 +81,15 @@ class Budget {
   int64_t tag_used(int tag) const { return ledger_.tag[tag].allocated.get(); }
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
+  // What `tag` may still allocate under its budget: kNone without one, negative when over it.
+  int64_t tag_room(int tag) const {
+    const int64_t limit = tag_limit(tag);
+    return limit == kNone ? kNone : limit - tag_used(tag);
+  }
   // Whether `bytes` more allocated under `tag` stays within the tag's budget.
   bool tag_fits(int tag, size_t bytes) const {
-    const int64_t limit = tag_limit(tag);
-    if (limit == kNone) return true;
-    const int64_t room = limit - tag_used(tag);
-    return room >= 0 && bytes <= static_cast<uint64_t>(room);
+    const int64_t room = tag_room(tag);
+    return room == kNone || (room >= 0 && bytes <= static_cast<uint64_t>(room));
   }
   // `charged`: the bytes the allocation would have counted (its block, rounded).
   std::string tag_oom_message(size_t size, size_t charged, int tag, const std::string& name, size_t device_free,

@@ -93,15 +93,13 @@ bool DeviceAllocator::cache_info(size_t* largest, int tag) {
   // every plan needing more workspace than happened to be cached whenever anything was, which
   // native torch would have timed; answering past the budget made each plan it tried a full
   // out-of-memory path.
-  size_t best = largest_free();
   size_t free_b = 0, total_b = 0;
   if (!mem_info(&free_b, &total_b)) return false;
-  const int64_t room = budget_.limit() - budget_.reserved();
+  const int64_t room = budget_.room();
   const size_t within = room < static_cast<int64_t>(free_b) ? static_cast<size_t>(std::max<int64_t>(room, 0)) : free_b;
-  best = std::max(best, within);
-  const int64_t tag_limit = budget_.tag_limit(tag);
-  if (tag_limit != Budget::kNone)
-    best = std::min(best, static_cast<size_t>(std::max<int64_t>(tag_limit - budget_.tag_used(tag), 0)));
+  size_t best = std::max(largest_free(), within);
+  const int64_t tag_room = budget_.tag_room(tag);
+  if (tag_room != Budget::kNone) best = std::min(best, static_cast<size_t>(std::max<int64_t>(tag_room, 0)));
   *largest = best;
   return true;
 }
