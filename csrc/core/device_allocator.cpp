@@ -411,14 +411,16 @@ Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int
   // before (its tag's too: the same bytes, the same tag), and its tag is live.
   parked_ = nullptr;
   bump(ledger_.num_take_backs);
+  // Taken back for the request it was freed from, in the same stats pool: a pure cycle.
+  const bool same_request = b->requested == requested && is_small(b) == small;
   TakeBackTally& t = tally_;
-  if (static_cast<int64_t>(b->size) == t.size && static_cast<int64_t>(requested) == t.requested &&
-      b->requested == requested && small == t.small && is_small(b) == small && b->route == t.route && b->tag == t.tag) {
+  if (same_request && static_cast<int64_t>(b->size) == t.size && static_cast<int64_t>(requested) == t.requested &&
+      small == t.small && b->route == t.route && b->tag == t.tag) {
     ++t.pending;
   } else {
     settle_tally();
     account_take_back(b, requested, small);
-    if (b->requested == requested && is_small(b) == small)
+    if (same_request)
       t = TakeBackTally{0, static_cast<int64_t>(b->size), static_cast<int64_t>(requested), small, b->route, b->tag};
   }
   live_.insert(b->ptr, b);
