@@ -276,10 +276,15 @@ def main():
         return
     library = build_floor()
     rows = {}
-    for _ in range(a.rounds):
-        for c, measured in run_together(sizes, a.batches, library).items():
+    for r in range(a.rounds):
+        measured_now = run_together(sizes, a.batches, library)
+        for c, measured in measured_now.items():
             for (kind, size), median in measured.items():
                 rows.setdefault((kind, size, c), []).append(median)
+        # Each round's own ratios as it ends: a run cut short by its time limit still tells them.
+        print(f"round {r + 1}/{a.rounds}: tb/native from Python " + " ".join(
+            f"{size}B={measured_now['tb-vmm'][('ROUNDTRIP', size)] / measured_now['native'][('ROUNDTRIP', size)]:.3f}"
+            for size in sizes), flush=True)
 
     def med(kind, size, c):
         return statistics.median(rows[(kind, size, c)])
