@@ -39,6 +39,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
+
+def load_tool(name: str):
+    """tools/<name>.py imported as module <name> (registered in sys.modules: a tool's dataclasses
+    look their module up), so tests call its functions and stand in for its GPU children."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[name] = tool
+    spec.loader.exec_module(tool)
+    return tool
+
 # The child's script: find this module, then let it import and call the body.
 _CHILD = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import _harness; _harness._child(*sys.argv[1:])"
 

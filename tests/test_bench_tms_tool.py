@@ -1,21 +1,16 @@
 """tools/bench_tms.py without a GPU: the staged source is found or its absence explained, the
 rounds rotate, the tensors add up, and the table and RESULT line come out right from fake
 per-process results (the child processes are replaced here; they need a device)."""
-import importlib.util
 import os
 import subprocess
-import sys
 import types
 
 import pytest
 
-from _harness import REPO
+from _harness import load_tool
 from torch_budget.units import GiB, KiB, MiB
 
-spec = importlib.util.spec_from_file_location("bench_tms", os.path.join(REPO, "tools", "bench_tms.py"))
-tool = importlib.util.module_from_spec(spec)
-sys.modules["bench_tms"] = tool  # its dataclasses look their module up
-spec.loader.exec_module(tool)
+tool = load_tool("bench_tms")
 
 FAKE_SOURCE = {
     "setup.py": "print('setup')\n",

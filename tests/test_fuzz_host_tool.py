@@ -1,13 +1,12 @@
 """tools/fuzz_host.py: each program runs in its own process over the host core, a failing one is
 reported with its seed and makes the exit status 1, and bad arguments are refused."""
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from _harness import REPO
+from _harness import REPO, load_tool
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -27,9 +26,7 @@ def test_programs_run_and_the_table_and_result_line_add_up():
 
 
 def test_a_failing_program_is_named_with_its_seed_and_fails_the_run(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("fuzz_host", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("fuzz_host")
 
     def one(config, seed, ops, library, env):  # the children replaced: seed 1001 fails
         if seed == 1001:

@@ -1,21 +1,9 @@
 """tools/probe_footprint.py: a cachegrind output file is summed over the core's functions only
 (the harness's loop and code evictor and the dynamic loader are not the core's cost), and a file
 that is not one is refused."""
-import importlib.util
-import os
-
 import pytest
 
-from _harness import REPO
-
-TOOL = os.path.join(REPO, "tools", "probe_footprint.py")
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("probe_footprint", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+from _harness import load_tool
 
 
 def test_totals_sum_the_cores_functions_and_leave_out_the_harness_and_the_loader(tmp_path):
@@ -39,7 +27,7 @@ def test_totals_sum_the_cores_functions_and_leave_out_the_harness_and_the_loader
         "fl=./elf/dl-lookup.c\n"
         "fn=_dl_lookup_symbol_x\n"
         "5 9999 99 0 999 99 0 9 9 0\n")
-    t = load_tool().totals(str(out))
+    t = load_tool("probe_footprint").totals(str(out))
     assert t["Ir"] == 900 and t["I1mr"] == 70 and t["D1mr"] == 40 and t["D1mw"] == 7
 
 
@@ -47,13 +35,13 @@ def test_a_file_without_events_is_refused(tmp_path):
     out = tmp_path / "not_cachegrind.txt"
     out.write_text("fn=main\n1 2 3\n")
     with pytest.raises(ValueError, match="not a cachegrind output file"):
-        load_tool().totals(str(out))
+        load_tool("probe_footprint").totals(str(out))
 
 
 def test_the_simulated_caches_are_fixed_so_figures_do_not_follow_the_host(tmp_path, monkeypatch):
     # cachegrind takes the host's caches unless told: with a 64 KiB instruction cache the 40 KiB of
     # code between round trips evicted nothing and every round trip read 0 instruction lines.
-    tool = load_tool()
+    tool = load_tool("probe_footprint")
     seen = []
 
     class Done:

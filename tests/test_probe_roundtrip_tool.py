@@ -1,30 +1,19 @@
 """tools/probe_roundtrip.py: each round's tb/native ratios are printed as the round ends, so a run
 cut short by its time limit still tells what the finished rounds measured; the final table and
 RESULT line take the median over rounds. The children (which need a GPU) are stood in for."""
-import importlib.util
-import os
 import sys
 
-from _harness import REPO
-
-TOOL = os.path.join(REPO, "tools", "probe_roundtrip.py")
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("probe_roundtrip", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+from _harness import load_tool
 
 
 def test_each_round_prints_its_ratios_before_the_median_table(monkeypatch, capsys):
-    tool = load_tool()
+    tool = load_tool("probe_roundtrip")
     native_us = iter([2.0, 4.0, 2.0])  # one per round: the rounds' ratios differ
 
-    def run_together(sizes_, batches, library):
+    def run_together(sizes, batches, library):
         n = next(native_us)
         per = {"native": n, "tb-vmm": 1.0, "floor": 0.8, "meta": 0.5}
-        return {c: {(kind, s): (1.0 if kind == "TAKEBACK" else us) for kind in tool.KINDS for s in sizes_}
+        return {c: {(kind, s): (1.0 if kind == "TAKEBACK" else us) for kind in tool.KINDS for s in sizes}
                 for c, us in per.items()}
 
     monkeypatch.setattr(tool, "build_floor", lambda: "lib.so")

@@ -1,16 +1,10 @@
 """tools/tms_examples.py: torch_memory_saver's examples find torch_budget's adapter under their own
 import name, and each case's outcome is read right (run here on fake examples, without a GPU)."""
-import importlib.util
-import os
-import sys
 import textwrap
 
-from _harness import REPO
+from _harness import load_tool
 
-spec = importlib.util.spec_from_file_location("tms_examples", os.path.join(REPO, "tools", "tms_examples.py"))
-tool = importlib.util.module_from_spec(spec)
-sys.modules["tms_examples"] = tool  # its dataclasses look their module up
-spec.loader.exec_module(tool)
+tool = load_tool("tms_examples")
 
 FAKES = {
     # imports what the real examples import; passes when the shim is what they expect

@@ -1,12 +1,8 @@
 """tools/torch_allocator_tests.py's reading of its own runs (no GPU): which tests an xdist worker ran
 before a failure, and the verdict on a test that failed only installed."""
-import importlib.util
-from pathlib import Path
+from _harness import load_tool
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "torch_allocator_tests.py"
-spec = importlib.util.spec_from_file_location("torch_allocator_tests", TOOL)
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+tool = load_tool("torch_allocator_tests")
 
 F = ".torch_tests/test_cuda.py::"
 IDS = [F + n for n in ("TestCuda::test_a", "TestCuda::test_b", "TestCuda::test_c", "TestCuda::test_d",
