@@ -246,6 +246,9 @@ class Host:
             raise _native.error(self.lib, -t)
         return t
 
+    def set_tag_budget(self, name, nbytes, device=0):
+        _native.check(self.lib, self.lib.tb_set_tag_budget(device, self.tag(name), nbytes, -1.0))
+
     def push(self, route=None, tag=None):
         r = -1 if route is None else ROUTES[route]
         _native.check(self.lib, self.lib.tb_push_scope(r, -1 if tag is None else self.tag(tag)))

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated
-from torch_budget import _native
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -188,8 +187,7 @@ def test_cache_info_without_a_budget_is_the_devices_free_memory_and_never_less_t
 @isolated
 def test_cache_info_under_a_tag_stays_within_the_tags_budget():
     h = Host(capacity=16 * GiB, route="vmm")
-    kv = h.tag("kv")
-    _native.check(h.lib, h.lib.tb_set_tag_budget(0, kv, 1 * GiB, -1.0))
+    h.set_tag_budget("kv", 1 * GiB)
     h.push(tag="kv")
     try:
         h.malloc(256 * MiB)

@@ -260,3 +260,69 @@ def test_a_block_freed_while_its_tag_is_released_is_not_handed_out_under_it():
         h.free(h.malloc(8 * MiB, S1))
     finally:
         h.pop()
+
+
+def round_trip_over_tag_budget(parking):
+    """A tag above its budget (a pool checkpoint's restore charges its blocks back without asking the
+    tag's budget, as torch's graph trees need) frees a block and asks for its size again."""
+    h = Host(route="vmm")
+    h.lib.tb_host_parking(int(parking))
+    h.tag("kv")
+    h.set_tag_budget("kv", 64 * MiB)
+    pool = (0, 7)
+    h.push(tag="kv")
+    try:
+        h.begin_pool(pool, S2)
+        captured = h.malloc(32 * MiB, S2)
+        h.end_pool(pool)
+        checkpoint = h.checkpoint(pool)
+        h.free(captured)
+        h.malloc(40 * MiB, S1)
+        last = h.malloc(8 * MiB, S1)
+        h.restore_checkpoint(checkpoint)  # the tag holds 80 MiB of its 64
+        over = h.stats()["tags"]["kv"]["allocated"]["current"]
+        h.free(last)
+        try:
+            h.malloc(8 * MiB, S1)
+            outcome = "allocated"
+        except OOM as e:
+            outcome = "refused: " + str(e).split(".")[0]
+    finally:
+        h.pop()
+    return over, outcome, h.stats()["tags"]["kv"]["allocated"]["current"]
+
+
+def test_a_tag_over_its_budget_does_not_take_its_freed_block_back():
+    without = in_child(round_trip_over_tag_budget, False)
+    assert without[0] == 80 * MiB and without[1].startswith("refused")
+    assert in_child(round_trip_over_tag_budget, True) == without
+
+
+def trim_after_a_refused_request(parking):
+    """A request refused before any pool is chosen (larger than the device) under a tag that has no
+    VMM pool yet, then that tag trimmed while a capture is open elsewhere."""
+    h = Host(capacity=4 * GiB, route="vmm")
+    h.lib.tb_host_parking(int(parking))
+    h.tag("fresh")
+    h.free(h.malloc(4096, S1))  # parked, with parking on
+    h.push(tag="fresh")
+    try:
+        with pytest.raises(OOM):
+            h.malloc(8 * GiB, S1)
+    finally:
+        h.pop()
+    h.begin_pool((0, 7), S2)
+    try:
+        return "trimmed", h.trim("fresh")
+    except StateError as e:
+        return "refused", str(e)
+    finally:
+        h.end_pool((0, 7))
+
+
+def test_a_refused_request_leaves_no_pool_behind_for_its_tag():
+    # Taking the parked block back looked the tag's VMM pool up, creating it, before any check:
+    # a tag that never held VMM memory then had a pool, and trimming it during a capture failed.
+    without = in_child(trim_after_a_refused_request, False)
+    assert without == ("trimmed", 0)
+    assert in_child(trim_after_a_refused_request, True) == without

@@ -395,15 +395,18 @@ void DeviceAllocator::unpark() {
 
 Block* DeviceAllocator::take_parked(size_t size, CUstream stream, int route, int tag) {
   Block* b = parked_;
-  // The pool attempt() would pick, and nothing else to do first: no capture or pool
-  // allocation open (their blocks come from elsewhere), no free waiting on recorded streams.
+  // The pool attempt() would pick (looked up, never created: malloc may yet refuse the request
+  // before choosing one), and nothing else to do first: no capture or pool allocation open
+  // (their blocks come from elsewhere), no free waiting on recorded streams.
   const int used = resolve_route(caps_, route);
-  BlockPool* pool = used == kRouteVmm ? tags_.pool(tag) : default_pool(used);
+  BlockPool* pool = used == kRouteVmm ? tags_.existing_pool(tag) : default_pool(used);
   const size_t requested = b->requested;  // as freed: take_back sets the new request's
   const bool small = is_small(b);
-  // Its tag may have been released since its allocation (its tensors stay live): malloc refuses then.
+  // Its tag may have been released since its allocation (its tensors stay live), or be over its
+  // budget with the block still charged (a pool checkpoint's restore charges without asking it):
+  // malloc refuses then.
   if (size > b->size || b->stream != stream || b->tag != tag || b->segment->pool != pool || graphs_.capturing() ||
-      !uses_.idle() || !tags_.live(tag) || pool->take_back(b, size) == nullptr) {
+      !uses_.idle() || !tags_.live(tag) || !budget_.tag_fits(tag, 0) || pool->take_back(b, size) == nullptr) {
     unpark();
     return nullptr;
   }

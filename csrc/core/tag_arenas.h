@@ -50,6 +50,8 @@ class TagArenas {
     BlockPool* p = pools_[tag].get();
     return p != nullptr ? p : create_pool(tag);
   }
+  // The VMM pool of `tag` if it exists (nullptr if not): a lookup that creates nothing.
+  BlockPool* existing_pool(int tag) const { return tag == 0 ? untagged_ : pools_[tag].get(); }
   // Pools of tags 1.. that exist, live or not.
   std::vector<BlockPool*> own_pools() const;
   // Every pool holding the tag's VMM memory: its own pool and graph pools created under it.
