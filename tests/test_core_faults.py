@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from _faultfuzz import ROUTES, run
-from _hostcore import OOM, MiB, S1, Host, isolated
+from _hostcore import OOM, GiB, MiB, S1, S2, Host, isolated
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -63,6 +63,73 @@ def test_a_failure_that_persists_surfaces_as_out_of_memory_naming_the_call():
         h.free(h.malloc(8 * MiB, S1))
     body()
 
+
+
+def _pressed_to_the_line(h):
+    """Reserved memory at the packing line, eight clean free 64 MiB blocks between live ones: a
+    96 MiB request on another stream moves their mappings (test_core_packing's _line_pressed)."""
+    keep = [h.malloc(256 * MiB, S1), h.malloc(256 * MiB, S1)]
+    holes = []
+    for _ in range(8):
+        holes.append(h.malloc(64 * MiB, S1))
+        keep.append(h.malloc(2 * MiB, S1))
+    keep.append(h.malloc(256 * MiB, S1))
+    for p in holes:
+        h.free(p)
+    return keep
+
+
+def _unreachable(h, ptr, size):
+    """MiB offsets of the granules of [ptr, ptr + size) that device 0 cannot access."""
+    return [off >> 20 for off in range(0, size, 2 * MiB) if not h.can_access(0, ptr + off)]
+
+
+def _mapping_whose_access_and_unmap_fail(how, access_failures):
+    """An allocation whose new mapping's cuMemSetAccess is refused `access_failures` times in a row
+    (-1: always) while every cuMemUnmap is refused, by a new run mapping ("grow") or a packing
+    move's kept handle ("move"); then, the driver healed, the same request again. Returns the
+    first request's outcome and the granules of each live block its device cannot access."""
+    h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0 if how == "move" else 0.0)
+    keep = _pressed_to_the_line(h) if how == "move" else [h.malloc(1 * MiB, S1)]
+    h.fail("cuMemSetAccess", nth=access_failures)
+    h.fail("cuMemUnmap", nth=-1)
+    try:
+        first = h.malloc(96 * MiB, S2)
+        outcome = "allocated"
+    except OOM as e:
+        first, outcome = None, "refused: " + str(e)
+    h.heal()
+    second = h.malloc(96 * MiB, S2)
+    dead = {p: _unreachable(h, p, 96 * MiB) for p in (first, second) if p is not None}
+    for p in keep + [p for p in (first, second) if p is not None]:
+        h.free(p)
+    h.empty_cache()
+    return outcome, dead, h.reserved(), h.device_used()
+
+
+@pytest.mark.parametrize("how", ["grow", "move"])
+def test_a_mapping_left_in_place_by_a_refused_unmap_is_never_handed_out_unreachable(how):
+    # Note [Unreachable mappings]: the access call refused once and every unmap after it left
+    # the mapping where it was, counted as backed, and the allocation's retry (or the next one)
+    # handed 16 MiB of it out without access.
+    @isolated
+    def body():
+        outcome, dead, reserved, used = _mapping_whose_access_and_unmap_fail(how, access_failures=1)
+        assert outcome == "allocated"
+        assert all(offsets == [] for offsets in dead.values()), dead
+        assert reserved == used
+    body()
+
+
+@pytest.mark.parametrize("how", ["grow", "move"])
+def test_a_mapping_that_stays_unreachable_fails_the_allocation_until_its_access_is_set(how):
+    @isolated
+    def body():
+        outcome, dead, reserved, used = _mapping_whose_access_and_unmap_fail(how, access_failures=-1)
+        assert outcome.startswith("refused") and "cuMemSetAccess" in outcome, outcome
+        assert len(dead) == 1 and list(dead.values())[0] == [], dead  # the second, after the heal
+        assert reserved == used
+    body()
 
 def _asan_runtime():
     try:

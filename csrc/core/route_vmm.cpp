@@ -72,6 +72,9 @@ void VmmRoute::note_unmap(Segment& seg, size_t head) {
   seg.maps.erase(head);
   seg.mapped -= count;
   seg.unmaps++;
+  if (!unreachable_.empty())  // Note [Unreachable mappings]
+    unreachable_.erase(std::remove(unreachable_.begin(), unreachable_.end(), std::pair<const Segment*, size_t>(&seg, head)),
+                       unreachable_.end());
 }
 
 std::map<size_t, size_t>::const_iterator VmmRoute::first_mapping(const Segment& seg, size_t first) {
@@ -88,15 +91,18 @@ size_t VmmRoute::unbacked(const Segment& seg, uintptr_t ptr, size_t size) const 
   // A range of a few granules (nearly every request) reads their handles: cheaper than a
   // walk of the mappings' tree. Long ranges (an arena's unmapped tail) walk the tree, so
   // neither grows with the card.
+  size_t missing = 0;
   if (last - first < kScanGranules) {
-    size_t missing = 0;
     for (size_t i = first; i <= last; ++i) missing += seg.granules[i] == 0;
-    return missing;
+  } else {
+    size_t covered = 0;
+    for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it)
+      covered += std::min(it->first + it->second - 1, last) - std::max(it->first, first) + 1;
+    missing = last - first + 1 - covered;
   }
-  size_t covered = 0;
-  for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it)
-    covered += std::min(it->first + it->second - 1, last) - std::max(it->first, first) + 1;
-  return last - first + 1 - covered;
+  // Note [Unreachable mappings]: mapped, but not to be handed out before ensure_backed reaches them.
+  if (__builtin_expect(!unreachable_.empty(), 0)) missing += unreachable_in(seg, first, last);
+  return missing;
 }
 
 size_t VmmRoute::usable(const Block& b) const {
@@ -130,6 +136,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
     at = std::max(at, it->first + it->second);
   }
   if (at <= last) gaps.emplace_back(at, last + 1 - at);
+  if (!unreachable_.empty() && !reach(seg, first, last)) return false;  // Note [Unreachable mappings]
   if (gaps.empty()) return true;
   for (const auto& g : gaps) missing += g.second;
   ContextGuard guard(ctx_.ctx);
@@ -254,7 +261,7 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   fail_driver(r, call, __FILE__, __LINE__);
   const ErrorCode code = last_error_code();
   const std::string msg = last_error_message();
-  for (size_t k = 0; k < mapped; ++k) unmap_granule(seg, need[k]);
+  for (size_t k = 0; k < mapped; ++k) undo_mapping(seg, need[k]);
   free_handles_.insert(free_handles_.end(), handles.begin() + static_cast<long>(mapped), handles.end());
   set_error(code, msg);
   return false;
@@ -291,7 +298,7 @@ bool VmmRoute::map_run(Segment& seg, size_t first, size_t count) {
   fail_driver(r, call, __FILE__, __LINE__);
   const std::string msg = last_error_message();
   if (seg.span[first] == count) {
-    release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
+    undo_mapping(seg, first);  // a refused unmap leaves it mapped and counted in the segment
   } else {
     give_back_handle(h, bytes, placement(seg));
   }

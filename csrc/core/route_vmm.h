@@ -247,6 +247,14 @@ class VmmRoute final : public Backing {
   void note_map(Segment& seg, size_t head, size_t count, CUmemGenericAllocationHandle h);
   void note_unmap(Segment& seg, size_t head);
   bool unmap_granule(Segment& seg, size_t index);
+  // Note [Unreachable mappings] (route_vmm_reach.cpp): undoes the mapping at `head` of an
+  // allocation that failed; true when it is unmapped, false when it stays (reachable if its
+  // access could be set, listed in unreachable_ if not).
+  bool undo_mapping(Segment& seg, size_t head);
+  // Granules in [first, last] of `seg` under a listed mapping; reach() sets their access,
+  // taking each off the list; false + error while one in the range stays refused.
+  size_t unreachable_in(const Segment& seg, size_t first, size_t last) const;
+  bool reach(Segment& seg, size_t first, size_t last);
   // Keeps the unmapped one-granule handle `h`, charged as kCached: cached for a new mapping,
   // or, once exported, only until the driver releases it (stuck_runs_).
   void park_handle(CUmemGenericAllocationHandle h);
@@ -272,6 +280,8 @@ class VmmRoute final : public Backing {
   std::unordered_map<CUmemGenericAllocationHandle, int> fds_;
   // Run handles the driver refused to release (unmapped, charged as kCached): retried.
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck_runs_;
+  // Note [Unreachable mappings]: (segment, head) of mappings left without access.
+  std::vector<std::pair<const Segment*, size_t>> unreachable_;
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs
   std::vector<BlockPool*> reuse_sources_;
   size_t max_run_ = 1;     // granules

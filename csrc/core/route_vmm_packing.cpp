@@ -131,7 +131,7 @@ bool VmmRoute::map_moved(Segment& seg, size_t first, size_t room, size_t* mapped
   if (a != CUDA_SUCCESS) {
     fail_driver(a, "cuMemSetAccess", __FILE__, __LINE__);
     const std::string msg = last_error_message();
-    release_run(seg, first);  // a refused unmap leaves it mapped and counted in the segment
+    undo_mapping(seg, first);  // a refused unmap leaves it mapped and counted in the segment
     set_error(kDriverError, msg);
     return false;
   }
