@@ -3,7 +3,9 @@ torch_budget.install(), each in its own process, the two in lockstep (torch_budg
 both processes warm up, then take turns, one timed run each (the order alternates), so a slow
 spell of the machine falls on both alike. Prints the timed part's seconds (the paired median of
 installed / native over every pair of every round, and each round's median), peak reserved bytes
-of both, and whether the outputs' checksums agree. The last line is `RESULT bench_e2e ...`.
+of both, and whether the outputs' checksums agree: equal, DIFFERS, or VARY where one side's own runs
+already disagree (a workload that is not deterministic on the GPU, whose checksums then say nothing of
+the allocator). The last line is `RESULT bench_e2e ...`.
 
 Every process runs beside the GPU and times on one core there, the same core for both
 (workloads.py --pin), unless BENCH_E2E_PIN=0.
@@ -51,6 +53,20 @@ def one_round(name, repeats, pin):
             child.close()
 
 
+def checks(pairs):
+    """What the outputs' checksums say over (native run, installed run) pairs: "equal", "DIFFERS"
+    (each side gives one checksum, not the same), or "VARY" (a side's own runs disagree: the
+    workload is not deterministic, so a difference says nothing of the allocator), with the
+    number of distinct checksums of each side."""
+    native = {repr(a["check"]) for a, _ in pairs}
+    installed = {repr(b["check"]) for _, b in pairs}
+    if len(native) > 1 or len(installed) > 1:
+        verdict = "VARY"
+    else:
+        verdict = "equal" if native == installed else "DIFFERS"
+    return verdict, len(native), len(installed)
+
+
 def paired(out):
     """Each installed run's seconds over the native run's next to it, in one round."""
     return [b["seconds"] / a["seconds"] for a, b in zip(out["native"]["runs"], out["installed"]["runs"])]
@@ -76,7 +92,7 @@ def main():
                         f"{statistics.median(paired(out)):.3f}x")
             print(f"[round {r + 1}] {n}: {what}", file=sys.stderr, flush=True)
     print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'<=1 in':>7} {'native rsv MiB':>15} "
-          f"{'tb rsv MiB':>11} {'checks equal':>13}")
+          f"{'tb rsv MiB':>11} {'checks':>8} {'kinds':>6}")
     summary, failed = [], 0
     for n in names:
         ok = [x for x in res[n] if "error" not in x]
@@ -90,16 +106,18 @@ def main():
         ratio = statistics.median(ratios)
         nat_rsv = statistics.median(x["native"]["peak_reserved"] for x in ok)
         tb_rsv = statistics.median(x["installed"]["peak_reserved"] for x in ok)
-        equal = all(a["check"] == b["check"] for a, b in pairs)
+        verdict, native_kinds, tb_kinds = checks(pairs)
         wins = sum(1 for q in ratios if q <= 1.0)
         print(f"{n:16} {statistics.median(a['seconds'] for a, _ in pairs):9.3f} "
               f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.3f}x {wins:>3}/{len(ratios):<3} "
-              f"{nat_rsv / 2**20:15.0f} {tb_rsv / 2**20:11.0f} {str(equal):>13}  rounds: "
+              f"{nat_rsv / 2**20:15.0f} {tb_rsv / 2**20:11.0f} {verdict:>8} {native_kinds:>2}/{tb_kinds:<3}  rounds: "
               + " ".join(f"{x:.3f}" for x in per_round))
-        summary.append(f"{n}={ratio:.3f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if equal else ',CHECK_DIFFERS'}")
+        summary.append(f"{n}={ratio:.3f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if verdict == 'equal' else ',CHECKS_' + verdict}")
     errors = [x["error"] for n in names for x in res[n] if "error" in x]
     print("(paired: each installed run over the native run next to it, the two processes taking turns; '<=1 in' "
-          "counts the pairs at or under native; peak reserved is each process's, medians over rounds)")
+          "counts the pairs at or under native; peak reserved is each process's, medians over rounds; 'checks' "
+          "compares the outputs' checksums: equal, DIFFERS, or VARY where a side's own runs disagree; 'kinds' "
+          "counts each side's distinct checksums, native/installed)")
     print("RESULT bench_e2e " + " ".join(summary) + (f" failed={failed}" if failed else "")
           + (f" failed_rounds={len(errors)}" if errors else ""))
     return 1 if failed or errors else 0
