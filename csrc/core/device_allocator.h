@@ -306,9 +306,9 @@ class DeviceAllocator {
   // TakeBackTally). Nothing reads the ledger in between: every reader takes the lock through
   // hold() (read_locked, the profiler's report), and malloc tries the take-back before any of
   // its checks, take_parked refusing what they would refuse (a released tag, a tag over its
-  // budget) and creating nothing they would not (a tag's pool is looked up, never made). Only blocks of the device's own
-  // pools (not a graph pool, not one that gives memory back at every free) park; a block freed
-  // after record_stream never does.
+  // budget) and creating nothing they would not (a tag's pool is looked up, never made). Only
+  // blocks of the device's own pools (not a graph pool, not one that gives memory back at every
+  // free) park; a block freed after record_stream never does.
   DeviceLock hold();
   void unpark();
   Block* take_parked(size_t size, CUstream stream, int route, int tag);

@@ -50,6 +50,8 @@ bool VmmRoute::reach(Segment& seg, size_t first, size_t last) {
       ++it;
       continue;
     }
+    ContextGuard guard(ctx_.ctx);  // ensure_backed calls this before it makes the context current
+    if (!guard.ok()) return false;
     const CUresult r = retry_driver([&] {
       return driver()->memSetAccess(seg.base + head * granule_, count * granule_, access_.data(), access_.size());
     });
