@@ -460,6 +460,22 @@ def while_a_sync_waits(h, call, action, passed=0, wait=5.0):
     return finished, out["call"], out["action"]
 
 
+def line_pressed(h, stream=S1):
+    """A device whose reserved memory sits at its packing line, with 512 MiB of clean free
+    blocks (eight of 64 MiB, wholly mapped) between live blocks; returns the live blocks. Each
+    free block is too small for a 96 MiB request, so another stream cannot simply adopt one
+    (Note [Adopting clean blocks]): what it needs moves."""
+    keep = [h.malloc(256 * MiB, stream), h.malloc(256 * MiB, stream)]
+    holes = []
+    for _ in range(8):
+        holes.append(h.malloc(64 * MiB, stream))
+        keep.append(h.malloc(2 * MiB, stream))
+    keep.append(h.malloc(256 * MiB, stream))
+    for p in holes:
+        h.free(p)
+    return keep
+
+
 def in_child(fn, *args, **kwargs):
     """fn(*args, **kwargs) in a forked child (the host core is one per process); its result. An
     exception in the child is raised here, with the child's traceback in its message; the child

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from _faultfuzz import ROUTES, run
-from _hostcore import OOM, GiB, MiB, S1, S2, Host, isolated
+from _hostcore import OOM, GiB, MiB, S1, S2, Host, isolated, line_pressed
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -64,21 +64,6 @@ def test_a_failure_that_persists_surfaces_as_out_of_memory_naming_the_call():
     body()
 
 
-
-def _pressed_to_the_line(h):
-    """Reserved memory at the packing line, eight clean free 64 MiB blocks between live ones: a
-    96 MiB request on another stream moves their mappings (test_core_packing's _line_pressed)."""
-    keep = [h.malloc(256 * MiB, S1), h.malloc(256 * MiB, S1)]
-    holes = []
-    for _ in range(8):
-        holes.append(h.malloc(64 * MiB, S1))
-        keep.append(h.malloc(2 * MiB, S1))
-    keep.append(h.malloc(256 * MiB, S1))
-    for p in holes:
-        h.free(p)
-    return keep
-
-
 def _unreachable(h, ptr, size):
     """MiB offsets of the granules of [ptr, ptr + size) that device 0 cannot access."""
     return [off >> 20 for off in range(0, size, 2 * MiB) if not h.can_access(0, ptr + off)]
@@ -90,7 +75,7 @@ def _mapping_whose_access_and_unmap_fail(how, access_failures):
     move's kept handle ("move"); then, the driver healed, the same request again. Returns the
     first request's outcome and the granules of each live block its device cannot access."""
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0 if how == "move" else 0.0)
-    keep = _pressed_to_the_line(h) if how == "move" else [h.malloc(1 * MiB, S1)]
+    keep = line_pressed(h) if how == "move" else [h.malloc(1 * MiB, S1)]
     h.fail("cuMemSetAccess", nth=access_failures)
     h.fail("cuMemUnmap", nth=-1)
     try:

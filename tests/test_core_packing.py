@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated
+from _hostcore import OOM, GiB, Host, MiB, S1, S2, in_child, isolated, line_pressed
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -197,26 +197,10 @@ def test_cache_info_under_a_tag_stays_within_the_tags_budget():
     assert h.cache_info() == 16 * GiB - h.device_used()  # untagged: the device's
 
 
-def _line_pressed(h, stream=S1):
-    """A device whose reserved memory sits at its packing line, with 512 MiB of clean free
-    blocks (eight of 64 MiB, wholly mapped) between live blocks. Each is too small for the
-    96 MiB requests below, so another stream cannot simply adopt one (Note [Adopting clean
-    blocks]): what they need moves."""
-    keep = [h.malloc(256 * MiB, stream), h.malloc(256 * MiB, stream)]
-    holes = []
-    for _ in range(8):
-        holes.append(h.malloc(64 * MiB, stream))
-        keep.append(h.malloc(2 * MiB, stream))
-    keep.append(h.malloc(256 * MiB, stream))
-    for p in holes:
-        h.free(p)
-    return keep
-
-
 @isolated
 def test_packing_takes_from_a_free_block_only_what_the_line_needs():
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
-    keep = _line_pressed(h)
+    keep = line_pressed(h)
     before = h.reserved()
     extra = h.malloc(96 * MiB, S2)  # another stream: new memory past the line, taken from the free blocks
     given_back = before + 96 * MiB - h.reserved()
@@ -261,7 +245,7 @@ def test_a_move_maps_the_handles_it_gave_back_instead_of_creating_new_ones():
     # Note [Moving handles]: what the line needs of S2's 96 MiB (all but the 2 % slack) comes
     # from S1's free blocks as the 16 MiB runs they held, mapped again without a create or release.
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
-    keep = _line_pressed(h)
+    keep = line_pressed(h)
     created, released = h.stats()["num_device_alloc"], h.stats()["num_device_free"]
     extra = h.malloc(96 * MiB, S2)
     st = h.stats()
@@ -276,7 +260,7 @@ def test_a_move_maps_the_handles_it_gave_back_instead_of_creating_new_ones():
 @isolated
 def test_a_refused_move_loses_no_memory(entry_point):
     h = Host(capacity=16 * GiB, route="vmm", packing_time=1.0)
-    keep = _line_pressed(h)
+    keep = line_pressed(h)
     h.fail(entry_point, nth=1)  # the first move's mapping is refused
     try:
         keep.append(h.malloc(96 * MiB, S2))  # served by the retry, or refused cleanly
@@ -294,7 +278,7 @@ def test_a_refused_move_loses_no_memory(entry_point):
 @isolated
 def test_without_packing_time_allocations_grow_past_the_line_instead_of_moving(share):
     h = Host(capacity=16 * GiB, route="vmm", packing_time=share)
-    keep = _line_pressed(h)
+    keep = line_pressed(h)
     before = h.reserved()
     extra = h.malloc(96 * MiB, S2)  # no S1 free block is large enough: new memory, past the line
     st = h.stats()
@@ -317,7 +301,7 @@ def test_without_packing_time_allocations_grow_past_the_line_instead_of_moving(s
 @isolated
 def test_the_budget_reclaims_whatever_the_packing_time(share):
     h = Host(capacity=16 * GiB, route="vmm", packing_time=share, budget=1536 * MiB)
-    keep = _line_pressed(h)  # 1280 MiB reserved, 768 MiB live
+    keep = line_pressed(h)  # 1280 MiB reserved, 768 MiB live
     extra = h.malloc(600 * MiB, S2)  # the budget refuses new memory: the free block's goes back first
     assert h.reserved() <= 1536 * MiB and h.stats()["num_reclaims"] >= 1
     for p in keep + [extra]:
