@@ -255,6 +255,8 @@ class VmmRoute final : public Backing {
   // taking each off the list; false + error while one in the range stays refused.
   size_t unreachable_in(const Segment& seg, size_t first, size_t last) const;
   bool reach(Segment& seg, size_t first, size_t last);
+  // cuMemSetAccess over the mapping at `head` for every device, retried as retry_driver does.
+  CUresult set_access(const Segment& seg, size_t head);
   // Keeps the unmapped one-granule handle `h`, charged as kCached: cached for a new mapping,
   // or, once exported, only until the driver releases it (stuck_runs_).
   void park_handle(CUmemGenericAllocationHandle h);

@@ -23,38 +23,44 @@
 
 namespace tb {
 
-bool VmmRoute::undo_mapping(Segment& seg, size_t head) {
-  if (unmap_granule(seg, head)) return true;  // a run of several granules goes back whole
+namespace {
+
+// Granules of the mapping at `head` of `seg` within [first, last].
+size_t overlap(const Segment& seg, size_t head, size_t first, size_t last) {
+  const size_t end = head + seg.span[head];  // one past its last granule
+  return head <= last && end > first ? std::min(end - 1, last) - std::max(head, first) + 1 : 0;
+}
+
+}  // namespace
+
+CUresult VmmRoute::set_access(const Segment& seg, size_t head) {
   const uintptr_t va = seg.base + head * granule_;
   const size_t bytes = seg.span[head] * granule_;
-  const CUresult r = retry_driver([&] { return driver()->memSetAccess(va, bytes, access_.data(), access_.size()); });
-  if (r != CUDA_SUCCESS) unreachable_.emplace_back(&seg, head);
+  return retry_driver([&] { return driver()->memSetAccess(va, bytes, access_.data(), access_.size()); });
+}
+
+bool VmmRoute::undo_mapping(Segment& seg, size_t head) {
+  if (unmap_granule(seg, head)) return true;  // a run of several granules goes back whole
+  if (set_access(seg, head) != CUDA_SUCCESS) unreachable_.emplace_back(&seg, head);
   return false;
 }
 
 size_t VmmRoute::unreachable_in(const Segment& seg, size_t first, size_t last) const {
   size_t n = 0;
-  for (const auto& [s, head] : unreachable_) {
-    if (s != &seg) continue;
-    const size_t end = head + seg.span[head];  // one past its last granule
-    if (head <= last && end > first) n += std::min(end - 1, last) - std::max(head, first) + 1;
-  }
+  for (const auto& [s, head] : unreachable_)
+    if (s == &seg) n += overlap(seg, head, first, last);
   return n;
 }
 
 bool VmmRoute::reach(Segment& seg, size_t first, size_t last) {
   for (auto it = unreachable_.begin(); it != unreachable_.end();) {
-    const size_t head = it->second;
-    const size_t count = seg.span[head];
-    if (it->first != &seg || head > last || head + count <= first) {
+    if (it->first != &seg || overlap(seg, it->second, first, last) == 0) {
       ++it;
       continue;
     }
     ContextGuard guard(ctx_.ctx);  // ensure_backed calls this before it makes the context current
     if (!guard.ok()) return false;
-    const CUresult r = retry_driver([&] {
-      return driver()->memSetAccess(seg.base + head * granule_, count * granule_, access_.data(), access_.size());
-    });
+    const CUresult r = set_access(seg, it->second);
     if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemSetAccess", __FILE__, __LINE__);
     it = unreachable_.erase(it);
   }
