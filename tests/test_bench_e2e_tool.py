@@ -30,3 +30,37 @@ def test_checksums_say_equal_differs_or_vary(monkeypatch, capsys):
     assert rows["noisy"][7:9] == ["VARY", "3/1"]
     assert out[-1] == ("RESULT bench_e2e steady=0.900x,rsv=1.00 apart=0.900x,rsv=1.00,CHECKS_DIFFERS "
                        "noisy=0.900x,rsv=1.00,CHECKS_VARY")
+
+
+def test_a_described_gpu_side_names_the_first_kernel_that_differs(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    tool = load_tool("bench_e2e")
+    kernels = {"native": ["gemm_a", "norm", "gemm_b"], "installed": ["gemm_a", "norm", "gemm_splitk", "reduce"]}
+    align = {"native": [2 << 20, 1 << 19], "installed": [2 << 20, 512]}
+
+    def one_round(name, repeats, pin):
+        def side(which):
+            out = {"runs": [{"seconds": 1.0, "check": 1.5}], "peak_reserved": 1 << 20, "peak_allocated": 1 << 20}
+            if name == "described" or which == "native":  # "plain": only one side describes itself
+                out["describe"] = {"kernels": kernels[which], "align": align[which]}
+            return out
+        return {"native": side("native"), "installed": side("installed")}
+
+    monkeypatch.setattr(tool, "cuda_torch", lambda *a: object())
+    monkeypatch.setattr(tool, "one_round", one_round)
+    monkeypatch.setenv("BENCH_E2E_WORKLOADS", "described,plain")
+    monkeypatch.setenv("BENCH_E2E_ROUNDS", "1")
+    assert tool.main() == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("described:", "plain:"))]
+    assert lines == ["described: kernels DIFFER (3 native, 4 installed; first at #2: gemm_b | gemm_splitk); "
+                     "weight alignment, least: native 524288 B, installed 512 B"]
+    same = tool.gpu_side([{"native": {"describe": {"kernels": ["k"], "align": [256]}},
+                           "installed": {"describe": {"kernels": ["k"], "align": [4096]}}}])
+    assert same == "the same 1 kernels; weight alignment, least: native 256 B, installed 4096 B"
+
+
+def test_alignment_is_the_largest_power_of_two_dividing_an_address(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    workloads = load_tool("workloads")
+    assert [workloads.alignment(a) for a in (0x7F0000200000, 0x7F0000000200, 0x7F0000000000 + 3 * 4096, 0)] == \
+        [2 << 20, 512, 4096, 2 << 20]

@@ -67,6 +67,25 @@ def checks(pairs):
     return verdict, len(native), len(installed)
 
 
+def gpu_side(ok):
+    """For a workload that describes its GPU side (weights_graph), whether both sides launched the
+    same kernels and how their weights were aligned: a line, or None."""
+    described = [(x["native"].get("describe"), x["installed"].get("describe")) for x in ok]
+    described = [(a, b) for a, b in described if a and b]
+    if not described:
+        return None
+    a, b = described[0]
+    ka, kb = a["kernels"], b["kernels"]
+    if ka == kb:
+        kernels = f"the same {len(ka)} kernels"
+    else:
+        at = next((i for i, (p, q) in enumerate(zip(ka, kb)) if p != q), min(len(ka), len(kb)))
+        first = lambda k: k[at][:60] if at < len(k) else "(none)"
+        kernels = (f"kernels DIFFER ({len(ka)} native, {len(kb)} installed; first at #{at}: "
+                   f"{first(ka)} | {first(kb)})")
+    return f"{kernels}; weight alignment, least: native {min(a['align'])} B, installed {min(b['align'])} B"
+
+
 def paired(out):
     """Each installed run's seconds over the native run's next to it, in one round."""
     return [b["seconds"] / a["seconds"] for a, b in zip(out["native"]["runs"], out["installed"]["runs"])]
@@ -113,6 +132,10 @@ def main():
               f"{nat_rsv / 2**20:15.0f} {tb_rsv / 2**20:11.0f} {verdict:>8} {native_kinds:>2}/{tb_kinds:<3}  rounds: "
               + " ".join(f"{x:.3f}" for x in per_round))
         summary.append(f"{n}={ratio:.3f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if verdict == 'equal' else ',CHECKS_' + verdict}")
+    for n in names:
+        line = gpu_side([x for x in res[n] if "error" not in x])
+        if line:
+            print(f"{n}: {line}")
     errors = [x["error"] for n in names for x in res[n] if "error" in x]
     print("(paired: each installed run over the native run next to it, the two processes taking turns; '<=1 in' "
           "counts the pairs at or under native; peak reserved is each process's, medians over rounds; 'checks' "

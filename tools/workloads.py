@@ -12,6 +12,8 @@ and one that separates the GPU's side of the first from its CPU side:
                    and replayed: GPU time over the allocator's memory alone, with no allocation
                    and next to no CPU work in the timed part. Equal natively and installed, a gap
                    in llama_generate is on the CPU's side; not equal, the memory itself differs.
+                   Its result also names the kernels of one replay and one eager step, and
+                   each weight's address alignment (cuBLAS picks kernels per call).
 
     python tools/workloads.py NAME [--install] [--record TRACE] [--steps N] [--repeats K] [--pin] [--lockstep]
 
@@ -179,7 +181,26 @@ def weights_graph(torch, steps):
             graph.replay()
         return float(out.float().sum())
 
+    def describe():
+        """What could make the GPU's side differ under another allocator: the kernels one replay
+        and one eager step launch (cuBLAS picks its kernels per call), and each weight's alignment."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            step(x)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+                   if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()]
+        return {"kernels": kernels, "align": [alignment(t.data_ptr()) for b in blocks for t in b] + [alignment(head.data_ptr())]}
+
+    run.describe = describe
     return run
+
+
+def alignment(address, most=2 << 20):
+    """The largest power of two up to `most` that divides `address`."""
+    return min(address & -address, most) if address else most
 
 
 WORKLOADS = {"llama_generate": (llama_generate, 3), "resnet_amp": (resnet_amp, 6), "decode_graphs": (decode_graphs, 6),
@@ -199,10 +220,17 @@ def serve(torch, run):
 
     def peaks():
         return json.dumps({"peak_reserved": torch.cuda.max_memory_reserved(),
-                           "peak_allocated": torch.cuda.max_memory_allocated()})
+                           "peak_allocated": torch.cuda.max_memory_allocated(), **described(run)})
 
     lockstep.serve({"run": timed, "result": peaks})
     return 0
+
+
+def described(run):
+    """A workload's own description of its GPU side (weights_graph's kernels and alignments), after
+    its timed runs; {} for the others."""
+    describe = getattr(run, "describe", None)
+    return {"describe": describe()} if describe else {}
 
 
 def main():
@@ -248,7 +276,8 @@ def main():
         times.append(time.perf_counter() - t0)
     out = {"workload": args.name, "installed": args.install, "seconds": sorted(times)[len(times) // 2],
            "times": times, "check": checks, "warm_check": warm,
-           "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
+           "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
+           **described(run)}
     if args.record:
         from torch_budget.replay.trace import from_snapshot
 
