@@ -349,3 +349,19 @@ def test_the_table_shows_the_first_passs_reserved_peak_where_children_report_it(
     header, new, older = table(rows).splitlines()
     assert "rsv 1st" in header
     assert "1.500" in new and "1.250" in new and "1.250" not in older
+
+
+def test_each_round_is_one_sample_however_many_passes_it_ran():
+    from torch_budget.replay.compare import Run, summarise
+
+    def child(passes, us):
+        return {"us_per_op": [2 * us] + [us] * passes, "device_calls": [0] * (passes + 1), "ops": 1000,
+                "peak_live": 1 << 20, "reserved_over_live": 1.0, "lockstep": True}
+
+    # Unpinned, round 1 put torch_budget on a slow core for all its seven passes; rounds 2 and 3
+    # ran two passes each, both under native. Pooled pass by pass, round 1 would decide (1.5x).
+    native = Run("t", "native", False, rounds=[child(7, 1.0), child(2, 1.0), child(2, 1.0)])
+    tb = Run("t", "tb-vmm", False, rounds=[child(7, 1.5), child(2, 0.9), child(2, 0.95)])
+    row = {r["config"]: r for r in summarise([native, tb])}["tb-vmm"]
+    assert row["x_native"] == pytest.approx(0.95)
+    assert (row["wins"], row["pairs"]) == (2, 3)

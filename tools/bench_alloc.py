@@ -60,9 +60,9 @@ def main():
         with open(os.path.join(os.environ["OUT"], "bench_alloc.json"), "w") as f:
             json.dump({"rows": rows, "runs": [r.__dict__ for r in runs]}, f, indent=1)
     print(compare.table(rows))
-    print(f"(medians over {rounds} rounds of {passes} or more passes; 'x native' is the paired median ratio of "
-          "the time per operation once the cache has grown (the passes after the first; in lockstep, pass by pass), "
-          "'<=1 in' the pairs at or under native, 'x cal' (sequential rounds only) the same ratio with each process's time divided by its own speed first (a CPU "
+    print(f"(medians over {rounds} rounds of {passes} or more passes; 'x native' is the median over rounds of each round's "
+          "paired median ratio of the time per operation once the cache has grown (the passes after the first; in "
+          "lockstep, pass by pass), '<=1 in' the rounds at or under native, 'x cal' (sequential rounds only) the same ratio with each process's time divided by its own speed first (a CPU "
           "allocation loop timed before each pass), '1st pass' the paired median ratio of the first pass, which "
           "grows the cache from empty; rsv/live is peak reserved over the trace's peak live bytes, over "
           "every pass (rsv 1st: the first pass's peak alone), floor the least any allocator reaches (peak live rounded up to 2 MiB granules); drv/kop is driver memory taken or "

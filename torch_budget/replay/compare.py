@@ -228,9 +228,9 @@ def reserved_floor(peak_live: int) -> float:
 
 def summarise(runs: list) -> list:
     """One row per (trace, config, pinning): median µs/op once the cache has grown, the paired
-    median ratio against native of that and of the first pass (the cache growing from empty:
-    `x_native_first`, with more than one pass), rounds it was at or under native, and its
-    memory ratio."""
+    median ratio against native of that (the median over rounds of each round's paired median)
+    and of the first pass (the cache growing from empty: `x_native_first`, with more than one
+    pass), rounds it was at or under native, and its memory ratio."""
     base = {(r.trace, r.pinned): r for r in runs if r.config == BASELINE}
     traces = list(dict.fromkeys(r.trace for r in runs))
     configs = list(dict.fromkeys(r.config for r in runs))
@@ -259,7 +259,11 @@ def summarise(runs: list) -> list:
             nat = base.get((run.trace, run.pinned))
             pairs = [(x, n) for x, n in zip(run.rounds, nat.rounds if nat else []) if x is not None and n is not None]
             if pairs:
-                ratios = [q for x, n in pairs for q in _paired_ratios(x, n)]
+                # A round is one sample, its passes are not: a process keeps the core, the node and
+                # the neighbours it landed on for its whole round (unpinned, one round put
+                # torch_budget's process 1.5x behind native's pass after pass, the next 0.9x), so
+                # each round gives its own paired median and the row the median of those.
+                ratios = [statistics.median(_paired_ratios(x, n)) for x, n in pairs]
                 row["x_native"] = statistics.median(ratios)
                 row["wins"] = sum(1 for q in ratios if q <= 1.0)
                 row["pairs"] = len(ratios)
