@@ -313,3 +313,58 @@ def test_restoring_a_checkpoint_of_a_released_tags_pool_is_refused_and_changes_n
     for p in (a, c):
         h.free(p)
     h.release_pool(POOL)
+
+
+def replayed_and_reset_while(h, call, pool, capture=False):
+    """Runs `call` (which synchronises the device) while a graph in `pool` (captured then, with
+    `capture`) is replayed on S2 and then reset, all after that synchronisation began: the
+    replay is not covered by it."""
+    def replay_then_reset():
+        if capture:
+            h.begin_pool(pool, S2)
+            h.end_pool(pool)
+        h.submit(S2)           # graph.replay(): writes the pool's free blocks
+        h.release_pool(pool)   # graph.reset(): the pool's last use dropped
+    finished, _, _ = while_a_sync_waits(h, call, replay_then_reset)
+    assert finished
+
+
+@isolated
+def test_a_graph_pool_whose_last_use_drops_during_empty_caches_sync_keeps_its_memory():
+    h = Host(route="vmm")
+    h.push(tag="graphs")
+    h.begin_pool(POOL, S2)
+    out = h.malloc(4 * MiB, S2)      # the graph's output, kept by the user
+    scratch = h.malloc(8 * MiB, S2)
+    h.end_pool(POOL)
+    h.pop()
+    h.free(scratch)                  # free in the pool: every replay still writes it
+    h.empty_cache()                  # the graph holds the pool: nothing of it goes back
+    unmaps = h.counters()["unmaps"]
+    replayed_and_reset_while(h, h.empty_cache, POOL)
+    assert h.counters()["unmaps"] == unmaps, "unmapped under a replay queued after empty_cache's sync began"
+    h.empty_cache()                  # a synchronisation that started after the reset: now it goes back
+    assert h.counters()["unmaps"] > unmaps
+    h.free(out)
+
+
+@isolated
+def test_a_mempool_captured_into_during_empty_pool_caches_sync_keeps_its_segments():
+    h = Host(route="vmm")
+    user = (9, 9)
+    assert h.lib.tb_host_user_pool(0, *user) == 0  # MemPool(allocator=X): one use
+    h.begin_pool(user, S2)                          # a first graph's capture: its output, a temporary
+    out = h.malloc(1 * MiB, S2)
+    tmp = h.malloc(12 * MiB, S2)
+    h.free(tmp)
+    h.end_pool(user)
+    h.release_pool(user)                            # that graph reset
+    h.release_pool(user)                            # ~MemPool: no use left, so the pool is freeable
+    # While emptying the pool's cache waits for the device, a graph is captured into it, replayed
+    # (its queued work writes tmp's memory) and reset.
+    replayed_and_reset_while(h, lambda: _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user)), user,
+                             capture=True)
+    assert _user_counts(h)["frees"] == 0, "given back under a replay queued after the sync began"
+    _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
+    assert _user_counts(h)["frees"] == 1
+    h.free(out)

@@ -180,7 +180,7 @@ void DeviceAllocator::release_cached(DeviceLock& lock) {
   uses_.settle();
   // Blocks whose recorded streams just completed were freed after that sync (their
   // free stamp is now): one more makes them clean, so this call gives them back too.
-  if (synced && uses_.waiting() < waiting) synced = sync_device(lock);
+  if (synced && uses_.waiting() < waiting) sync_device(lock);
   {
     // Unmapping and trimming are "unsafe" calls while another thread captures in global mode.
     RelaxedCaptureMode relaxed(open_captures() > 0);
@@ -192,10 +192,11 @@ void DeviceAllocator::release_cached(DeviceLock& lock) {
     // A private pool no graph holds any more keeps only what its live blocks need
     // (its outputs may outlive the graph), as torch's allocator does. Its free blocks are
     // written by every replay of the graphs it served, so free stamps say nothing of
-    // them: only after a synchronisation of the whole device.
-    if (synced)
-      for (auto& [id, p] : graphs_.pools())
-        if (p.use_count == 0 && tags_.live(p.tag)) p.blocks->backing()->release_cached(*p.blocks);
+    // them: only after a synchronisation of the whole device that started after the pool's
+    // last use was dropped (one dropped while this call waited is not covered by its sync).
+    for (auto& [id, p] : graphs_.pools())
+      if (p.use_count == 0 && clock_.device_clean(p.idle_since) && tags_.live(p.tag))
+        p.blocks->backing()->release_cached(*p.blocks);
   }
   destroy_dead_pools(lock, /*all=*/true);
   free_detached(lock);

@@ -75,14 +75,17 @@ bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
   auto lock = hold();
   // As release_cached: a pool's free blocks are written by every replay of the graphs it served,
   // so only a pool no graph (and no MemPool) holds gives them back, and only after a
-  // synchronisation of the whole device; refused while a capture is open, the pool keeps them.
-  // torch's release_cached_blocks(context, id) likewise touches only a freeable pool.
+  // synchronisation of the whole device that started after its last use was dropped (a graph
+  // replayed and reset while this waited is not covered); refused while a capture is open, the
+  // pool keeps them. torch's release_cached_blocks(context, id) likewise touches only a
+  // freeable pool.
   auto freeable = [&]() -> PrivatePool* {
     PrivatePool* p = graphs_.find(id);  // looked up again after the lock was released
     return p != nullptr && p->own_backing && p->use_count == 0 ? p : nullptr;
   };
   if (freeable() != nullptr && sync_device(lock))
-    if (PrivatePool* p = freeable()) p->own_backing->release_cached(*p->blocks);
+    if (PrivatePool* p = freeable(); p != nullptr && clock_.device_clean(p->idle_since))
+      p->own_backing->release_cached(*p->blocks);
   free_detached(lock);  // the segments go back to the pool's own allocator now, without the lock
   return true;
 }
@@ -97,6 +100,7 @@ bool DeviceAllocator::release_pool(const PoolId& id) {
   auto lock = hold();
   if (!graphs_.release(id)) return false;
   PrivatePool* p = graphs_.find(id);
+  if (p->use_count == 0) p->idle_since = clock_.stamp();
   note_if_dead(p->blocks.get());
   destroy_dead_pools(lock);
   return true;

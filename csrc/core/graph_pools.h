@@ -44,6 +44,10 @@ struct PrivatePool {
   std::unique_ptr<Backing> own_backing;  // a MemPool's own allocator (route_user.h); outlives `blocks`
   std::unique_ptr<BlockPool> blocks;
   int use_count = 0;  // graphs, MemPools and open captures holding the pool
+  // StreamClock stamp of the drop of its last use: its free blocks go back only after a
+  // synchronisation of the whole device that started later (a replay queued before the drop
+  // still writes them), however the synchronisation and the drop interleaved.
+  uint64_t idle_since = 0;
   int tag = 0;        // the tag in force when the pool was created (Note [Tag arenas])
   bool use_on_oom = false;  // default allocations that find no memory may take its free blocks
   bool dead() const { return use_count == 0 && blocks->live_blocks() == 0; }
