@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
 
 #include "driver.h"
@@ -105,13 +106,11 @@ DeviceAllocator* Allocator::device(int index) {
   std::lock_guard<std::mutex> lock(mu_);
   d = devices_[index].load(std::memory_order_acquire);
   if (d != nullptr) return d;
-  auto* created = new DeviceAllocator(index);
-  if (!created->init(settings_)) {
-    delete created;
-    return nullptr;
-  }
-  devices_[index].store(created, std::memory_order_release);
-  return created;
+  // Published only once whole: an exception out of its creation leaves no device behind.
+  std::unique_ptr<DeviceAllocator> created(new DeviceAllocator(index));
+  if (!created->init(settings_)) return nullptr;
+  devices_[index].store(created.get(), std::memory_order_release);
+  return created.release();
 }
 
 Block* Allocator::malloc(size_t size, int device_index, CUstream stream) {

@@ -227,7 +227,7 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
   return default_pool(used)->malloc(size, stream);
 }
 
-Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
+Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) noexcept {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   DeviceLock lock(mu_);
   // The block freed last may be taken back as it is (Note [The parked block]), before anything
@@ -315,7 +315,7 @@ void DeviceAllocator::adopt(Block* b) {
 
 // ---------------------------------------------------------------- free
 
-bool DeviceAllocator::free(Block* b) {
+bool DeviceAllocator::free(Block* b) noexcept {
   auto lock = hold();  // a block parked before must not be a neighbour left out of its pool
   // Safe to read under the lock even for a stale pointer: see BlockStore.
   TB_REQUIRE(b->allocated && live_.find(b->ptr) == b, kInvalidArgument,
@@ -325,7 +325,7 @@ bool DeviceAllocator::free(Block* b) {
   return true;
 }
 
-bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) {
+bool DeviceAllocator::free_ptr(uintptr_t ptr, bool* found) noexcept {
   auto lock = hold();
   Block* b = live_.take(ptr);
   *found = b != nullptr;
@@ -440,7 +440,7 @@ bool DeviceAllocator::lookup(uintptr_t ptr, BlockInfo* out) {
   return true;
 }
 
-bool DeviceAllocator::record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found) {
+bool DeviceAllocator::record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found) noexcept {
   auto lock = hold();
   Block* b = live_.find(ptr);
   *found = b != nullptr;

@@ -100,6 +100,15 @@ struct BlockInfo {
   int tag;
 };
 
+// Note [An exception stops the process]
+// The core throws nothing itself, but its containers do: std::bad_alloc when host memory runs
+// out, or an exception from a filter torch hands to beginAllocateToPool. One thrown halfway
+// through a change leaves the pools, the granule maps and the budget disagreeing (a block
+// counted live that is not, a mapping without access, the packing flag left set), and torch
+// would catch it and go on allocating from that state. So every method below that changes
+// state is noexcept: such an exception ends the process (std::terminate names it) instead of
+// letting a later allocation hand out memory the ledger got wrong. Methods that only read may
+// throw; they change nothing.
 class DeviceAllocator {
  public:
   // Once published by the Allocator, never destroyed: frees can arrive during
@@ -118,50 +127,50 @@ class DeviceAllocator {
 
   // nullptr + error: kOutOfMemory (after one release-and-retry) carries the
   // quantified message; kInvalidArgument for a zero size.
-  Block* malloc(size_t size, CUstream stream, int route, int tag);
+  Block* malloc(size_t size, CUstream stream, int route, int tag) noexcept;
   // Frees a block torch handed back; checks it under the lock first.
-  bool free(Block* block);
+  bool free(Block* block) noexcept;
   // Frees the live block at `ptr`; *found tells whether there was one.
-  bool free_ptr(uintptr_t ptr, bool* found);
+  bool free_ptr(uintptr_t ptr, bool* found) noexcept;
   // The live block at `ptr` (exactly its base); false if none.
   bool lookup(uintptr_t ptr, BlockInfo* out);
   // Marks the live block at `ptr` as used on `stream` of `stream_device`.
-  bool record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found);
+  bool record_stream(uintptr_t ptr, CUstream stream, int stream_device, bool* found) noexcept;
 
   // Returns cached memory of the default pools to the driver.
-  bool empty_cache();
+  bool empty_cache() noexcept;
   // bytes >= 0, or a fraction (0, 1] of the card (see Budget::resolve).
   // `strict`: refuse a budget below what is allocated now. torch's memory fraction is
   // not strict: it is taken as it is, cached memory goes back as far as it can, and
   // allocations fail until enough is freed.
-  bool set_budget(int64_t bytes, double fraction = -1, bool strict = true);
+  bool set_budget(int64_t bytes, double fraction = -1, bool strict = true) noexcept;
   // Note [Tag budgets]: bytes >= 0 or a fraction (0, 1] of the card for `tag`; bytes < 0
   // and no fraction removes its budget. Refused below what the tag has allocated now.
-  bool set_tag_budget(int tag, int64_t bytes, double fraction = -1);
+  bool set_tag_budget(int tag, int64_t bytes, double fraction = -1) noexcept;
   int64_t tag_budget(int tag) const { return budget_.tag_limit(tag); }
   // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
-  bool grant_peer(int peer);
+  bool grant_peer(int peer) noexcept;
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
   size_t largest_free();
   // torch's cacheInfo for an allocation under `tag` (cuDNN sizes its benchmark workspaces from
   // it): the longest free stretch backed now or the free memory within the budget, whichever is
   // more, within the tag's budget (Note [What cacheInfo tells]).
   bool cache_info(size_t* largest, int tag);
-  void reset_peaks();
-  void reset_accumulated();
+  void reset_peaks() noexcept;
+  void reset_accumulated() noexcept;
   // Note [Packing time]: the time that has passed until now earns no packing credit;
   // packing_refill(): the credit is a full burst again, as at the process's start.
-  void packing_idle();
-  void packing_refill();
+  void packing_idle() noexcept;
+  void packing_refill() noexcept;
 
   // Sleep and wake (Note [Tag arenas]): `backup` is a Backup. kState for a tag that is
   // not live / not released, during a capture, or with live memory off the VMM route.
   // backup: a Backup, with kBackupRetain or-ed in for cpu / pinned. `discardable`: addresses of live
   // blocks of the tag whose contents need not survive (Note [Discardable blocks], tag_sleep.h).
-  bool release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable = {});
-  bool restore_tag(int tag);
-  bool drop_tag_backup(int tag);          // Note [Retained backups]
-  bool retain_tag_backup(int tag, bool on);
+  bool release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable = {}) noexcept;
+  bool restore_tag(int tag) noexcept;
+  bool drop_tag_backup(int tag) noexcept;          // Note [Retained backups]
+  bool retain_tag_backup(int tag, bool on) noexcept;
   TagView tag_view(int tag);
   // Note [Reading backups] (tag_sleep.h): the backup of bytes [offset, offset + bytes) of the
   // live block at `base` (*found: it is one of this device's), as TagArenas::backup_of.
@@ -171,28 +180,28 @@ class DeviceAllocator {
   int pool_tag(const PoolId& id);
   // Gives the clean cached memory of `tag`'s own pool back to the driver, after
   // synchronising the streams its free blocks were used on; *returned: bytes.
-  bool trim_tag(int tag, int64_t* returned);
+  bool trim_tag(int tag, int64_t* returned) noexcept;
   const DeviceContext& context() const { return ctx_; }
 
   // Graph capture (see Note [Interaction with CUDA graph capture]). kState for a pool that a
   // capture is open into already.
-  bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter);
-  bool end_allocate_to_pool(const PoolId& id);
-  bool release_pool(const PoolId& id);
+  bool begin_allocate_to_pool(const PoolId& id, StreamFilter filter) noexcept;
+  bool end_allocate_to_pool(const PoolId& id) noexcept;
+  bool release_pool(const PoolId& id) noexcept;
   // torch.cuda.MemPool: a pool that exists (and holds a use) outside any capture.
   // A new pool given a `source` takes its segments from it (route_user.h).
-  void create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source = nullptr);
+  void create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source = nullptr) noexcept;
   // torch's MemPool options: use_on_oom (-1 leaves it), no_split (never undone).
-  bool set_pool_options(const PoolId& id, int use_on_oom, bool no_split);
+  bool set_pool_options(const PoolId& id, int use_on_oom, bool no_split) noexcept;
   // Gives the free segments of a pool with its own allocator back to that allocator, once no
   // graph or MemPool holds the pool and the device could be synchronised (else keeps them).
-  bool empty_pool_cache(const PoolId& id);
+  bool empty_pool_cache(const PoolId& id) noexcept;
   int pool_use_count(const PoolId& id);
   // Note [Pool checkpoints]: the layout of a private pool; restoring it frees every
   // block allocated in the pool (*freed) and re-creates the checkpointed allocations
   // at their addresses (*created, allocated and charged).
   bool checkpoint_pool(const PoolId& id, PoolCheckpoint* out);
-  bool restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed, std::vector<Block*>* created);
+  bool restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed, std::vector<Block*>* created) noexcept;
   // *match: the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
   bool pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match);
   // Note [Sharing memory between processes] (ipc.h): the handle bytes of the live block
@@ -200,11 +209,11 @@ class DeviceAllocator {
   // share may wait for the device, with the lock released: Note [Sharing run mappings]);
   // opening such bytes in this process, on this device, and closing what was opened. The
   // block counts as shared only once its handle was handed out.
-  bool share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room = SIZE_MAX);
-  bool open_shared(const std::string& bytes, OpenedShare* out);
-  void close_shared(OpenedShare& s);
+  bool share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room = SIZE_MAX) noexcept;
+  bool open_shared(const std::string& bytes, OpenedShare* out) noexcept;
+  void close_shared(OpenedShare& s) noexcept;
   // Destroys dead graph pools once that is safe (called when captures end).
-  void settle_pools();
+  void settle_pools() noexcept;
 
   // `runs`: also each VMM arena's mapped ranges (a walk over its granules).
   std::vector<SegmentView> segments(bool runs = false);

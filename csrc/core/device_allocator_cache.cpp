@@ -8,14 +8,14 @@ namespace tb {
 
 // ---------------------------------------------------------------- cache and budget
 
-bool DeviceAllocator::empty_cache() {
+bool DeviceAllocator::empty_cache() noexcept {
   auto lock = hold();
   TB_REQUIRE(!graphs_.capturing(), kState, "empty_cache() during CUDA graph capture", false);
   release_cached(lock);
   return true;
 }
 
-bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
+bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) noexcept {
   TB_REQUIRE(bytes >= 0 || (fraction > 0 && fraction <= 1), kInvalidArgument,
              "a budget is bytes >= 0 or a fraction in (0, 1] of the card", false);
   bytes = Budget::resolve(bytes, fraction, caps_.total_bytes);
@@ -47,7 +47,7 @@ bool DeviceAllocator::set_budget(int64_t bytes, double fraction, bool strict) {
   return true;
 }
 
-bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
+bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) noexcept {
   if (!Budget::check_tag_setting(tag, fraction)) return false;
   const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
   auto lock = hold();
@@ -61,7 +61,7 @@ bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) {
   return true;
 }
 
-bool DeviceAllocator::grant_peer(int peer) {
+bool DeviceAllocator::grant_peer(int peer) noexcept {
   TB_REQUIRE(peer >= 0 && peer != ctx_.device, kInvalidArgument,
              "device " + std::to_string(peer) + " cannot be a peer of device " + std::to_string(ctx_.device), false);
   auto lock = hold();
@@ -104,24 +104,24 @@ bool DeviceAllocator::cache_info(size_t* largest, int tag) {
   return true;
 }
 
-void DeviceAllocator::reset_peaks() {
+void DeviceAllocator::reset_peaks() noexcept {
   auto lock = hold();
   ledger_.reset_peaks();
   // The packing line follows the peak the user measures from (Note [Packing: reclaim before growth]).
   if (vmm_) vmm_->reset_high_water(static_cast<size_t>(std::max<int64_t>(ledger_.blocks[kAggregate].allocated_bytes.get(), 0)));
 }
 
-void DeviceAllocator::packing_idle() {
+void DeviceAllocator::packing_idle() noexcept {
   auto lock = hold();
   if (vmm_) vmm_->packing_idle();
 }
 
-void DeviceAllocator::packing_refill() {
+void DeviceAllocator::packing_refill() noexcept {
   auto lock = hold();
   if (vmm_) vmm_->packing_refill();
 }
 
-void DeviceAllocator::reset_accumulated() {
+void DeviceAllocator::reset_accumulated() noexcept {
   auto lock = hold();
   settle_tally();  // counted before the reset, then reset with the rest
   ledger_.reset_accumulated();

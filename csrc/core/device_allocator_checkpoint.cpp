@@ -31,7 +31,7 @@ bool DeviceAllocator::checkpoint_pool(const PoolId& id, PoolCheckpoint* out) {
 }
 
 bool DeviceAllocator::restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed,
-                                         std::vector<Block*>* created) {
+                                         std::vector<Block*>* created) noexcept {
   auto lock = hold();
   // Re-created blocks take cached or clean memory only: a restore never asks for a stream
   // synchronisation half-way (the internal "needs sync" code must not escape).

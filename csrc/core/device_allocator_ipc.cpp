@@ -14,7 +14,7 @@ constexpr int kShareRestarts = 3;
 
 }  // namespace
 
-bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room) {
+bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room) noexcept {
   auto lock = hold();
   Block* b = live_.find(ptr);
   TB_REQUIRE(b != nullptr, kInvalidArgument,
@@ -79,7 +79,7 @@ bool DeviceAllocator::cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** blo
   }
 }
 
-bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) {
+bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) noexcept {
   std::vector<int> peers;
   {
     auto lock = hold();
@@ -88,6 +88,6 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) {
   return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
 }
 
-void DeviceAllocator::close_shared(OpenedShare& s) { close_share(ctx_, s, open_captures() == 0); }
+void DeviceAllocator::close_shared(OpenedShare& s) noexcept { close_share(ctx_, s, open_captures() == 0); }
 
 }  // namespace tb

@@ -20,7 +20,7 @@ Backing* DeviceAllocator::private_backing(int tag) {
   return private_route(tag) == kRouteVmm ? static_cast<Backing*>(vmm_.get()) : static_cast<Backing*>(sync_.get());
 }
 
-bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) {
+bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) noexcept {
   auto lock = hold();
   // Refused before the pool takes a use (Note [Interaction with CUDA graph capture]).
   TB_REQUIRE(!graphs_.capturing_into(id), kState,
@@ -35,7 +35,7 @@ bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filt
   return true;
 }
 
-bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
+bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) noexcept {
   auto lock = hold();
   if (!graphs_.end_capture(id)) return false;
   open_captures_.fetch_sub(1, std::memory_order_acq_rel);
@@ -49,7 +49,7 @@ bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) {
   return true;
 }
 
-void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) {
+void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<SegmentSource> source) noexcept {
   auto lock = hold();
   std::unique_ptr<Backing> own;
   if (source != nullptr && graphs_.find(id) == nullptr)
@@ -59,7 +59,7 @@ void DeviceAllocator::create_or_incref_pool(const PoolId& id, std::unique_ptr<Se
                   std::move(own));
 }
 
-bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no_split) {
+bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no_split) noexcept {
   auto lock = hold();
   PrivatePool* p = graphs_.find(id);
   TB_REQUIRE(p != nullptr, kInvalidArgument,
@@ -71,7 +71,7 @@ bool DeviceAllocator::set_pool_options(const PoolId& id, int use_on_oom, bool no
   return true;
 }
 
-bool DeviceAllocator::empty_pool_cache(const PoolId& id) {
+bool DeviceAllocator::empty_pool_cache(const PoolId& id) noexcept {
   auto lock = hold();
   // As release_cached: a pool's free blocks are written by every replay of the graphs it served,
   // so only a pool no graph (and no MemPool) holds gives them back, and only after a
@@ -96,7 +96,7 @@ int DeviceAllocator::pool_use_count(const PoolId& id) {
   return p ? p->use_count : 0;
 }
 
-bool DeviceAllocator::release_pool(const PoolId& id) {
+bool DeviceAllocator::release_pool(const PoolId& id) noexcept {
   auto lock = hold();
   if (!graphs_.release(id)) return false;
   PrivatePool* p = graphs_.find(id);
@@ -106,7 +106,7 @@ bool DeviceAllocator::release_pool(const PoolId& id) {
   return true;
 }
 
-void DeviceAllocator::settle_pools() {
+void DeviceAllocator::settle_pools() noexcept {
   auto lock = hold();
   if (!dead_.empty() && open_captures() == 0) {
     uses_.settle();

@@ -22,7 +22,7 @@ bool DeviceAllocator::check_tag(int tag, const char* what) {
   return true;
 }
 
-bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable) {
+bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr_t>& discardable) noexcept {
   const bool retain = (backup & kBackupRetain) != 0;
   backup &= ~kBackupRetain;
   TB_REQUIRE(backup >= 0 && backup < kBackupModes, kInvalidArgument,
@@ -68,7 +68,7 @@ bool DeviceAllocator::release_tag(int tag, int backup, const std::vector<uintptr
   return tags_.release(tag, static_cast<Backup>(backup), retain, name, discard);
 }
 
-bool DeviceAllocator::restore_tag(int tag) {
+bool DeviceAllocator::restore_tag(int tag) noexcept {
   auto lock = hold();
   if (!check_tag(tag, "restore")) return false;
   const std::string name = "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device);
@@ -91,13 +91,13 @@ bool DeviceAllocator::restore_tag(int tag) {
   return false;
 }
 
-bool DeviceAllocator::retain_tag_backup(int tag, bool on) {
+bool DeviceAllocator::retain_tag_backup(int tag, bool on) noexcept {
   auto lock = hold();
   TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   return tags_.set_retain(tag, on, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
 }
 
-bool DeviceAllocator::drop_tag_backup(int tag) {
+bool DeviceAllocator::drop_tag_backup(int tag) noexcept {
   auto lock = hold();
   TB_REQUIRE(tag > 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);
   return tags_.drop_retained(tag, "tag '" + tag_name(tag) + "' on device " + std::to_string(ctx_.device));
@@ -135,7 +135,7 @@ int DeviceAllocator::pool_tag(const PoolId& id) {
   return p == nullptr ? -1 : p->tag;
 }
 
-bool DeviceAllocator::trim_tag(int tag, int64_t* returned) {
+bool DeviceAllocator::trim_tag(int tag, int64_t* returned) noexcept {
   *returned = 0;
   auto lock = hold();
   TB_REQUIRE(tag >= 0 && tag < tag_count(), kInvalidArgument, "unknown tag id " + std::to_string(tag), false);

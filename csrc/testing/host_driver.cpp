@@ -15,6 +15,7 @@
 // - A fault injector fails any entry point on its Nth call from now, or at a rate,
 //   with a chosen result (tb_host_fail).
 #include <cuda.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -194,7 +195,24 @@ void spend(double fixed_us, double us_per_mib = 0, size_t bytes = 0) {
   }
 }
 
+// The failing operator new that tests/test_core_exceptions.py preloads (tb_new_faults_pause,
+// when present) fails no allocation of the stand-in's own: the real driver is C and throws
+// nothing into the core.
+class NewFaultsPaused {
+ public:
+  NewFaultsPaused() { step(1); }
+  ~NewFaultsPaused() { step(-1); }
+
+ private:
+  static void step(int by) {
+    using Pause = void (*)(int);
+    static const Pause pause = reinterpret_cast<Pause>(dlsym(RTLD_DEFAULT, "tb_new_faults_pause"));
+    if (pause != nullptr) pause(by);
+  }
+};
+
 #define HOST_ENTRY(name)                                   \
+  NewFaultsPaused new_faults_paused_;                      \
   std::unique_lock<std::mutex> host_lock_(g->mu);          \
   if (CUresult injected_ = inject(name)) return injected_
 
