@@ -48,6 +48,22 @@ def _setup(name, h):
     raise ValueError(name)
 
 
+def _reaches_the_core():
+    """Whether the preloaded operator new serves the core's allocations: a build that carries its
+    own (a Python whose extension flags link libstdc++ statically) binds them inside itself."""
+    from _hostcore import GiB, MiB, S1, Host
+
+    faults = ctypes.CDLL(None)
+    pid = os.fork()
+    if pid == 0:
+        h = Host(capacity=16 * GiB, route="vmm")
+        h.malloc(4096, S1)
+        faults.tb_new_faults_arm(1 << 40)
+        h.malloc(64 * MiB, S1)
+        os._exit(0 if faults.tb_new_faults_left() < (1 << 40) else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
 def _sweep(name, limit=400):
     """In the preloaded process: for n = 1, 2, ... a forked child sets up `name`, fails the
     call's n-th allocation and reports; stops at the first n the call never reaches."""
@@ -89,6 +105,9 @@ def test_an_allocation_failing_inside_the_core_stops_the_process_never_reaches_t
     run = subprocess.run([sys.executable, __file__, name], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     outcomes = json.loads(run.stdout.strip().splitlines()[-1])
+    if outcomes is None:
+        pytest.skip("this build of the host core carries its own operator new (libstdc++ linked statically): "
+                    "a preloaded one cannot fail its allocations")
     assert outcomes, "the call allocated nothing: the sweep tested nothing"
     assert "exception reached the caller" not in outcomes, outcomes
     assert set(outcomes) <= {"SIGABRT", "finished"}, outcomes
@@ -96,4 +115,4 @@ def test_an_allocation_failing_inside_the_core_stops_the_process_never_reaches_t
 
 
 if __name__ == "__main__":
-    print(json.dumps(_sweep(sys.argv[1])))
+    print(json.dumps(_sweep(sys.argv[1]) if _reaches_the_core() else None))
