@@ -2,6 +2,8 @@
 (which runs the digest kernel on the host): a restore keeps the backup and digests what it
 restored; the next release copies only the granules whose contents changed, and falls back
 to a whole copy whenever the backup cannot be trusted to match."""
+import os
+
 import pytest
 
 from _hostcore import MiB, Host, isolated
@@ -334,3 +336,21 @@ def test_a_view_of_a_released_backup_keeps_the_whole_backup_while_it_lives():
     h.restore("weights")
     check(h, [blocks[0], blocks[2]])
     assert h.host_pool()["used"] == 0
+
+
+@isolated
+def test_a_backup_with_discarded_blocks_cannot_be_retained_and_the_tag_cycles_on():
+    h = Host(route="vmm")
+    (x, x_data), (y, _) = fill(h, "weights", [8 * MiB, 4 * MiB])
+    h.release("weights", "pinned", discard=[y])      # y's contents need not survive: a hole in the backup
+    with pytest.raises(ValueError, match="discardable blocks"):
+        h.retain("weights", True)
+    h.restore("weights")
+    assert h.peek(x, len(x_data)) == x_data
+    assert h.tag_info("weights")["retained"] == 0 and h.host_pool()["used"] == 0
+    y_data = os.urandom(4 * MiB)
+    assert h.poke(y, y_data)                          # the caller fills y again, as after a reload
+    for _ in range(2):                                # plain cycles copy everything and restore it
+        h.release("weights", "pinned")
+        h.restore("weights")
+        assert h.peek(x, len(x_data)) == x_data and h.peek(y, len(y_data)) == y_data

@@ -173,6 +173,13 @@ bool TagArenas::set_retain(int tag, bool on, const std::string& name) {
              name + " was released with backup " + backup_name(st.backup) + ": only a cpu or pinned backup can be "
              "retained",
              false);
+  // Note [Discardable blocks]: a backup with holes cannot be kept for the next release (the one
+  // release_tag refuses when asked with discardable blocks and retain at once).
+  TB_REQUIRE(!on || std::none_of(st.pieces.begin(), st.pieces.end(), [](const Piece& p) { return p.discard; }),
+             kInvalidArgument,
+             name + " was released with discardable blocks, which leave holes in its backup: a backup with holes "
+                    "cannot be retained; release without them to retain",
+             false);
   st.retain = on;
   return true;
 }

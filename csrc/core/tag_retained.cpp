@@ -48,6 +48,8 @@ void TagMover::keep_digests(TagState* state) {
   // and only a whole one (Note [Stale backups]).
   if (state->space->has_holes()) return;
   for (const Piece& p : state->pieces)
+    if (p.discard) return;  // Note [Discardable blocks]: never copied, so never kept
+  for (const Piece& p : state->pieces)
     for (size_t i = p.first; i < p.first + p.count; ++i)
       if (p.seg->granules[i] == 0) return;
   // The pieces the next release cuts from these granules: the restore's runs may join pieces
