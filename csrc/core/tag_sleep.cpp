@@ -43,7 +43,11 @@ bool for_host(const std::vector<HostExtent>& host, size_t offset, size_t bytes, 
     }
     start += e.bytes;
   }
-  return bytes == 0;
+  TB_REQUIRE(bytes == 0, kState,
+             "the backup ends " + std::to_string(bytes) + " bytes before the range wanted from it: it does not "
+             "match the tag's memory",
+             false);
+  return true;
 }
 
 }  // namespace
@@ -128,11 +132,12 @@ bool TagState::locate(uintptr_t ptr, size_t bytes, size_t granule, std::vector<H
                                          std::to_string(at - ptr) + " of the range", false);
     const uintptr_t lo = p->seg->base + p->first * granule;
     const size_t n = std::min<uintptr_t>(end, lo + p->count * granule) - at;
-    for_host(space->host, p->offset + (at - lo), n, [&](uint8_t* host, size_t len) {
+    const bool whole = for_host(space->host, p->offset + (at - lo), n, [&](uint8_t* host, size_t len) {
       if (!spans->empty() && spans->back().ptr + spans->back().bytes == host) spans->back().bytes += len;
       else spans->push_back(HostExtent{host, len});
       return true;
     });
+    if (!whole) return false;
     at += n;
   }
   return true;
