@@ -154,10 +154,19 @@ bool HostPool::take(size_t bytes, std::vector<HostExtent>* out) {
 
 void HostPool::give_back(const std::vector<HostExtent>& extents) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const HostExtent& e : extents) {
-    for (Chunk& c : chunks_) {
-      if (e.ptr < c.base || e.ptr >= c.base + c.bytes) continue;
-      size_t off = static_cast<size_t>(e.ptr - c.base), len = e.bytes;
+  // An extent may run on into the chunk the allocator placed next to it (a caller joins
+  // extents adjacent in address): each chunk takes back its own part.
+  for (HostExtent e : extents) {
+    while (e.bytes > 0) {
+      Chunk* in = nullptr;
+      for (Chunk& c : chunks_)
+        if (e.ptr >= c.base && e.ptr < c.base + c.bytes) in = &c;
+      if (in == nullptr) break;
+      Chunk& c = *in;
+      size_t off = static_cast<size_t>(e.ptr - c.base), len = std::min(e.bytes, c.bytes - off);
+      const size_t part = len;
+      e.ptr += part;
+      e.bytes -= part;
       auto next = c.free.lower_bound(off);
       if (next != c.free.end() && next->first == off + len) {
         len += next->second;
@@ -172,8 +181,7 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
         }
       }
       c.free[off] = len;
-      stats_.used -= static_cast<int64_t>(e.bytes);
-      break;
+      stats_.used -= static_cast<int64_t>(part);
     }
   }
   if (keep_) return;
