@@ -201,7 +201,8 @@ class DeviceAllocator {
   // block allocated in the pool (*freed) and re-creates the checkpointed allocations
   // at their addresses (*created, allocated and charged).
   bool checkpoint_pool(const PoolId& id, PoolCheckpoint* out);
-  bool restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed, std::vector<Block*>* created) noexcept;
+  bool restore_checkpoint(const PoolCheckpoint& cp, std::vector<uintptr_t>* freed,
+                          std::vector<Block*>* created) noexcept;
   // *match: the pool's allocated blocks are exactly `expected` (torch's checkPoolLiveAllocations).
   bool pool_live_matches(const PoolId& id, const std::vector<uintptr_t>& expected, bool* match);
   // Note [Sharing memory between processes] (ipc.h): the handle bytes of the live block
