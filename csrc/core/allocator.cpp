@@ -113,7 +113,7 @@ DeviceAllocator* Allocator::device(int index) {
   return created.release();
 }
 
-Block* Allocator::malloc(size_t size, int device_index, CUstream stream) {
+Block* Allocator::malloc(size_t size, int device_index, CUstream stream) noexcept {
   if (refuse_in_fork_child()) return nullptr;
   DeviceAllocator* d = device(device_index);
   if (d == nullptr) return nullptr;

@@ -40,7 +40,8 @@ class Allocator {
   DeviceAllocator* device(int index);
   DeviceAllocator* device_if_ready(int index);
 
-  Block* malloc(size_t size, int device, CUstream stream);
+  // noexcept: Note [An exception stops the process] (device_allocator.h).
+  Block* malloc(size_t size, int device, CUstream stream) noexcept;
   // Frees a block by its object (torch's deleter context).
   bool free(Block* block);
   // Frees the live block at `ptr` on whichever device holds it.

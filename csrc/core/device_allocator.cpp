@@ -227,7 +227,7 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
   return default_pool(used)->malloc(size, stream);
 }
 
-Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) noexcept {
+Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   DeviceLock lock(mu_);
   // The block freed last may be taken back as it is (Note [The parked block]), before anything
