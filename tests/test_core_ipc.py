@@ -274,6 +274,31 @@ def test_a_share_whose_mappings_changed_while_it_waited_starts_again():
 
 
 @isolated
+def test_a_mapping_another_thread_exports_while_a_share_waits_is_never_cut_from_under_it():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(24 * MiB)                  # mappings of 16 and 8 MiB
+    base = t
+    h.free(t)
+    b = h.malloc(6 * MiB)                   # inside the 16 MiB mapping
+    a = h.malloc(18 * MiB)                  # the rest of it and the 8 MiB mapping
+    assert (b, a) == (base, base + 6 * MiB)
+    h.poke(b, pattern(6 * MiB, 3))
+    # a's share stages a cut of the 16 MiB mapping into 8 MiB handles and waits for the device;
+    # meanwhile b, wholly on that mapping, is shared as it is: its 16 MiB handle goes out.
+    finished, shared_a, shared_b = while_a_sync_waits(h, lambda: h.share(a), lambda: h.share(b), passed=1)
+    assert finished and not isinstance(shared_b, Exception), shared_b
+    _, segment, fds_b = parse(shared_b[0])
+    assert segment == 16 * MiB
+    for fd in fds_b:
+        os.fstat(fd)                        # still open: the handle it names lives
+    if not isinstance(shared_a, Exception):
+        assert not set(parse(shared_a[0])[2]) & set(fds_b)
+    assert h.share(b) == shared_b           # b still lies on the handle handed out
+    assert h.peek(b, 6 * MiB) == pattern(6 * MiB, 3)
+    assert h.reserved() == h.device_used()
+
+
+@isolated
 def test_a_capture_begun_while_a_share_waits_refuses_the_share_and_changes_nothing():
     h = Host(route="vmm", map_run=16 * MiB)
     t = h.malloc(40 * MiB)

@@ -67,7 +67,9 @@ bool DeviceAllocator::cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** blo
       if (!synced)
         return fail(kState, "sharing this tensor maps its memory again, and device " + device +
                                 " could not be synchronised for it");
-      if (cut.unmaps != b->segment->unmaps) {  // another thread unmapped memory of the arena: plan again
+      // Another thread unmapped memory of the arena, or exported the mapping staged to be cut
+      // (an export changes no mapping, but an exported handle must stay): plan again.
+      if (cut.unmaps != b->segment->unmaps || vmm_->staged_exported(staged)) {
         vmm_->drop_staged(&staged);
         break;
       }

@@ -170,6 +170,9 @@ class VmmRoute final : public Backing {
   bool commit_cut(Segment& seg, StagedCut* st);
   // Gives back whatever `st` staged (nothing when it is empty).
   void drop_staged(StagedCut* st);
+  // Whether the mapping a staged cut would replace was exported meanwhile (another thread
+  // shared a block on it while this one waited): then it must stay as it is.
+  bool staged_exported(const StagedCut& st) const { return st.charged && fds_.count(st.old) != 0; }
   // The mappings under [ptr, ptr + size) of `seg`, cut to one size first (plan_share), as file
   // descriptors of handles of that size, *handle_bytes, only those holding part of the range:
   // *start is where the first begins (Note [Sharing memory between processes], ipc.h). false +
