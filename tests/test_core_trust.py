@@ -368,3 +368,27 @@ def test_a_mempool_captured_into_during_empty_pool_caches_sync_keeps_its_segment
     _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
     assert _user_counts(h)["frees"] == 1
     h.free(out)
+
+
+@isolated
+def test_a_block_read_by_eager_work_queued_before_its_stream_joined_a_capture_is_not_reused_in_it():
+    h = Host(route="sync")
+    h.capture_reuse(True)
+    x = h.malloc(512, S1)            # eager, in the default pool
+    keep = h.malloc(512, S1)         # a neighbour: x stays a block of its own
+    h.submit(S2)                     # an eager kernel on S2 reads x, still queued
+    h.record_stream(x, S2)
+    h.node(5)
+    h.capture(S1, 1, [5])            # S1 captures; S2 joins after S1's first node
+    h.capture(S2, 1, [5])
+    h.begin_pool(POOL, S1)
+    h.free(x)                        # every stream's tail is node 5
+    h.malloc(512, S1)                # S1 has reached node 5: in-capture reuse would retire x here
+    h.end_pool(POOL)
+    h.capture(S1, 0)
+    h.capture(S2, 0)
+    z = h.malloc(512, S1)            # eager, after the capture, while S2's read is still queued
+    assert z != x, "handed out again while eager work queued before the capture still reads it"
+    h.complete(S2)
+    for p in (z, keep):
+        h.free(p)

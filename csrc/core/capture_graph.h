@@ -9,9 +9,14 @@
 //
 // At the free, the nodes each stream touching the block currently ends in (its
 // allocation stream and every recorded stream) are the block's free markers: every
-// use of the block so far lies at or before them. When any of those streams is not
-// capturing, or they capture different graphs, there are no markers and the block
-// waits for the end of capture as before.
+// use of the block inside the capture lies at or before them. A use queued before a
+// stream joined the capture is in no graph, so only a block allocated into a graph pool
+// since the device's captures began gets markers (any other may still be read by eager
+// work queued earlier on a recorded stream: retired in the capture, it went to an eager
+// allocation after it while that work ran; in-capture allocations come from graph pools,
+// so the others lose no reuse). When any of those streams is not capturing, or they
+// capture different graphs, there are no markers either, and the block waits for the end
+// of capture as before.
 //
 // Before a later allocation on the block's own stream, the nodes that stream ends in
 // are walked back through their dependencies. Whatever that stream queues next
