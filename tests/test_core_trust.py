@@ -392,3 +392,17 @@ def test_a_block_read_by_eager_work_queued_before_its_stream_joined_a_capture_is
     h.complete(S2)
     for p in (z, keep):
         h.free(p)
+
+
+@isolated
+def test_a_pool_growth_whose_rollback_free_is_refused_is_not_lost():
+    h = Host(route="pool", budget=16 * MiB, pool_chunk=32 * MiB)
+    h.fail("cuMemFreeAsync", nth=1)     # the rollback of the growth past the budget is refused
+    try:
+        h.free(h.malloc(1 * MiB, S1))   # the pool grew by 32 MiB; the retry may use what it kept
+    except OOM:
+        pass
+    h.heal()
+    h.empty_cache()
+    assert h.counters()["allocs"] == 0 and h.reserved() == 0, "the driver still holds the growth"
+

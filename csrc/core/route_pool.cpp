@@ -80,7 +80,14 @@ bool PoolRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   if (!known || (grew > 0 && !budget_.fits(grew))) {
     const ErrorCode code = known ? kOutOfMemory : last_error_code();
     const std::string msg = last_error_message();
-    if (driver()->memFreeAsync(ptr, stream) == CUDA_SUCCESS) driver()->memPoolTrimTo(pool_, held);
+    if (driver()->memFreeAsync(ptr, stream) == CUDA_SUCCESS) {
+      driver()->memPoolTrimTo(pool_, held);
+    } else {
+      // Kept as a free segment of the pool, as one whose free was refused later is:
+      // release_cached frees it again (else nothing would, and the driver kept it for good).
+      pool.add_segment(ptr, size, small, stream);
+      ledger_.segment.add(small, 1);
+    }
     size_t now = 0;
     if (reserved(&now)) settle(now, small);
     set_error(code, msg);
