@@ -188,7 +188,8 @@ void DeviceAllocator::release_cached(DeviceLock& lock) {
     for (BlockPool* tp : tags_.own_pools())  // a released tag's segments are remembered by its pieces
       if (tags_.live(tp->tag())) vmm_->release_cached(*tp);
     sync_->release_cached(*sync_pool_);
-    if (pool_pool_) pool_->release_cached(*pool_pool_);
+    // Its frees are stream-ordered: one on a capturing stream would become a node of the graph.
+    if (pool_pool_ && open_captures() == 0) pool_->release_cached(*pool_pool_);
     // A private pool no graph holds any more keeps only what its live blocks need
     // (its outputs may outlive the graph), as torch's allocator does. Its free blocks are
     // written by every replay of the graphs it served, so free stamps say nothing of
