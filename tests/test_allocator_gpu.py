@@ -32,6 +32,7 @@ def torch_memory_calls_report_the_ledger():
     torch.cuda.reset_peak_memory_stats()
     assert torch.cuda.max_memory_allocated() == 3072
     assert len(torch.cuda.memory_stats()) > 40
+    assert torch.cuda.memory_stats()["max_split_size"] == -1  # torch's default, no limit, as native says
     assert st["by_route"]["vmm"]["allocated"] == st["allocated"]
 
 

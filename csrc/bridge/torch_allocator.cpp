@@ -281,8 +281,20 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     if (!ready(dev_to_access, "enablePeerAccess")->grant_peer(dev)) raise_last_error("enablePeerAccess");
   }
 
+  // torch's table (CUDACachingAllocator.h): without peer access, cudaMemcpyAsync between devices
+  // fails on cuMemMap and cudaMallocAsync memory, which the VMM and pool routes hand out, where
+  // the peer copy works on every kind; the pluggable base always made the plain copy.
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dst_device == src_device)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     DeviceStats stats;
+    // As torch reports its default (no limit: SIZE_MAX), and as the snapshot's config says.
+    stats.max_split_size = static_cast<int64_t>(std::numeric_limits<size_t>::max());
     tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device);
     if (d == nullptr) return stats;
     d->read_locked([&](const Ledger& l) {
