@@ -33,6 +33,13 @@ def torch_memory_calls_report_the_ledger():
     assert torch.cuda.max_memory_allocated() == 3072
     assert len(torch.cuda.memory_stats()) > 40
     assert torch.cuda.memory_stats()["max_split_size"] == -1  # torch's default, no limit, as native says
+    a, b = (torch.empty(256 * 1024, dtype=torch.uint8, device="cuda") for _ in range(2))  # small, side by side
+    del a  # a free block carved from a segment that b keeps: an inactive split of the small pool
+    s = torch.cuda.memory_stats()
+    assert s["inactive_split.small_pool.current"] >= 1, s
+    for key in ("inactive_split", "inactive_split_bytes"):
+        assert s[f"{key}.all.current"] == s[f"{key}.small_pool.current"] + s[f"{key}.large_pool.current"], s
+    del b
     assert st["by_route"]["vmm"]["allocated"] == st["allocated"]
 
 

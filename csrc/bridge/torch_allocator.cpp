@@ -311,10 +311,12 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       stats.num_device_alloc = l.num_device_alloc.load();
       stats.num_device_free = l.num_device_free.load();
     });
-    int64_t split_count = 0, split_bytes = 0;
-    d->inactive_split(&split_count, &split_bytes);
-    stats.inactive_split[0].current = split_count;
-    stats.inactive_split_bytes[0].current = split_bytes;
+    int64_t split_count[kPoolKinds], split_bytes[kPoolKinds];
+    d->inactive_split(split_count, split_bytes);
+    for (int k = 0; k < kPoolKinds; ++k) {  // the current figure only: it is counted when asked
+      stats.inactive_split[k].current = split_count[k];
+      stats.inactive_split_bytes[k].current = split_bytes[k];
+    }
     return stats;
   }
 

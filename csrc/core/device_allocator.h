@@ -224,8 +224,9 @@ class DeviceAllocator {
   // run of mapped granules, holding the parts of blocks that lie in it (as torch shows
   // its expandable segments), so blocks tile each segment exactly.
   std::vector<SegmentView> mapped_segments();
-  // Free blocks carved from segments that still hold live blocks (torch's inactive_split).
-  void inactive_split(int64_t* count, int64_t* bytes);
+  // Free blocks carved from segments that still hold live blocks (torch's inactive_split), by
+  // PoolKind: in all pools, and in the small and the large ones.
+  void inactive_split(int64_t count[kPoolKinds], int64_t bytes[kPoolKinds]);
   // Runs `fn(ledger)` under the lock: a consistent view of every counter at once
   // (torch's memory_stats compares them), at the price of waiting for the lock.
   template <typename Fn>

@@ -141,7 +141,7 @@ std::vector<SegmentView> DeviceAllocator::segments(bool runs) {
 
 std::vector<SegmentView> DeviceAllocator::mapped_segments() { return split_at_mappings(segments(/*runs=*/true)); }
 
-void DeviceAllocator::inactive_split(int64_t* count, int64_t* bytes) {
+void DeviceAllocator::inactive_split(int64_t count[kPoolKinds], int64_t bytes[kPoolKinds]) {
   auto lock = hold();
   std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get()};
   for (const BlockPool* p : tags_.own_pools()) pools.push_back(p);

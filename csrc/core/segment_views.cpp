@@ -75,17 +75,18 @@ std::vector<SegmentView> split_at_mappings(std::vector<SegmentView> all) {
   return out;
 }
 
-void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t* count, int64_t* bytes) {
-  *count = 0;
-  *bytes = 0;
+void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t count[kPoolKinds],
+                          int64_t bytes[kPoolKinds]) {
+  for (int k = 0; k < kPoolKinds; ++k) count[k] = bytes[k] = 0;
   auto visit = [&](const BlockPool* pool) {
     if (pool == nullptr) return;
     for (bool small : {true, false})
       for (const Block* b : pool->free_set(small))
-        if (b->segment->live > 0) {
-          ++*count;
-          *bytes += static_cast<int64_t>(b->size);
-        }
+        if (b->segment->live > 0)
+          for (int k : {static_cast<int>(kAggregate), static_cast<int>(small ? kSmallPool : kLargePool)}) {
+            ++count[k];
+            bytes[k] += static_cast<int64_t>(b->size);
+          }
   };
   for (const BlockPool* p : pools) visit(p);
 }

@@ -42,7 +42,9 @@ std::vector<SegmentView> describe_segments(const std::vector<std::pair<const Blo
 // one segment per run of mapped granules, holding the parts of blocks that lie in it (as
 // torch shows its expandable segments), so blocks tile each segment exactly.
 std::vector<SegmentView> split_at_mappings(std::vector<SegmentView> all);
-// Free blocks carved from segments that still hold live blocks (torch's inactive_split).
-void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t* count, int64_t* bytes);
+// Free blocks carved from segments that still hold live blocks (torch's inactive_split), in all
+// pools and in the small and the large ones (indexed by PoolKind).
+void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t count[kPoolKinds],
+                          int64_t bytes[kPoolKinds]);
 
 }  // namespace tb
