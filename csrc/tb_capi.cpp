@@ -237,6 +237,14 @@ int tb_cache_info(int device, int64_t* largest) {
   return 0;
 }
 
+int tb_inactive_split(int device, int64_t* count, int64_t* bytes) {
+  clear_error();
+  DeviceAllocator* d = Allocator::get().device(device);
+  if (d == nullptr) return code();
+  d->inactive_split(count, bytes);
+  return 0;
+}
+
 int tb_grant_peer(int device, int peer) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);

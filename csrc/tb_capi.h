@@ -79,6 +79,8 @@ TB_API int tb_reset_peak_stats(int device);
 TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);
 // torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
 TB_API int tb_cache_info(int device, int64_t* largest);
+// torch's inactive_split and inactive_split_bytes (current), each as [all, small pool, large pool].
+TB_API int tb_inactive_split(int device, int64_t* count, int64_t* bytes);
 // Testing: the driver entry points that take memory fail at `rate` from now on (see
 // Note [Injected driver failures]); returns the failures injected so far, -1 without a driver.
 TB_API int64_t tb_inject_driver_faults(double rate, uint64_t seed);

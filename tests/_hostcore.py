@@ -207,6 +207,12 @@ class Host:
         _native.check(self.lib, self.lib.tb_cache_info(device, ctypes.byref(out)))
         return out.value
 
+    def inactive_split(self, device=0):
+        """torch's inactive_split and inactive_split_bytes: ([all, small, large], [all, small, large])."""
+        count, nbytes = (ctypes.c_int64 * 3)(), (ctypes.c_int64 * 3)()
+        _native.check(self.lib, self.lib.tb_inactive_split(device, count, nbytes))
+        return list(count), list(nbytes)
+
     def set_budget(self, n, device=0):
         _native.check(self.lib, self.lib.tb_set_budget(device, n, -1.0))
 

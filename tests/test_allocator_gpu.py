@@ -39,6 +39,7 @@ def torch_memory_calls_report_the_ledger():
     assert s["inactive_split.small_pool.current"] >= 1, s
     for key in ("inactive_split", "inactive_split_bytes"):
         assert s[f"{key}.all.current"] == s[f"{key}.small_pool.current"] + s[f"{key}.large_pool.current"], s
+    assert s["inactive_split_bytes.all.current"] <= torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     del b
     assert st["by_route"]["vmm"]["allocated"] == st["allocated"]
 

@@ -288,3 +288,24 @@ def test_release_with_discardable_tensors_copies_only_the_rest_and_refuses_what_
     with torch_budget.sleeping("weights", discardable=params) as report:  # as release() takes it
         assert report["backup_bytes"] == 2 * MiB
     assert host.peek(buffer, 4096) == b"b" * 4096 and sleep.tag_states()["weights"]["state"] == "live"
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync"])
+def test_inactive_split_counts_backed_free_blocks_of_segments_still_in_use_by_pool(route):
+    @isolated
+    def body():
+        h = Host(route=route)
+        a, b = h.malloc(256 * 1024), h.malloc(256 * 1024)   # small, side by side
+        big, keep = h.malloc(8 * MiB), h.malloc(8 * MiB)    # large, side by side
+        h.free(a)
+        h.free(big)
+        count, nbytes = h.inactive_split()
+        assert count[0] == count[1] + count[2] and nbytes[0] == nbytes[1] + nbytes[2]
+        assert count[1] >= 1 and nbytes[1] >= 256 * 1024    # a's block, in the segment b keeps
+        assert count[2] >= 1 and nbytes[2] >= 8 * MiB       # big's, beside keep
+        # Memory the segments hold: never an arena's unmapped address range.
+        assert nbytes[0] <= h.reserved() - h.allocated()
+        for p in (b, keep):
+            h.free(p)
+        assert h.inactive_split() == ([0, 0, 0], [0, 0, 0])  # nothing live: nothing split
+    body()

@@ -62,6 +62,7 @@ def _core_signatures():
         "tb_empty_pool_cache": (i, [i, u64, u64]),
         "tb_reset_peak_stats": (i, [i]),
         "tb_cache_info": (i, [i, ctypes.POINTER(i64)]),
+        "tb_inactive_split": (i, [i, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "tb_share": (i64, [vp, ctypes.c_char_p, i64, ctypes.POINTER(i64)]),
         "tb_inject_driver_faults": (i64, [d, u64]),
         "tb_grant_peer": (i, [i, i]),

@@ -75,6 +75,27 @@ std::vector<SegmentView> split_at_mappings(std::vector<SegmentView> all) {
   return out;
 }
 
+namespace {
+
+// The bytes of free block `b` that memory backs: all of it, or in a VMM arena the part on
+// mapped granules (an arena's unmapped tail is a free block too, and most of the card).
+size_t backed_bytes(const Block* b) {
+  const Segment& s = *b->segment;
+  if (s.granules.empty()) return b->size;
+  const size_t g = s.size / s.granules.size();
+  const uintptr_t lo = b->ptr, hi = b->ptr + b->size;
+  size_t out = 0;
+  auto it = s.maps.upper_bound((lo - s.base) / g);
+  if (it != s.maps.begin()) --it;
+  for (; it != s.maps.end() && s.base + it->first * g < hi; ++it) {
+    const uintptr_t from = std::max(lo, s.base + it->first * g), to = std::min(hi, s.base + (it->first + it->second) * g);
+    if (from < to) out += to - from;
+  }
+  return out;
+}
+
+}  // namespace
+
 void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t count[kPoolKinds],
                           int64_t bytes[kPoolKinds]) {
   for (int k = 0; k < kPoolKinds; ++k) count[k] = bytes[k] = 0;
@@ -83,10 +104,11 @@ void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t co
     for (bool small : {true, false})
       for (const Block* b : pool->free_set(small))
         if (b->segment->live > 0)
-          for (int k : {static_cast<int>(kAggregate), static_cast<int>(small ? kSmallPool : kLargePool)}) {
-            ++count[k];
-            bytes[k] += static_cast<int64_t>(b->size);
-          }
+          if (const size_t held = backed_bytes(b); held > 0)
+            for (int k : {static_cast<int>(kAggregate), static_cast<int>(small ? kSmallPool : kLargePool)}) {
+              ++count[k];
+              bytes[k] += static_cast<int64_t>(held);
+            }
   };
   for (const BlockPool* p : pools) visit(p);
 }

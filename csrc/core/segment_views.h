@@ -43,7 +43,8 @@ std::vector<SegmentView> describe_segments(const std::vector<std::pair<const Blo
 // torch shows its expandable segments), so blocks tile each segment exactly.
 std::vector<SegmentView> split_at_mappings(std::vector<SegmentView> all);
 // Free blocks carved from segments that still hold live blocks (torch's inactive_split), in all
-// pools and in the small and the large ones (indexed by PoolKind).
+// pools and in the small and the large ones (indexed by PoolKind); in a VMM arena only what
+// mappings back counts, as torch's expandable segments count only mapped blocks.
 void count_inactive_split(const std::vector<const BlockPool*>& pools, int64_t count[kPoolKinds],
                           int64_t bytes[kPoolKinds]);
 
