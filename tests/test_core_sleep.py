@@ -423,3 +423,17 @@ def test_release_and_restore_racing_allocating_threads_keep_the_ledger_whole():
     h.empty_cache()
     st = h.stats()
     assert st["allocation"]["all"]["current"] == 0 and h.device_used() == 0, (st["allocation"], h.device_used())
+
+
+@isolated
+def test_a_restore_the_driver_refuses_says_so_rather_than_blaming_the_budget():
+    h = Host(route="vmm", capacity=64 * MiB, budget=70 * MiB)  # a budget above what the card has
+    fill(h, "w", [16 * MiB])                # one 16 MiB run mapping under tag w
+    h.release("w", "cpu")
+    h.malloc(60 * MiB)                      # untagged: 60 of the card's 64 MiB, 10 of the budget left
+    # The 16 MiB run passes the budget's room; mapped granule by granule, the third finds the
+    # card full while the budget still has 6 MiB of room.
+    with pytest.raises(OOM) as e:
+        h.restore("w")
+    assert "driver refused" in str(e.value) and "raise the budget" not in str(e.value), str(e.value)
+    assert "retried" not in str(e.value)    # a restore neither empties the cache nor tries again

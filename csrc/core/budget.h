@@ -97,9 +97,10 @@ class Budget {
 
   std::string describe() const;
   // torch's own first sentence, then ours: what was asked, why it failed, the
-  // numbers, and the setting to change.
+  // numbers, and the setting to change; `retried`: an allocation that released the cache and
+  // tried again first (a tag's restore does neither).
   std::string oom_message(size_t size, int route, const std::string& tag, const std::string& cause,
-                          size_t device_free, size_t device_total) const;
+                          size_t device_free, size_t device_total, bool retried = true) const;
 
  private:
   void place(size_t bytes, const Placement& where, bool add);

@@ -271,7 +271,8 @@ class DeviceAllocator {
   // Free and total bytes of the device as messages quote them (the card's size if the driver cannot say).
   void device_memory(size_t* free_bytes, size_t* total_bytes);
   // The quantified message; *device_free (when given) gets the free bytes it quotes.
-  std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr);
+  std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr,
+                       bool retried = true);
   // A block just taken from a pool becomes live: charged, indexed by address, traced.
   void adopt(Block* b);
   void account_alloc(Block* b);

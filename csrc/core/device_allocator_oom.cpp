@@ -33,11 +33,12 @@ void DeviceAllocator::device_memory(size_t* free_bytes, size_t* total_bytes) {
   if (*total_bytes == 0) *total_bytes = caps_.total_bytes;
 }
 
-std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free) {
+std::string DeviceAllocator::oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free,
+                                      bool retried) {
   size_t free_b = 0, total_b = 0;
   device_memory(&free_b, &total_b);
   if (device_free != nullptr) *device_free = free_b;
-  return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b);
+  return budget_.oom_message(size, route, tag_name(tag), cause, free_b, total_b, retried);
 }
 
 }  // namespace tb

@@ -84,7 +84,7 @@ bool DeviceAllocator::restore_tag(int tag) noexcept {
                            "restore can succeed. ";
   if (code == kOutOfMemory) {
     bump(ledger_.num_ooms);
-    set_error(kOutOfMemory, head + oom_text(need, kRouteVmm, tag, why));
+    set_error(kOutOfMemory, head + oom_text(need, kRouteVmm, tag, why, nullptr, /*retried=*/false));
   } else {
     set_error(code, head + why);
   }

@@ -222,6 +222,9 @@ bool VmmRoute::map_missing(Segment& seg, const std::vector<std::pair<size_t, siz
 bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return false;
+  // A fresh attempt (a restore falls back here after a run the budget refused): its own
+  // failure is the one an out-of-memory message names, the driver's or the budget's.
+  budget_.clear_refusal();
   std::vector<CUmemGenericAllocationHandle> handles;
   if (!take_handles(need.size(), &handles)) return false;
 
