@@ -143,8 +143,10 @@ std::vector<SegmentView> DeviceAllocator::mapped_segments() { return split_at_ma
 
 void DeviceAllocator::inactive_split(int64_t count[kPoolKinds], int64_t bytes[kPoolKinds]) {
   auto lock = hold();
-  std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get()};
+  // Every pool, as torch counts its private pools too.
+  std::vector<const BlockPool*> pools{vmm_pool_.get(), sync_pool_.get(), pool_pool_.get()};
   for (const BlockPool* p : tags_.own_pools()) pools.push_back(p);
+  for (const auto& [id, p] : graphs_.pools()) pools.push_back(p.blocks.get());
   count_inactive_split(pools, count, bytes);
 }
 
