@@ -165,16 +165,23 @@ def test_a_tag_shared_with_another_process_is_not_released_behind_its_back():
     h.free(v)
 
 
+def mempool_captured_into(h, stream):
+    """A MemPool with its own allocator (one use) that graph g was captured into (a second):
+    g's output lives; a temporary in a segment of its own was freed, which every replay of g
+    still writes. Returns (the pool's id, the output)."""
+    user = (9, 9)
+    assert h.lib.tb_host_user_pool(0, *user) == 0
+    h.begin_pool(user, stream)
+    out = h.malloc(1 * MiB, stream)
+    h.free(h.malloc(12 * MiB, stream))
+    h.end_pool(user)
+    return user, out
+
+
 @isolated
 def test_a_mempool_with_its_own_allocator_keeps_its_segments_while_a_graph_holds_it():
     h = Host(route="vmm")
-    user = (9, 9)
-    assert h.lib.tb_host_user_pool(0, *user) == 0  # MemPool(allocator=X): one use
-    h.begin_pool(user, S1)                          # graph g captured into it: a second
-    out = h.malloc(1 * MiB, S1)
-    tmp = h.malloc(12 * MiB, S1)                    # a temporary, in a segment of its own
-    h.free(tmp)                                     # every replay of g still writes it
-    h.end_pool(user)
+    user, out = mempool_captured_into(h, S1)
     segments = [s for s in h.segments() if tuple(s["pool"]) == user]
     h.release_pool(user)                            # ~MemPool: releasePool, then emptyCache(id)
     _native.check(h.lib, h.lib.tb_empty_pool_cache(0, *user))
@@ -351,13 +358,7 @@ def test_a_graph_pool_whose_last_use_drops_during_empty_caches_sync_keeps_its_me
 @isolated
 def test_a_mempool_captured_into_during_empty_pool_caches_sync_keeps_its_segments():
     h = Host(route="vmm")
-    user = (9, 9)
-    assert h.lib.tb_host_user_pool(0, *user) == 0  # MemPool(allocator=X): one use
-    h.begin_pool(user, S2)                          # a first graph's capture: its output, a temporary
-    out = h.malloc(1 * MiB, S2)
-    tmp = h.malloc(12 * MiB, S2)
-    h.free(tmp)
-    h.end_pool(user)
+    user, out = mempool_captured_into(h, S2)        # a first graph's capture: its output, a temporary
     h.release_pool(user)                            # that graph reset
     h.release_pool(user)                            # ~MemPool: no use left, so the pool is freeable
     # While emptying the pool's cache waits for the device, a graph is captured into it, replayed
