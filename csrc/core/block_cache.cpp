@@ -1,6 +1,7 @@
 #include "block_cache.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "error.h"
 
@@ -251,6 +252,15 @@ Block* BlockPool::malloc(size_t size, CUstream stream, bool grow) {
   if (take < block->size) split(block, take, fs, std::move(node));
   else keep(std::move(node));
   return activate(block, size, missing == 0);
+}
+
+std::map<size_t, size_t>::const_iterator Segment::first_mapping(size_t first) const {
+  auto it = maps.upper_bound(first);
+  if (it != maps.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second > first) return prev;
+  }
+  return it;
 }
 
 void BlockPool::file(FreeSet& fs, Block* b, FreeSet::node_type node) {

@@ -91,6 +91,8 @@ struct Segment {
   // range's mappings are found without walking its granules (an arena's unmapped
   // tail is most of the card). Changed only with `granules` and `span` (route_vmm.cpp).
   std::map<size_t, size_t> maps;
+  // The mapping covering or following granule `first`, in address order.
+  std::map<size_t, size_t>::const_iterator first_mapping(size_t first) const;
   size_t mapped = 0;     // granules mapped
   uint64_t unmaps = 0;   // VMM only: mappings unmapped so far; while it stays, every mapping stays as it is
   uint64_t serial = 0;   // no other segment of the process ever has it (set by add_segment)

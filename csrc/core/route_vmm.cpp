@@ -77,15 +77,6 @@ void VmmRoute::note_unmap(Segment& seg, size_t head) {
                        unreachable_.end());
 }
 
-std::map<size_t, size_t>::const_iterator VmmRoute::first_mapping(const Segment& seg, size_t first) {
-  auto it = seg.maps.upper_bound(first);
-  if (it != seg.maps.begin()) {
-    auto prev = std::prev(it);
-    if (prev->first + prev->second > first) return prev;
-  }
-  return it;
-}
-
 size_t VmmRoute::unbacked(const Segment& seg, uintptr_t ptr, size_t size) const {
   const size_t first = (ptr - seg.base) / granule_, last = (ptr + size - 1 - seg.base) / granule_;
   // A range of a few granules (nearly every request) reads their handles: cheaper than a
@@ -96,7 +87,7 @@ size_t VmmRoute::unbacked(const Segment& seg, uintptr_t ptr, size_t size) const 
     for (size_t i = first; i <= last; ++i) missing += seg.granules[i] == 0;
   } else {
     size_t covered = 0;
-    for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it)
+    for (auto it = seg.first_mapping(first); it != seg.maps.end() && it->first <= last; ++it)
       covered += std::min(it->first + it->second - 1, last) - std::max(it->first, first) + 1;
     missing = last - first + 1 - covered;
   }
@@ -113,7 +104,7 @@ size_t VmmRoute::usable(const Block& b) const {
   auto close_run = [&] {
     if (run_hi > run_lo) best = std::max<size_t>(best, std::min(run_hi, hi) - std::max(run_lo, lo));
   };
-  for (auto it = first_mapping(seg, (lo - seg.base) / granule_); it != seg.maps.end(); ++it) {
+  for (auto it = seg.first_mapping((lo - seg.base) / granule_); it != seg.maps.end(); ++it) {
     const uintptr_t m_lo = seg.base + it->first * granule_, m_hi = m_lo + it->second * granule_;
     if (m_lo >= hi) break;
     if (m_lo != run_hi) {
@@ -131,7 +122,7 @@ bool VmmRoute::ensure_backed(Segment& seg, uintptr_t ptr, size_t size) {
   const size_t last = (ptr + size - 1 - seg.base) / granule_;
   std::vector<std::pair<size_t, size_t>> gaps;  // runs of missing granules: (first, count)
   size_t at = first, missing = 0;
-  for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it) {
+  for (auto it = seg.first_mapping(first); it != seg.maps.end() && it->first <= last; ++it) {
     if (it->first > at) gaps.emplace_back(at, it->first - at);
     at = std::max(at, it->first + it->second);
   }
@@ -271,7 +262,7 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
 }
 
 size_t VmmRoute::mapping_head(const Segment& seg, size_t index) {
-  auto it = first_mapping(seg, index);
+  auto it = seg.first_mapping(index);
   return it != seg.maps.end() && it->first <= index ? it->first : index;
 }
 

@@ -223,8 +223,6 @@ class VmmRoute final : public Backing {
   bool map_missing(Segment& seg, const std::vector<std::pair<size_t, size_t>>& runs);
   // Asks for `stream` to be synchronised when its free blocks hold mappings.
   bool request_sync(BlockPool& pool, CUstream stream);
-  // The mapping covering or following granule `first` of `seg`, in address order.
-  static std::map<size_t, size_t>::const_iterator first_mapping(const Segment& seg, size_t first);
   // The first granules of the mappings lying wholly inside free block `b`.
   std::vector<size_t> inside(const Block& b) const;
   // Gives back mappings lying wholly inside free block `b`, its highest first, until at

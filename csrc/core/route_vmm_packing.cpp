@@ -39,7 +39,7 @@ std::vector<size_t> VmmRoute::inside(const Block& b) const {
   const size_t lo = (b.ptr - s.base + granule_ - 1) / granule_;
   const size_t hi = (b.ptr + b.size - s.base) / granule_;
   std::vector<size_t> heads;
-  for (auto it = first_mapping(s, lo); it != s.maps.end() && it->first < hi; ++it)
+  for (auto it = s.first_mapping(lo); it != s.maps.end() && it->first < hi; ++it)
     if (it->first >= lo && it->first + it->second <= hi) heads.push_back(it->first);
   return heads;
 }

@@ -61,7 +61,7 @@ bool VmmRoute::plan_share(const Segment& seg, uintptr_t ptr, size_t size, ShareC
   const size_t last = (ptr + size - 1 - seg.base) / granule_;
   std::vector<std::pair<size_t, size_t>> maps;  // (head, granules) in address order
   size_t exported = 0, piece = 0;
-  for (auto it = first_mapping(seg, first); it != seg.maps.end() && it->first <= last; ++it) {
+  for (auto it = seg.first_mapping(first); it != seg.maps.end() && it->first <= last; ++it) {
     TB_REQUIRE(maps.empty() ? it->first <= first : maps.back().first + maps.back().second == it->first, kState,
                "internal: an allocated block lies on an unmapped granule", false);
     maps.emplace_back(it->first, it->second);

@@ -85,10 +85,9 @@ size_t backed_bytes(const Block* b) {
   const size_t g = s.size / s.granules.size();
   const uintptr_t lo = b->ptr, hi = b->ptr + b->size;
   size_t out = 0;
-  auto it = s.maps.upper_bound((lo - s.base) / g);
-  if (it != s.maps.begin()) --it;
-  for (; it != s.maps.end() && s.base + it->first * g < hi; ++it) {
-    const uintptr_t from = std::max(lo, s.base + it->first * g), to = std::min(hi, s.base + (it->first + it->second) * g);
+  for (auto it = s.first_mapping((lo - s.base) / g); it != s.maps.end() && s.base + it->first * g < hi; ++it) {
+    const uintptr_t from = std::max(lo, s.base + it->first * g);
+    const uintptr_t to = std::min(hi, s.base + (it->first + it->second) * g);
     if (from < to) out += to - from;
   }
   return out;
