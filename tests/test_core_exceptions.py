@@ -4,7 +4,9 @@ would catch it and allocate on from pools, granule maps and a budget that disagr
 operator new (csrc/testing/new_faults.cpp) fails the n-th allocation of one call, for every n the
 call makes, each in a forked child: the call either finishes or the child stops on SIGABRT. Before
 this, an allocation whose packing move failed left the packing flag set and a block counted live,
-and every later free kept its memory."""
+and every later free kept its memory. Creating a device is the one change an exception may leave
+behind: the device is published only once whole, so the first allocation is refused as out of
+memory and the next one serves."""
 import ctypes
 import json
 import os
@@ -34,6 +36,8 @@ def _setup(name, h):
     """The state before the call, and the call: ("malloc", size, stream) or ("free", ptr)."""
     from _hostcore import MiB, S1, S2, line_pressed
 
+    if name == "device_creation":  # the first allocation creates the device, published only once whole
+        return ("malloc", 4096, S1)
     if name == "packing_move":  # a 96 MiB request on another stream moves clean free memory
         line_pressed(h)
         return ("malloc", 96 * MiB, S2)
@@ -83,7 +87,13 @@ def _sweep(name, limit=400):
                 threw = faults.tb_new_faults_free(ctypes.cast(h.lib.tb_free, ctypes.c_void_p), ctypes.c_void_p(call[1]))
             reached = faults.tb_new_faults_left() == 0
             faults.tb_new_faults_arm(0)
-            os._exit(3 if threw else (0 if reached else 10))
+            if threw or not reached:
+                os._exit(3 if threw else 10)
+            if call[0] == "malloc" and not out.value:  # refused: it must say so and have changed nothing
+                said_oom = h.lib.tb_last_error_code() == 2
+                again = h.lib.tb_malloc(call[1], 0, ctypes.c_void_p(call[2]))
+                os._exit(5 if said_oom and again else 6)
+            os._exit(0)
         _, status = os.waitpid(pid, 0)
         if os.WIFSIGNALED(status):
             outcomes.append(signal.Signals(os.WTERMSIG(status)).name)
@@ -91,11 +101,12 @@ def _sweep(name, limit=400):
             code = os.WEXITSTATUS(status)
             if code == 10:
                 break
-            outcomes.append({0: "finished", 3: "exception reached the caller"}.get(code, f"exit {code}"))
+            outcomes.append({0: "finished", 3: "exception reached the caller", 5: "refused, then served",
+                             6: "refused, then refused again"}.get(code, f"exit {code}"))
     return outcomes
 
 
-@pytest.mark.parametrize("name", ["packing_move", "first_mapping", "free_after_record_stream"])
+@pytest.mark.parametrize("name", ["device_creation", "packing_move", "first_mapping", "free_after_record_stream"])
 def test_an_allocation_failing_inside_the_core_stops_the_process_never_reaches_the_caller(shim, name):
     if _core_defines_operator_new():
         pytest.skip("this build of the host core carries its own operator new (libstdc++ linked statically): "
@@ -106,8 +117,10 @@ def test_an_allocation_failing_inside_the_core_stops_the_process_never_reaches_t
     outcomes = json.loads(run.stdout.strip().splitlines()[-1])
     assert outcomes, "the call allocated nothing: the sweep tested nothing"
     assert "exception reached the caller" not in outcomes, outcomes
-    assert set(outcomes) <= {"SIGABRT", "finished"}, outcomes
+    assert set(outcomes) <= {"SIGABRT", "finished", "refused, then served"}, outcomes
     assert "SIGABRT" in outcomes, outcomes
+    if name == "device_creation":  # creation changed nothing: the caller is told, and may go on
+        assert "refused, then served" in outcomes, outcomes
 
 
 if __name__ == "__main__":

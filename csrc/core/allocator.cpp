@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "driver.h"
@@ -113,10 +114,22 @@ DeviceAllocator* Allocator::device(int index) {
   return created.release();
 }
 
+DeviceAllocator* Allocator::create_device(int index) noexcept {
+  // device() publishes a device only once whole, so an exception out of its creation changed
+  // nothing: unlike one out of a change (Note [An exception stops the process]), the caller
+  // may go on, and a later allocation creates the device again.
+  try {
+    return device(index);
+  } catch (const std::bad_alloc&) {
+    set_error(kOutOfMemory, "host memory ran out while setting up the device");
+    return nullptr;
+  }
+}
+
 Block* Allocator::malloc(size_t size, int device_index, CUstream stream) noexcept {
   if (refuse_in_fork_child()) return nullptr;
-  DeviceAllocator* d = device(device_index);
-  if (d == nullptr) return nullptr;
+  DeviceAllocator* d = device_if_ready(device_index);
+  if (__builtin_expect(d == nullptr, 0) && (d = create_device(device_index)) == nullptr) return nullptr;
   if (!started_.load(std::memory_order_relaxed)) started_.store(true, std::memory_order_relaxed);
   const Scope scope = current_scope();
   return d->malloc(size, stream, scope.route, scope.tag);

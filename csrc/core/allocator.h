@@ -59,6 +59,9 @@ class Allocator {
   static void on_fork_child();
   bool refuse_in_fork_child();
   bool not_ours(void* ptr);
+  // device(index), with a std::bad_alloc out of the device's creation turned into an
+  // out-of-memory error; cold: only the first allocation on a device reaches it.
+  [[gnu::cold, gnu::noinline]] DeviceAllocator* create_device(int index) noexcept;
 
   std::mutex mu_;  // guards creation of device allocators and settings
   Settings settings_;

@@ -110,7 +110,7 @@ struct BlockInfo {
 // letting a later allocation hand out memory the ledger got wrong. Methods that only read may
 // throw; they change nothing. malloc is the one exception to the rule: its only caller,
 // Allocator::malloc, is noexcept instead (marked here, it cost the round trip 14 instructions:
-// tools/probe_footprint.py, 528 against 514).
+// tools/probe_footprint.py, 528 against 514). Creating the device stays outside it: Allocator::create_device.
 class DeviceAllocator {
  public:
   // Once published by the Allocator, never destroyed: frees can arrive during
