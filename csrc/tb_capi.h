@@ -171,6 +171,7 @@ TB_API int tb_torch_installed(void);
 // --- testing (only in the library built with the host stand-in, torch_budget/_host_core);
 // see csrc/testing/host_driver.cpp.
 TB_API int tb_host_use(int devices, int64_t capacity, int vmm, int pools, int64_t pool_chunk);
+TB_API void tb_host_pool_chunk(int64_t pool_chunk);
 TB_API void* tb_host_stream(int device);
 TB_API void tb_host_submit(void* stream);
 TB_API void tb_host_complete(void* stream);

@@ -37,6 +37,7 @@ def _host_signatures():
         "tb_host_submit": (None, [vp]),
         "tb_host_complete": (None, [vp]),
         "tb_host_used": (i64, [i]),
+        "tb_host_pool_chunk": (None, [i64]),
         "tb_host_counters": (None, [ctypes.c_int64 * 8]),
         "tb_host_event_calls": (None, [ctypes.c_int64 * 2]),
         "tb_host_fail": (i, [cp, i64, d, i, u64]),

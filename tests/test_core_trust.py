@@ -121,6 +121,41 @@ def test_capture_reuse_never_frees_pool_route_memory_on_the_capturing_stream():
 
 
 @isolated
+def test_a_capture_on_another_device_leaves_the_pool_routes_out_of_memory_retry_its_cache():
+    h = Host(devices=2, capacity=1024 * MiB, route="pool")
+    h.set_budget(100 * MiB, device=0)
+    h.free(h.malloc(80 * MiB, S1))   # the driver's pool keeps the 80 MiB, charged to device 0
+    h.begin_pool(POOL, h.stream(1), device=1)  # a capture is open on device 1 only
+    h.push(route="sync")
+    p = h.malloc(50 * MiB, S1)       # device 0's retry trims its pool: no stream of it captures
+    h.pop()
+    assert h.reserved(0) == 50 * MiB
+    h.free(p)
+    h.end_pool(POOL, device=1)
+
+
+@isolated
+def test_releasing_the_pool_routes_cache_skips_segments_whose_stream_captures():
+    h = Host(route="pool", budget=16 * MiB)
+    h.fail("cuMemFreeAsync", rate=1.0)  # frees refused: an idle segment on S1 and one on S2 stay
+    h.free(h.malloc(1 * MiB, S1))
+    h.free(h.malloc(1 * MiB, S2))
+    h.heal()
+    h.lib.tb_host_pool_chunk(32 * MiB)  # the pool now grows by more than its growths so far foretell
+    h.capture(S1, 1)
+    h.begin_pool(POOL, S1)
+    h.fail("cuMemFreeAsync", nth=1)     # rolling back the growth past the budget is refused
+    with pytest.raises(OOM):            # so the failure trims the pool back within the budget:
+        h.malloc(2 * MiB, S2)
+    # S2's segments went back; S1's free would have become a node of S1's graph.
+    assert [s["stream"] for s in h.segments()] == [S1] and h.reserved() == 1 * MiB
+    h.end_pool(POOL)
+    h.capture(S1, 0)
+    h.empty_cache()
+    assert h.reserved() == 0 and h.segments() == []
+
+
+@isolated
 def test_a_restore_out_of_memory_says_so_and_never_leaks_the_internal_code():
     h = Host(route="vmm", budget=64 * MiB)
     h.push(tag="graphs")

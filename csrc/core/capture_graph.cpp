@@ -38,6 +38,17 @@ bool dependencies(CUgraphNode node, std::vector<CUgraphNode>* deps, std::vector<
 
 }  // namespace
 
+bool may_be_capturing(CUstream stream) {
+  const DriverApi* d = driver();
+  if (d == nullptr || d->streamGetCaptureInfo == nullptr) return true;
+  CaptureInfo info;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUgraphEdgeData* edges = nullptr;
+  if (d->streamGetCaptureInfo(stream, &status, &info.id, &info.graph, &info.tails, &edges, &info.count) != CUDA_SUCCESS)
+    return true;
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out) {
   out->clear();
   CUgraph graph = nullptr;

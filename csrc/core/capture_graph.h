@@ -41,6 +41,9 @@ namespace tb {
 // that have queued nothing in the capture yet add no node.
 bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out);
 
+// Whether `stream` may be capturing: true when it is, and when the driver cannot say.
+bool may_be_capturing(CUstream stream);
+
 class CaptureWalks {
  public:
   // Every node `stream` depends on so far in its capture, its current tails

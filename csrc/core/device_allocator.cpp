@@ -66,7 +66,7 @@ bool DeviceAllocator::init(const Settings& settings) {
   sync_ = std::make_unique<SyncRoute>(ctx_, budget_, ledger_);
   sync_pool_ = std::make_unique<BlockPool>(sync_.get(), kRouteSync, false, &store_, &clock_);
   if (caps_.pools) {
-    pool_ = std::make_unique<PoolRoute>(ctx_, budget_, ledger_);
+    pool_ = std::make_unique<PoolRoute>(ctx_, budget_, ledger_, open_captures_);
     if (pool_->init()) {
       pool_pool_ = std::make_unique<BlockPool>(pool_.get(), kRoutePool, false, &store_, &clock_);
     } else {
@@ -188,8 +188,7 @@ void DeviceAllocator::release_cached(DeviceLock& lock) {
     for (BlockPool* tp : tags_.own_pools())  // a released tag's segments are remembered by its pieces
       if (tags_.live(tp->tag())) vmm_->release_cached(*tp);
     sync_->release_cached(*sync_pool_);
-    // Its frees are stream-ordered: one on a capturing stream would become a node of the graph.
-    if (pool_pool_ && open_captures() == 0) pool_->release_cached(*pool_pool_);
+    if (pool_pool_) pool_->release_cached(*pool_pool_);  // Note [Stream-ordered frees]
     // A private pool no graph holds any more keeps only what its live blocks need
     // (its outputs may outlive the graph), as torch's allocator does. Its free blocks are
     // written by every replay of the graphs it served, so free stamps say nothing of

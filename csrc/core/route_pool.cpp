@@ -4,6 +4,7 @@
 #include <numeric>
 #include <cstdint>
 
+#include "capture_graph.h"
 #include "error.h"
 
 namespace tb {
@@ -114,8 +115,9 @@ void PoolRoute::release_cached(BlockPool& pool) {
   if (!guard.ok()) return;
   // Segments whose stream-ordered free was refused earlier.
   std::vector<Segment*> idle;
+  const bool capturing = open_captures_.load(std::memory_order_acquire) > 0;
   for (const auto& seg : pool.segments())
-    if (seg->live == 0) idle.push_back(seg.get());
+    if (seg->live == 0 && !(capturing && may_be_capturing(seg->stream))) idle.push_back(seg.get());
   for (Segment* seg : idle) destroy_segment(*seg);
   size_t before = 0, now = 0;
   if (!reserved(&before)) return;

@@ -9,7 +9,9 @@
 // handled like on every route: the free waits for an event on each of them (Note
 // [Stream-ordered reuse]). The pool caches freed memory itself (release threshold =
 // max); its reserved figure, read from a pool attribute without synchronising, is
-// what the ledger charges.
+// what the ledger charges. While a capture is open anywhere in the process, releasing the
+// cache skips each idle segment whose stream captures (or may: the driver cannot say): its
+// free would become a node of that graph. Trimming the pool is not stream-ordered and runs.
 //
 // Note [Pool growth and the budget]
 // The driver grows a pool in chunks, so one allocation can add more reserved
@@ -21,6 +23,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstddef>
 
 #include "block_cache.h"
@@ -31,7 +34,9 @@ namespace tb {
 
 class PoolRoute final : public Backing {
  public:
-  PoolRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger) : ctx_(ctx), budget_(budget), ledger_(ledger) {}
+  // `open_captures`: how many captures are open in the process (Note [Stream-ordered frees]).
+  PoolRoute(const DeviceContext& ctx, Budget& budget, Ledger& ledger, const std::atomic<int>& open_captures)
+      : ctx_(ctx), budget_(budget), ledger_(ledger), open_captures_(open_captures) {}
   // Creates the pool; false + error when the driver cannot (the route is then unavailable).
   bool init();
   bool available() const { return pool_ != nullptr; }
@@ -52,6 +57,7 @@ class PoolRoute final : public Backing {
   const DeviceContext& ctx_;
   Budget& budget_;
   Ledger& ledger_;
+  const std::atomic<int>& open_captures_;
   CUmemoryPool pool_ = nullptr;
   size_t seen_small_ = 0;  // reserved bytes charged, by the kind of request that grew the pool
   size_t seen_large_ = 0;

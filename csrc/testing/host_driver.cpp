@@ -867,6 +867,9 @@ int tb_host_use(int devices, int64_t capacity, int vmm, int pools, int64_t pool_
   return 0;
 }
 
+// From now on pools grow in multiples of `pool_chunk` bytes (0: exactly as asked).
+void tb_host_pool_chunk(int64_t pool_chunk) { g->pool_chunk = static_cast<size_t>(pool_chunk); }
+
 // A new stream handle on `device`.
 void* tb_host_stream(int device) {
   std::lock_guard<std::mutex> l(g->mu);
