@@ -431,6 +431,33 @@ def test_a_block_read_by_eager_work_queued_before_its_stream_joined_a_capture_is
 
 
 @isolated
+def test_a_mempool_block_read_by_eager_work_queued_before_a_capture_is_not_reused_in_it():
+    mempool, graph = (7, 7), (8, 8)
+    h = Host(route="sync")
+    h.capture_reuse(True)
+    h.begin_pool(mempool, S3)        # torch.cuda.use_mem_pool for S3's eager work: a graph pool
+    x = h.malloc(512, S3)            # eager, into the MemPool
+    keep = h.malloc(512, S3)         # a neighbour: x stays a block of its own
+    h.submit(S2)                     # an eager kernel on S2 reads x, still queued
+    h.record_stream(x, S2)
+    h.node(5)
+    h.capture(S3, 1, [5])            # S3 starts a real capture; S2 joins after its first node
+    h.capture(S2, 1, [5])
+    h.begin_pool(graph, S3)
+    h.free(x)
+    h.malloc(512, S3)                # S3 has reached node 5: in-capture reuse would retire x here
+    h.end_pool(graph)
+    h.capture(S3, 0)
+    h.capture(S2, 0)
+    z = h.malloc(512, S3)            # eager, still in the MemPool, while S2's read is queued
+    assert z != x, "handed out again while eager work queued before the capture still reads it"
+    h.complete(S2)
+    for p in (z, keep):
+        h.free(p)
+    h.end_pool(mempool)
+
+
+@isolated
 def test_a_pool_growth_whose_rollback_free_is_refused_is_not_lost():
     h = Host(route="pool", budget=16 * MiB, pool_chunk=32 * MiB)
     h.fail("cuMemFreeAsync", nth=1)     # the rollback of the growth past the budget is refused

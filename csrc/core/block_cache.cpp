@@ -285,6 +285,7 @@ void BlockPool::keep(FreeSet::node_type node) {
 Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
   block->allocated = true;
   block->born = store_->birth();
+  block->capture = 0;
   block->segment->live++;
   live_++;
   if (!backed && !backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
@@ -348,6 +349,7 @@ Block* BlockPool::take_back(Block* b, size_t size) {
     next->requested = b->requested;  // Block::requested: the figure of the block freed last
   }
   b->born = store_->birth();
+  b->capture = 0;
   b->requested = size;
   b->small_request = rounded <= kSmallSize;  // Block::small_request
   return b;

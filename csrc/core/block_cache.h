@@ -123,6 +123,9 @@ struct Block {
   int device = 0;         // immutable: set by the BlockStore that owns the object
   uint64_t freed_at = 0;  // StreamClock stamp of the last free (Note [Clean blocks])
   uint64_t born = 0;      // its BlockStore's births() when it was last allocated (Note [Reading backups])
+  // The capture its stream was in when it was allocated into a graph pool with capture reuse on;
+  // 0 otherwise (Note [Reuse during capture]).
+  uint64_t capture = 0;
   std::vector<StreamRef> recorded;  // streams still to record an event on at free
   // Its place in its pool's free set, while it is filed there (BlockPool::file): taken out
   // by position, not searched for again. Meaningless while it is not in the set.

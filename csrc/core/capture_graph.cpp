@@ -49,7 +49,12 @@ bool may_be_capturing(CUstream stream) {
   return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out) {
+uint64_t capture_id(CUstream stream) {
+  CaptureInfo info;
+  return capture_info(stream, &info) ? info.id : 0;
+}
+
+bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out, uint64_t* id) {
   out->clear();
   CUgraph graph = nullptr;
   for (CUstream s : streams) {
@@ -57,6 +62,7 @@ bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode
     if (!capture_info(s, &info)) return false;
     if (graph != nullptr && info.graph != graph) return false;
     graph = info.graph;
+    *id = info.id;
     out->insert(out->end(), info.tails, info.tails + info.count);
   }
   return true;

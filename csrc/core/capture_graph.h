@@ -10,12 +10,14 @@
 // At the free, the nodes each stream touching the block currently ends in (its
 // allocation stream and every recorded stream) are the block's free markers: every
 // use of the block inside the capture lies at or before them. A use queued before a
-// stream joined the capture is in no graph, so only a block allocated into a graph pool
-// since the device's captures began gets markers (any other may still be read by eager
-// work queued earlier on a recorded stream: retired in the capture, it went to an eager
-// allocation after it while that work ran; in-capture allocations come from graph pools,
-// so the others lose no reuse). When any of those streams is not capturing, or they
-// capture different graphs, there are no markers either, and the block waits for the end
+// stream joined the capture is in no graph, so only a block allocated inside the capture
+// it is freed in gets markers: its stream was capturing that capture when it was
+// allocated (Block::capture, read at allocation while the setting is on). Any other may
+// still be read by eager work queued earlier on a recorded stream: retired in the
+// capture, it went to an eager allocation after it while that work ran. A MemPool's
+// eager allocations (torch.cuda.use_mem_pool) land in a graph pool too, so the pool a
+// block came from says nothing. When any of those streams is not capturing, or they
+// capture another graph, there are no markers either, and the block waits for the end
 // of capture as before.
 //
 // Before a later allocation on the block's own stream, the nodes that stream ends in
@@ -36,10 +38,13 @@
 
 namespace tb {
 
-// The nodes `streams` currently end in, all of one capture: false when one of them is
+// The nodes `streams` currently end in, all of capture *id: false when one of them is
 // not capturing, they capture different graphs, or the driver cannot say. Streams
 // that have queued nothing in the capture yet add no node.
-bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out);
+bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out, uint64_t* id);
+
+// The capture `stream` is in; 0 when it is not capturing or the driver cannot say.
+uint64_t capture_id(CUstream stream);
 
 // Whether `stream` may be capturing: true when it is, and when the driver cannot say.
 bool may_be_capturing(CUstream stream);

@@ -220,7 +220,11 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
                "the graph pool being captured into belongs to tag '" + tag_name(p->tag) +
                    "', which is released: restore it before capturing",
                nullptr);
-    return gp->malloc(size, stream);
+    Block* b = gp->malloc(size, stream);
+    // Note [Reuse during capture]: what the graph can order after its uses is known only of a
+    // block allocated inside the capture (a MemPool's eager allocations come here too).
+    if (b != nullptr && capture_reuse_.load(std::memory_order_relaxed)) b->capture = capture_id(stream);
+    return b;
   }
   const int used = resolve_route(caps_, route);
   if (used == kRouteVmm) return tags_.pool(tag)->malloc(size, stream);

@@ -29,7 +29,6 @@ bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filt
                  "that capture first, or capture into another pool",
              false);
   const int tag = current_scope().tag;
-  if (!graphs_.capturing()) uses_.captures_began(store_.births());
   graphs_.acquire(id, private_backing(tag), private_route(tag), &store_, &clock_, tag);
   graphs_.begin_capture(id, std::move(filter));
   open_captures_.fetch_add(1, std::memory_order_acq_rel);

@@ -31,14 +31,16 @@ void StreamUses::hold(Block* b, bool capture_reuse) {
   // A block of a backing whose frees are stream-ordered (the pool route) would be freed
   // by cuMemFreeAsync on the capturing stream: it waits for the end of capture instead.
   if (!capture_reuse || b->recorded.empty() || b->segment->pool->release_on_free()) return;
-  // Only a block allocated into a graph pool since the captures began has no use outside them
-  // (Note [Reuse during capture]).
-  if (!b->segment->pool->graph_pool() || b->born <= captures_began_) return;
+  // Only a block allocated inside a capture has no use outside it (Note [Reuse during capture]).
+  if (b->capture == 0) return;
   std::vector<CUstream> streams{b->stream};
   for (const StreamRef& r : b->recorded) streams.push_back(r.stream);
   std::vector<CUgraphNode> markers;
-  // No markers (a stream not capturing, or nothing queued yet): the end of capture frees it.
-  if (capture_tails(streams, &markers) && !markers.empty()) capture_frees_.push_back(CaptureFree{b, std::move(markers)});
+  uint64_t capture = 0;
+  // No markers (a stream not capturing or in another capture, or nothing queued yet): the end
+  // of capture frees it.
+  if (capture_tails(streams, &markers, &capture) && capture == b->capture && !markers.empty())
+    capture_frees_.push_back(CaptureFree{b, std::move(markers)});
 }
 
 void StreamUses::settle() {
@@ -123,7 +125,6 @@ void StreamUses::reuse_in_capture(CUstream stream) {
 }
 
 void StreamUses::captures_ended() {
-  captures_began_ = UINT64_MAX;
   capture_frees_.clear();
   walks_.clear();
 }

@@ -45,9 +45,6 @@ class StreamUses {
   void reuse_in_capture(CUstream stream);
   // The captures of this device ended: their markers name nodes of finished graphs.
   void captures_ended();
-  // The first capture on the device opened while the store had made `births` blocks
-  // (Block::born): blocks born later are the only ones reused in capture.
-  void captures_began(uint64_t births) { captures_began_ = births; }
 
   bool idle() const { return held_.empty() && events_.empty(); }
   size_t waiting() const { return held_.size() + events_.size(); }
@@ -77,7 +74,6 @@ class StreamUses {
   std::vector<Block*> held_;
   std::deque<Outstanding> events_;
   std::vector<CaptureFree> capture_frees_;  // held during this device's captures, with their markers
-  uint64_t captures_began_ = UINT64_MAX;      // captures_began(), until captures_ended()
   CaptureWalks walks_;
 };
 
