@@ -113,6 +113,9 @@ def _child(module_name, path, qualname, call, result):
     """In the child: import the body's module from `path` as `module_name` (the name pytest
     gave it, so pickles of its functions resolve), call the body, pickle what it returns."""
     sys.argv[1:] = []                        # the body sees what a script without arguments sees
+    if os.environ.get("TORCH_BUDGET_GRAPH_HISTORY"):  # torch's stray-block error in a graph pool then
+        import torch._inductor.config                # names the stack that allocated the block
+        torch._inductor.config.triton.cudagraph_trees_history_recording = True
     if os.path.dirname(path) not in sys.path:
         sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -12,7 +12,8 @@
 # SANITIZE_TESTS (files), SANITIZE_MARK (a marker expression, default gpu), SANITIZE_K and
 # SANITIZE_SHARD (K/N: one of N shards, so that N calls with SANITIZE_TESTS=tests cover the whole
 # suite) narrow them; SANITIZE_TOOL picks the sanitizer's tool (memcheck, racecheck, synccheck,
-# initcheck).
+# initcheck); TORCH_BUDGET_GRAPH_HISTORY=1 makes torch's "tensor(s) in the cudagraph pool not
+# tracked as outputs" error in the tests' and the fuzzer's child processes name each block's stack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
