@@ -24,6 +24,21 @@ def test_the_program_is_the_same_for_a_seed_and_covers_every_operation():
                      "budget"}
 
 
+def test_under_the_sanitizer_the_differential_leaves_the_compiled_steps_out(monkeypatch):
+    # There torch's CUDA graph trees refuse their own pool on the native allocator too.
+    seen = []
+
+    def one(seed, ops, installed, faults=0.0, skip=(), share=False, timeout=900, without=(), conf=""):
+        seen.append(set(without))
+        return {"error": "stopped here"}
+
+    monkeypatch.setattr(fuzz, "one", one)
+    monkeypatch.delenv("TORCH_BUDGET_UNDER_SANITIZER", raising=False)
+    assert not fuzz.differential(0, 10)["ok"] and seen == [set()]
+    monkeypatch.setenv("TORCH_BUDGET_UNDER_SANITIZER", "1")
+    assert not fuzz.differential(0, 10, without=("sleep",))["ok"] and seen[1] == {"compiled", "sleep"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1])
 def test_installed_reads_the_same_bytes_as_native(seed):

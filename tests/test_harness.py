@@ -4,6 +4,7 @@ and fail the test with a traceback into this file."""
 import faulthandler
 import inspect
 import os
+import subprocess
 import sys
 import time
 
@@ -186,7 +187,6 @@ def test_code_strings_still_run_as_scripts(fresh, ranks):
 
 def collected(*args):
     """The test ids pytest collects from this repository's tests with `args`, and its exit code."""
-    import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     # As the GPU suite runs pytest (pytest-benchmark, where installed, warns under xdist and
@@ -210,3 +210,23 @@ def test_shards_split_the_tests_so_that_their_runs_together_run_each_test_once()
     for bad in ("4/3", "two/3"):
         ids, rc, out = collected(*files, "--shard", bad)
         assert rc != 0 and not ids and "--shard" in out, out
+
+
+def test_graph_tree_tests_are_skipped_under_the_sanitizer_and_only_there(tmp_path):
+    # Under compute-sanitizer torch's CUDA graph trees refuse their own pool natively too.
+    (tmp_path / "test_trees.py").write_text(
+        "import pytest\n\n@pytest.mark.graph_trees\ndef test_tree():\n    pass\n\ndef test_plain():\n    pass\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def outcomes(**extra):
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_BUDGET_UNDER_SANITIZER"}
+        env.update(extra, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "conftest",
+                            "-c", os.path.join(os.path.dirname(here), "pyproject.toml"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, env=env)
+        return r.stdout.splitlines()[-1], r.stdout
+
+    summary, out = outcomes()
+    assert summary.startswith("2 passed"), out
+    summary, out = outcomes(TORCH_BUDGET_UNDER_SANITIZER="1")
+    assert summary.startswith("1 passed, 1 skipped") and "graph trees refuse their own pool" in out, out

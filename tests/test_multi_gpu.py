@@ -174,6 +174,7 @@ def history_keeps_a_trace_per_device_and_the_snapshot_names_each_segments_device
 
 
 @needs_two
+@pytest.mark.graph_trees
 def test_reduce_overhead_on_the_second_device_matches_eager(fresh):
     out = fresh(reduce_overhead_on_the_second_device_matches_eager, timeout=600)
     assert "compile on cuda:1 ok" in out

@@ -47,6 +47,7 @@ SCOPES = {"torch.no_grad()": lambda: torch.no_grad(),
           "torch_budget.region('graphs')": lambda: torch_budget.region('graphs')}
 
 
+@pytest.mark.graph_trees
 @pytest.mark.parametrize("scope", ["torch.no_grad()", "torch_budget.region('graphs')"])
 @pytest.mark.parametrize("model", ["mlp", "branchy"])
 def test_reduce_overhead_matches_eager_over_twenty_steps(fresh, model, scope):
@@ -72,6 +73,7 @@ def reduce_overhead_matches_eager_over_twenty_steps(model_name, scope):
     print("steps", len(shapes), "ok")
 
 
+@pytest.mark.graph_trees
 def test_reduce_overhead_tree_restores_checkpoints_at_the_same_addresses(fresh):
     # A tree with two paths: running the second path makes the tree restore the pool's
     # checkpoint; the live-allocation check and the deleter swap must hold throughout.
@@ -95,6 +97,7 @@ def reduce_overhead_tree_restores_checkpoints_at_the_same_addresses():
     print("pools", sum(1 for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] != (0, 0)))
 
 
+@pytest.mark.graph_trees
 def test_reduce_overhead_training_matches_eager_and_leaves_no_live_blocks_in_graph_pools(fresh):
     # Forward and backward graphs in one tree, two batch sizes (two recordings), an eager
     # optimizer between steps: the tree checkpoints and restores its pool every step.
