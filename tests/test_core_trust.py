@@ -469,3 +469,43 @@ def test_a_pool_growth_whose_rollback_free_is_refused_is_not_lost():
     h.empty_cache()
     assert h.counters()["allocs"] == 0 and h.reserved() == 0, "the driver still holds the growth"
 
+
+@isolated
+def test_an_allocation_that_waited_for_the_device_is_refused_if_its_tag_was_released_meanwhile():
+    import threading
+
+    h = Host(route="vmm", budget=45 * MiB, reuse_before_grow=False)
+    s = h.stream(0)
+    h.push("vmm", "w")
+    a = h.malloc(3 * MiB, s)         # its second granule is half free
+    h.pop()
+    h.poke(a, b"\x5a" * (3 * MiB))
+    x = h.malloc(40 * MiB, s)        # untagged, freed dirty: only a device sync makes it clean
+    h.submit(s)
+    h.free(x)
+    out = {}
+
+    def allocate():
+        h.push("vmm", "w")
+        try:                         # over the budget: release_cached waits for the device, unlocked
+            out["p"] = h.malloc(3 * MiB, s)
+        except Exception as e:
+            out["p"] = e
+        finally:
+            h.pop()
+
+    h.hold_syncs(True)
+    t = threading.Thread(target=allocate)
+    t.start()
+    h.hold_syncs(True, wait_for=1)   # the allocation waits in its synchronisation
+    h.pass_syncs(10**6)              # the release's own go through
+    h.release("w", "pinned")
+    h.hold_syncs(False)
+    t.join()
+    # Served, it would have been memory behind a released tag: the restore copies the backup over
+    # the part of it that shares a granule with the released block.
+    assert isinstance(out["p"], StateError) and "released" in str(out["p"]), out
+    h.restore("w")
+    assert h.peek(a, 3 * MiB) == b"\x5a" * (3 * MiB)
+    h.free(a)
+

@@ -252,11 +252,16 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       set_error(kOutOfMemory, std::string("Tried to allocate more than 1EB memory. ") + last_error_message());
     return nullptr;
   }
-  // A graph pool of a released tag: attempt() refuses it, naming the pool.
-  TB_REQUIRE(into != nullptr || tags_.live(tag), kState,
-             "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
-                 ": restore it (torch_budget.restore) before allocating under it",
-             nullptr);
+  // A graph pool of a released tag: attempt() refuses it, naming the pool. Checked again
+  // whenever the lock was let go: another thread may have released the tag meanwhile.
+  auto tag_live = [&] {
+    TB_REQUIRE((graphs_.capturing() && graphs_.route_for(stream) != nullptr) || tags_.live(tag), kState,
+               "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
+                   ": restore it (torch_budget.restore) before allocating under it",
+               false);
+    return true;
+  };
+  if (!tag_live()) return nullptr;
   if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
     fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
     return nullptr;
@@ -284,6 +289,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     }
     if (last_error_code() == kNeedSync) {
       sync_streams(lock, clock_.take_requests());
+      if (!tag_live()) return nullptr;
       continue;
     }
     if (last_error_code() == kInvalidArgument || last_error_code() == kState) return nullptr;
@@ -291,6 +297,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       released = true;
       bump(ledger_.num_alloc_retries);
       release_cached(lock);
+      if (!tag_live()) return nullptr;
       continue;
     }
     const std::string cause = last_error_message();
