@@ -309,3 +309,36 @@ def test_inactive_split_counts_backed_free_blocks_of_segments_still_in_use_by_po
             h.free(p)
         assert h.inactive_split() == ([0, 0, 0], [0, 0, 0])  # nothing live: nothing split
     body()
+
+
+@isolated
+def test_a_release_that_failed_halfway_and_left_its_tag_released_is_known_released():
+    host = _installed_host(route="vmm")
+    ptrs = [_tagged(host, "w", 150 * MiB) for _ in range(4)]
+    host.fail("cuMemcpyDtoHAsync", nth=9)  # after the first piece of the window was dropped
+    host.fail("cuMemCreate", nth=-1)       # ... and nothing can be mapped back
+    with pytest.raises(Exception, match="stays released"):
+        torch_budget.release("w")
+    host.heal()
+    assert sleep.tag_states()["w"]["state"] == "released"
+    # The guards and the adapters read this: before, it said nothing was released.
+    assert sleep.any_released() and sleep.released_tags() == {"w": "pinned"}
+    torch_budget.restore("w")
+    assert not sleep.any_released() and host.peek(ptrs[0], 16) is not None
+
+
+@isolated
+def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_they_were():
+    host = _installed_host(route="vmm")
+    for tag in ("a", "b", "c"):
+        _tagged(host, tag, 4 * MiB)
+    torch_budget.release("a", backup="pinned")
+    torch_budget.release("b", backup="memset")  # a memset backup cannot be retained
+    torch_budget.release("c", backup="pinned")
+    with pytest.raises(InvalidArgumentError, match="only a cpu or pinned backup can be retained"):
+        torch_budget.restore(["a", "b", "c"], retain=True)
+    states = sleep.tag_states()
+    assert states["a"]["state"] == "live" and states["a"]["retained"]  # restored as asked
+    assert states["b"]["state"] == states["c"]["state"] == "released"
+    torch_budget.restore("c")                   # asks nothing of retention: none is kept
+    assert not sleep.tag_states()["c"]["retained"]

@@ -261,6 +261,15 @@ def _release(lib, targets, backup: str, retain: bool = False, discardable=()) ->
         for dev, tag, _ in reversed(done):
             with contextlib.suppress(Exception):
                 lib.tb_restore_tag(dev, tag)
+        # A release that failed halfway and could not map back what it had dropped leaves its tag
+        # released (its error says so): restored here where it can be now; one that stays released
+        # is recorded, so that check_awake() and the adapters see it.
+        for dev, tag, name in targets:
+            with contextlib.suppress(Exception):
+                if _life(lib, dev, tag) != _LIVE:
+                    lib.tb_restore_tag(dev, tag)
+                if _life(lib, dev, tag) != _LIVE:
+                    _released[name] = backup
         raise
     for _, _, name in targets:
         _released[name] = backup
@@ -270,10 +279,11 @@ def _release(lib, targets, backup: str, retain: bool = False, discardable=()) ->
 def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
     start = time.perf_counter()
     moved = backed = 0
-    if retain is not None:
-        for dev, tag, _ in targets:
-            _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
     for dev, tag, _ in targets:
+        # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
+        # be retained) raises with its retention unchanged, as are those of the tags after it.
+        if retain is not None:
+            _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
         _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
         b, k = _moved(lib, dev, tag)
         moved, backed = moved + b, backed + k
@@ -316,8 +326,9 @@ def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = N
     release().
 
     A tag that is not released raises TagStateError before anything is restored. Raises (tag
-    left released, backup kept) when the memory cannot be had; the tags restored before the
-    failure stay restored.
+    left released, backup kept) when the memory cannot be had, or when `retain` asks to keep a
+    backup that cannot be kept; the tags restored before the failure stay restored, with the
+    retention asked.
     """
     lib = _runtime.require_installed("torch_budget.restore()")
     if retain is not None and not isinstance(retain, bool):
