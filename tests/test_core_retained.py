@@ -354,3 +354,15 @@ def test_a_backup_with_discarded_blocks_cannot_be_retained_and_the_tag_cycles_on
         h.release("weights", "pinned")
         h.restore("weights")
         assert h.peek(x, len(x_data)) == x_data and h.peek(y, len(y_data)) == y_data
+
+
+@isolated
+def test_a_restore_whose_digest_buffers_were_refused_leaves_no_device_memory_behind():
+    h = Host(route="vmm")
+    fill(h, "w", [6 * MiB, 40 * MiB])
+    h.release("w", "pinned", retain=True)
+    h.fail("cuMemAlloc", nth=2)      # the digests' addresses are had, the digests themselves refused
+    h.restore("w")                   # served, its backup not retained (it has no digests)
+    h.heal()
+    assert not h.tag_info("w")["retained"]
+    assert h.device_used() == h.reserved(), "device memory held outside the ledger"

@@ -82,13 +82,14 @@ bool Digester::begin(size_t chunks) {
 }
 
 void Digester::end(CUstream stream) {
-  if (capacity_ == 0) return;
+  // addresses_ alone is held too when begin() could not have digests_.
+  if (addresses_ == 0 && digests_ == 0) return;
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return;
   const DriverApi* d = driver();
   d->streamSynchronize(stream);  // nothing queued may still use the buffers
-  d->memFree(addresses_);
-  d->memFree(digests_);
+  if (addresses_ != 0) d->memFree(addresses_);
+  if (digests_ != 0) d->memFree(digests_);
   addresses_ = digests_ = 0;
   capacity_ = 0;
   batches_.clear();
