@@ -136,21 +136,28 @@ def test_a_capture_on_another_device_leaves_the_pool_routes_out_of_memory_retry_
 
 @isolated
 def test_releasing_the_pool_routes_cache_skips_segments_whose_stream_captures():
-    h = Host(route="pool", budget=16 * MiB)
+    h = Host(devices=2, route="pool", budget=16 * MiB)
     h.fail("cuMemFreeAsync", rate=1.0)  # frees refused: an idle segment on S1 and one on S2 stay
     h.free(h.malloc(1 * MiB, S1))
     h.free(h.malloc(1 * MiB, S2))
     h.heal()
     h.lib.tb_host_pool_chunk(32 * MiB)  # the pool now grows by more than its growths so far foretell
-    h.capture(S1, 1)
+    # A capture begun on this device: torch begins allocating to its pool before its stream
+    # captures, so no stream can be asked yet, and no idle segment is freed.
     h.begin_pool(POOL, S1)
     h.fail("cuMemFreeAsync", nth=1)     # rolling back the growth past the budget is refused
-    with pytest.raises(OOM):            # so the failure trims the pool back within the budget:
+    with pytest.raises(OOM):            # so the failure trims the pool back within the budget
         h.malloc(2 * MiB, S2)
-    # S2's segments went back; S1's free would have become a node of S1's graph.
-    assert [s["stream"] for s in h.segments()] == [S1] and h.reserved() == 1 * MiB
+    h.heal()
+    assert len(h.segments()) == 3 and h.reserved() == 4 * MiB
     h.end_pool(POOL)
+    # A capture on another device that S1 joined: only S1's segment stays.
+    h.begin_pool(POOL, h.stream(1), device=1)
+    h.capture(S1, 1)
+    h.empty_cache()
+    assert [s["stream"] for s in h.segments()] == [S1] and h.reserved() == 1 * MiB
     h.capture(S1, 0)
+    h.end_pool(POOL, device=1)
     h.empty_cache()
     assert h.reserved() == 0 and h.segments() == []
 

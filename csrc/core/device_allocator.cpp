@@ -188,7 +188,7 @@ void DeviceAllocator::release_cached(DeviceLock& lock) {
     for (BlockPool* tp : tags_.own_pools())  // a released tag's segments are remembered by its pieces
       if (tags_.live(tp->tag())) vmm_->release_cached(*tp);
     sync_->release_cached(*sync_pool_);
-    if (pool_pool_) pool_->release_cached(*pool_pool_);  // Note [Stream-ordered frees]
+    if (pool_pool_) pool_->release_cached(*pool_pool_, graphs_.capturing());  // Note [Stream-ordered frees]
     // A private pool no graph holds any more keeps only what its live blocks need
     // (its outputs may outlive the graph), as torch's allocator does. Its free blocks are
     // written by every replay of the graphs it served, so free stamps say nothing of

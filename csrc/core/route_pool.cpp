@@ -110,14 +110,15 @@ bool PoolRoute::destroy_segment(Segment& seg) {
   return true;
 }
 
-void PoolRoute::release_cached(BlockPool& pool) {
+void PoolRoute::release_cached(BlockPool& pool, bool device_captures) {
   ContextGuard guard(ctx_.ctx);
   if (!guard.ok()) return;
-  // Segments whose stream-ordered free was refused earlier.
+  // Segments whose stream-ordered free was refused earlier (Note [Stream-ordered frees]).
   std::vector<Segment*> idle;
   const bool capturing = open_captures_.load(std::memory_order_acquire) > 0;
-  for (const auto& seg : pool.segments())
-    if (seg->live == 0 && !(capturing && may_be_capturing(seg->stream))) idle.push_back(seg.get());
+  if (!device_captures)
+    for (const auto& seg : pool.segments())
+      if (seg->live == 0 && !(capturing && may_be_capturing(seg->stream))) idle.push_back(seg.get());
   for (Segment* seg : idle) destroy_segment(*seg);
   size_t before = 0, now = 0;
   if (!reserved(&before)) return;

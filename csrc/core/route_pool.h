@@ -9,9 +9,11 @@
 // handled like on every route: the free waits for an event on each of them (Note
 // [Stream-ordered reuse]). The pool caches freed memory itself (release threshold =
 // max); its reserved figure, read from a pool attribute without synchronising, is
-// what the ledger charges. While a capture is open anywhere in the process, releasing the
-// cache skips each idle segment whose stream captures (or may: the driver cannot say): its
-// free would become a node of that graph. Trimming the pool is not stream-ordered and runs.
+// what the ledger charges. Releasing the cache frees no idle segment while a capture is open
+// on this device (torch begins allocating to the graph's pool before its stream captures, so
+// no stream can be asked), and, while one is open on another device, none whose stream
+// captures (or may: the driver cannot say): its free would become a node of that graph.
+// Trimming the pool is not stream-ordered and runs.
 //
 // Note [Pool growth and the budget]
 // The driver grows a pool in chunks, so one allocation can add more reserved
@@ -43,7 +45,9 @@ class PoolRoute final : public Backing {
 
   bool grow(BlockPool& pool, size_t size, bool small, CUstream stream) override;
   bool ensure_backed(Segment&, uintptr_t, size_t) override { return true; }
-  void release_cached(BlockPool& pool) override;
+  void release_cached(BlockPool& pool) override { release_cached(pool, false); }
+  // `device_captures`: a capture is open on this device, its stream perhaps not capturing yet.
+  void release_cached(BlockPool& pool, bool device_captures);
   bool destroy_segment(Segment& seg) override;
   bool release_on_free() const override { return true; }
   bool grant_peer(int peer) override;
