@@ -373,7 +373,7 @@ def differential(seed, ops, faults=0.0, share=False, without=(), conf=""):
     """Installed (with faults), then native skipping what the installed run could not allocate.
     Under compute-sanitizer (TORCH_BUDGET_UNDER_SANITIZER=1) without compiled steps: there torch's
     CUDA graph trees refuse their own pool on the native allocator too."""
-    if os.environ.get("TORCH_BUDGET_UNDER_SANITIZER"):
+    if os.environ.get("TORCH_BUDGET_UNDER_SANITIZER") == "1":
         without = (*without, "compiled")
     mine = one(seed, ops, True, faults, share=share, without=without, conf=conf)
     if "error" in mine:
