@@ -328,7 +328,8 @@ def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = N
     A tag that is not released raises TagStateError before anything is restored. Raises (tag
     left released, backup kept) when the memory cannot be had, or when `retain` asks to keep a
     backup that cannot be kept; the tags restored before the failure stay restored, with the
-    retention asked.
+    retention asked. A tag whose memory could not be had keeps the retention asked for its next
+    restore; one that refused it, and those after it, keep theirs.
     """
     lib = _runtime.require_installed("torch_budget.restore()")
     if retain is not None and not isinstance(retain, bool):
