@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from _hostcore import OOM, MiB, S2, Host, isolated, while_a_sync_waits
+from _hostcore import OOM, MiB, S2, Host, in_child, isolated, while_a_sync_waits
 from torch_budget import _native
 from torch_budget.errors import StateError
 
@@ -346,3 +346,23 @@ def test_a_handle_with_impossible_sizes_is_refused_before_anything_is_opened(seg
     assert h.open_share(vmm_handle(segment, list(range(3, 3 + count)))) == _native.INVALID_ARGUMENT
     assert why in h.lib.tb_last_error().decode()
     assert open_fds() == before
+
+
+@isolated
+def test_a_process_forked_after_cuda_cannot_share_or_open_a_share():
+    h = Host(route="vmm", map_run=16 * MiB)
+    a = h.malloc(40 * MiB)           # runs of 16, 16 and 8 MiB: its share would cut them anew
+    handle, _ = h.share(a)
+
+    def child():
+        maps = h.stats()["num_device_alloc"]
+        with pytest.raises(StateError, match="forked from one that used CUDA.*'spawn'"):
+            h.share(a)
+        refused = h.open_share(handle)
+        return maps, h.stats()["num_device_alloc"], refused
+
+    before, after, refused = in_child(child)
+    assert before == after, "the child remapped the parent's memory"
+    assert refused == 5              # kState
+    h.free(a)
+

@@ -4,7 +4,8 @@
 // Note [Fork]
 // A child created by fork() inherits this process's allocator state, but not its
 // CUDA contexts (the driver does not survive a fork). In such a child every
-// allocation fails with a clear error and every free is ignored: the memory belongs
+// allocation, share and opening of a share fails with a clear error and every free is
+// ignored: the memory belongs
 // to the parent, and the child's locks may have been copied while held by a thread
 // that does not exist in the child. Start CUDA workers with the 'spawn' method.
 #pragma once
@@ -53,11 +54,13 @@ class Allocator {
   bool end_pool(int device, const PoolId& id);
   bool started() const { return started_.load(std::memory_order_relaxed); }
   bool forked() const { return forked_.load(std::memory_order_relaxed); }
+  // true + kState in a process forked from one that used CUDA: what maps or shares device
+  // memory (allocating, sharing, opening a share) cannot work there (Note [Fork]).
+  bool refuse_in_fork_child();
 
  private:
   Allocator() = default;
   static void on_fork_child();
-  bool refuse_in_fork_child();
   bool not_ours(void* ptr);
   // device(index), with a std::bad_alloc out of the device's creation turned into an
   // out-of-memory error; cold: only the first allocation on a device reaches it.

@@ -1,5 +1,6 @@
 // DeviceAllocator: sharing its blocks with other processes (Note [Sharing memory between
 // processes], ipc.h, which does the work).
+#include "allocator.h"
 #include "device_allocator.h"
 #include "error.h"
 #include "scope.h"
@@ -15,6 +16,7 @@ constexpr int kShareRestarts = 3;
 }  // namespace
 
 bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room) noexcept {
+  if (Allocator::get().refuse_in_fork_child()) return false;  // Note [Fork]
   auto lock = hold();
   Block* b = live_.find(ptr);
   TB_REQUIRE(b != nullptr, kInvalidArgument,
@@ -82,6 +84,7 @@ bool DeviceAllocator::cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** blo
 }
 
 bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) noexcept {
+  if (Allocator::get().refuse_in_fork_child()) return false;  // Note [Fork]
   std::vector<int> peers;
   {
     auto lock = hold();
