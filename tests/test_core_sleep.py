@@ -437,3 +437,16 @@ def test_a_restore_the_driver_refuses_says_so_rather_than_blaming_the_budget():
         h.restore("w")
     assert "driver refused" in str(e.value) and "raise the budget" not in str(e.value), str(e.value)
     assert "retried" not in str(e.value)    # a restore neither empties the cache nor tries again
+
+
+@isolated
+def test_a_release_counts_every_granule_of_a_free_run_mapping_it_gives_back():
+    h = Host(route="vmm", map_run=16 * MiB)
+    h.push("vmm", "w")
+    h.malloc(2 * MiB)
+    spare = h.malloc(16 * MiB)       # one run mapping of 16 MiB
+    h.pop()
+    h.free(spare)
+    h.release("w", "pinned")
+    assert h.device_used() == 0
+    assert h.tag_info("w")["last_device"] == 18 * MiB  # was 4 MiB: one granule per run

@@ -105,8 +105,10 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
         if (seg->granules[i] == 0) {
           ++i;
         } else if (!cov[i]) {
-          if (vmm_->drop_granule(*seg, i)) dropped += g;  // only free blocks here: nothing to keep
-          ++i;
+          // Only free blocks here: nothing to keep. A run mapping goes whole, from its head.
+          const size_t n = std::max<size_t>(1, seg->span[i]);
+          if (vmm_->drop_granule(*seg, i)) dropped += static_cast<int64_t>(n * g);
+          i += n;
         } else {
           // Pieces end at mapping boundaries: a piece is dropped once its copy is done.
           size_t j = i;
