@@ -7,7 +7,7 @@ import torch_budget
 from _hostcore import GiB, MiB, Host, isolated, python_api_over
 from torch_budget import sleep
 from torch_budget.errors import (ConfigError, InstallError, InvalidArgumentError, NotInstalledError,
-                                 TagStateError)
+                                 StateError, TagStateError)
 
 pytestmark = pytest.mark.built("_host_core")
 
@@ -342,3 +342,53 @@ def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_the
     assert states["b"]["state"] == states["c"]["state"] == "released"
     torch_budget.restore("c")                   # asks nothing of retention: none is kept
     assert not sleep.tag_states()["c"]["retained"]
+
+
+@isolated
+def test_numbers_past_what_the_core_holds_are_refused_not_wrapped():
+    # ctypes keeps the low 64 (or 32) bits: 2**64 bytes became a budget of 0, device 2**32 device 0.
+    for kwargs in ({"budget": 2**64}, {"budget": "16777216TiB"}, {"budgets": {"kv": 2**64}}, {"host_pool": 2**70},
+                   {"map_run": 2**63}):
+        with pytest.raises(ConfigError, match="2\\*\\*63"):
+            torch_budget.install(**kwargs)
+    host = _installed_host()
+    _tagged(host, "kv", 4 * MiB)
+    with pytest.raises((ConfigError, InvalidArgumentError), match="2\\*\\*63"):
+        torch_budget.set_budget(2**64)
+    assert torch_budget.stats()["budget"] is None
+    for call in (lambda: torch_budget.release("kv", device=2**32), lambda: torch_budget.stats(2**32),
+                 lambda: torch_budget.empty_cache(2**32)):
+        with pytest.raises(InvalidArgumentError, match="4294967296 does not exist"):
+            call()
+    assert sleep.tag_states()["kv"]["state"] == "live"
+    with pytest.raises(InvalidArgumentError, match="no device address"):
+        torch_budget.release("kv", discardable=[2**64 + 4096])
+
+
+@isolated
+def test_a_region_ended_before_the_one_opened_inside_it_is_refused_and_changes_nothing():
+    host = _installed_host()
+    outer, inner = torch_budget.region("a"), torch_budget.region("b")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(StateError, match="region\\('a'\\) is ended while region\\('b'\\), opened inside it"):
+        outer.__exit__(None, None, None)
+    host.malloc(2 * MiB)             # still inside b
+    inner.__exit__(None, None, None)
+    host.malloc(4 * MiB)             # still inside a
+    tags = torch_budget.stats()["by_tag"]
+    assert tags["b"]["allocated"] == 2 * MiB and tags["a"]["allocated"] == 4 * MiB
+
+
+@isolated
+def test_names_and_switches_of_the_wrong_kind_are_refused_by_name():
+    _installed_host()
+    for bad in ("a\x00b", "\udc80"):
+        with pytest.raises(InvalidArgumentError, match="tag"):
+            with torch_budget.region(bad):
+                pass
+    with pytest.raises((TypeError, ConfigError), match="route name"):
+        with torch_budget.region(route=["vmm"]):
+            pass
+    with pytest.raises(TypeError, match="start_driver must be True or False"):
+        torch_budget.install(start_driver="no")

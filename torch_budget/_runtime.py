@@ -90,6 +90,8 @@ def device_index(device, what: str = "device") -> int:
         index = device.__index__()
         if index < 0:
             raise InvalidArgumentError(f"{what} must be >= 0, got {index}")
+        if index >= 2**31:  # the core takes a C int: a larger one would wrap onto another device
+            raise InvalidArgumentError(f"{what} {index} does not exist")
         return index
     if is_all(device):
         raise InvalidArgumentError(f"{what}={ALL!r} is taken by calls that act on devices (release, restore, "

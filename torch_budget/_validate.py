@@ -27,6 +27,8 @@ def integer(value: object, what: str, *, minimum: int | None = None) -> int:
     value = value.__index__()  # type: ignore[union-attr]
     if minimum is not None and value < minimum:
         raise InvalidArgumentError(f"{what} must be >= {minimum}, got {value}")
+    if value > 2**63 - 1:  # would wrap silently in the core's signed 64-bit integers
+        raise InvalidArgumentError(f"{what} must be below 2**63, got {value}")
     return value
 
 
@@ -61,6 +63,12 @@ def tag_name(value: object, what: str = "tag") -> str:
         raise TypeError(f"{what} must be a str, got {type(value).__name__} ({value!r})")
     if not value:
         raise InvalidArgumentError(f"{what} must be a non-empty str")
+    if "\x00" in value:  # the core reads names as C strings: "a\x00b" would be tag "a"
+        raise InvalidArgumentError(f"{what} {value!r} holds a NUL character")
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{what} {value!r} cannot be written as UTF-8 ({e.reason})") from None
     return value
 
 

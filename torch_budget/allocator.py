@@ -19,7 +19,7 @@ from . import _deprecation, _native, _runtime, config
 from ._validate import tag_name, tag_names
 from ._runtime import Device, Tags
 from .diagnostics import Capabilities, capabilities, route_for
-from .errors import ConfigError, InstallError, InvalidArgumentError
+from .errors import ConfigError, InstallError, InvalidArgumentError, StateError
 from .units import format_bytes
 
 __all__ = ["install", "installed", "region", "stats", "empty_cache", "set_budget", "Settings", "Stats",
@@ -182,6 +182,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     the settings in force.
     """
     global _in_force, _settings
+    if not isinstance(start_driver, bool):
+        raise TypeError(f"start_driver must be True or False, got {type(start_driver).__name__} ({start_driver!r})")
     given = {"budget": budget, "route": route, "reuse_before_grow": reuse_before_grow, "host_pool": host_pool,
              "map_run": map_run, "budgets": budgets, "packing_time": packing_time}
     asked = {name: _parse_setting(name, value) for name, value in given.items() if value is not None}
@@ -272,6 +274,13 @@ def set_default_tag(tag: str | None) -> None:
     _native.check(lib, lib.tb_set_default_tag(tag_id))
 
 
+_regions = threading.local()  # .open: the region() scopes this thread is inside, innermost last
+
+
+def _shown(tag) -> str:
+    return "region()" if tag is None else f"region({tag!r})"
+
+
 @contextlib.contextmanager
 def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     """`with torch_budget.region("kv"):` charges the allocations inside to tag "kv" (and
@@ -282,6 +291,8 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     "pool", "sync", or "auto" (VMM, else pool, else sync, by what the device supports).
     Memory under a tag on the VMM route can be released and restored (torch_budget.release).
     Without install() the scope only checks its arguments: torch's allocator is in charge.
+    Scopes end innermost first, on the thread that opened them: ending one while a scope opened
+    inside it is still open (or on another thread) raises StateError and changes nothing.
     """
     route_id = -1 if route is None else _route_id(route)
     if tag is not None:
@@ -292,9 +303,19 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     lib = _runtime.library()
     tag_id = -1 if tag is None else _tag_id(lib, tag)
     _native.check(lib, lib.tb_push_scope(route_id, tag_id))
+    scopes = _regions.__dict__.setdefault("open", [])
+    mine = object()
+    scopes.append((mine, tag))
     try:
         yield
     finally:
+        scopes = _regions.__dict__.setdefault("open", [])
+        if not any(token is mine for token, _ in scopes):
+            raise StateError(f"{_shown(tag)} is ended on a thread that did not open it: a scope belongs to its thread")
+        if scopes[-1][0] is not mine:
+            raise StateError(f"{_shown(tag)} is ended while {_shown(scopes[-1][1])}, opened inside it, is still open: "
+                             "end the inner scope first")
+        scopes.pop()
         _native.check(lib, lib.tb_pop_scope())
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 
 from ._validate import is_int, non_negative_int, tag_name
-from .units import BARE_BYTES_MIN, bare_number_message, format_bytes, memory_bytes, parse_bytes, parse_size
+from .units import (BARE_BYTES_MIN, bare_number_message, check_max_bytes, format_bytes, memory_bytes, parse_bytes,
+                    parse_size)
 
 ENV_VAR = "TORCH_BUDGET_CONF"
 ROUTES = {"vmm": 0, "pool": 1, "sync": 2}  # csrc/core/ledger.h
@@ -55,7 +56,7 @@ def parse_budget(value, source: str = "budget"):
         if kind == "bytes":
             if not is_int(amount) or amount <= 0:
                 raise ValueError(_not_positive(source, value))
-            return ("bytes", amount.__index__())
+            return ("bytes", check_max_bytes(amount.__index__(), source, value))
         return parse_budget(amount, source) if isinstance(amount, float) else parse_budget(float(amount), source)
     if is_int(value):
         value = value.__index__()
@@ -63,7 +64,7 @@ def parse_budget(value, source: str = "budget"):
             raise ValueError(_not_positive(source, value))
         if value < BARE_BYTES_MIN:
             raise ValueError(bare_number_message(source, str(value), fraction=True))
-        return ("bytes", value)
+        return ("bytes", check_max_bytes(value, source, value))
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise ValueError(f"{source} {value!r} is read as a fraction of the card, which must be in (0, 1]; for "
@@ -127,6 +128,8 @@ def check_route(route, source: str = "route") -> str:
     """The route name, "auto" for None; ValueError naming `source` for an unknown one."""
     if route is None:
         return AUTO
+    if not isinstance(route, str):
+        raise TypeError(f"{source} must be a route name (str), got {type(route).__name__} ({route!r})")
     if route != AUTO and route not in ROUTES:
         raise ValueError(f"{source}: unknown route {route!r}: expected one of {', '.join([*ROUTES, AUTO])}")
     return route

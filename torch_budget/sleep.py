@@ -210,7 +210,7 @@ def _addresses(discardable) -> list[int]:
                 raise TypeError(f"discardable holds {type(item).__name__} ({item!r}): expected storage addresses "
                                 f"(int) or tensors")
             item = storage().data_ptr()
-        if item <= 0:
+        if not 0 < item < 2**64:
             raise InvalidArgumentError(f"discardable holds {item}, which is no device address")
         out.append(item)
     return out

@@ -42,12 +42,23 @@ def parse_size(text: str, what: str = "size") -> tuple[float, str]:
     return float(m.group(1)), unit
 
 
+# The most bytes any setting takes: the core counts them in signed 64-bit integers, and a larger
+# value would wrap silently on its way there (2**64 bytes read back as a budget of 0).
+MAX_BYTES = 2**63 - 1
+
+
+def check_max_bytes(n: int, what: str, shown: object) -> int:
+    if n > MAX_BYTES:
+        raise ValueError(f"{what or 'a size'} of {shown!r} is more bytes than any device has (at most 2**63 - 1)")
+    return n
+
+
 def parse_bytes(text: str, what: str = "size") -> int:
     """Bytes from "40GiB", "512 MiB", "60GB" or "1024"; never negative."""
     number, unit = parse_size(text, what)
     if number < 0:
         raise ValueError(f"{what} must be 0 or more bytes, got {text!r}")
-    return int(number * UNITS[unit])
+    return check_max_bytes(int(number * UNITS[unit]), what, text)
 
 
 def bare_number_message(what: str, shown: str, *, fraction: bool = False) -> str:
@@ -72,7 +83,7 @@ def memory_bytes(text: str, what: str = "size", *, zero: bool = False, fraction_
             raise ValueError(f"{_named(what, repr(text))} has no unit: write one, e.g. \"{text.strip()}GiB\"")
         if 0 < number < BARE_BYTES_MIN:
             raise ValueError(bare_number_message(what, repr(text), fraction=fraction_hint))
-    n = int(number * UNITS[unit])
+    n = check_max_bytes(int(number * UNITS[unit]), what, text)
     if n == 0 and not zero:
         raise ValueError(f"{what or 'a size'} must be more than 0 bytes, got {text!r} (less than one byte)")
     return n
