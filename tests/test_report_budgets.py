@@ -92,6 +92,21 @@ def test_budgets_that_are_not_a_list_are_refused(tmp_path):
         load_report(src)
 
 
+@pytest.mark.parametrize("data, said", [
+    ({"total": GiB, "lines": [5]}, "a ledger line must be an object"),
+    ({"total": "abc", "lines": []}, "'total' must be the card's bytes"),
+    ({"total": True, "lines": []}, "'total' must be the card's bytes"),
+    ({"total": GiB, "lines": {}}, "'lines' must be a list"),
+    ({"total": GiB, "lines": [{"name": "kv", "category": "kv", "bytes": "many"}]}, "'bytes' must be an integer"),
+])
+def test_a_ledger_of_the_wrong_shape_is_refused_naming_the_file_and_the_field(tmp_path, data, said):
+    src = tmp_path / "bad.json"
+    src.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=said) as e:
+        load_report(src)
+    assert "bad.json" in str(e.value)
+
+
 def test_the_report_command_shows_the_budgets_of_a_measured_ledger(tmp_path, capsys):
     src = tmp_path / "measured.json"
     src.write_text(ledger_json("measured", 80 * GiB, ledger(), BUDGETS))

@@ -62,8 +62,13 @@ class LedgerLine:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LedgerLine":
+        if not isinstance(d, dict):
+            raise ValueError(f"a ledger line must be an object with name, category and bytes, got {d!r}")
         try:
-            return cls(name=str(d["name"]), category=str(d["category"]), bytes=int(d["bytes"]),
+            nbytes = d["bytes"]
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+                raise ValueError(f"ledger line {d!r}: 'bytes' must be an integer")
+            return cls(name=str(d["name"]), category=str(d["category"]), bytes=nbytes,
                        reason=str(d.get("reason", "")), state=str(d.get("state") or ""))
         except KeyError as e:
             raise ValueError(f"ledger line {d!r} lacks the key {e.args[0]!r}") from None

@@ -82,10 +82,17 @@ def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget
         raise ValueError(f"ledger file {str(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or "total" not in data or "lines" not in data:
         raise ValueError(f"ledger file {str(path)!r} must be a JSON object with 'total' and 'lines'")
-    total = int(data["total"])
+    total = data["total"]
+    if isinstance(total, bool) or not isinstance(total, int):
+        raise ValueError(f"ledger file {str(path)!r}: 'total' must be the card's bytes, an integer, got {total!r}")
     if total <= 0:
         raise ValueError(f"ledger file {str(path)!r} has a non-positive total ({total})")
-    lines = [LedgerLine.from_dict(d) for d in data["lines"]]
+    if not isinstance(data["lines"], list):
+        raise ValueError(f"ledger file {str(path)!r}: 'lines' must be a list of ledger lines")
+    try:
+        lines = [LedgerLine.from_dict(d) for d in data["lines"]]
+    except ValueError as e:
+        raise ValueError(f"ledger file {str(path)!r}: {e}") from None
     budgets = data.get("budgets") or []
     if not isinstance(budgets, list):
         raise ValueError(f"ledger file {str(path)!r}: 'budgets' must be a list of tag budgets")
