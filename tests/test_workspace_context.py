@@ -137,6 +137,20 @@ def test_warm_up_rejects_a_negative_size():
         WorkspaceMetadata("cpu").warm_up(-1)
 
 
+def test_a_workspace_refuses_what_is_not_metadata_and_an_exit_without_a_forward():
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match="takes the forward's attention metadata"):
+            workspace(bad)
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    meta.warm_up(1 * MiB)
+    with pytest.raises(StateError, match="no forward running"):
+        workspace(meta).__exit__(None, None, None)
+    with workspace(meta):            # still usable
+        pass
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        WorkspaceMetadata("cpu").warm_up(2**64)
+
+
 def test_get_rejects_negative_or_non_integer_sizes():
     meta = warmed()
     with pytest.raises(ValueError, match=r"nbytes \(bytes\) must be >= 0, got -3"):

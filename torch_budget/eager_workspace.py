@@ -308,6 +308,9 @@ class WorkspaceState:
             raise
 
     def __exit__(self, exc_type, exc, tb):
+        if not self._lock.locked():
+            raise StateError("the workspace is exited with no forward running in it: enter it first "
+                             "(with torch_budget.workspace(metadata): ...)")
         try:
             # A forward that raised did not finish its demand; it must not count.
             if self._measuring and exc_type is None:
@@ -423,6 +426,9 @@ def workspace(metadata) -> "AbstractContextManager[None]":
     Does nothing for graph metadata or under graph capture. See Note [Eager workspace
     reclamation].
     """
+    if not hasattr(metadata, "is_graph_metadata"):
+        raise TypeError(f"workspace() takes the forward's attention metadata (an object with is_graph_metadata, "
+                        f"warmed up with torch_budget.warm_up), got {type(metadata).__name__} ({metadata!r})")
     if metadata.is_graph_metadata:
         return _GRAPH_NOOP
     state = getattr(metadata, "workspace_state", None)
