@@ -392,3 +392,13 @@ def test_names_and_switches_of_the_wrong_kind_are_refused_by_name():
             pass
     with pytest.raises(TypeError, match="start_driver must be True or False"):
         torch_budget.install(start_driver="no")
+
+
+@isolated
+def test_a_refused_tag_budget_leaves_no_tag_behind():
+    _installed_host()
+    with pytest.raises(ConfigError):
+        torch_budget.set_budget("zz", tag="kv2")
+    with pytest.raises(InvalidArgumentError, match="device 7 does not exist"):
+        torch_budget.set_budget("1GiB", tag="newtag", device=7)
+    assert not {"kv2", "newtag"} & set(torch_budget.stats()["by_tag"])

@@ -403,9 +403,15 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
     """
     lib = _runtime.require_installed("torch_budget.set_budget()")
     if tag is not None:
-        tag_id = _tag_id(lib, tag_name(tag))
+        # Everything is checked before the tag is registered: a refused call leaves no tag behind.
+        name = tag_name(tag)
         bytes_, fraction = _for_core(None if budget is None else _parse_setting("budget", budget))
-        for dev in _runtime.device_indices(lib, device):
+        devices = _runtime.device_indices(lib, device)
+        count = lib.tb_device_count()  # as tb_set_tag_budget would: it starts the driver either way
+        if devices and 0 <= count <= max(devices):
+            raise InvalidArgumentError(f"device {max(devices)} does not exist ({count} visible)")
+        tag_id = _tag_id(lib, name)
+        for dev in devices:
             _native.check(lib, lib.tb_set_tag_budget(dev, tag_id, bytes_, fraction))
         return
     parsed = _parse_setting("budget", budget)
