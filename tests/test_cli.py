@@ -59,6 +59,18 @@ def test_plan_with_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+def test_an_alloc_conf_that_stops_torch_on_import_is_named_not_died_of(monkeypatch, capsys):
+    # torch 2.14 aborts its own import (SIGABRT, an internal assertion) on this value.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe,foo")
+    if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode >= 0:
+        pytest.skip("this build of torch imports under that value")
+    assert cli.main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe,foo' stops torch as it is imported" in err
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert cli.main(["doctor"]) == 0
+
+
 def test_unknown_command_exits_2_and_suggests_the_closest(capsys):
     assert cli.main(["plna"]) == 2
     err = capsys.readouterr().err

@@ -11,6 +11,8 @@ input (a message, never a traceback).
 from __future__ import annotations
 
 import difflib
+import os
+import subprocess
 import sys
 
 from torch_budget.cli import bench, demo, doctor, plan, replay, report
@@ -34,6 +36,21 @@ PARSERS = {"doctor": doctor.parser, "demo": demo.parser, "plan": plan.parser, "r
            "bench": bench.parser, "replay": replay.parser}
 
 
+def _alloc_conf_refused() -> str | None:
+    """Why torch cannot even be imported under this PYTORCH_CUDA_ALLOC_CONF, or None. torch parses
+    it as it loads and stops the whole process on some malformed values (an internal assertion,
+    SIGABRT); a command must say so instead of dying with it. Tried in a child, and only when set."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if not conf:
+        return None
+    r = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, timeout=600)
+    if r.returncode >= 0:
+        return None  # imported, or failed in a way the command itself will show
+    what = next((ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("what():")), "")
+    return (f"PYTORCH_CUDA_ALLOC_CONF={conf!r} stops torch as it is imported (signal {-r.returncode}"
+            f"{': ' + what if what else ''}): correct or unset it")
+
+
 def main(argv=None) -> int:
     """Run one `torch-budget` command and return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -54,6 +71,10 @@ def main(argv=None) -> int:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         print(f"{PROG}: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    refused = _alloc_conf_refused()
+    if refused:
+        print(f"{PROG} {command}: error: {refused}", file=sys.stderr)
         return 2
     try:
         return int(handler(rest) or 0)
