@@ -402,3 +402,14 @@ def test_a_refused_tag_budget_leaves_no_tag_behind():
     with pytest.raises(InvalidArgumentError, match="device 7 does not exist"):
         torch_budget.set_budget("1GiB", tag="newtag", device=7)
     assert not {"kv2", "newtag"} & set(torch_budget.stats()["by_tag"])
+
+
+@isolated
+def test_drop_backup_of_an_unknown_tag_and_a_file_as_backup_directory_are_refused(tmp_path):
+    _installed_host()
+    with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
+        sleep.drop_backup("nope")
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    with pytest.raises(InvalidArgumentError, match="is a file"):
+        sleep.set_disk_backup_dir(afile)

@@ -362,6 +362,9 @@ def drop_backup(tags: Tags = None, device: Device = None) -> int:
     lib = _runtime.require_installed("torch_budget.sleep.drop_backup()")
     devices = _runtime.served_devices(lib) if _runtime.is_all(device) else [_runtime.device_index(device)]
     names = tag_names(tags)
+    if names is not None:
+        for name in names:
+            _tag_id(lib, name)  # an unknown tag raises, as release() does
     freed = 0
     for dev in devices:
         for name, state in tag_states(dev).items():
@@ -456,6 +459,8 @@ def set_disk_backup_dir(path) -> None:
     path = os.fspath(path)
     if not isinstance(path, str) or not path:
         raise InvalidArgumentError(f"a disk backup directory must be a non-empty path, got {path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(f"a disk backup directory must be a directory; {path!r} is a file")
     os.makedirs(path, exist_ok=True)
     _native.check(lib, lib.tb_set_disk_backup_dir(os.path.abspath(path).encode()))
 
