@@ -12,15 +12,20 @@ struct CaptureInfo {
   size_t count = 0;
 };
 
-bool capture_info(CUstream stream, CaptureInfo* out) {
+// `stream`'s capture status and what it captures; false when the driver cannot say.
+bool query(CUstream stream, CUstreamCaptureStatus* status, CaptureInfo* out) {
   const DriverApi* d = driver();
-  if (d == nullptr || !d->has_capture_graph()) return false;
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (d == nullptr || d->streamGetCaptureInfo == nullptr) return false;
+  *status = CU_STREAM_CAPTURE_STATUS_NONE;
   const CUgraphEdgeData* edges = nullptr;  // asked for: without it, edges with data fail the query
-  if (d->streamGetCaptureInfo(stream, &status, &out->id, &out->graph, &out->tails, &edges, &out->count) !=
-      CUDA_SUCCESS)
-    return false;
-  return status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  return d->streamGetCaptureInfo(stream, status, &out->id, &out->graph, &out->tails, &edges, &out->count) ==
+         CUDA_SUCCESS;
+}
+
+bool capture_info(CUstream stream, CaptureInfo* out) {
+  CUstreamCaptureStatus status;
+  return driver() != nullptr && driver()->has_capture_graph() && query(stream, &status, out) &&
+         status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
 }
 
 // The nodes `node` depends on; false when the driver cannot say.
@@ -39,14 +44,9 @@ bool dependencies(CUgraphNode node, std::vector<CUgraphNode>* deps, std::vector<
 }  // namespace
 
 bool may_be_capturing(CUstream stream) {
-  const DriverApi* d = driver();
-  if (d == nullptr || d->streamGetCaptureInfo == nullptr) return true;
   CaptureInfo info;
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  const CUgraphEdgeData* edges = nullptr;
-  if (d->streamGetCaptureInfo(stream, &status, &info.id, &info.graph, &info.tails, &edges, &info.count) != CUDA_SUCCESS)
-    return true;
-  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+  CUstreamCaptureStatus status;
+  return !query(stream, &status, &info) || status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 uint64_t capture_id(CUstream stream) {
