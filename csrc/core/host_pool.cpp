@@ -163,8 +163,9 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
         if (e.ptr >= c.base && e.ptr < c.base + c.bytes) in = &c;
       if (in == nullptr) break;
       Chunk& c = *in;
-      size_t off = static_cast<size_t>(e.ptr - c.base), len = std::min(e.bytes, c.bytes - off);
-      const size_t part = len;
+      size_t off = static_cast<size_t>(e.ptr - c.base);
+      const size_t part = std::min(e.bytes, c.bytes - off);  // this chunk's part of the extent
+      size_t len = part;  // grows as the part joins its free neighbours
       e.ptr += part;
       e.bytes -= part;
       auto next = c.free.lower_bound(off);
