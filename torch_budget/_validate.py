@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from .errors import InvalidArgumentError
 
+# The largest integer the core takes (a signed 64-bit one): ctypes would wrap a larger one
+# silently on its way there (2**64 bytes read back as a budget of 0).
+INT64_MAX = 2**63 - 1
+
 
 def is_int(value: object) -> bool:
     """An integer (anything with __index__, numpy integers included), never a bool."""
@@ -27,7 +31,7 @@ def integer(value: object, what: str, *, minimum: int | None = None) -> int:
     value = value.__index__()  # type: ignore[union-attr]
     if minimum is not None and value < minimum:
         raise InvalidArgumentError(f"{what} must be >= {minimum}, got {value}")
-    if value > 2**63 - 1:  # would wrap silently in the core's signed 64-bit integers
+    if value > INT64_MAX:
         raise InvalidArgumentError(f"{what} must be below 2**63, got {value}")
     return value
 

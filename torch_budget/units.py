@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from ._validate import INT64_MAX
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -42,13 +44,9 @@ def parse_size(text: str, what: str = "size") -> tuple[float, str]:
     return float(m.group(1)), unit
 
 
-# The most bytes any setting takes: the core counts them in signed 64-bit integers, and a larger
-# value would wrap silently on its way there (2**64 bytes read back as a budget of 0).
-MAX_BYTES = 2**63 - 1
-
-
 def check_max_bytes(n: int, what: str, shown: object) -> int:
-    if n > MAX_BYTES:
+    """`n` bytes, if the core can hold them (INT64_MAX, _validate.py)."""
+    if n > INT64_MAX:
         raise ValueError(f"{what or 'a size'} of {shown!r} is more bytes than any device has (at most 2**63 - 1)")
     return n
 
