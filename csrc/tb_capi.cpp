@@ -47,13 +47,20 @@ std::vector<std::unique_ptr<PoolCheckpoint>>& checkpoints() {
   return *v;
 }
 
-bool probe(int device, Capabilities* caps) {
+// False, with the error set, for a device the driver does not list (or a driver that cannot be read).
+bool device_exists(int device) {
   const int n = Allocator::get().device_count();
   if (n < 0) return false;
   TB_REQUIRE(device >= 0 && device < n, kInvalidArgument,
              "device " + std::to_string(device) + " does not exist (" + std::to_string(n) + " visible)", false);
-  return probe_device(device, caps);
+  return true;
 }
+
+bool probe(int device, Capabilities* caps) { return device_exists(device) && probe_device(device, caps); }
+
+// What a call that empties caches answers for a device nothing was ever allocated on: nothing to
+// do there, unless the device does not exist, which is refused as every other call refuses it.
+int nothing_cached(int device) { return device_exists(device) ? 0 : code(); }
 
 }  // namespace
 
@@ -193,14 +200,14 @@ int tb_reset_peak_stats(int device) {
 int tb_empty_cache(int device) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
-  if (d == nullptr) return 0;  // nothing was ever allocated there
+  if (d == nullptr) return nothing_cached(device);
   return d->empty_cache() ? 0 : code();
 }
 
 int tb_empty_pool_cache(int device, uint64_t id0, uint64_t id1) {
   clear_error();
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
-  if (d == nullptr) return 0;
+  if (d == nullptr) return nothing_cached(device);
   return d->empty_pool_cache({id0, id1}) ? 0 : code();
 }
 
@@ -412,7 +419,7 @@ int tb_trim_tag(int device, int tag, int64_t* returned) {
   clear_error();
   *returned = 0;
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
-  if (d == nullptr) return 0;
+  if (d == nullptr) return nothing_cached(device);
   return d->trim_tag(tag, returned) ? 0 : code();
 }
 

@@ -405,6 +405,17 @@ def test_a_refused_tag_budget_leaves_no_tag_behind():
 
 
 @isolated
+def test_emptying_the_cache_of_a_device_that_does_not_exist_is_refused():
+    # A device nothing was allocated on has nothing cached; one that is not there is a mistake.
+    host = _installed_host(devices=2)
+    _tagged(host, "kv", 4 * MiB)
+    torch_budget.empty_cache(1)              # the stand-in's second device: exists, holds nothing
+    for call in (lambda: torch_budget.empty_cache(7), lambda: torch_budget.empty_cache(7, tags="kv")):
+        with pytest.raises(InvalidArgumentError, match="device 7 does not exist"):
+            call()
+
+
+@isolated
 def test_drop_backup_of_an_unknown_tag_and_a_file_as_backup_directory_are_refused(tmp_path):
     _installed_host()
     with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
