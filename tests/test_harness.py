@@ -221,8 +221,9 @@ def test_graph_tree_tests_are_skipped_under_the_sanitizer_and_only_there(tmp_pat
     def outcomes(**extra):
         env = {k: v for k, v in os.environ.items() if k != "TORCH_BUDGET_UNDER_SANITIZER"}
         env.update(extra, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "conftest",
-                            "-c", os.path.join(os.path.dirname(here), "pyproject.toml"), str(tmp_path)],
+        # no:benchmark: where pytest-benchmark is installed its warning under xdist is an error here
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
+                            "-p", "conftest", "-c", os.path.join(os.path.dirname(here), "pyproject.toml"), str(tmp_path)],
                            capture_output=True, text=True, timeout=120, env=env)
         return r.stdout.splitlines()[-1], r.stdout
 
