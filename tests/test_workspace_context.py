@@ -17,7 +17,7 @@ import torch
 
 from conftest import MiB
 from torch_budget import _runtime, allocator
-from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, warm_up, workspace
+from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, get, warm_up, workspace
 from torch_budget.errors import NotWarmedUpError, StateError
 
 LOGGER = "torch_budget.eager_workspace"
@@ -462,6 +462,21 @@ def test_failed_shrink_allocation_leaves_an_empty_usable_workspace(shim):
     for _ in range(3):
         forward(meta, 1 * MiB)  # at or above the floor again: measured and reclaimed
     assert meta.capacity == storage_bytes(meta.workspace) == 1 * MiB
+
+
+@pytest.mark.parametrize("reclaimable", [True, False])
+def test_a_refused_growth_leaves_a_workspace_backed_by_its_storage(reclaimable):
+    # torch sets a tensor's new size before allocating, and pure scratch gives its storage up
+    # first: a refused growth left 1 MiB of elements over no storage (a write then crashed the
+    # process) or 2**62 elements over 1 MiB.
+    meta = warmed(1 * MiB, reclaimable=reclaimable)
+    with pytest.raises(RuntimeError):
+        get(meta, 1 << 62)
+    ws = meta.workspace
+    assert ws.numel() <= storage_bytes(ws) == meta.capacity
+    assert meta.capacity == (0 if reclaimable else 1 * MiB)
+    get(meta, 4096).fill_(1)
+    assert meta.capacity >= 4096
 
 
 # -- lifetime -------------------------------------------------------------------------------

@@ -375,15 +375,26 @@ class WorkspaceState:
         if tensor is not self._tensor:
             raise _replaced(meta)
         if nbytes > self._capacity:
-            with _allocation_scope():
-                if meta.reclaimable:
-                    # Pure scratch: release the old storage before allocating the new one, so growth
-                    # never holds both (and copies nothing); every view shares this storage object.
-                    storage = tensor.untyped_storage()
-                    storage.resize_(0)
-                    storage.resize_(nbytes)
-                else:
-                    tensor.resize_(nbytes)  # a stateful backend's staged contents are copied over
+            before = tensor.numel()
+            try:
+                with _allocation_scope():
+                    if meta.reclaimable:
+                        # Pure scratch: release the old storage before allocating the new one, so growth
+                        # never holds both (and copies nothing); every view shares this storage object.
+                        storage = tensor.untyped_storage()
+                        storage.resize_(0)
+                        storage.resize_(nbytes)
+                    else:
+                        tensor.resize_(nbytes)  # a stateful backend's staged contents are copied over
+            except BaseException:
+                # A refused growth leaves the tensor backed by what its storage holds: torch sets the
+                # new size before allocating, and a reclaimable workspace gave its storage up first
+                # (then it is empty, as _shrink leaves one, and the next request regrows it).
+                self._capacity = tensor.untyped_storage().nbytes()
+                tensor.resize_(min(before, self._capacity))
+                if self._capacity == 0:
+                    self._policy.reset()
+                raise
             self._capacity = tensor.untyped_storage().nbytes()
         tensor.resize_(nbytes)
 
