@@ -405,6 +405,22 @@ def test_a_refused_tag_budget_leaves_no_tag_behind():
 
 
 @isolated
+def test_a_budget_refused_on_one_device_of_all_changes_no_device():
+    # Device 0 took the budget before device 1 refused it, and kept it.
+    host = _installed_host(devices=2)
+    _tagged(host, "kv", 8 * MiB, device=1)
+    host.malloc(MiB, stream=host.stream(0), device=0)
+    torch_budget.set_budget("1GiB", device=0)
+    for kwargs in ({}, {"tag": "kv"}):
+        with pytest.raises(InvalidArgumentError, match="device 1"):
+            torch_budget.set_budget("4MiB", device="all", **kwargs)
+    assert [torch_budget.stats(d)["budget"] for d in (0, 1)] == [GiB, None]
+    assert [torch_budget.stats(d)["by_tag"].get("kv", {}).get("budget") for d in (0, 1)] == [None, None]
+    torch_budget.set_budget("16MiB", device="all", tag="kv")   # what every device admits still lands
+    assert [torch_budget.stats(d)["by_tag"]["kv"]["budget"] for d in (0, 1)] == [16 * MiB] * 2
+
+
+@isolated
 def test_emptying_the_cache_of_a_device_that_does_not_exist_is_refused():
     # A device nothing was allocated on has nothing cached; one that is not there is a mistake.
     host = _installed_host(devices=2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from . import _deprecation, _native, _runtime, config
-from ._validate import tag_name, tag_names
+from ._validate import INT64_MAX, tag_name, tag_names
 from ._runtime import Device, Tags
 from .diagnostics import Capabilities, capabilities, route_for
 from .errors import ConfigError, InstallError, InvalidArgumentError, StateError
@@ -392,6 +392,22 @@ def trim_tag(tag: str, device: Device = None) -> int:
     return _trim(lib, _runtime.device_index(device), tag_name(tag))
 
 
+def _set_on_every_device(lib, devices, read, write, value, none) -> None:
+    """write(dev, (bytes, fraction)) on each device in turn. When one refuses, those already set
+    get back what read(dev) gave before (bytes, or None for no budget: `none` bytes to the core),
+    which raising a budget never refuses: a refused call changes no device's budget."""
+    done = []
+    try:
+        for dev in devices:
+            before = read(dev)
+            _native.check(lib, write(dev, value))
+            done.append((dev, before))
+    except BaseException:
+        for dev, before in reversed(done):
+            _native.check(lib, write(dev, (none if before is None else before, -1.0)))
+        raise
+
+
 def set_budget(budget: int | float | str | None, device: Device = None, tag: str | None = None) -> None:
     """Sets the hard budget of `device` (None: the current device; "all": every device):
     bytes, "40GiB" or a fraction of the card. With `tag`, the budget of that tag alone
@@ -411,15 +427,19 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
         if devices and 0 <= count <= max(devices):
             raise InvalidArgumentError(f"device {max(devices)} does not exist ({count} visible)")
         tag_id = _tag_id(lib, name)
-        for dev in devices:
-            _native.check(lib, lib.tb_set_tag_budget(dev, tag_id, bytes_, fraction))
+
+        def tag_budget(dev):
+            return stats(dev)["by_tag"].get(name, {}).get("budget")
+
+        _set_on_every_device(lib, devices, tag_budget, lambda dev, value: lib.tb_set_tag_budget(dev, tag_id, *value),
+                             (bytes_, fraction), -1)
         return
     parsed = _parse_setting("budget", budget)
     if parsed is None:
         raise ConfigError("budget must be given: bytes, a size such as \"40GiB\", or a fraction of the card")
     bytes_, fraction = _for_core(parsed)
-    for dev in _runtime.device_indices(lib, device):
-        _native.check(lib, lib.tb_set_budget(dev, bytes_, fraction))
+    _set_on_every_device(lib, _runtime.device_indices(lib, device), lambda dev: stats(dev)["budget"],
+                         lambda dev, value: lib.tb_set_budget(dev, *value), (bytes_, fraction), INT64_MAX)
 
 
 __getattr__ = _deprecation.moved_names("torch_budget.allocator", {
