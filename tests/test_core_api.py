@@ -1,6 +1,9 @@
 """The public Python API (install, region, stats, empty_cache, set_budget, release, restore,
 sleeping) over the host stand-in: each test installs into a forked child whose torch_budget
 serves the host core instead of a GPU (_hostcore.python_api_over)."""
+import asyncio
+import threading
+
 import pytest
 
 import torch_budget
@@ -41,8 +44,6 @@ def test_region_charges_its_allocations_to_its_tag_and_route():
 
 @isolated
 def test_the_default_tag_charges_what_every_thread_allocates_outside_a_region():
-    import threading
-
     from torch_budget import allocator
 
     host = _installed_host()
@@ -366,7 +367,8 @@ def test_numbers_past_what_the_core_holds_are_refused_not_wrapped():
 
 
 @isolated
-def test_a_region_ended_before_the_one_opened_inside_it_is_refused_and_changes_nothing():
+def test_a_region_ended_before_the_one_opened_inside_it_is_refused_and_ends_after_it():
+    # The refused scope stayed open for good: its context manager was spent.
     host = _installed_host()
     outer, inner = torch_budget.region("a"), torch_budget.region("b")
     outer.__enter__()
@@ -375,9 +377,56 @@ def test_a_region_ended_before_the_one_opened_inside_it_is_refused_and_changes_n
         outer.__exit__(None, None, None)
     host.malloc(2 * MiB)             # still inside b
     inner.__exit__(None, None, None)
-    host.malloc(4 * MiB)             # still inside a
+    host.malloc(4 * MiB)             # a ended with b: outside every region
     tags = torch_budget.stats()["by_tag"]
-    assert tags["b"]["allocated"] == 2 * MiB and tags["a"]["allocated"] == 4 * MiB
+    assert tags["b"]["allocated"] == 2 * MiB and tags["untagged"]["allocated"] == 4 * MiB
+    assert tags["a"]["allocated"] == 0
+
+
+@isolated
+def test_regions_of_interleaved_asyncio_tasks_leave_no_scope_open():
+    host = _installed_host()
+
+    async def task(tag, delay):
+        with torch_budget.region(tag):
+            await asyncio.sleep(delay)
+
+    async def main():
+        a = asyncio.create_task(task("a", 0.01))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(task("b", 0.05))   # opens inside a's scope on the same thread
+        return await asyncio.gather(a, b, return_exceptions=True)
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome[0], StateError) and outcome[1] is None, outcome
+    host.malloc(2 * MiB)
+    assert torch_budget.stats()["by_tag"]["untagged"]["allocated"] == 2 * MiB
+
+
+@isolated
+def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_a_region():
+    host = _installed_host()
+    scope = torch_budget.region("a")
+    scope.__enter__()
+    failed = []
+
+    def end_it():
+        try:
+            scope.__exit__(None, None, None)
+        except StateError as e:
+            failed.append(str(e))
+
+    other = threading.Thread(target=end_it)
+    other.start()
+    other.join()
+    assert failed and "did not open it" in failed[0]
+    host.malloc(2 * MiB)             # still inside a on its own thread
+    with torch_budget.region("b"):   # opening a region ends it first
+        host.malloc(4 * MiB)
+    host.malloc(8 * MiB)
+    tags = torch_budget.stats()["by_tag"]
+    assert (tags["a"]["allocated"], tags["b"]["allocated"], tags["untagged"]["allocated"]) == (2 * MiB, 4 * MiB,
+                                                                                               8 * MiB)
 
 
 @isolated

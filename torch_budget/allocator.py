@@ -275,6 +275,15 @@ def set_default_tag(tag: str | None) -> None:
 
 
 _regions = threading.local()  # .open: the region() scopes this thread is inside, innermost last
+# Scopes whose end region() refused (out of order, or from another thread): each ends as soon as it
+# is the innermost scope of its thread again.
+_refused_ends: set[object] = set()
+
+
+def _end_refused(lib, scopes) -> None:
+    while scopes and scopes[-1][0] in _refused_ends:
+        _refused_ends.discard(scopes.pop()[0])
+        _native.check(lib, lib.tb_pop_scope())
 
 
 def _shown(tag) -> str:
@@ -291,8 +300,11 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     "pool", "sync", or "auto" (VMM, else pool, else sync, by what the device supports).
     Memory under a tag on the VMM route can be released and restored (torch_budget.release).
     Without install() the scope only checks its arguments: torch's allocator is in charge.
-    Scopes end innermost first, on the thread that opened them: ending one while a scope opened
-    inside it is still open (or on another thread) raises StateError and changes nothing.
+    Scopes end innermost first, on the thread that opened them. Ending one while a scope opened
+    inside it is still open (asyncio tasks interleaving regions on one thread do), or on another
+    thread, raises StateError; the allocations keep the inner scope's tag, and the refused scope
+    ends as soon as every scope opened inside it has (on another thread: when its own thread next
+    opens or ends a region), so that no scope stays open for good.
     """
     route_id = -1 if route is None else _route_id(route)
     if tag is not None:
@@ -302,8 +314,9 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
         return
     lib = _runtime.library()
     tag_id = -1 if tag is None else _tag_id(lib, tag)
-    _native.check(lib, lib.tb_push_scope(route_id, tag_id))
     scopes = _regions.__dict__.setdefault("open", [])
+    _end_refused(lib, scopes)
+    _native.check(lib, lib.tb_push_scope(route_id, tag_id))
     mine = object()
     scopes.append((mine, tag))
     try:
@@ -311,12 +324,16 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     finally:
         scopes = _regions.__dict__.setdefault("open", [])
         if not any(token is mine for token, _ in scopes):
-            raise StateError(f"{_shown(tag)} is ended on a thread that did not open it: a scope belongs to its thread")
+            _refused_ends.add(mine)
+            raise StateError(f"{_shown(tag)} is ended on a thread that did not open it: a scope belongs to its thread "
+                             "(it ends when that thread next opens or ends a region)")
         if scopes[-1][0] is not mine:
+            _refused_ends.add(mine)
             raise StateError(f"{_shown(tag)} is ended while {_shown(scopes[-1][1])}, opened inside it, is still open: "
-                             "end the inner scope first")
+                             "end the inner scope first (this one ends once it has)")
         scopes.pop()
         _native.check(lib, lib.tb_pop_scope())
+        _end_refused(lib, scopes)
 
 
 def route(route: str | None = None, tag: str | None = None) -> contextlib.AbstractContextManager[None]:
