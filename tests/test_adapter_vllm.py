@@ -380,6 +380,30 @@ def test_the_graph_pool_charges_captures_to_cudagraph_which_every_sleep_backs_up
 
 @built
 @isolated
+def test_a_graph_pool_that_could_not_be_made_leaves_sleep_working():
+    # The graph tag was listed before torch made the pool: when that failed, every later sleep
+    # raised "unknown tag 'cudagraph'".
+    import torch
+
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        _alloc(host, 4 * MiB, b"w")
+
+    def no_pool():
+        raise RuntimeError("CUDA error: out of memory")
+
+    torch.cuda.graph_pool_handle = no_pool
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with allocator.use_cudagraph_pool():
+            pytest.fail("no pool to capture into")
+    allocator.sleep(offload_tags=())
+    assert _states() == {"weights": ("released", "none")}
+    allocator.wake_up()
+
+
+@built
+@isolated
 def test_a_device_without_vmm_is_refused():
     _, module = _vllm(vmm=False)
     with pytest.raises(module.UnsupportedError, match="virtual memory management"):

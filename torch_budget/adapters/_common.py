@@ -48,15 +48,23 @@ class TagRegistry:
         self.tags: dict[str, dict[str, str]] = {}  # stack tag -> {torch_budget tag: backup}
         self.owners: dict[str, tuple[str, str]] = {}  # torch_budget tag -> (stack tag, backup)
 
-    def register(self, tag: str, backup: str) -> str:
+    def name(self, tag: str, backup: str) -> str:
+        """The torch_budget tag register() would give (tag, backup), registering nothing; raises
+        InvalidArgumentError where another pair has that name."""
         base = self._rename(tag)
         name = base if backup == "none" else f"{base}+{backup}"
         with self.lock:
-            owner = self.owners.setdefault(name, (tag, backup))
-            if owner != (tag, backup):
-                raise InvalidArgumentError(
-                    f"tag {tag!r} with {self.mode} {backup!r} would be torch_budget tag {name!r}, which tag "
-                    f"{owner[0]!r} with {self.mode} {owner[1]!r} already uses: rename one of the two")
+            owner = self.owners.get(name, (tag, backup))
+        if owner != (tag, backup):
+            raise InvalidArgumentError(
+                f"tag {tag!r} with {self.mode} {backup!r} would be torch_budget tag {name!r}, which tag "
+                f"{owner[0]!r} with {self.mode} {owner[1]!r} already uses: rename one of the two")
+        return name
+
+    def register(self, tag: str, backup: str) -> str:
+        with self.lock:
+            name = self.name(tag, backup)
+            self.owners.setdefault(name, (tag, backup))
             self.tags.setdefault(tag, {})[name] = backup
         return name
 

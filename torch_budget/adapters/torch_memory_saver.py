@@ -378,9 +378,9 @@ class TorchMemorySaver:
         backup = _backup(enable_cpu_backup, False, cpu_backup_backend)
         tag_name(tag)
         self._ensure_initialized()
+        if pool is not None:  # refused before the tag is registered: pause() then knows nothing of it
+            _check_pool_tag(pool, tag, backup, _registry.name(tag, backup))
         name = _registry.register(tag, backup)
-        if pool is not None:
-            _check_pool_tag(pool, tag, backup, name)
         config = _Config(True, tag, enable_cpu_backup, False, _backend(cpu_backup_backend))
         # The region opens before the capture: the private pool takes its tag when capture begins.
         with torch_budget.region(name, route="vmm"), _saver_scope(config=config):

@@ -315,11 +315,11 @@ class CuMemAllocator:
 
         self._check_vmm()
         with self._lock:
-            self._tags.setdefault(GRAPH_TAG)
             if pool is None:
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 pool = self._graph_pool
+            self._tags.setdefault(GRAPH_TAG)  # once nothing can refuse it: sleep() releases every tag listed
         before, self.current_tag = self.current_tag, GRAPH_TAG
         try:
             # The region opens before the capture: the private pool takes its tag when capture begins.
