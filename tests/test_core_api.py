@@ -470,6 +470,18 @@ def test_a_budget_refused_on_one_device_of_all_changes_no_device():
 
 
 @isolated
+def test_empty_cache_knows_every_tag_it_is_given_before_it_empties_any():
+    host = _installed_host()
+    host.free(_tagged(host, "kv", 4 * MiB))
+    host.complete(host.stream())
+    with pytest.raises(InvalidArgumentError, match="unknown tag 'nope'"):
+        torch_budget.empty_cache(tags=["kv", "nope"])
+    assert torch_budget.stats()["by_tag"]["kv"]["resident"] == 4 * MiB   # kv was emptied before the refusal
+    torch_budget.empty_cache(tags=["kv"])
+    assert torch_budget.stats()["by_tag"]["kv"]["resident"] == 0
+
+
+@isolated
 def test_emptying_the_cache_of_a_device_that_does_not_exist_is_refused():
     # A device nothing was allocated on has nothing cached; one that is not there is a mistake.
     host = _installed_host(devices=2)
