@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import torch_budget
-from _hostcore import GiB, MiB, Host, isolated, python_api_over
+from _hostcore import OOM, GiB, MiB, Host, isolated, python_api_over
 from torch_budget import sleep
 from torch_budget.errors import (ConfigError, InstallError, InvalidArgumentError, NotInstalledError,
                                  StateError, TagStateError)
@@ -179,6 +179,28 @@ def test_sleeping_restores_exactly_what_it_released():
         assert report["tags"] == ["weights"]
     states = sleep.tag_states()
     assert states["weights"]["state"] == "live" and states["kv"]["state"] == "released", states
+
+
+@isolated
+def test_sleeping_wakes_each_tag_it_can_whatever_the_body_did_or_one_tag_refused():
+    # A tag the body restored made the exit raise before the others; so did one whose memory
+    # could not be had: the tags after it stayed asleep.
+    host = _installed_host(budget="12MiB")
+    _tagged(host, "a", 2 * MiB)
+    kv = _tagged(host, "kv", 6 * MiB, fill=b"k")
+    w = _tagged(host, "w", 2 * MiB, fill=b"w")
+    with torch_budget.sleeping(["a", "kv", "w"]) as report:
+        torch_budget.restore("a")
+    assert report["restore"]["tags"] == ["kv", "w"] and not sleep.released_tags()
+    with pytest.raises(OOM):
+        with torch_budget.sleeping(["kv", "w"]):
+            squeeze = host.malloc(5 * MiB)     # 2 + 5 + 6 > 12: kv cannot come back, w can
+    states = sleep.tag_states()
+    assert (states["kv"]["state"], states["w"]["state"]) == ("released", "live")
+    assert host.peek(w, 4096) == b"w" * 4096
+    host.free(squeeze)
+    torch_budget.restore("kv")
+    assert host.peek(kv, 4096) == b"k" * 4096
 
 
 @isolated

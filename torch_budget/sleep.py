@@ -276,21 +276,32 @@ def _release(lib, targets, backup: str, retain: bool = False, discardable=()) ->
     return _report(lib, targets, moved, backed, start)
 
 
-def _restore(lib, targets, retain: bool | None = None) -> SleepReport:
+def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> SleepReport:
+    """Restores `targets` in turn. A failure is raised at once, or with `go_on` once every other
+    target was tried (the first failure)."""
     start = time.perf_counter()
     moved = backed = 0
+    failed = None
     for dev, tag, _ in targets:
-        # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
-        # be retained) raises with its retention unchanged, as are those of the tags after it.
-        if retain is not None:
-            _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
-        _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
+        try:
+            # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
+            # be retained) raises with its retention unchanged, as are those of the tags after it.
+            if retain is not None:
+                _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
+            _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
+        except Exception as e:
+            if not go_on:
+                raise
+            failed = failed or e
+            continue
         b, k = _moved(lib, dev, tag)
         moved, backed = moved + b, backed + k
     served = _runtime.served_devices(lib)
     for _, tag, name in targets:
         if all(_life(lib, dev, tag) == _LIVE for dev in served):
             _released.pop(name, None)
+    if failed is not None:
+        raise failed
     return _report(lib, targets, moved, backed, start)
 
 
@@ -342,7 +353,9 @@ def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = N
              retain: bool = False, discardable: Iterable = ()) -> Iterator[SleepReport]:
     """`with torch_budget.sleeping("weights"):` releases on entry (as release(), same
     arguments and defaults) and restores exactly what it released on exit, also when the
-    body raises. Yields the release report; the restore report is added under "restore"."""
+    body raises. Yields the release report; the restore report is added under "restore".
+    A tag the body restored itself is left as it is; a tag that cannot be restored keeps
+    none of the others asleep: each is tried, then the first failure is raised."""
     lib = _runtime.require_installed("torch_budget.sleeping()")
     _backup_id(backup, retain)
     targets = _targets(lib, tags, device, _LIVE)
@@ -350,7 +363,8 @@ def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = N
     try:
         yield report
     finally:
-        report["restore"] = _restore(lib, targets)
+        asleep = [t for t in targets if _life(lib, t[0], t[1]) != _LIVE]
+        report["restore"] = _restore(lib, asleep, go_on=True)
 
 
 def drop_backup(tags: Tags = None, device: Device = None) -> int:
