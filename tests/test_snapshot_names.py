@@ -31,3 +31,17 @@ def test_an_address_past_every_segment_of_ours_has_no_route():
                           "blocks": [{"size": MiB, "state": "active_allocated"}]}]}
     annotate(snap, {0: [(0, 10 * MiB, "sync")]}, {}, lambda a: -1)
     assert snap["segments"][0]["route"] is None and snap["segments"][0]["blocks"][0]["tag"] is None
+
+
+def test_a_dump_that_fails_leaves_the_file_it_would_replace(tmp_path):
+    # The file was opened for writing first: a dump without install() left yesterday's at 0 bytes.
+    import pytest
+
+    import torch_budget
+    from torch_budget import snapshot
+
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(b"yesterday's snapshot")
+    with pytest.raises(torch_budget.NotInstalledError):
+        snapshot.dump_snapshot(str(path))
+    assert path.read_bytes() == b"yesterday's snapshot"

@@ -56,9 +56,11 @@ def snapshot() -> dict[str, Any]:
 
 
 def dump_snapshot(path: str) -> None:
-    """Writes snapshot() as a pickle, as torch.cuda.memory._dump_snapshot does."""
+    """Writes snapshot() as a pickle, as torch.cuda.memory._dump_snapshot does. The snapshot is
+    taken first: a call that fails leaves a file already at `path` as it was."""
+    snap = snapshot()
     with open(path, "wb") as f:
-        pickle.dump(snapshot(), f)
+        pickle.dump(snap, f)
 
 
 def memory_snapshot() -> dict[str, Any]:
