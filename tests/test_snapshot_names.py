@@ -1,4 +1,9 @@
-"""The ledger's names on torch's memory snapshot (torch_budget.snapshot.annotate): pure data, no device."""
+"""The ledger's names on torch's memory snapshot (torch_budget.snapshot.annotate): pure data, no device;
+and dump_snapshot's care for the file it replaces."""
+import pytest
+
+import torch_budget
+from torch_budget import snapshot
 from torch_budget.snapshot import annotate
 
 MiB = 1 << 20
@@ -35,11 +40,6 @@ def test_an_address_past_every_segment_of_ours_has_no_route():
 
 def test_a_dump_that_fails_leaves_the_file_it_would_replace(tmp_path):
     # The file was opened for writing first: a dump without install() left yesterday's at 0 bytes.
-    import pytest
-
-    import torch_budget
-    from torch_budget import snapshot
-
     path = tmp_path / "snap.pickle"
     path.write_bytes(b"yesterday's snapshot")
     with pytest.raises(torch_budget.NotInstalledError):
