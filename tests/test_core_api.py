@@ -504,6 +504,23 @@ def test_empty_cache_knows_every_tag_it_is_given_before_it_empties_any():
 
 
 @isolated
+def test_tag_of_and_pool_tag_refuse_what_is_not_a_tensor_or_a_pool_handle_by_name():
+    # tag_of(5) raised AttributeError 'untyped_storage'; pool_tag("ab") int()'s ValueError, (1,) an
+    # IndexError, and (2**64, 0) or (-1, 0) were wrapped by ctypes into another pool's id.
+    _installed_host()
+    for bad in (5, None, "kv"):
+        with pytest.raises(TypeError, match="tag_of\\(\\) takes a tensor"):
+            sleep.tag_of(bad)
+    for bad in ("ab", (1, "x"), [0, 1]):
+        with pytest.raises(TypeError, match="graph pool handle"):
+            sleep.pool_tag(bad)
+    for bad in ((1,), (0, 1, 2), (2**64, 0), (-1, 0)):
+        with pytest.raises(InvalidArgumentError, match="graph pool handle"):
+            sleep.pool_tag(bad)
+    assert sleep.pool_tag((0, 12345)) is None   # a handle no capture used: none yet
+
+
+@isolated
 def test_emptying_the_cache_of_a_device_that_does_not_exist_is_refused():
     # A device nothing was allocated on has nothing cached; one that is not there is a mistake.
     host = _installed_host(devices=2)

@@ -36,6 +36,19 @@ def integer(value: object, what: str, *, minimum: int | None = None) -> int:
     return value
 
 
+POOL_HANDLE = "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() or CUDAGraph.pool()"
+
+
+def pool_handle(value: object) -> tuple[int, int]:
+    """A graph pool handle: two integers, each one of torch's 64-bit unsigned ids."""
+    if not isinstance(value, tuple) or not all(is_int(x) for x in value):
+        raise TypeError(POOL_HANDLE + f", got {value!r}")
+    ids = tuple(x.__index__() for x in value)
+    if len(ids) != 2 or not all(0 <= x < 2**64 for x in ids):
+        raise InvalidArgumentError(POOL_HANDLE + f" (two ids in [0, 2**64)), got {value!r}")
+    return ids
+
+
 def positive_int(value: object, what: str) -> int:
     return integer(value, what, minimum=1)
 

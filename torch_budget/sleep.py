@@ -61,7 +61,7 @@ from typing import TypedDict
 
 from . import _native, _runtime
 from ._runtime import Device, Tags
-from ._validate import non_negative_int, tag_names
+from ._validate import non_negative_int, pool_handle, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
@@ -420,7 +420,7 @@ def check_awake(device: Device, pool: tuple[int, int] | None = None, tensors: It
     dev = _runtime.device_index(device)
     tags = set()
     if pool is not None:
-        tags.add((lib.tb_pool_tag(dev, int(pool[0]), int(pool[1])), "its graph pool"))
+        tags.add((lib.tb_pool_tag(dev, *pool_handle(pool)), "its graph pool"))
     for t in tensors:
         tags.add((_ptr_tag(lib, t), "a static buffer"))
     for tag, what in sorted(tags, key=lambda x: x[0]):
@@ -444,6 +444,8 @@ def _name_of(lib, device: int, tag: int) -> str | None:
 
 def tag_of(tensor) -> str | None:
     """The tag `tensor`'s memory was allocated under; None when untagged or not torch_budget's."""
+    if not callable(getattr(tensor, "untyped_storage", None)):
+        raise TypeError(f"tag_of() takes a tensor, got {type(tensor).__name__} ({tensor!r})")
     lib = _runtime.require_installed("torch_budget.sleep.tag_of()")
     tag = _ptr_tag(lib, tensor)
     return _name_of(lib, tensor.device.index, tag) if tag > 0 else None
@@ -455,8 +457,9 @@ def pool_tag(pool: tuple[int, int], device: Device = None) -> str | None:
     its first capture created it ("untagged" outside every region); None while torch_budget has
     no such pool (a handle no capture used yet)."""
     lib = _runtime.require_installed("torch_budget.sleep.pool_tag()")
+    ids = pool_handle(pool)
     dev = _runtime.device_index(device)
-    tag = lib.tb_pool_tag(dev, int(pool[0]), int(pool[1]))
+    tag = lib.tb_pool_tag(dev, *ids)
     return None if tag < 0 else _name_of(lib, dev, tag) or str(tag)
 
 

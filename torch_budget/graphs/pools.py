@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._validate import is_int
+from .._validate import pool_handle
 from ..errors import InvalidArgumentError, PoolInUseError, PoolReleasedError
 
 __all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "pool_key"]
@@ -24,15 +24,8 @@ PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() r
 #   ledger does not know, so only an explicit release() ends it;
 # - capturing into a released handle raises PoolReleasedError.
 
-_POOL_HANDLE = "a graph pool handle is the (int, int) tuple from torch.cuda.graph_pool_handle() or CUDAGraph.pool()"
-
-
 def pool_key(pool: object) -> tuple[int, int]:
-    if not isinstance(pool, tuple) or not all(is_int(x) for x in pool):
-        raise TypeError(_POOL_HANDLE + f", got {pool!r}")
-    if len(pool) != 2:
-        raise InvalidArgumentError(_POOL_HANDLE + f", got {pool!r}")
-    return (pool[0].__index__(), pool[1].__index__())
+    return pool_handle(pool)
 
 
 class PoolLedger:
