@@ -18,6 +18,7 @@ from torch_budget.graphs import (
     pad_to_bucket,
     resolve_buckets,
 )
+from torch_budget.errors import StateError
 
 HIDDEN = 8
 
@@ -385,6 +386,8 @@ def test_close_drops_static_buffers_and_the_runner_name():
     assert "decode" not in manager.runners
     with pytest.raises(RuntimeError, match="closed"):
         runner.run_eager(1, x=torch.randn(1, HIDDEN), pos=torch.zeros(1))
+    with pytest.raises(StateError, match="closed: its static buffer 'x' is gone"):  # was a bare KeyError: 'x'
+        runner.x
     _runner(manager)  # the name is free again
 
 

@@ -203,6 +203,8 @@ class GraphRunner:
     def __getattr__(self, name: str) -> torch.Tensor:
         if name.startswith("_") or not self._is_buffer(name):
             raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        if self._closed:  # its buffers went with close()
+            raise StateError(f"{self._label} is closed: its static buffer {name!r} is gone")
         if name in self._ins.names:
             return self._ins.full(name)
         return self._outs.full(name)
