@@ -193,6 +193,9 @@ def test_bucket_views_are_contiguous_prefixes_of_one_allocation():
     ({"batch_axis": 2}, "batch_axis"),
     ({"source": "disk"}, "'disk'"),
     ({"dtype": torch.int64, "pad_value": 0.5}, "pad_value 0.5"),
+    ({"dtype": torch.int32, "pad_value": float("nan")}, "pad_value nan is not an integer"),   # int()'s ValueError
+    ({"dtype": torch.int32, "pad_value": float("inf")}, "pad_value inf is not an integer"),   # int()'s OverflowError
+    ({"dtype": torch.int8, "pad_value": 1000}, "pad_value 1000 does not fit torch.int8"),    # refused at capture
 ])
 def test_static_input_declaration_errors_name_the_bad_value(kwargs, match):
     fields = {"name": "x", "dtype": torch.float32, "shape": (4,)}

@@ -75,8 +75,15 @@ class StaticInput:
         if not isinstance(self.pad_value, (int, float)):
             raise InvalidArgumentError(f"static input {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
         floating = self.dtype.is_floating_point or self.dtype.is_complex
-        if not floating and self.dtype != torch.bool and float(self.pad_value) != int(self.pad_value):
-            raise InvalidArgumentError(f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
+        if not floating and self.dtype != torch.bool:
+            pad = float(self.pad_value)
+            if not math.isfinite(pad) or pad != math.floor(pad):
+                raise InvalidArgumentError(
+                    f"static input {self.name!r}: pad_value {self.pad_value!r} is not an integer for {self.dtype}")
+            limits = torch.iinfo(self.dtype)
+            if not limits.min <= self.pad_value <= limits.max:
+                raise InvalidArgumentError(f"static input {self.name!r}: pad_value {self.pad_value!r} does not fit "
+                                           f"{self.dtype} ([{limits.min}, {limits.max}])")
 
 
 class BufferLayout:
