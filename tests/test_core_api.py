@@ -371,8 +371,8 @@ def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_the
 def test_numbers_past_what_the_core_holds_are_refused_not_wrapped():
     # ctypes keeps the low 64 (or 32) bits: 2**64 bytes became a budget of 0, device 2**32 device 0.
     for kwargs in ({"budget": 2**64}, {"budget": "16777216TiB"}, {"budgets": {"kv": 2**64}}, {"host_pool": 2**70},
-                   {"map_run": 2**63}):
-        with pytest.raises(ConfigError, match="2\\*\\*63"):
+                   {"map_run": 2**63}, {"budget": "9" * 400 + "GiB"}, {"host_pool": "9" * 300 + "TiB"}, {"map_run": "9" * 400}):
+        with pytest.raises(ConfigError, match="2\\*\\*63"):   # the last three: int(inf)'s OverflowError
             torch_budget.install(**kwargs)
     host = _installed_host()
     _tagged(host, "kv", 4 * MiB)

@@ -154,6 +154,14 @@ def test_a_size_without_a_unit_below_one_mib_is_refused(capsys, value, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value", [("--gpu-mem", "9" * 400 + "GiB"), ("--gpu-mem", "9" * 300 + "TiB"),
+                                        ("--gpu-mem-gib", "9" * 300), ("--weights-gib", "9" * 400)])
+def test_a_size_past_what_a_float_holds_gets_one_message(capsys, flag, value):
+    # int(inf) raised OverflowError: a traceback and exit 1
+    assert cli_plan(["--gpu-mem", "80GiB", f"{flag}={value}"]) == 2
+    assert "is far past any size (at most 2**63 - 1 bytes)" in capsys.readouterr().err
+
+
 def test_the_old_and_new_flag_of_one_size_cannot_both_be_given(capsys):
     assert cli_plan(["--gpu-mem", "80GiB", "--gpu-mem-gib", "80"]) == 2
     assert "not allowed with argument --gpu-mem" in capsys.readouterr().err

@@ -10,6 +10,7 @@ refused with a message that says how to write it (`memory_bytes`).
 """
 from __future__ import annotations
 
+import math
 import re
 
 from ._validate import INT64_MAX
@@ -41,7 +42,10 @@ def parse_size(text: str, what: str = "size") -> tuple[float, str]:
     if unit not in UNITS:
         raise ValueError(f"unknown unit {m.group(2)!r} in {_named(what, repr(text))} "
                          "(binary: B, KiB, MiB, GiB, TiB; decimal: KB, MB, GB, TB)")
-    return float(m.group(1)), unit
+    number = float(m.group(1))
+    if not math.isfinite(number * UNITS[unit]):  # more digits than a float holds: int() would overflow
+        raise ValueError(f"{_named(what, repr(text))} is far past any size (at most 2**63 - 1 bytes)")
+    return number, unit
 
 
 def check_max_bytes(n: int, what: str, shown: object) -> int:

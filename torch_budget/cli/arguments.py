@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-from torch_budget.units import GiB, memory_bytes, parse_size
+from torch_budget.units import memory_bytes, parse_size
 
 PROG = "torch-budget"
 
@@ -49,7 +49,7 @@ def _memory(text: str, *, zero: bool, bare_gib: bool) -> int:
         if number < 0 or (number == 0 and not zero):
             raise ValueError(f"must be {'0 or more' if zero else 'more than 0'}, got {text!r}")
         if bare_gib and unit == "":
-            return int(number * GiB)
+            return memory_bytes(f"{text.strip()}GiB", "", zero=zero)
         return memory_bytes(text, "", zero=zero)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
