@@ -136,6 +136,10 @@ def test_load_ledger_reads_a_plan_file(tmp_path):
     ('{"total": -5, "lines": []}', "non-positive"),
     ('{"total": 100, "lines": [{"name": "w", "category": "weights"}]}', "'bytes'"),
     ('{"total": 100, "lines": [{"name": "w", "category": "nope", "bytes": 1}]}', "nope"),
+    # each of these three was a traceback (AttributeError, TypeError, TypeError) and exit 1
+    ('{"total": 100, "lines": [], "budgets": ["kv"]}', "a tag budget must be an object"),
+    ('{"total": 100, "lines": [], "budgets": [{"tag": "kv", "budget": null, "used": 0}]}', "'budget' must be"),
+    ('{"total": 100, "lines": [], "title": 5}', "'title' must be a string"),
 ])
 def test_cli_report_bad_input_exits_2_with_a_message(tmp_path, capsys, content, message):
     src = tmp_path / "ledger.json"

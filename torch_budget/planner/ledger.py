@@ -106,13 +106,21 @@ class TagBudget:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TagBudget":
+        if not isinstance(d, dict):
+            raise ValueError(f"a tag budget must be an object with tag, budget and used, got {d!r}")
         try:
-            peak = d.get("peak")
-            return cls(tag=str(d["tag"]), budget=int(d["budget"]), used=int(d["used"]),
-                       peak=None if peak is None else int(peak), category=str(d.get("category") or "reserve"),
-                       lines=str(d.get("lines") or ""))
+            counts = {name: d[name] for name in ("budget", "used")}
         except KeyError as e:
             raise ValueError(f"tag budget {d!r} lacks the key {e.args[0]!r}") from None
+        if d.get("peak") is not None:
+            counts["peak"] = d["peak"]
+        if "tag" not in d:
+            raise ValueError(f"tag budget {d!r} lacks the key 'tag'")
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"tag budget {d!r}: {name!r} must be a number of bytes, an integer, got {value!r}")
+        return cls(tag=str(d["tag"]), category=str(d.get("category") or "reserve"), lines=str(d.get("lines") or ""),
+                   **counts)
 
 
 def _aligned(header: tuple, rows: list, right: set) -> list[str]:

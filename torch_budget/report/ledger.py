@@ -96,4 +96,10 @@ def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget
     budgets = data.get("budgets") or []
     if not isinstance(budgets, list):
         raise ValueError(f"ledger file {str(path)!r}: 'budgets' must be a list of tag budgets")
-    return data.get("title"), total, lines, [TagBudget.from_dict(d) for d in budgets]
+    title = data.get("title")
+    if title is not None and not isinstance(title, str):
+        raise ValueError(f"ledger file {str(path)!r}: 'title' must be a string, got {title!r}")
+    try:
+        return title, total, lines, [TagBudget.from_dict(d) for d in budgets]
+    except ValueError as e:
+        raise ValueError(f"ledger file {str(path)!r}: {e}") from None
