@@ -63,6 +63,11 @@ def test_both_files_round_trip(tmp_path):
     (pickle.dumps({"no": "traces"}), "not a memory snapshot"),
     (pickle.dumps(history([])), "no allocation history"),
     (gzip.compress(b"# torch_budget trace 1\n", mtime=0)[:-6], "damaged gzip"),
+    # these were tracebacks (KeyError, AttributeError, TypeError)
+    (pickle.dumps(history([{"action": "alloc"}])), "event 0 of device 0 is not one of torch's memory history"),
+    (pickle.dumps(history(["x"])), "event 0 of device 0 is not one of"),
+    (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5}, {"action": "free_completed", "addr": [1]}])),
+     "event 1 of device 0 is not one of"),
 ])
 def test_bad_trace_files_are_refused_with_the_reason(tmp_path, content, match):
     p = tmp_path / "bad"
@@ -93,9 +98,11 @@ def test_the_serving_mix_has_the_sizes_and_live_set_it_describes():
     t.check()
 
 
-@pytest.mark.parametrize("spec", ["nope", "serving:0", "1MiB:x", "0B"])
+@pytest.mark.parametrize("spec", ["nope", "serving:0", "1MiB:x", "0B", "serving:abc", "1MiB:1e6", "1MiB:-5",
+                                  "serving:10:1:2", "1MiB:10:3"])
 def test_unknown_mixes_are_refused(spec):
-    with pytest.raises((TraceError, ValueError)):
+    # "serving:abc" and "1MiB:1e6" were int()'s ValueError (a traceback from the CLI); "1MiB:-5" an empty trace
+    with pytest.raises(TraceError, match="mix"):
         mix(spec)
 
 

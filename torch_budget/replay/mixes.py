@@ -79,10 +79,14 @@ MIXES = {"serving": serving, "small": small, "lognormal": lognormal}
 def mix(spec: str) -> Trace:
     """`serving`, `small`, `lognormal` (optionally `name:ops` or `name:ops:seed`) or a size (`1MiB`)."""
     name, _, rest = spec.partition(":")
-    args = [int(a) for a in rest.split(":") if a] if rest else []
+    fields = rest.split(":") if rest else []
+    shape = f"{name}[:ops[:seed]]" if name in MIXES else f"{name}[:ops]"
+    if len(fields) > (2 if name in MIXES else 1) or not all(f.isdigit() for f in fields):
+        raise TraceError(f"mix {spec!r}: expected {shape}, whole numbers, with ops > 0")
+    args = [int(f) for f in fields]
+    if args[:1] == [0]:
+        raise TraceError(f"mix {spec!r}: expected {shape} with ops > 0")
     if name in MIXES:
-        if len(args) > 2 or any(a <= 0 for a in args[:1]):
-            raise TraceError(f"mix {spec!r}: expected {name}[:ops[:seed]] with ops > 0")
         return MIXES[name](*args)
     try:
         size = parse_bytes(name)
