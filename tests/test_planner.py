@@ -66,6 +66,13 @@ def test_negative_intercept_is_rejected():
         CacheCost(slope=4096, intercept=-1)
 
 
+@pytest.mark.parametrize("kwargs", [{"slope": float("nan")}, {"slope": 1024, "intercept": float("inf")}])
+def test_a_cost_that_is_not_finite_is_rejected(kwargs):
+    # accepted before; plan() then failed converting NaN to an integer
+    with pytest.raises(ValueError, match="must be a finite number of bytes"):
+        CacheCost(**kwargs)
+
+
 # --- per-token workspace reserve ---------------------------------------------------------------
 
 
@@ -210,6 +217,19 @@ def test_plan_fraction_one_gives_everything_past_the_peak():
 def test_plan_rejects_a_fraction_outside_the_unit_interval_or_of_the_wrong_type(fraction, error):
     with pytest.raises(error, match="fraction"):
         plan(base_profile(), COST, fraction=fraction)
+
+
+def test_plan_names_a_kv_cost_that_is_not_a_cache_cost():
+    # plan(profile, 1024), bytes per token for a CacheCost, raised AttributeError 'tokens_for_budget'
+    with pytest.raises(TypeError, match=r"kv_cost must be a CacheCost, got int: .*CacheCost\(slope=1024\)"):
+        plan(base_profile(), 1024)
+
+
+@pytest.mark.parametrize("text,match", [('{"total": 1}', "it lacks 'fraction', 'kv_bytes', 'kv_cost'"), ("[1]", "JSON object"),
+                                        ('{"total": 1, "nope": 2}', "unknown key")])
+def test_a_plan_file_that_is_not_one_is_named(text, match):
+    with pytest.raises(ValueError, match=match):   # KeyError: 'kv_cost' before
+        Plan.from_json(text)
 
 
 def test_plan_reserves_from_kv_are_subtracted_in_full():

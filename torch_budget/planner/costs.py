@@ -28,7 +28,9 @@ class CacheCost:
 
     def __post_init__(self):
         for name in ("slope", "intercept"):
-            number(getattr(self, name), f"CacheCost.{name}")
+            value = number(getattr(self, name), f"CacheCost.{name}")
+            if not math.isfinite(value):  # the plan's byte counts would be NaN or infinite
+                raise ValueError(f"CacheCost.{name} must be a finite number of bytes, got {value}")
         if self.intercept < 0:
             raise ValueError(f"CacheCost.intercept must be >= 0, got {self.intercept}")
 

@@ -95,13 +95,26 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan is a JSON object (Plan.to_json()), got {type(d).__name__}")
         d = dict(d)
         if d.pop("kind", "torch_budget.plan") != "torch_budget.plan":
             raise ValueError("not a torch_budget plan")
-        d["kv_cost"] = CacheCost.from_dict(d["kv_cost"])
-        d["lines"] = [LedgerLine.from_dict(x) for x in d["lines"]]
-        d["steps"] = [PlanStep(**x) for x in d["steps"]]
-        return cls(**d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        needed = {f.name for f in dataclasses.fields(cls)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing, unknown = sorted(needed - d.keys()), sorted(d.keys() - fields)
+        if missing or unknown:
+            raise ValueError("not a torch_budget plan: " + "; ".join(
+                ([f"it lacks {', '.join(map(repr, missing))}"] if missing else [])
+                + ([f"unknown key(s) {', '.join(map(repr, unknown))}"] if unknown else [])))
+        try:
+            d["kv_cost"] = CacheCost.from_dict(d["kv_cost"])
+            d["lines"] = [LedgerLine.from_dict(x) for x in d["lines"]]
+            d["steps"] = [PlanStep(**x) for x in d["steps"]]
+            return cls(**d)
+        except (TypeError, AttributeError, KeyError) as e:
+            raise ValueError(f"not a torch_budget plan: {e}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -168,6 +181,10 @@ def plan(
     `notes` maps a ledger line name ("weights", "activations", "non-torch", "allocator cache") to
     text appended to its reason, e.g. where a figure came from when it was not measured.
     """
+    if not isinstance(kv_cost, CacheCost):
+        numeric = isinstance(kv_cost, (int, float)) and not isinstance(kv_cost, bool)
+        hint = f": for {kv_cost!r} bytes per token write CacheCost(slope={kv_cost!r})" if numeric else ""
+        raise TypeError(f"kv_cost must be a CacheCost, got {type(kv_cost).__name__}{hint}")
     _fraction(fraction, "fraction")
     non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
     non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
