@@ -225,8 +225,10 @@ def test_plan_names_a_kv_cost_that_is_not_a_cache_cost():
         plan(base_profile(), 1024)
 
 
-@pytest.mark.parametrize("text,match", [('{"total": 1}', "it lacks 'fraction', 'kv_bytes', 'kv_cost'"), ("[1]", "JSON object"),
-                                        ('{"total": 1, "nope": 2}', "unknown key")])
+@pytest.mark.parametrize("text,match", [
+    ('{"total": 1}', "it lacks 'fraction', 'kv_bytes', 'kv_cost'"), ("[1]", "JSON object"),
+    ('{"total": 1, "nope": 2}', "unknown key"),
+])
 def test_a_plan_file_that_is_not_one_is_named(text, match):
     with pytest.raises(ValueError, match=match):   # KeyError: 'kv_cost' before
         Plan.from_json(text)
