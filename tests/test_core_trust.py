@@ -186,6 +186,51 @@ def test_a_restore_out_of_memory_says_so_and_never_leaks_the_internal_code():
     del b
 
 
+def three_blocks_in_a_pool(h):
+    h.begin_pool(POOL, S2)
+    blocks = [h.malloc(64 * KiB, S2), h.malloc(64 * KiB, S2), h.malloc(4 * MiB, S2)]
+    h.end_pool(POOL)
+    return blocks
+
+
+@isolated
+def test_a_restore_that_cannot_wait_for_a_stream_of_another_device_frees_nothing():
+    # The restore freed the pool's live blocks, then found b still waiting on cuda:1, which
+    # synchronising cuda:0 does not cover: torch kept tensors whose memory the next capture got.
+    h = Host(route="sync", devices=2)
+    a, b, c = three_blocks_in_a_pool(h)
+    cp = h.checkpoint(POOL)
+    peer = h.stream(1)
+    h.submit(peer)                        # a kernel on cuda:1 reads b, still queued
+    h.record_stream(b, peer, device=1)
+    errors = []
+    freed, created = h.restore_checkpoint(cp, errors=errors)
+    assert isinstance(errors[0], StateError) and "used on a stream of device 1" in str(errors[0])
+    assert (freed, created) == ([], []) and h.live_matches(POOL, [a, b, c])
+    h.begin_pool(POOL, S2)
+    x = h.malloc(64 * KiB, S2)            # the graph tree goes on: never a live tensor's memory
+    h.end_pool(POOL)
+    assert x not in (a, b)
+
+
+@isolated
+def test_a_restore_that_needs_a_wait_while_a_capture_is_open_elsewhere_frees_nothing():
+    h = Host(route="sync", devices=2)
+    a, b, c = three_blocks_in_a_pool(h)
+    cp = h.checkpoint(POOL)
+    h.submit(S3)
+    h.record_stream(b, S3)                # b is read on S3, still queued: its free must wait
+    h.begin_pool((0, 9), h.stream(1), device=1)   # another thread captures on cuda:1
+    errors = []
+    freed, created = h.restore_checkpoint(cp, errors=errors)
+    h.end_pool((0, 9), device=1)
+    assert isinstance(errors[0], StateError) and "impossible during capture" in str(errors[0])
+    assert (freed, created) == ([], []) and h.live_matches(POOL, [a, b, c])
+    h.complete(S3)
+    freed, created = h.restore_checkpoint(cp)      # once no capture forbids the wait, it works
+    assert sorted(freed) == sorted([a, b, c]) and len(created) == 3
+
+
 @isolated
 def test_a_tag_shared_with_another_process_is_not_released_behind_its_back():
     h = Host(route="vmm")

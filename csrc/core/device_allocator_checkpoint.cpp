@@ -14,6 +14,7 @@ class DeviceAllocator::CheckpointHost final : public PoolOwner {
   bool wait_for_device() override { return a_.sync_device(lock_); }
   void adopt(Block* b) override { a_.adopt(b); }
   bool tag_live(int tag) override { return a_.tags_.live(tag); }
+  int device() const override { return a_.ctx_.device; }
 
  private:
   DeviceAllocator& a_;

@@ -55,6 +55,46 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
   for (const CheckpointSegment& cs : cp.segments)
     TB_REQUIRE(segs.count(cs.base) != 0, kInvalidArgument,
                "the checkpoint of " + where + " has a segment at " + hex(cs.base) + " that no longer exists", false);
+  // Waits for the device, the lock released meanwhile, then finds the pool again.
+  auto wait = [&]() {
+    TB_REQUIRE(owner.wait_for_device(), kState,
+               "restoring a checkpoint of " + where + " needs a device synchronisation, impossible during capture",
+               false);
+    owner.settle();
+    p = find_segments(&segs);
+    TB_REQUIRE(p != nullptr, kState, where + " was destroyed while its checkpoint was being restored", false);
+    if (!tag_live(*p)) return false;
+    for (const CheckpointSegment& cs : cp.segments)
+      TB_REQUIRE(segs.count(cs.base) != 0, kState, "segment " + hex(cs.base) + " of " + where + " went away", false);
+    return true;
+  };
+  auto still_in_use = [&]() {
+    set_error(kState, "a block of " + where + " is still in use after a device synchronisation: its checkpoint "
+                      "cannot be restored");
+    return false;
+  };
+
+  // 0. What could refuse the restore is passed before anything is freed: a refused restore
+  // changes nothing torch can see. Each checkpointed segment must come down to one free block,
+  // so a block there that waits on recorded streams now, or will once freed, needs the device
+  // waited for -- refused while a capture is open anywhere, and no help for a stream of another
+  // device (one used there is refused at once; one already waiting must be done after the wait).
+  bool must_wait = false;
+  for (const CheckpointSegment& cs : cp.segments)
+    for (const Block* b = segs[cs.base]->head; b != nullptr; b = b->next) {
+      for (const StreamRef& r : b->recorded)
+        TB_REQUIRE(r.device == owner.device(), kState,
+                   "restoring a checkpoint of " + where + ": block " + hex(b->ptr) + " was used on a stream of device " +
+                       std::to_string(r.device) + ", which the restore cannot wait for",
+                   false);
+      must_wait = must_wait || !b->recorded.empty() || (!b->allocated && b->pending > 0);
+    }
+  if (must_wait) {
+    if (!wait()) return false;
+    for (const CheckpointSegment& cs : cp.segments)
+      for (const Block* b = segs[cs.base]->head; b != nullptr; b = b->next)
+        if (!b->allocated && b->pending > 0) return still_in_use();
+  }
 
   // 1. Free every block allocated in the pool (torch took their tensors' deleters).
   std::vector<Block*> live;
@@ -67,7 +107,8 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
   }
   owner.settle();
 
-  // 2. Frees waiting on recorded streams must complete before the layout can change.
+  // 2. Frees waiting on recorded streams (of this device: step 0) must complete before the
+  // layout can change.
   auto settled = [&]() {
     for (const CheckpointSegment& cs : cp.segments) {
       const Segment* seg = segs[cs.base];
@@ -76,18 +117,8 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
     return true;
   };
   if (!settled()) {
-    TB_REQUIRE(owner.wait_for_device(), kState,
-               "restoring a checkpoint of " + where + " needs a device synchronisation, impossible during capture",
-               false);
-    owner.settle();
-    p = find_segments(&segs);
-    TB_REQUIRE(p != nullptr, kState, where + " was destroyed while its checkpoint was being restored", false);
-    if (!tag_live(*p)) return false;
-    for (const CheckpointSegment& cs : cp.segments)
-      TB_REQUIRE(segs.count(cs.base) != 0, kState, "segment " + hex(cs.base) + " of " + where + " went away", false);
-    TB_REQUIRE(settled(), kState,
-               "a block of " + where + " is still in use after a device synchronisation: its checkpoint "
-               "cannot be restored", false);
+    if (!wait()) return false;
+    if (!settled()) return still_in_use();
   }
 
   // 3. Carve each checkpointed segment back into its blocks.

@@ -12,9 +12,10 @@
 // exactly: the recorded graphs have them baked in, and torch matches the re-created
 // allocations to its tensors by pointer. Segments created after the checkpoint stay,
 // as cached free memory of the pool. A checkpointed segment that no longer exists, a
-// pool whose tag is released (its memory is unmapped, Note [Tag arenas]), or a block
-// still waiting on a recorded stream after a device synchronisation, is an error and
-// changes nothing torch can see. checkPoolLiveAllocations compares the
+// pool whose tag is released (its memory is unmapped, Note [Tag arenas]), a block used on
+// a stream of another device, or one still waiting on a recorded stream after a device
+// synchronisation (or when a capture open anywhere forbids one), is an error found before
+// anything is freed: it changes nothing torch can see. checkPoolLiveAllocations compares the
 // pool's allocated blocks with the pointers torch believes alive.
 #pragma once
 
@@ -66,6 +67,8 @@ class PoolOwner {
   virtual void adopt(Block* b) = 0;
   // Whether `tag` is live: a released tag's pools have no memory to carve from.
   virtual bool tag_live(int tag) = 0;
+  // The device the pool's memory is on (wait_for_device waits for it alone).
+  virtual int device() const = 0;
 
  protected:
   ~PoolOwner() = default;
