@@ -232,6 +232,29 @@ def test_a_restore_that_needs_a_wait_while_a_capture_is_open_elsewhere_frees_not
 
 
 @isolated
+def test_a_tag_is_not_released_under_work_another_device_still_queues_on_its_memory():
+    # Synchronising cuda:0 left x waiting on cuda:1's kernel, and the release unmapped it.
+    h = Host(route="vmm", devices=2)
+    h.push("vmm", "t")
+    keep = h.malloc(2 * MiB, S1)
+    x = h.malloc(8 * MiB, S1)
+    h.pop()
+    peer = h.stream(1)
+    h.submit(peer)                        # a kernel on cuda:1 reads x, still queued
+    h.record_stream(x, peer, device=1)
+    h.free(x)
+    mapped = sum(seg["mapped_size"] for seg in h.segments())
+    with pytest.raises(StateError, match="1 freed allocation\\(s\\) still in use by work queued on a stream of "
+                                         "another device"):
+        h.release("t")
+    assert h.tag_info("t")["life"] == 0 and sum(seg["mapped_size"] for seg in h.segments()) == mapped
+    h.complete(peer)
+    h.release("t")                        # once that work is done
+    h.restore("t")
+    h.free(keep)
+
+
+@isolated
 def test_a_tag_shared_with_another_process_is_not_released_behind_its_back():
     h = Host(route="vmm")
     h.push("vmm", "weights")

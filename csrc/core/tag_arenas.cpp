@@ -77,10 +77,20 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   // Checked after the owner's synchronisation: other threads may have allocated under the tag meanwhile.
   // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
   // released and restored, the producer would read and write new memory the consumer never sees.
-  int shared = 0;
+  int shared = 0, waiting = 0;
   for (BlockPool* pool : pools_of(tag))
     for (const auto& seg : pool->segments())
-      for (const Block* b = seg->head; b != nullptr; b = b->next) shared += b->allocated && b->shared;
+      for (const Block* b = seg->head; b != nullptr; b = b->next) {
+        shared += b->allocated && b->shared;
+        waiting += !b->allocated && b->pending > 0;
+      }
+  // The owner synchronised its device and settled: a freed block still waiting is read by work
+  // queued on another device's stream (record_stream), which unmapping would pull memory from under.
+  TB_REQUIRE(waiting == 0, kState,
+             name + " holds " + std::to_string(waiting) +
+                 " freed allocation(s) still in use by work queued on a stream of another device (record_stream): "
+                 "release it once that work is done",
+             false);
   TB_REQUIRE(shared == 0, kState,
              name + " holds " + std::to_string(shared) +
                  " live allocation(s) shared with another process, whose mappings would keep the old memory "
