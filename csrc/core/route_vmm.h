@@ -186,6 +186,9 @@ class VmmRoute final : public Backing {
   // Maps granules [first, first + count) of `seg` (each unmapped) with one new handle
   // charged to the budget (Note [Run mappings]). false + error, nothing mapped.
   bool map_run(Segment& seg, size_t first, size_t count);
+  // Note [Unreachable mappings]: sets the access of every listed mapping over granules
+  // [first, last] of `seg`, taking each off the list; false + error while one stays refused.
+  bool reach(Segment& seg, size_t first, size_t last);
   // The first granule of the mapping that granule `index` (mapped) belongs to.
   static size_t mapping_head(const Segment& seg, size_t index);
   // Unmaps granule `index` and gives its memory back to the driver at once. false when
@@ -255,7 +258,6 @@ class VmmRoute final : public Backing {
   // Granules in [first, last] of `seg` under a listed mapping; reach() sets their access,
   // taking each off the list; false + error while one in the range stays refused.
   size_t unreachable_in(const Segment& seg, size_t first, size_t last) const;
-  bool reach(Segment& seg, size_t first, size_t last);
   // cuMemSetAccess over the mapping at `head` for every device, retried as retry_driver does.
   CUresult set_access(const Segment& seg, size_t head);
   // Keeps the unmapped one-granule handle `h`, charged as kCached: cached for a new mapping,

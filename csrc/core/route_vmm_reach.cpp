@@ -11,7 +11,10 @@
 // allows, and only where that is refused too lists the mapping in unreachable_. A listed
 // mapping's granules count as missing (unbacked()), so an allocation placed on them goes through
 // ensure_backed(), which sets their access first (reach()) and fails with the driver's error
-// while it cannot: nothing is handed out unreachable. note_unmap() takes a mapping off the list,
+// while it cannot: nothing is handed out unreachable. A tag's restore likewise reaches every
+// mapping it restores into before it copies (TagMover::map_piece): with the access refused and
+// the unmap refused, a restore had reported success over memory the device could not touch.
+// note_unmap() takes a mapping off the list,
 // so the list never outlives its segment (destroy_segment unmaps every mapping first).
 // The list is empty but after two refusals in a row, so the allocation path pays one test.
 //

@@ -221,6 +221,10 @@ bool TagMover::map_piece(const std::vector<Piece>& pieces, const std::vector<std
   const Piece& p = pieces[k];
   Segment& seg = *p.seg;
   const size_t most = std::max<size_t>(1, kRestoreRunBytes / vmm_.granule());
+  // Granules still mapped (a failed run or restore the driver would not unmap) are restored into
+  // as they are: never while their own device cannot reach them (Note [Unreachable mappings]).
+  auto reachable = [&]() { return vmm_.reach(seg, p.first, p.first + p.count - 1); };
+  if (!reachable()) return false;
   for (size_t i = 0; i < p.count;) {
     if (!needed[k][i] || seg.granules[p.first + i] != 0) {
       ++i;
@@ -247,6 +251,7 @@ bool TagMover::map_piece(const std::vector<Piece>& pieces, const std::vector<std
       }
       if (!vmm_.map_granules(seg, want)) return false;
       for (size_t g : want) mapped->emplace_back(&seg, g);
+      if (!reachable()) return false;
     } else {
       for (size_t g = head; g < end; ++g) mapped->emplace_back(&seg, g);
     }
