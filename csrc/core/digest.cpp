@@ -71,10 +71,7 @@ bool Digester::begin(size_t chunks) {
     host_capacity_ = chunks;
   }
   if (chunks <= capacity_) return true;
-  if (addresses_ != 0) d->memFree(addresses_);
-  if (digests_ != 0) d->memFree(digests_);
-  addresses_ = digests_ = 0;
-  capacity_ = 0;
+  if (!free_buffers()) return false;
   TB_DRIVER_CHECK(d->memAlloc(&addresses_, chunks * sizeof(uint64_t)), false);
   TB_DRIVER_CHECK(d->memAlloc(&digests_, chunks * sizeof(Digest)), false);
   capacity_ = chunks;
@@ -88,12 +85,26 @@ void Digester::end(CUstream stream) {
   if (!guard.ok()) return;
   const DriverApi* d = driver();
   d->streamSynchronize(stream);  // nothing queued may still use the buffers
-  if (addresses_ != 0) d->memFree(addresses_);
-  if (digests_ != 0) d->memFree(digests_);
-  addresses_ = digests_ = 0;
-  capacity_ = 0;
+  // One the driver keeps is freed by the next begin() or end(); the caller's error stays its own.
+  const ErrorCode code = last_error_code();
+  const std::string msg = last_error_message();
+  if (!free_buffers()) code == kOk ? clear_error() : set_error(code, msg);
   batches_.clear();
   used_ = 0;
+}
+
+bool Digester::free_buffers() {
+  // A buffer is forgotten only once the driver took it back: between releases the driver must
+  // hold nothing the ledger does not (see the top of digest.h).
+  for (CUdeviceptr* buf : {&addresses_, &digests_}) {
+    if (*buf == 0) continue;
+    const CUdeviceptr ptr = *buf;
+    const CUresult r = retry_driver([&] { return driver()->memFree(ptr); });
+    if (r != CUDA_SUCCESS) return fail_driver(r, "cuMemFree", __FILE__, __LINE__);
+    *buf = 0;
+  }
+  capacity_ = 0;
+  return true;
 }
 
 bool Digester::start(CUstream stream, const std::vector<uintptr_t>& addresses, size_t chunk_bytes, size_t* batch) {

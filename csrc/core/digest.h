@@ -48,6 +48,8 @@ class Digester {
   void end(CUstream stream);
 
  private:
+  // Frees the device buffers, keeping each the driver refuses (false + error) for a later call.
+  bool free_buffers();
   struct Batch {
     size_t first, count;
     CUevent done;
