@@ -122,8 +122,10 @@ bool DeviceAllocator::backup_of(uintptr_t base, size_t offset, size_t bytes, boo
              false);
   if (b->route != kRouteVmm) return true;  // only VMM memory is released, so only it has backups
   if (!tags_.backup_of(b->tag, b->born, base + offset, bytes, view, spans, space)) {
-    set_error(kState, "backup of tag '" + tag_name(b->tag) + "' on device " + std::to_string(ctx_.device) + ": " +
-                          last_error_message());
+    // The refusal keeps its own code: a view over separate host pieces is not a tag's state.
+    const ErrorCode code = last_error_code();
+    set_error(code == kOk ? kState : code, "backup of tag '" + tag_name(b->tag) + "' on device " +
+                                               std::to_string(ctx_.device) + ": " + last_error_message());
     return false;
   }
   return true;
