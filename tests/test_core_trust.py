@@ -244,8 +244,8 @@ def test_a_tag_is_not_released_under_work_another_device_still_queues_on_its_mem
     h.record_stream(x, peer, device=1)
     h.free(x)
     mapped = sum(seg["mapped_size"] for seg in h.segments())
-    with pytest.raises(StateError, match="1 freed allocation\\(s\\) still in use by work queued on a stream of "
-                                         "another device"):
+    with pytest.raises(StateError, match="1 freed allocation\\(s\\) still in use by work queued on the streams "
+                                         "they were recorded on"):
         h.release("t")
     assert h.tag_info("t")["life"] == 0 and sum(seg["mapped_size"] for seg in h.segments()) == mapped
     h.complete(peer)

@@ -85,11 +85,13 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
         waiting += !b->allocated && b->pending > 0;
       }
   // The owner synchronised its device and settled: a freed block still waiting is read by work
-  // queued on another device's stream (record_stream), which unmapping would pull memory from under.
+  // queued on another device's stream (record_stream), or was freed by another thread after the
+  // synchronisation; unmapping would pull memory from under that work.
   TB_REQUIRE(waiting == 0, kState,
              name + " holds " + std::to_string(waiting) +
-                 " freed allocation(s) still in use by work queued on a stream of another device (record_stream): "
-                 "release it once that work is done",
+                 " freed allocation(s) still in use by work queued on the streams they were recorded on "
+                 "(record_stream; a stream of another device, which the release does not wait for): release it "
+                 "once that work is done",
              false);
   TB_REQUIRE(shared == 0, kState,
              name + " holds " + std::to_string(shared) +
