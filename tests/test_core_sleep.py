@@ -450,3 +450,45 @@ def test_a_release_counts_every_granule_of_a_free_run_mapping_it_gives_back():
     h.release("w", "pinned")
     assert h.device_used() == 0
     assert h.tag_info("w")["last_device"] == 18 * MiB  # was 4 MiB: one granule per run
+
+
+@isolated
+def test_a_restore_never_reports_success_over_memory_its_device_cannot_reach():
+    # Note [Unreachable mappings]: with every access call and every unmap refused, the restore
+    # copied into a mapping its device could not touch and reported success.
+    h = Host(route="vmm")
+    (p, data), = fill(h, "weights", [8 * MiB])
+    h.release("weights", "pinned")
+    h.fail("cuMemSetAccess", nth=-1)
+    h.fail("cuMemUnmap", nth=-1)
+    with pytest.raises(Exception, match="cuMemSetAccess"):
+        h.restore("weights")
+    h.heal()
+    assert h.tag_info("weights")["life"] != 0     # still released, its backup kept
+    h.restore("weights")                          # the driver agrees again: reached, then restored
+    assert h.can_access(0, p) and h.peek(p, len(data)) == data
+
+
+@pytest.mark.parametrize("phase", ["restore", "release"])
+@isolated
+def test_a_refused_free_of_the_digest_buffers_is_freed_later_not_left_with_the_driver(phase):
+    # The digests' device buffers were forgotten when cuMemFree refused them: memory the driver
+    # kept and the ledger never counted, more at each refusal.
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", [6 * MiB, 150 * MiB, 1024, 40 * MiB])
+    h.release("weights", "pinned", retain=True)
+    if phase == "release":
+        h.restore("weights")
+    h.fail("cuMemFree", nth=1)                    # the free at the end of this call's digests
+    if phase == "restore":
+        h.restore("weights")
+    else:
+        h.release("weights", "pinned", retain=True)
+    h.heal()
+    for _ in range(2):
+        if h.tag_info("weights")["life"] == 0:
+            h.release("weights", "pinned", retain=True)
+        h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+    assert h.device_used() == h.reserved()
