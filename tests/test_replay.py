@@ -66,6 +66,7 @@ def test_both_files_round_trip(tmp_path):
     # these were tracebacks (KeyError, AttributeError, TypeError)
     (pickle.dumps(history([{"action": "alloc"}])), "event 0 of device 0 is not one of torch's memory history"),
     (pickle.dumps(history(["x"])), "event 0 of device 0 is not one of"),
+    (pickle.dumps({"device_traces": [{"action": "alloc", "addr": 1, "size": 5}]}), "is not a list of events"),
     (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5}, {"action": "free_completed", "addr": [1]}])),
      "event 1 of device 0 is not one of"),
 ])

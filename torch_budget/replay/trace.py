@@ -148,13 +148,15 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
         raise TraceError(f"{name}: no allocation history for device {device}: record it with "
                          "torch.cuda.memory._record_memory_history() before the workload runs")
     events = traces[device]
-    for k, e in enumerate(events if isinstance(events, list) else [events]):
+    if not isinstance(events, list):
+        raise TraceError(f"{name}: the history of device {device} is not a list of events: {events!r:.200}")
+    for k, e in enumerate(events):
         action = e.get("action") if isinstance(e, dict) else None
         if action is None or (action in ("alloc", "free_requested", "free_completed") and (
                 not isinstance(e.get("addr"), int) or (action == "alloc" and (not isinstance(e.get("size"), int)
                                                                               or e["size"] < 0)))):
             raise TraceError(f"{name}: event {k} of device {device} is not one of torch's memory history events (an "
-                             f"object with 'action', and an integer 'addr' and 'size' to allocate or free): {e!r:.200}")
+                             f"object with 'action', an integer 'addr', and a 'size' to allocate): {e!r:.200}")
     has_requests = any(e.get("action") == "free_requested" for e in events)
     free_action = "free_requested" if has_requests else "free_completed"
     trace = Trace(name)
