@@ -290,10 +290,8 @@ Block* BlockPool::activate(Block* block, size_t requested, bool backed) {
   live_++;
   if (!backed && !backing_->ensure_backed(*block->segment, block->ptr, block->size)) {
     // Undo the split through the ordinary free path; the error is already recorded.
-    const ErrorCode code = last_error_code();
-    const std::string msg = last_error_message();
+    const KeepError kept;
     free(block);
-    set_error(code, msg);
     return nullptr;
   }
   block->requested = requested;

@@ -86,9 +86,8 @@ void Digester::end(CUstream stream) {
   const DriverApi* d = driver();
   d->streamSynchronize(stream);  // nothing queued may still use the buffers
   // One the driver keeps is freed by the next begin() or end(); the caller's error stays its own.
-  const ErrorCode code = last_error_code();
-  const std::string msg = last_error_message();
-  if (!free_buffers()) code == kOk ? clear_error() : set_error(code, msg);
+  const KeepError kept;
+  free_buffers();
   batches_.clear();
   used_ = 0;
 }

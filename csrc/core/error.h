@@ -33,6 +33,20 @@ ErrorCode last_error_code();
 const char* last_error_message();
 void clear_error();
 
+// Keeps this thread's error across cleanup that may record its own: what was there (or no
+// error) is put back when it goes.
+class KeepError {
+ public:
+  KeepError() : code_(last_error_code()), message_(last_error_message()) {}
+  ~KeepError() { set_error(code_, message_); }  // kOk with its empty message: no error
+  KeepError(const KeepError&) = delete;
+  KeepError& operator=(const KeepError&) = delete;
+
+ private:
+  ErrorCode code_;
+  std::string message_;
+};
+
 // Records a failed driver call with the file:line and the driver's error name.
 [[gnu::cold]] bool fail_driver(CUresult r, const char* call, const char* file, int line);
 

@@ -188,10 +188,8 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
   if (keep_) return;
   // Called from destructors and failure paths: the caller's error stays what it was, and a
   // chunk the driver refuses to unpin stays pinned (free_unused() tries it again).
-  const ErrorCode code = last_error_code();
-  const std::string message = last_error_message();
+  const KeepError kept;
   unpin_unused([](const Chunk& c) { return c.at_release; });
-  if (code == kOk) clear_error(); else set_error(code, message);
 }
 
 template <class Which>

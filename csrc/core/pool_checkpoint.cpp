@@ -125,11 +125,9 @@ bool restore_checkpoint(PoolOwner& owner, const PoolCheckpoint& cp, const std::s
   BlockPool* pool = p->blocks.get();
   // A failure part-way frees what was re-created, keeping the error.
   auto undo = [&]() {
-    const ErrorCode code = last_error_code();
-    const std::string msg = last_error_message();
+    const KeepError kept;
     for (Block* b : *created) owner.free_live(b);
     created->clear();
-    set_error(code, msg);
     return false;
   };
   // Free ranges of the checkpoint (blocks then free, or waiting on a recorded stream) stay

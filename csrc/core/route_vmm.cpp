@@ -253,11 +253,9 @@ bool VmmRoute::map_granules(Segment& seg, const std::vector<size_t>& need) {
     return true;
   }
   fail_driver(r, call, __FILE__, __LINE__);
-  const ErrorCode code = last_error_code();
-  const std::string msg = last_error_message();
+  const KeepError kept;
   for (size_t k = 0; k < mapped; ++k) undo_mapping(seg, need[k]);
   free_handles_.insert(free_handles_.end(), handles.begin() + static_cast<long>(mapped), handles.end());
-  set_error(code, msg);
   return false;
 }
 
