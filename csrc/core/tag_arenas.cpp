@@ -75,8 +75,6 @@ std::vector<std::vector<bool>> TagArenas::still_needed(const TagState& st) const
 bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& name,
                         const std::unordered_set<const Block*>& discard) {
   // Checked after the owner's synchronisation: other threads may have allocated under the tag meanwhile.
-  // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
-  // released and restored, the producer would read and write new memory the consumer never sees.
   int shared = 0, waiting = 0;
   for (BlockPool* pool : pools_of(tag))
     for (const auto& seg : pool->segments())
@@ -93,6 +91,8 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
                  "(record_stream; a stream of another device, which the release does not wait for): release it "
                  "once that work is done",
              false);
+  // Note [Sharing memory between processes]: a consumer maps the producer's physical memory;
+  // released and restored, the producer would read and write new memory the consumer never sees.
   TB_REQUIRE(shared == 0, kState,
              name + " holds " + std::to_string(shared) +
                  " live allocation(s) shared with another process, whose mappings would keep the old memory "
