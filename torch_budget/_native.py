@@ -188,3 +188,11 @@ def check(lib, rc, state=StateError):
     if rc != 0:
         raise error(lib, rc, state)
     return rc
+
+
+def known_tag(lib, name: str) -> int:
+    """The core's id of tag `name`, which must be registered already (InvalidArgumentError otherwise)."""
+    tag = lib.tb_tag_find(name.encode())
+    if tag < 0:
+        raise InvalidArgumentError(f"unknown tag {name!r}: no memory was ever allocated or scoped under it")
+    return tag

@@ -378,14 +378,6 @@ def stats(device: Device = None) -> Stats:
     }
 
 
-def _known_tag(lib, tag: str) -> int:
-    """The core's id of `tag`, which must be registered already (InvalidArgumentError otherwise)."""
-    tag_id = lib.tb_tag_find(tag.encode())
-    if tag_id < 0:
-        raise InvalidArgumentError(f"unknown tag {tag!r}: no memory was ever allocated or scoped under it")
-    return tag_id
-
-
 def _trim(lib, device: int, tag_id: int) -> int:
     """Empties tag `tag_id`'s own VMM pool on `device`; the bytes given back (0 for a tag never on VMM)."""
     out = _native.ctypes.c_int64()
@@ -399,7 +391,8 @@ def empty_cache(device: Device = None, tags: Tags = None) -> None:
     pools are emptied, after waiting for the streams their freed blocks were used on."""
     lib = _runtime.require_installed("torch_budget.empty_cache()")
     names = tag_names(tags)
-    ids = None if names is None else [_known_tag(lib, name) for name in names]  # all known, before any is emptied
+    # Every tag is known before any is emptied: a refused call changes nothing.
+    ids = None if names is None else [_native.known_tag(lib, name) for name in names]
     for dev in _runtime.device_indices(lib, device):
         if ids is None:
             _native.check(lib, lib.tb_empty_cache(dev))
@@ -412,7 +405,7 @@ def trim_tag(tag: str, device: Device = None) -> int:
     """Deprecated: torch_budget.empty_cache(tags=tag, device=device). Returns the bytes returned."""
     _deprecation.warn("torch_budget.trim_tag()", "write torch_budget.empty_cache(tags=tag, device=device)")
     lib = _runtime.require_installed("torch_budget.empty_cache()")
-    return _trim(lib, _runtime.device_index(device), _known_tag(lib, tag_name(tag)))
+    return _trim(lib, _runtime.device_index(device), _native.known_tag(lib, tag_name(tag)))
 
 
 def _set_on_every_device(lib, devices, read, write, value, none) -> None:

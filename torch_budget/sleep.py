@@ -115,9 +115,7 @@ _released: dict[str, str] = {}
 
 
 def _tag_id(lib, name: str) -> int:
-    tag = lib.tb_tag_find(name.encode())
-    if tag < 0:
-        raise InvalidArgumentError(f"unknown tag {name!r}: no memory was ever allocated or scoped under it")
+    tag = _native.known_tag(lib, name)
     if tag == 0:
         raise InvalidArgumentError("untagged memory cannot be released; allocate it under a tag")
     return tag
