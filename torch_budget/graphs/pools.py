@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._validate import pool_handle
+from .._validate import pool_handle as pool_key  # the key of a pool: its checked handle
 from ..errors import InvalidArgumentError, PoolInUseError, PoolReleasedError
 
 __all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "pool_key"]
@@ -23,10 +23,6 @@ PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() r
 # - a pool handed in from outside (pool=other.pool()) may still be held by graphs the
 #   ledger does not know, so only an explicit release() ends it;
 # - capturing into a released handle raises PoolReleasedError.
-
-def pool_key(pool: object) -> tuple[int, int]:
-    return pool_handle(pool)
-
 
 class PoolLedger:
     """Which graphs hold which private pool. See Note [Pool ownership]."""

@@ -108,14 +108,12 @@ class TagBudget:
     def from_dict(cls, d: dict) -> "TagBudget":
         if not isinstance(d, dict):
             raise ValueError(f"a tag budget must be an object with tag, budget and used, got {d!r}")
-        try:
-            counts = {name: d[name] for name in ("budget", "used")}
-        except KeyError as e:
-            raise ValueError(f"tag budget {d!r} lacks the key {e.args[0]!r}") from None
+        missing = [key for key in ("tag", "budget", "used") if key not in d]
+        if missing:
+            raise ValueError(f"tag budget {d!r} lacks the key {missing[0]!r}")
+        counts = {name: d[name] for name in ("budget", "used")}
         if d.get("peak") is not None:
             counts["peak"] = d["peak"]
-        if "tag" not in d:
-            raise ValueError(f"tag budget {d!r} lacks the key 'tag'")
         for name, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"tag budget {d!r}: {name!r} must be a number of bytes, an integer, got {value!r}")
