@@ -300,6 +300,50 @@ def test_integer_host_data_is_cast_to_the_declared_dtype():
     assert runner.run_eager(2, ids=[3, 4])["ids2"].tolist() == [6, 8]
 
 
+def test_a_refused_step_writes_no_buffer_and_takes_no_shadow_slot():
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("mix", lambda b: {"y": b["a"] + b["x"]}, buckets=[4], shadow_slots=2, inputs=[
+        StaticInput("a", torch.float32, (2,), source="device"),
+        StaticInput("b", torch.float32, (2,), source="device"),
+        StaticInput("x", torch.float32, (2,)),
+        StaticInput("h", torch.int64, (2,)),
+    ])
+    ones, ints = torch.ones(4, 2), torch.ones(4, 2, dtype=torch.int64)
+    runner.run_eager(4, a=ones, b=ones, x=ones, h=ints)
+    shadows = [{k: v.clone() for k, v in runner.shadows_at(s).items()} for s in range(2)]
+    # A valid device input before a bad one, and a valid host input before a bad one.
+    with pytest.raises(ValueError, match="'b' has shape"):
+        runner.run_eager(4, a=ones * 7, b=torch.ones(4, 3), x=ones * 7, h=ints)
+    with pytest.raises(TypeError, match="'h'"):
+        runner.run_eager(4, a=ones * 7, b=ones, x=ones * 9, h=torch.full((4, 2), 0.5))
+    assert torch.equal(runner.inputs["a"], ones) and torch.equal(runner.inputs["b"], ones)
+    for s in range(2):
+        assert all(torch.equal(runner.shadows_at(s)[k], shadows[s][k]) for k in ("x", "h"))
+    # The ring did not move: the next step takes slot 1, as it would have without the refusals.
+    runner.run_eager(4, a=ones, b=ones, x=ones * 5, h=ints)
+    assert runner.shadows_at(1)["x"][0, 0].item() == 5.0 and runner.shadows_at(0)["x"][0, 0].item() == 1.0
+
+
+@pytest.mark.parametrize("junk", ["abc", [[1, 2], [3]], object()])
+def test_step_data_that_is_not_a_tensor_is_refused_naming_the_input(junk):
+    runner, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(ValueError, match="'pos' cannot be read as a tensor"):
+        runner.run_eager(2, x=torch.randn(2, HIDDEN), pos=junk)
+
+
+@pytest.mark.parametrize("source", ["host", "device"])
+def test_step_data_that_autograd_tracks_leaves_the_buffers_untracked(source):
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", lambda b: {"y": b["x"] * 2}, buckets=[2, 4],
+                            inputs=[StaticInput("x", torch.float32, (2,), source=source)])
+    tracked = torch.ones(4, 2, requires_grad=True)
+    assert runner.run_eager(4, x=tracked)["y"].tolist() == [[2.0, 2.0]] * 4
+    assert runner.run_eager(2, x=tracked[:2] * 3)["y"].tolist() == [[6.0, 6.0]] * 2
+    assert not runner.inputs["x"].requires_grad
+    assert not any(t.requires_grad for t in runner.shadows.values())
+    assert runner.run_eager(2, x=torch.full((2, 2), 4.0))["y"].tolist() == [[8.0, 8.0]] * 2
+
+
 def test_step_above_the_largest_bucket_raises_with_eager_hint():
     runner, _ = _runner(GraphPoolManager("cpu"))
     with pytest.raises(ValueError, match="9 rows exceed its largest bucket 8.*eagerly"):

@@ -163,17 +163,23 @@ class StaticInputs:
 
     def stage(self, bucket: int, n: int, data: Mapping[str, object]) -> int:
         """Write a step's data: host inputs into the next shadow slot, device inputs into
-        their static buffers; returns the slot. See Note [Shadow ring]."""
+        their static buffers; returns the slot. See Note [Shadow ring].
+
+        Every input is checked before any buffer is written, so a refused step leaves the
+        device buffers, the shadows and the ring as they were."""
         keys = data.keys()
         if not (keys <= self.names and self.host_names <= keys):
             self._reject_names(data)
         host, device = self._copies(bucket, n)
+        # None: the value fits its copy as it is (the common case); else the value, checked
+        # and converted, for _fill.
+        host_values = [self._checked(copy, data[copy.name], n, bucket) for copy in host]
+        device_values = [self._checked(copy, data[copy.name], n, bucket) if copy.name in data else None
+                         for copy in device]
         slot = self._ring.acquire()
         dirty = self._dirty[slot]
-        for copy in host:
-            value = data[copy.name]
-            if (type(value) is torch.Tensor and value.shape == copy.shape
-                    and value.dtype == copy.spec.dtype and value.is_cpu):
+        for copy, checked in zip(host, host_values):
+            if checked is None:
                 if copy.track:
                     # Refill padding only where an earlier step of this slot left rows, and
                     # then all of them, so that smaller steps after it find clean padding.
@@ -186,22 +192,55 @@ class StaticInputs:
                     dirty[copy.index] = copy.data_end
                 elif copy.pad is not None:
                     copy.pad[slot].fill_(copy.spec.pad_value)
-                copy.data[slot].copy_(value)
+                copy.data[slot].copy_(data[copy.name])
             else:
-                self._write(copy.spec, self._shadow_views[slot][bucket][copy.name], value, n, bucket)
+                self._fill(copy.spec, self._shadow_views[slot][bucket][copy.name], checked)
                 dirty[copy.index] = max(dirty[copy.index], copy.view_end)
-        for copy in device:
+        for copy, checked in zip(device, device_values):
             if copy.name not in data:
                 continue
-            value = data[copy.name]
-            if type(value) is torch.Tensor and value.shape == copy.shape and value.dtype == copy.spec.dtype:
+            if checked is None:
                 # Callers may write device buffers in place, so their padding is always refilled.
                 if copy.pad is not None:
                     copy.pad[0].fill_(copy.spec.pad_value)
-                copy.data[0].copy_(value)
+                copy.data[0].copy_(data[copy.name])
             else:
-                self._write(copy.spec, self._in_views[bucket][copy.name], value, n, bucket)
+                self._fill(copy.spec, self._in_views[bucket][copy.name], checked)
         return slot
+
+    def _checked(self, copy: _InputCopy, value: object, n: int, bucket: int) -> torch.Tensor | None:
+        """None when `value` is a tensor of exactly the copy's shape and dtype (on the CPU for a
+        host input) that autograd does not track; otherwise `value` checked against the input's
+        static buffer at `bucket` and made a tensor, or an exception naming the input."""
+        if (type(value) is torch.Tensor and value.shape == copy.shape and value.dtype == copy.spec.dtype
+                and not value.requires_grad and (value.is_cpu or copy.spec.source != "host")):
+            return None
+        spec = copy.spec
+        where = f"{self._label}: input {spec.name!r}"
+        if not isinstance(value, torch.Tensor):
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InvalidArgumentError(f"{where} cannot be read as a tensor: got {type(value).__name__} ({e})") from None
+        # A step's data is copied into buffers the graph reads; gradients cannot flow through a
+        # replay, and copying a tracked tensor in place would make the buffers tracked too.
+        value = value.detach()
+        if spec.source == "host" and value.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"{where} is host-sourced but got a tensor on {value.device}; pass a CPU tensor "
+                "(reading a device tensor back would synchronise) or declare source='device'"
+            )
+        if not torch.can_cast(value.dtype, spec.dtype):
+            raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, which does not cast safely")
+        shape, cap = tuple(value.shape), tuple(self.layouts[spec.name].shapes[bucket])
+        if len(shape) != len(cap):
+            raise InvalidArgumentError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
+        axis = spec.batch_axis
+        if axis is not None and shape[axis] != n:
+            raise InvalidArgumentError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
+        if any(s > c for s, c in zip(shape, cap)):
+            raise InvalidArgumentError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
+        return value
 
     def _reject_names(self, data: Mapping[str, object]) -> None:
         unknown = set(data) - self.names
@@ -213,31 +252,17 @@ class StaticInputs:
             "copied by the graph each step, so each step must provide it"
         )
 
-    def _write(self, spec: StaticInput, target: torch.Tensor, value: object, n: int, bucket: int) -> None:
-        """Copy `value` into the leading corner of `target` and pad the rest (any shape or dtype)."""
-        if not isinstance(value, torch.Tensor):
-            value = torch.as_tensor(value)
-        where = f"{self._label}: input {spec.name!r}"
-        if spec.source == "host" and value.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"{where} is host-sourced but got a tensor on {value.device}; pass a CPU tensor "
-                "(reading a device tensor back would synchronise) or declare source='device'"
-            )
-        if not torch.can_cast(value.dtype, spec.dtype):
-            raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, which does not cast safely")
+    @staticmethod
+    def _fill(spec: StaticInput, target: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy a value _checked against `target` into its leading corner and pad the rest."""
         shape, cap = tuple(value.shape), tuple(target.shape)
-        if len(shape) != len(cap):
-            raise InvalidArgumentError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
-        axis = spec.batch_axis
-        if axis is not None and shape[axis] != n:
-            raise InvalidArgumentError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
-        if any(s > c for s, c in zip(shape, cap)):
-            raise InvalidArgumentError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
         if shape == cap:
             target.copy_(value)
             return
+        axis = spec.batch_axis
         differs = [d for d in range(len(cap)) if shape[d] != cap[d]]
         if differs == [axis]:
+            n = shape[axis]
             target.narrow(axis, n, cap[axis] - n).fill_(spec.pad_value)
             target.narrow(axis, 0, n).copy_(value)
         else:
