@@ -720,6 +720,8 @@ def test_agree_rejects_unknown_tier_and_bad_bucket():
     manager = GraphPoolManager("cpu")
     with pytest.raises(ValueError, match="'turbo'"):
         manager.agree(16, "turbo")
+    with pytest.raises(ValueError, match="tier code 3 is past"):
+        manager.agree(16, 3)
     with pytest.raises(ValueError, match="bucket"):
         manager.agree(0, "full")
 

@@ -36,3 +36,40 @@ def test_ranks_agree_on_their_key_or_fall_back_to_the_most_conservative(ranks):
         (None, "full"),      # one rank must run eagerly: all run eagerly
         (4, 2),              # integer tiers: larger is more conservative
     ]
+
+
+def agree_or_raise(choices, tiers):
+    """One rank: manager.agree for each (bucket, tier) pair with a manager listing `tiers`;
+    prints each answer, or the exception's type, as JSON."""
+    import torch.distributed as dist
+    from torch_budget.graphs import GraphPoolManager
+
+    dist.init_process_group("gloo", init_method=os.environ["TB_INIT_METHOD"], rank=int(os.environ["RANK"]),
+                            world_size=2)
+    manager = GraphPoolManager("cpu", tiers=tiers)
+    answers = []
+    for bucket, tier in choices:
+        try:
+            answers.append(list(manager.agree(bucket, tier)))
+        except (TypeError, ValueError) as e:
+            answers.append(type(e).__name__)
+    dist.destroy_process_group()
+    print(json.dumps(answers))
+
+
+def test_a_choice_one_rank_refuses_raises_on_every_rank_and_the_next_agreement_still_works(ranks):
+    tiers = ["full", "piecewise", "eager"]
+    rank0 = [[8, "full"], [8, "full"], [0, "full"], [8, 2.5], [16, "full"]]
+    rank1 = [[8, 7], [8, "turbo"], [8, "full"], [8, "full"], [8, "eager"]]
+    outs = ranks(agree_or_raise, 2, timeout=120, rank_args=[[rank0, tiers], [rank1, tiers]])
+    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+    assert r0 == ["InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError", "TypeError", [16, "eager"]]
+    assert r1 == ["InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError",
+                  [16, "eager"]]
+
+
+def test_ranks_whose_managers_list_different_tiers_all_raise(ranks):
+    choices = [[8, 0], [8, 1]]
+    outs = ranks(agree_or_raise, 2, timeout=120,
+                 rank_args=[[choices, ["full", "piecewise"]], [choices, ["full", "eager"]]])
+    assert [json.loads(out.strip().splitlines()[-1]) for out in outs] == [["InvalidArgumentError"] * 2] * 2

@@ -3,6 +3,7 @@ the agreement of ranks on the graph to replay."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -161,40 +162,58 @@ class GraphPoolManager:
             if tier not in self.tiers:
                 raise InvalidArgumentError(f"unknown graph tier {tier!r}; known tiers: {self.tiers}")
             return self.tiers.index(tier)
-        return integer(tier, f"a graph tier (one of {self.tiers}, or an int code)", minimum=0)
+        code = integer(tier, f"a graph tier (one of {self.tiers}, or its position)", minimum=0)
+        if code >= len(self.tiers):
+            raise InvalidArgumentError(f"graph tier code {code} is past the known tiers {self.tiers}")
+        return code
 
     def agree(self, bucket: int | None, tier: int | str, group: Any = None) -> tuple[int | None, int | str]:
         """The (bucket, tier) every rank of `group` uses. See Note [Rank agreement].
 
         `bucket` None means this rank runs eagerly. Returns the local choice when all ranks
-        agree, with world size 1, or when torch.distributed is not initialized.
+        agree, with world size 1, or when torch.distributed is not initialized. A bucket or
+        tier refused on any rank, or managers whose tiers differ between ranks, raise on every
+        rank, after the ranks have exchanged their choices: none is left waiting or replays alone.
         """
-        if bucket is not None:
-            bucket = positive_int(bucket, "bucket")
-        tier_code = self._encode_tier(tier)
+        refused: Exception | None = None
+        try:
+            if bucket is not None:
+                bucket = positive_int(bucket, "bucket")
+            tier_code = self._encode_tier(tier)
+        except (TypeError, ValueError) as e:
+            refused, tier_code = e, -1
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            if refused is not None:
+                raise refused
             return bucket, tier
         world = dist.get_world_size(group)
-        if world == 1:
-            return bucket, tier
         device = "cpu"
         if str(dist.get_backend(group)) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        mine = torch.tensor([_EAGER_BUCKET if bucket is None else bucket, tier_code],
+        bucket_code = -1 if refused is not None else _EAGER_BUCKET if bucket is None else bucket
+        mine = torch.tensor([bucket_code, tier_code, zlib.crc32("\0".join(self.tiers).encode())],
                             dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
         rows = torch.stack(gathered).cpu().tolist()
+        if refused is not None:
+            raise refused
+        others = [rank for rank, row in enumerate(rows) if row[0] < 0 or row[1] < 0]
+        if others:
+            raise InvalidArgumentError(f"agree(): rank(s) {others} of the group passed a bucket or tier they refused; "
+                                       "every rank raises, so that none replays a graph the others do not")
+        if any(row[2] != rows[0][2] for row in rows):
+            raise InvalidArgumentError(f"agree(): the ranks' GraphPoolManagers list different tiers (this rank: "
+                                       f"{self.tiers}); tiers are exchanged by position, so every rank must list "
+                                       "the same ones in the same order")
         if all(row == rows[0] for row in rows):
             return bucket, tier
         top_bucket = max(row[0] for row in rows)
         top_tier = max(row[1] for row in rows)
         agreed_bucket = None if top_bucket == _EAGER_BUCKET else top_bucket
         if isinstance(tier, str):
-            if top_tier >= len(self.tiers):
-                raise InvalidArgumentError(f"a rank chose tier code {top_tier}, unknown to tiers {self.tiers}")
             return agreed_bucket, self.tiers[top_tier]
         return agreed_bucket, top_tier
 
