@@ -178,6 +178,7 @@ TB_API void tb_host_complete(void* stream);
 TB_API int64_t tb_host_used(int device);
 TB_API void tb_host_counters(int64_t out[8]);
 TB_API void tb_host_event_calls(int64_t out[2]);
+TB_API int64_t tb_host_captured_ordered_calls(void);
 TB_API int tb_host_fail(const char* entry_point, int64_t nth, double rate, int result, uint64_t seed);
 TB_API int tb_host_set_current(int device);
 TB_API int tb_host_current(void);

@@ -40,6 +40,7 @@ def _host_signatures():
         "tb_host_pool_chunk": (None, [i64]),
         "tb_host_counters": (None, [ctypes.c_int64 * 8]),
         "tb_host_event_calls": (None, [ctypes.c_int64 * 2]),
+        "tb_host_captured_ordered_calls": (i64, []),
         "tb_host_fail": (i, [cp, i64, d, i, u64]),
         "tb_host_set_current": (i, [i]),
         "tb_host_current": (i, []),
@@ -188,6 +189,10 @@ class Host:
         out = (ctypes.c_int64 * 2)()
         self.lib.tb_host_event_calls(out)
         return {"records": out[0], "queries": out[1]}
+
+    def captured_ordered_calls(self):
+        """Stream-ordered allocations and frees so far on a capturing stream (graph nodes on a GPU)."""
+        return self.lib.tb_host_captured_ordered_calls()
 
     def empty_cache(self, device=0):
         _native.check(self.lib, self.lib.tb_empty_cache(device))

@@ -135,6 +135,29 @@ def test_a_capture_on_another_device_leaves_the_pool_routes_out_of_memory_retry_
 
 
 @isolated
+def test_the_pool_route_never_allocates_on_a_stream_that_joined_another_devices_capture():
+    h = Host(devices=2, route="pool")
+    h.begin_pool(POOL, h.stream(1), device=1)  # a capture is open on device 1 only
+    h.capture(S1, 1)                           # device 0's S1 joined it (an event fork)
+    # A stream-ordered allocation on S1 would be a node of device 1's graph, not memory.
+    p = h.malloc(1 * MiB, S1, device=0)
+    h.poke(p, b"held")
+    assert h.captured_ordered_calls() == 0 and h.peek(p, 4) == b"held"
+    assert [s["stream"] for s in h.segments()] == [S1]  # the block is S1's, as any other
+    h.free(p)                                  # its stream-ordered free waits for the capture
+    h.fail("cuStreamSynchronize", rate=1.0)    # the wait for the route's own stream is refused
+    with pytest.raises(Exception):
+        h.malloc(3 * MiB, S1, device=0)
+    h.heal()
+    assert h.captured_ordered_calls() == 0
+    h.capture(S1, 0)
+    h.end_pool(POOL, device=1)
+    h.free(h.malloc(512, S2))                  # settles the held free
+    h.empty_cache()
+    assert h.reserved() == 0 and h.stats()["routes"]["pool"]["reserved"]["current"] == 0
+
+
+@isolated
 def test_releasing_the_pool_routes_cache_skips_segments_whose_stream_captures():
     h = Host(devices=2, route="pool", budget=16 * MiB)
     h.fail("cuMemFreeAsync", rate=1.0)  # frees refused: an idle segment on S1 and one on S2 stay

@@ -72,8 +72,21 @@ bool PoolRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   // Predicted growth: the request rounded up to the granularity the pool has grown by so far.
   const size_t predicted = chunk_ > 0 ? (need + chunk_ - 1) / chunk_ * chunk_ : need;
   if (need > 0 && !budget_.fits(predicted)) return false;
+  // Note [Allocating beside a capture]
+  CUstream order = stream;
+  if (open_captures_.load(std::memory_order_acquire) > 0 && may_be_capturing(stream)) {
+    if (side_ == nullptr) TB_DRIVER_CHECK(driver()->streamCreate(&side_, CU_STREAM_NON_BLOCKING), false);
+    order = side_;
+  }
   CUdeviceptr ptr = 0;
-  TB_DRIVER_CHECK(driver()->memAllocFromPoolAsync(&ptr, size, pool_, stream), false);
+  TB_DRIVER_CHECK(driver()->memAllocFromPoolAsync(&ptr, size, pool_, order), false);
+  if (order != stream) {
+    const CUresult r = driver()->streamSynchronize(order);
+    if (r != CUDA_SUCCESS) {
+      driver()->memFreeAsync(ptr, order);
+      return fail_driver(r, "cuStreamSynchronize", __FILE__, __LINE__);
+    }
+  }
   size_t after = held;
   const bool known = reserved(&after);
   const size_t grew = after > held ? after - held : 0;
@@ -81,7 +94,7 @@ bool PoolRoute::grow(BlockPool& pool, size_t size, bool small, CUstream stream) 
   if (!known || (grew > 0 && !budget_.fits(grew))) {
     const ErrorCode code = known ? kOutOfMemory : last_error_code();
     const std::string msg = last_error_message();
-    if (driver()->memFreeAsync(ptr, stream) == CUDA_SUCCESS) {
+    if (driver()->memFreeAsync(ptr, order) == CUDA_SUCCESS) {
       driver()->memPoolTrimTo(pool_, held);
     } else {
       // Kept as a free segment of the pool, as one whose free was refused later is:

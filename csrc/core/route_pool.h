@@ -15,6 +15,17 @@
 // captures (or may: the driver cannot say): its free would become a node of that graph.
 // Trimming the pool is not stream-ordered and runs.
 //
+// Note [Allocating beside a capture]
+// A stream of this device may capture while this device has no capture of its own: it joined
+// a capture begun on another device (an event fork). A stream-ordered allocation on it would
+// become an allocation node of that graph, valid only while the graph runs, and be handed out
+// as ordinary memory. So the allocation is ordered on a stream of the route's own, which never
+// captures, and waited for: the memory is then usable on any stream, the caller's included,
+// and its segment belongs to the caller's stream as any other. The wait is rare (a growth
+// while such a capture is open) and runs in relaxed capture mode (DeviceAllocator::attempt).
+// A later free of the block on the capturing stream waits for the captures to close (Note
+// [Stream-ordered frees]).
+//
 // Note [Pool growth and the budget]
 // The driver grows a pool in chunks, so one allocation can add more reserved
 // memory than it asked for. The route checks the request, rounded up to the
@@ -63,6 +74,7 @@ class PoolRoute final : public Backing {
   Ledger& ledger_;
   const std::atomic<int>& open_captures_;
   CUmemoryPool pool_ = nullptr;
+  CUstream side_ = nullptr;  // Note [Allocating beside a capture]; kept for the process, as the pool
   size_t seen_small_ = 0;  // reserved bytes charged, by the kind of request that grew the pool
   size_t seen_large_ = 0;
   size_t chunk_ = 0;  // granularity of the pool's growth so far (gcd of the growths seen)

@@ -103,6 +103,9 @@ struct State {
   std::map<std::pair<void*, int>, uint64_t> submitted, completed;  // per (stream, device)
   int64_t map_calls = 0, unmap_calls = 0, syncs = 0, injected = 0;
   int64_t event_records = 0, event_queries = 0;
+  // Stream-ordered allocations and frees asked on a capturing stream: on a real driver, nodes of
+  // its graph, not memory (Note [Allocating beside a capture]).
+  int64_t captured_ordered_calls = 0;
   int64_t host_pinned = 0;                   // bytes of cuMemHostAlloc memory live
   std::set<void*> host_allocs;
   std::map<void*, size_t> host_sizes;
@@ -750,8 +753,13 @@ CUresult h_pool_access(CUmemoryPool p, const CUmemAccessDesc* desc, size_t count
   for (size_t i = 0; i < count; ++i) g->devices[d].pool_peers.insert(desc[i].location.id);
   return CUDA_SUCCESS;
 }
+bool stream_captures(CUstream s) {
+  auto it = g->captures.find(s);
+  return it != g->captures.end() && it->second.first != 0;
+}
 CUresult h_pool_alloc(CUdeviceptr* ptr, size_t bytes, CUmemoryPool p, CUstream s) {
   HOST_ENTRY("cuMemAllocFromPoolAsync");
+  if (stream_captures(s)) g->captured_ordered_calls++;
   const int d = device_of_pool(p);
   if (d < 0 || stream_device(s) != d) return CUDA_ERROR_INVALID_VALUE;
   HostDevice& dev = g->devices[d];
@@ -767,8 +775,9 @@ CUresult h_pool_alloc(CUdeviceptr* ptr, size_t bytes, CUmemoryPool p, CUstream s
   g->allocs[*ptr] = Alloc{d, bytes, true};
   return CUDA_SUCCESS;
 }
-CUresult h_free_async(CUdeviceptr p, CUstream) {
+CUresult h_free_async(CUdeviceptr p, CUstream s) {
   HOST_ENTRY("cuMemFreeAsync");
+  if (stream_captures(s)) g->captured_ordered_calls++;
   auto it = g->allocs.find(p);
   if (it == g->allocs.end() || !it->second.from_pool) return CUDA_ERROR_INVALID_VALUE;
   g->devices[it->second.device].pool_used -= it->second.size;
@@ -917,6 +926,12 @@ void tb_host_event_calls(int64_t out[2]) {
   std::lock_guard<std::mutex> l(g->mu);
   out[0] = g->event_records;
   out[1] = g->event_queries;
+}
+
+// cuMemAllocFromPoolAsync and cuMemFreeAsync calls so far on a stream that was capturing.
+int64_t tb_host_captured_ordered_calls(void) {
+  std::lock_guard<std::mutex> l(g->mu);
+  return g->captured_ordered_calls;
 }
 
 // Fails `entry_point` ("cuMemMap", ...; "*" for every one) on its `nth` call from
