@@ -333,6 +333,47 @@ def test_where_registering_is_refused_the_host_pool_pins_through_cuMemHostAlloc_
     assert h.host_pool()["bytes"] == 0 and h.lib.tb_host_pinned() == 0
 
 
+def _on_a_thread_without_context(fn):
+    """fn() on a new thread, which has no current context; its result or its exception."""
+    import threading
+    out = {}
+
+    def run():
+        try:
+            out["r"] = fn()
+        except Exception as e:  # noqa: BLE001 -- handed back to the test
+            out["r"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out["r"]
+
+
+@isolated
+@pytest.mark.parametrize("how", ["free_host_pool", "restore", "last_view"])
+def test_pinned_memory_is_unpinned_from_a_thread_without_a_context(how):
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    if how == "free_host_pool":
+        h.release("weights", "pinned")
+        h.restore("weights")
+        assert _on_a_thread_without_context(lambda: (h.current(), h.lib.tb_host_pool_free())) == (-1, 0)
+    else:
+        _native.check(h.lib, h.lib.tb_host_pool_set_keep(0, None))  # unpinned as its last backup goes
+        h.release("weights", "pinned")
+        if how == "restore":
+            assert not isinstance(_on_a_thread_without_context(lambda: h.restore("weights")), Exception)
+        else:
+            p, data = blocks[2]
+            _, view = h.backup_view(p, len(data))
+            h.restore("weights")                # the view still holds its chunk
+            assert h.lib.tb_host_pinned() > 0
+            _on_a_thread_without_context(lambda: h.backup_view_end(view))
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
+    assert h.lib.tb_host_pinned() == 0 and h.host_pool()["bytes"] == 0
+
+
 @isolated
 def test_a_failed_unregister_keeps_the_chunk_and_a_later_free_gives_it_back():
     h = Host(route="vmm")

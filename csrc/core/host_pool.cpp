@@ -89,6 +89,7 @@ bool HostPool::pin(size_t bytes, bool at_release) {
   bytes = (bytes + kUnit - 1) / kUnit * kUnit;
   const auto start = std::chrono::steady_clock::now();
   // Portable either way: the backup of any device's tag may land in any chunk.
+  if (pinned_with_ == nullptr && driver()->ctxGetCurrent(&pinned_with_) != CUDA_SUCCESS) pinned_with_ = nullptr;
   Chunk c{map_and_register(bytes), bytes, {}, true, at_release};
   if (c.base == nullptr) {
     void* p = nullptr;
@@ -194,7 +195,13 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
 
 template <class Which>
 bool HostPool::unpin_unused(Which which) {
-  bool ok = true;
+  // Unpinning needs a current context, and the thread that drops the last backup of a chunk
+  // may have none (a destructor, a Python finalizer): it borrows the one the pool pinned with.
+  // The memory is portable, so any context of the process unpins it.
+  CUcontext current = nullptr;
+  if (driver()->ctxGetCurrent(&current) != CUDA_SUCCESS) current = nullptr;
+  ContextGuard guard(current == nullptr && pinned_with_ != nullptr ? pinned_with_ : current);
+  bool ok = guard.ok();
   std::vector<Chunk> kept;
   for (Chunk& c : chunks_) {
     const bool unused = c.free.size() == 1 && c.free.begin()->first == 0 && c.free.begin()->second == c.bytes;
@@ -202,7 +209,7 @@ bool HostPool::unpin_unused(Which which) {
       kept.push_back(std::move(c));
       continue;
     }
-    if (!unpin(c)) {
+    if (!guard.ok() || !unpin(c)) {
       ok = false;
       kept.push_back(std::move(c));
       continue;

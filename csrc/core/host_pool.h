@@ -76,6 +76,7 @@ class HostPool {
   std::vector<Chunk> chunks_;
   HostPoolStats stats_;
   bool keep_ = true;
+  CUcontext pinned_with_ = nullptr;  // current at the first pin; unpin_unused borrows it
 };
 
 }  // namespace tb

@@ -678,6 +678,7 @@ CUresult h_host_alloc(void** p, size_t bytes, unsigned) {
 }
 CUresult h_free_host(void* p) {
   HOST_ENTRY("cuMemFreeHost");
+  if (current_device() < 0) return CUDA_ERROR_INVALID_CONTEXT;
   if (!g->host_allocs.erase(p)) return CUDA_ERROR_INVALID_VALUE;
   g->host_pinned -= static_cast<int64_t>(g->host_sizes[p]);
   g->host_sizes.erase(p);
@@ -698,6 +699,7 @@ CUresult h_host_register(void* p, size_t bytes, unsigned) {
 }
 CUresult h_host_unregister(void* p) {
   HOST_ENTRY("cuMemHostUnregister");
+  if (current_device() < 0) return CUDA_ERROR_INVALID_CONTEXT;
   auto it = g->host_registered.find(p);
   if (it == g->host_registered.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
   g->host_pinned -= static_cast<int64_t>(it->second);
