@@ -144,6 +144,49 @@ def test_a_driver_failure_while_mapping_again_leaves_the_memory_as_it_was():
     assert h.device_used() == 0
 
 
+@isolated
+def test_a_mapping_the_driver_refuses_to_put_back_is_booked_unmapped_and_not_held_for_good():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)                       # runs of 16, 16 and 8 MiB
+    h.poke(t, pattern(40 * MiB, 2))
+    # Maps 1, 2 stage the first run's new handles; map 3, the first of them at t, fails, and so
+    # does every later one: the old handle cannot be mapped back either.
+    h.fail("cuMemMap", nth=-3)
+    with pytest.raises(Exception, match="contents lost"):
+        h.share(t)
+    h.heal()
+    assert h.peek(t, 16 * MiB) is None           # what the driver left, and what the books say:
+    assert h.peek(t + 16 * MiB, 24 * MiB) == pattern(40 * MiB, 2)[16 * MiB:]
+    assert h.reserved() == 24 * MiB == h.device_used()
+    h.free(t)
+    t = h.malloc(40 * MiB)                       # maps new memory where the old went
+    h.poke(t, pattern(40 * MiB, 3))
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 3)
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used()
+
+
+@isolated
+def test_a_mapping_put_back_without_access_is_reached_before_its_memory_serves_again():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 2))
+    # Access 1: the scratch range; access 2, for the new handles at t, fails, and so does every
+    # later one: the old handle goes back without access.
+    h.fail("cuMemSetAccess", nth=-2)
+    with pytest.raises(Exception):
+        h.share(t)
+    h.heal()
+    assert not h.can_access(0, t) and h.can_access(0, t + 16 * MiB)
+    h.free(t)
+    t = h.malloc(40 * MiB)                       # the same memory, reached before it serves
+    assert h.can_access(0, t) and h.peek(t, 40 * MiB) == pattern(40 * MiB, 2)
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used()
+
+
 def is_open(fd):
     try:
         os.fstat(fd)

@@ -338,7 +338,8 @@ void BlockPool::free(Block* block, uint64_t freed_at) {
 Block* BlockPool::take_back(Block* b, size_t size) {
   const size_t rounded = round_size(size);
   const bool small = rounded <= small_max_;
-  if (no_split_ || release_on_free_ || b->size != rounded || b->segment->small != small) return nullptr;
+  if (no_split_ || release_on_free_ || b->size != rounded || b->segment->small != small || b->segment->lost_mapping)
+    return nullptr;
   Block* next = b->next != nullptr && b->next->is_free() ? b->next : nullptr;
   if (b != taken_back_ || shape_ != taken_back_shape_) {
     if (!may_take_back(b, rounded, small, &next)) return nullptr;

@@ -77,6 +77,10 @@ struct Segment {
   uintptr_t base = 0;
   size_t size = 0;       // bytes of address range (VMM: reserved VA, else allocated)
   bool small = false;
+  // VMM only: memory under a live block was lost or left without access (Note [A cut that
+  // cannot be undone], route_vmm_share.cpp): its blocks are never taken back as they are freed,
+  // so that each goes through ensure_backed before it serves again.
+  bool lost_mapping = false;
   CUstream stream = nullptr;
   int route = 0;
   BlockPool* pool = nullptr;

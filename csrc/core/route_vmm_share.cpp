@@ -33,6 +33,16 @@
 // launch work on the tensors around it (only the first share of a range cuts; later ones
 // export the same handles and change nothing), or allocate what is shared under
 // route('sync'), whose handles need no cut.
+// Note [A cut that cannot be undone]
+// A commit that fails after unmapping the old mapping maps it back. Where the driver refuses
+// that too (after retries), the range is unmapped: the books say so (the granules unmapped,
+// the old handle given back), so that no cache release later tries to unmap it again and the
+// memory is not held for good; the share fails naming the loss. A later allocation there maps
+// new memory as anywhere else: the segment is marked (Segment::lost_mapping), so that the
+// shared block, once freed, is not taken back as it is (Note [The parked block]) but goes
+// through ensure_backed like any cached block. A mapping put back whose access is refused is
+// listed as unreachable and marked the same way. The tensor being shared reads unmapped memory (a fault), which
+// no allocator can prevent once the driver refuses every mapping.
 // Only the handles that hold the block's own granules go out (the offset counts from the
 // first): one holding only a neighbour would go back to the driver with that neighbour's
 // memory, its descriptor closed, while torch keeps just the shared block allocated for the
@@ -213,10 +223,24 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
   const char* call = "cuMemUnmap";
   auto undo = [&](bool old_unmapped) {
     fail_driver(r, call, __FILE__, __LINE__);
-    const std::string msg = last_error_message();
+    std::string msg = last_error_message();
     if (at_va > 0) retry_driver([&] { return d->memUnmap(va, at_va); });
-    if (old_unmapped && retry_driver([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS)
-      retry_driver([&] { return d->memSetAccess(va, bytes, access_.data(), access_.size()); });
+    if (old_unmapped) {
+      if (retry_driver([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS) {
+        // The books name `old` at head still; without access it is listed (Note [Unreachable mappings]).
+        if (set_access(seg, head) != CUDA_SUCCESS) {
+          unreachable_.emplace_back(&seg, head);
+          seg.lost_mapping = true;
+        }
+      } else {
+        // Note [A cut that cannot be undone]: the books say what the driver left.
+        seg.lost_mapping = true;
+        note_unmap(seg, head);
+        give_back_handle(old, bytes, st->placement);
+        msg += "; mapping the old memory back failed too, so " + std::to_string(bytes) +
+               " bytes under the tensor being shared are unmapped and their contents lost";
+      }
+    }
     drop_staged(st);
     set_error(kDriverError, msg);
     return false;
