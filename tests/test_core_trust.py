@@ -404,6 +404,40 @@ def test_a_trim_waiting_for_a_stream_while_a_capture_begins_unmaps_nothing():
     h.release_pool(POOL)
 
 
+def _dirty_workspace(h, nbytes=256 * MiB):
+    """A freed block of tag 'workspace' with work still queued on S1: its trim waits for S1."""
+    h.push("vmm", "workspace")
+    big = h.malloc(nbytes)
+    h.pop()
+    h.submit(S1)
+    h.free(big)
+
+
+@isolated
+def test_a_trims_figure_is_what_it_gave_back_whatever_another_thread_allocates_while_it_waits():
+    h = Host(route="vmm")
+    _dirty_workspace(h)
+    finished, returned, other = while_a_sync_waits(h, lambda: h.trim("workspace"), lambda: h.malloc(512 * MiB, S2))
+    assert finished and isinstance(other, int), other
+    assert h.tag_info("workspace")["resident"] == 0 and returned == 256 * MiB
+
+
+@isolated
+def test_two_trims_at_once_each_count_only_what_they_gave_back():
+    h = Host(route="vmm")
+    _dirty_workspace(h)
+    h.push("vmm", "other")
+    h.free(h.malloc(128 * MiB, S2))  # clean: its trim needs no wait
+
+    def trim_other():
+        h.pass_syncs(4)
+        return h.trim("other")
+    finished, returned, other = while_a_sync_waits(h, lambda: h.trim("workspace"), trim_other)
+    h.pop()
+    assert finished, other
+    assert (returned, other) == (256 * MiB, 128 * MiB)
+
+
 @isolated
 def test_a_block_captured_into_a_tags_pool_outside_its_region_belongs_to_the_tag():
     h = Host(route="vmm")

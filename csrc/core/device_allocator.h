@@ -341,7 +341,8 @@ class DeviceAllocator {
   // `may_wait`: synchronise the device for pools that died after its last synchronisation
   // (never on the free path: there only pools already clean go).
   // `tag` >= 0: only the dead pools of that tag (trim_tag).
-  void destroy_dead_pools(DeviceLock& lock, bool all = false, bool may_wait = true, int tag = -1);
+  void destroy_dead_pools(DeviceLock& lock, bool all = false, bool may_wait = true, int tag = -1,
+                          int64_t* freed = nullptr);
   bool has_dead_pool_of(int tag);
   bool dead_pool_of(const DeadPool& d, int tag);  // tag < 0: any
   // The route of a new private pool (Note [Private pool routes]).

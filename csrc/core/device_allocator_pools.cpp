@@ -140,7 +140,7 @@ bool DeviceAllocator::has_dead_pool_of(int tag) {
   return false;
 }
 
-void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wait, int tag) {
+void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wait, int tag, int64_t* freed) {
   if (dead_.empty() || open_captures() > 0) return;
   // A replay may still be running: wait for the device once for all of them.
   bool need_sync = false;
@@ -153,6 +153,7 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
   // A capture may begin on another device at any time (its lock is not this one), and
   // unmapping is an unsafe call while it captures in global mode.
   RelaxedCaptureMode relaxed(open_captures() > 0);
+  const int64_t before = budget_.reserved();  // the lock is held from here to the end of the loop
   for (const DeadPool& d : dead) {
     if ((d.during_capture && !all) || !dead_pool_of(d, tag)) {
       dead_.push_back(d);
@@ -171,6 +172,7 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
     if (all) graphs_.erase(d.id);
     else dead_.push_back(d);  // the driver refused part of it: retried later
   }
+  if (freed != nullptr) *freed += before - budget_.reserved();
   free_detached(lock);
 }
 

@@ -152,16 +152,18 @@ bool DeviceAllocator::trim_tag(int tag, int64_t* returned) noexcept {
     return true;
   };
   if (!no_capture()) return false;
-  const int64_t before = budget_.reserved();
-  destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/true, tag);  // waits for their last replays
+  // What this trim gave back is counted where it gives it back, with the lock held: the waits
+  // below release it, and other threads' allocations and frees meanwhile are not this trim's.
+  destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/true, tag, returned);  // waits for their last replays
   if (own) {
     const std::vector<CUstream> dirty = tags_.dirty_streams(tag);
     if (!dirty.empty()) sync_streams(lock, dirty);
     // Checked again: unmapping is an unsafe call for a capture that began while the lock was released.
     if (!no_capture()) return false;
+    const int64_t before = budget_.reserved();
     tags_.trim_clean(tag);
+    *returned += before - budget_.reserved();
   }
-  *returned = before - budget_.reserved();
   return true;
 }
 
