@@ -130,6 +130,37 @@ def test_undo_puts_back_the_budgets_apply_replaced():
 
 @pytest.mark.built("_host_core")
 @isolated
+def test_an_undo_one_tag_refuses_puts_every_other_back_and_can_be_done_later():
+    host = installed_host()
+    torch_budget.set_budget("8MiB", tag="weights")
+    torch_budget.set_budget("64MiB", tag="kv")
+    applied = sample_plan().apply()
+    w = under(host, "weights", 12 * MiB)  # within the plan's 16 MiB line, past the old 8 MiB
+    with pytest.raises(torch_budget.errors.TorchBudgetError) as raised:
+        applied.undo()
+    assert "'weights' on device 0 stayed" in "".join(raised.value.__notes__)
+    now = budgets_now()
+    assert now["kv"] == 64 * MiB and now["weights"] == 16 * MiB and not applied.undone
+    assert all(now[t] is None for t in ("activations", "workspace", "graphs")), now
+    host.free(w)
+    applied.undo()
+    assert budgets_now()["weights"] == 8 * MiB and applied.undone
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_blocks_own_exception_is_not_replaced_by_a_failed_undo():
+    host = installed_host()
+    torch_budget.set_budget("8MiB", tag="weights")
+    with pytest.raises(KeyError) as raised:
+        with sample_plan().apply():
+            under(host, "weights", 12 * MiB)
+            raise KeyError("the body's own")
+    assert "undoing the plan's budgets failed" in "".join(raised.value.__notes__)
+
+
+@pytest.mark.built("_host_core")
+@isolated
 def test_a_plan_larger_than_the_device_budget_is_refused_and_sets_nothing():
     installed_host(budget="48MiB")
     with pytest.raises(PlanDoesNotFitError) as raised:

@@ -85,21 +85,42 @@ class AppliedBudgets:
 
     def undo(self) -> None:
         """Restore every tag's budget from before apply() (removing those it did not have);
-        idempotent."""
+        idempotent. A budget that cannot go back (its tag now holds more than it) does not stop
+        the others: each is tried, the first refusal is raised after, naming the tags left on
+        the plan's budget, and a later undo() tries those again."""
         if self.undone:
             return
         from torch_budget import allocator
 
+        first: Exception | None = None
+        left: list[str] = []
         for device, tags in self.previous.items():
-            for tag, budget in tags.items():
-                allocator.set_budget(as_setting(budget), device=device, tag=tag)
+            for tag, budget in list(tags.items()):
+                try:
+                    allocator.set_budget(as_setting(budget), device=device, tag=tag)
+                except Exception as e:  # noqa: BLE001 -- raised after the other tags went back
+                    first = first or e
+                    left.append(f"{tag!r} on device {device}")
+                else:
+                    del tags[tag]
+        if first is not None:
+            first.add_note(f"undo() restored every other budget; {', '.join(left)} stayed on the plan's "
+                           "budget: free memory of those tags, then call undo() again")
+            raise first
         self.undone = True
 
     def __enter__(self) -> "AppliedBudgets":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.undo()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.undo()
+            return
+        # The block's own exception goes on; an undo that fails too is noted on it.
+        try:
+            self.undo()
+        except Exception as e:  # noqa: BLE001 -- the body's exception is the one that matters
+            exc.add_note(f"and undoing the plan's budgets failed: {type(e).__name__}: {e}")
 
 
 def _room(stats: dict, outside_torch: int) -> tuple[int, str]:
