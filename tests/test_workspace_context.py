@@ -195,6 +195,31 @@ def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
     forward(meta, 1 * MiB)
 
 
+def test_another_thread_cannot_exit_a_forward_it_did_not_enter():
+    meta = warmed()
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_forward():
+        with workspace(meta):
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=first_forward)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(StateError, match="other than the one whose forward"):
+            workspace(meta).__exit__(None, None, None)
+        assert meta.workspace_state.in_forward  # the first forward still holds its workspace
+        with pytest.raises(StateError, match="overlapping forwards"):
+            with workspace(meta):
+                pass
+    finally:
+        leave.set()
+        thread.join()
+    forward(meta, 1 * MiB)
+
+
 def test_separate_metadata_objects_run_forwards_side_by_side():
     a, b = warmed(), warmed()
     with workspace(a), workspace(b):

@@ -228,13 +228,14 @@ class WorkspaceState:
 
     __slots__ = (
         "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
-        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active",
+        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner",
     )
 
     def __init__(self, meta, tensor, stream_fn, capturing):
         capacity = tensor.untyped_storage().nbytes()
         self._meta = weakref.ref(meta)  # weak: the metadata owns the state, not the reverse
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread whose forward holds _lock
         self._policy = WorkspaceShrinkPolicy(capacity)
         self._floor = capacity  # fixed at warm-up; the capacity is never reclaimed below it
         self._device = tensor.device
@@ -276,6 +277,7 @@ class WorkspaceState:
                 f"overlapping forwards share the workspace of {_describe(meta)}: a forward is already "
                 "running on it (nested, or in another thread); give each concurrent forward its own metadata"
             )
+        self._owner = threading.get_ident()
         try:
             meta = self._meta()
             self._active = meta
@@ -311,6 +313,10 @@ class WorkspaceState:
         if not self._lock.locked():
             raise StateError("the workspace is exited with no forward running in it: enter it first "
                              "(with torch_budget.workspace(metadata): ...)")
+        if self._owner != threading.get_ident():
+            # The lock says a forward runs, not whose: another thread's exit would end it mid-way.
+            raise StateError("the workspace is exited on a thread other than the one whose forward is running "
+                             "in it: each thread enters and exits its own forward")
         try:
             # A forward that raised did not finish its demand; it must not count.
             if self._measuring and exc_type is None:
