@@ -180,6 +180,11 @@ int tb_configure_tag_budget(int tag, int64_t bytes, double fraction) {
   return Allocator::get().configure_tag_budget(tag, bytes, fraction) ? 0 : code();
 }
 
+int tb_set_later_budget(int tag, int64_t bytes, double fraction, int64_t* was_bytes, double* was_fraction) {
+  clear_error();
+  return Allocator::get().set_later_budget(tag, bytes, fraction, was_bytes, was_fraction) ? 0 : code();
+}
+
 int tb_configure_packing_time(double share) {
   clear_error();
   return Allocator::get().configure_packing_time(share) ? 0 : code();

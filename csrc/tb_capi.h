@@ -56,6 +56,9 @@ TB_API int tb_set_budget(int device, int64_t bytes, double fraction);
 // for every device before the first allocation (after tb_configure, which clears them).
 TB_API int tb_set_tag_budget(int device, int tag, int64_t bytes, double fraction);
 TB_API int tb_configure_tag_budget(int tag, int64_t bytes, double fraction);
+// The budget of devices created from now on (tag < 0), or of `tag` on them, at any time (bytes
+// and fraction as above); `was_bytes` / `was_fraction` receive the setting replaced.
+TB_API int tb_set_later_budget(int tag, int64_t bytes, double fraction, int64_t* was_bytes, double* was_fraction);
 // Note [Packing time] (core/packing_time.h): the share of wall-clock time in [0, 1] the VMM
 // route may spend moving memory to pack it (0: never before the budget refuses; 1: always),
 // for every device, before the first allocation (after tb_configure, which resets it to 0.03).

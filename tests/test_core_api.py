@@ -256,6 +256,26 @@ def test_set_budget_takes_every_spelling_and_all_devices():
 
 
 @isolated
+def test_all_devices_includes_those_that_serve_their_first_allocation_later():
+    host = _installed_host(devices=3)
+    torch_budget.set_budget("256MiB", device="all")            # before any device served
+    torch_budget.set_budget("64MiB", device="all", tag="kv")
+    host.free(host.malloc(MiB, stream=host.stream(0), device=0))
+    assert torch_budget.stats(0)["budget"] == 256 * MiB and torch_budget.stats(0)["by_tag"]["kv"]["budget"] == 64 * MiB
+    torch_budget.set_budget("128MiB", device="all")            # device 0 served, 1 and 2 not yet
+    host.free(host.malloc(MiB, stream=host.stream(1), device=1))
+    assert [torch_budget.stats(d)["budget"] for d in (0, 1)] == [128 * MiB] * 2
+    with pytest.raises(OOM):
+        _tagged(host, "kv", 96 * MiB, device=1)
+    # A refusal on a served device leaves the later devices' budget as it was too.
+    _tagged(host, "kv", 48 * MiB, device=1)
+    with pytest.raises(InvalidArgumentError, match="device 1"):
+        torch_budget.set_budget("32MiB", device="all", tag="kv")
+    host.free(host.malloc(MiB, stream=host.stream(2), device=2))
+    assert torch_budget.stats(2)["budget"] == 128 * MiB and torch_budget.stats(2)["by_tag"]["kv"]["budget"] == 64 * MiB
+
+
+@isolated
 def test_device_all_is_refused_where_a_call_reads_one_device():
     _installed_host()
     for read in (torch_budget.stats, sleep.tag_states, torch_budget.diagnostics.segments):

@@ -161,6 +161,17 @@ def test_a_blocks_own_exception_is_not_replaced_by_a_failed_undo():
 
 @pytest.mark.built("_host_core")
 @isolated
+def test_a_plan_applied_to_all_devices_before_any_serves_says_it_names_none():
+    host = installed_host()
+    with pytest.raises(ValueError, match="no device serves allocations yet"):
+        sample_plan().apply(device="all")
+    host.free(host.malloc(1 * MiB))
+    assert sample_plan().apply(device="all").devices == (0,)
+    assert budgets_now()["kv"] == 32 * MiB
+
+
+@pytest.mark.built("_host_core")
+@isolated
 def test_a_plan_larger_than_the_device_budget_is_refused_and_sets_nothing():
     installed_host(budget="48MiB")
     with pytest.raises(PlanDoesNotFitError) as raised:

@@ -55,6 +55,7 @@ def _core_signatures():
         "tb_set_budget": (i, [i, i64, d]),
         "tb_set_tag_budget": (i, [i, i, i64, d]),
         "tb_configure_tag_budget": (i, [i, i64, d]),
+        "tb_set_later_budget": (i, [i, i64, d, ctypes.POINTER(i64), ctypes.POINTER(d)]),
         "tb_configure_packing_time": (i, [d]),
         "tb_packing_idle": (i, [i]),
         "tb_packing_refill": (i, [i]),

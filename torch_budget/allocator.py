@@ -10,6 +10,7 @@ device; see torch_budget._runtime).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -424,9 +425,26 @@ def _set_on_every_device(lib, devices, read, write, value, none) -> None:
         raise
 
 
+def _for_later_devices(lib, device, tag_id: int, value, set_now) -> None:
+    """set_now(); with device="all", `value` is first made the budget (tag_id < 0) or the tag's
+    budget of every device that serves its first allocation later, put back if set_now() raises."""
+    if not _runtime.is_all(device):
+        set_now()
+        return
+    was_bytes, was_fraction = ctypes.c_int64(), ctypes.c_double()
+    _native.check(lib, lib.tb_set_later_budget(tag_id, *value, ctypes.byref(was_bytes), ctypes.byref(was_fraction)))
+    try:
+        set_now()
+    except BaseException:
+        lib.tb_set_later_budget(tag_id, was_bytes.value, was_fraction.value, ctypes.byref(was_bytes),
+                                ctypes.byref(was_fraction))
+        raise
+
+
 def set_budget(budget: int | float | str | None, device: Device = None, tag: str | None = None) -> None:
-    """Sets the hard budget of `device` (None: the current device; "all": every device):
-    bytes, "40GiB" or a fraction of the card. With `tag`, the budget of that tag alone
+    """Sets the hard budget of `device` (None: the current device; "all": every device, those
+    that serve their first allocation later included): bytes, "40GiB" or a fraction of the
+    card. With `tag`, the budget of that tag alone
     (Note [Tag budgets]: what may be allocated under it, inside the device's budget);
     `budget=None` then removes the tag's budget.
 
@@ -447,15 +465,17 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
         def tag_budget(dev):
             return stats(dev)["by_tag"].get(name, {}).get("budget")
 
-        _set_on_every_device(lib, devices, tag_budget, lambda dev, value: lib.tb_set_tag_budget(dev, tag_id, *value),
-                             (bytes_, fraction), -1)
+        _for_later_devices(lib, device, tag_id, (bytes_, fraction), lambda: _set_on_every_device(
+            lib, _runtime.device_indices(lib, device), tag_budget,
+            lambda dev, value: lib.tb_set_tag_budget(dev, tag_id, *value), (bytes_, fraction), -1))
         return
     parsed = _parse_setting("budget", budget)
     if parsed is None:
         raise ConfigError("budget must be given: bytes, a size such as \"40GiB\", or a fraction of the card")
     bytes_, fraction = _for_core(parsed)
-    _set_on_every_device(lib, _runtime.device_indices(lib, device), lambda dev: stats(dev)["budget"],
-                         lambda dev, value: lib.tb_set_budget(dev, *value), (bytes_, fraction), INT64_MAX)
+    _for_later_devices(lib, device, -1, (bytes_, fraction), lambda: _set_on_every_device(
+        lib, _runtime.device_indices(lib, device), lambda dev: stats(dev)["budget"],
+        lambda dev, value: lib.tb_set_budget(dev, *value), (bytes_, fraction), INT64_MAX))
 
 
 __getattr__ = _deprecation.moved_names("torch_budget.allocator", {

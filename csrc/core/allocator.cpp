@@ -74,6 +74,19 @@ bool Allocator::configure_packing_time(double share) {
   return true;
 }
 
+bool Allocator::set_later_budget(int tag, int64_t bytes, double fraction, int64_t* was_bytes, double* was_fraction) {
+  if (tag >= 0 && !Budget::check_tag_setting(tag, fraction)) return false;
+  TB_REQUIRE(fraction <= 1, kInvalidArgument, "a budget is bytes or a fraction in (0, 1]", false);
+  std::lock_guard<std::mutex> lock(mu_);  // device() creates devices under it, from settings_
+  int64_t& b = tag >= 0 ? settings_.tag_bytes[tag] : settings_.budget_bytes;
+  double& f = tag >= 0 ? settings_.tag_fraction[tag] : settings_.budget_fraction;
+  *was_bytes = b;
+  *was_fraction = f;
+  b = bytes;
+  f = fraction;
+  return true;
+}
+
 bool Allocator::load_driver() {
   if (driver() != nullptr) return true;
   std::string why;

@@ -33,6 +33,11 @@ class Allocator {
   bool configure_tag_budget(int tag, int64_t bytes, double fraction);
   // Note [Packing time]: before the first allocation, after configure (which resets it).
   bool configure_packing_time(double share);
+  // The device budget (tag < 0) or a tag's budget that devices created from now on start with,
+  // at any time; devices already created keep theirs. `was_bytes` / `was_fraction` receive the
+  // setting it replaces, for undoing it (set_budget(device="all") sets this and each served
+  // device's, so that "every device" includes those that serve their first allocation later).
+  bool set_later_budget(int tag, int64_t bytes, double fraction, int64_t* was_bytes, double* was_fraction);
   // Loads the CUDA driver unless a stand-in table is already installed.
   bool load_driver();
   int device_count();

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch_budget.eager_workspace import WORKSPACE_TAG
-from torch_budget.errors import PlanDoesNotFitError
+from torch_budget.errors import InvalidArgumentError, PlanDoesNotFitError
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine
 from torch_budget.units import format_bytes
 
@@ -158,12 +158,18 @@ def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, plan
 
 def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, device=None) -> AppliedBudgets:
     """Set `budgets` {tag: bytes} on `device` (None: the current device; "all": every device
-    torch_budget serves) after checking that they fit every one (check_fits); a failure part
-    way restores what was set and raises. Needs torch_budget.install() (NotInstalledError)."""
+    torch_budget serves now, at least one) after checking that they fit every one (check_fits);
+    a failure part way restores what was set and raises. Needs torch_budget.install()
+    (NotInstalledError)."""
     from torch_budget import _runtime, allocator
 
     lib = _runtime.require_installed("Plan.apply()")
     devices = tuple(_runtime.device_indices(lib, device))
+    if not devices:
+        # A plan is checked against each device it is set on, so it is never set ahead of one.
+        raise InvalidArgumentError("Plan.apply(device='all'): no device serves allocations yet, so 'all' names "
+                                   "none; apply the plan to a device by index (it is checked against that "
+                                   "device), or after the first allocation")
     seen = {}
     for dev in devices:
         seen[dev] = allocator.stats(dev)
