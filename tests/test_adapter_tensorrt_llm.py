@@ -98,6 +98,20 @@ def test_each_restore_mode_brings_back_what_it_says():
 
 @built
 @isolated
+def test_a_scope_the_core_refuses_leaves_no_tag_for_release_to_look_for():
+    host, module = _trt()
+    name = "m" * 58                             # fits alone; with its restore mode's suffix it does not
+    with pytest.raises(InvalidArgumentError, match=f"tag '{name}' with restore mode 'pinned'.*longer than 63"):
+        with module.scope(name, module.RestoreMode.PINNED):
+            pass
+    with module.scope(name):
+        _alloc(host, MiB, b"m")
+    assert module.release_with_tag(name) == 1
+    assert module.materialize_with_tag(name) == 1
+
+
+@built
+@isolated
 def test_release_and_materialize_skip_what_is_already_done():
     host, module = _trt()
     assert module.release_with_tag() == module.materialize_with_tag() == 0

@@ -139,6 +139,48 @@ def test_pause_keeps_cpu_backed_contents_and_loses_the_rest():
 
 @built
 @isolated
+def test_a_tag_that_holds_nothing_is_not_paused_and_blocks_no_pause_of_every_tag():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("kv"):
+        _alloc(host, MiB, b"k")
+    with saver.region("cuda_graph"):
+        pass                                     # a region that allocated nothing
+    saver.pause("cuda_graph")                    # as torch_memory_saver: no allocation to walk
+    saver.pause("cuda_graph")
+    saver.resume("cuda_graph")
+    saver.pause()                                # pauses 'kv'
+    assert sleep.tag_states()["kv"]["state"] == "released"
+    with pytest.raises(TagStateError, match="'kv' already paused"):
+        saver.pause("kv")                        # a tag that holds memory is refused twice
+    saver.resume()
+    assert sleep.tag_states()["kv"]["state"] == "live"
+
+
+@built
+@pytest.mark.parametrize("refused", ["long", "many"])
+@isolated
+def test_a_region_the_core_refuses_leaves_no_tag_for_pause_to_look_for(refused):
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("kv"):
+        _alloc(host, MiB, b"k")
+    if refused == "long":
+        with pytest.raises(InvalidArgumentError, match="tag 'x{60}' with backup 'pinned'.*longer than 63 bytes"):
+            with saver.region("x" * 60, enable_cpu_backup=True):
+                pass
+    else:
+        with pytest.raises(InvalidArgumentError, match="too many tags"):
+            for k in range(64):
+                with saver.region(f"t{k}", enable_cpu_backup=True):
+                    pass
+    saver.pause()
+    assert sleep.tag_states()["kv"]["state"] == "released"
+    saver.resume()
+
+
+@built
+@isolated
 def test_retain_cpu_backup_keeps_the_backup_and_an_unchanged_pause_copies_nothing():
     host, module = _saver()
     saver = module.torch_memory_saver

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch_budget
 from torch_budget import _runtime
-from torch_budget.errors import InstallError, InvalidArgumentError
+from torch_budget.errors import InstallError, InvalidArgumentError, TorchBudgetError
 
 
 def ensure_installed(explain: Callable[[InstallError], str]) -> None:
@@ -64,6 +64,14 @@ class TagRegistry:
     def register(self, tag: str, backup: str) -> str:
         with self.lock:
             name = self.name(tag, backup)
+            if name not in self.owners:
+                # The core takes the name first (it refuses one over 63 bytes, and a 64th tag): a
+                # pair it refuses is never recorded, so no later pause or sleep looks for it.
+                try:
+                    torch_budget.allocator._tag_id(_runtime.library(), name)
+                except TorchBudgetError as e:
+                    raise type(e)(f"tag {tag!r} with {self.mode} {backup!r} (torch_budget tag {name!r}) cannot be "
+                                  f"served: {e}") from None
             self.owners.setdefault(name, (tag, backup))
             self.tags.setdefault(tag, {})[name] = backup
         return name

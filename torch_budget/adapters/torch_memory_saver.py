@@ -296,6 +296,17 @@ def _allocated_anywhere() -> bool:
     return bool(_runtime.served_devices(_runtime.library()))
 
 
+def _holding(names) -> set[str]:
+    """Those of `names` that hold memory on some device: tensors, or a cache. torch_memory_saver
+    pauses and resumes allocations, so a tag that holds none is not paused or resumed: a pause or
+    resume of it does nothing, and neither refuses because of it."""
+    out = set()
+    for device in _runtime.served_devices(_runtime.library()):
+        by_tag = torch_budget.stats(device)["by_tag"]
+        out.update(name for name in names if name in by_tag and (by_tag[name]["allocated"] or by_tag[name]["resident"]))
+    return out
+
+
 def _cache_bytes(names) -> dict[tuple[str, int], int]:
     """(tag, device) -> bytes mapped behind the tag that no tensor uses (its cache), where some."""
     out = {}
@@ -412,10 +423,12 @@ class TorchMemorySaver:
             return
         with _registry.lock:
             names = _registry.of(tag)
-            paused = sorted(n for n in names if n in sleep.released_tags())
+            held, released = _holding(names), sleep.released_tags()
+            paused = sorted(n for n in names if n in released and n in held)
             if paused:
                 raise TagStateError(f"torch_memory_saver.pause({tag!r}): {', '.join(map(repr, paused))} "
                                     "already paused; resume first")
+            names = {n: b for n, b in names.items() if n in held and n not in released}
             by_backup: dict[str, list[str]] = {}
             for name, backup in sorted(names.items()):
                 by_backup.setdefault(backup, []).append(name)
@@ -445,7 +458,7 @@ class TorchMemorySaver:
             names = _registry.of(tag)
             paused = sorted(n for n in names if n in sleep.released_tags())
             if not paused:
-                if names and tag is not None:
+                if tag is not None and _holding(names):
                     raise TagStateError(f"torch_memory_saver.resume({tag!r}): tag {tag!r} is not paused")
                 return
             copying = [n for n in paused if names[n] in sleep.RETAINABLE]
