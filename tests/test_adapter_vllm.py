@@ -305,6 +305,39 @@ def test_use_memory_pool_gives_the_tags_unused_cache_back_on_exit():
 
 @built
 @isolated
+def test_tags_come_as_a_list_as_vllms_engine_core_hands_tuples_over():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        w = _alloc(host, MiB, b"w")
+    with allocator.use_memory_pool("kv_cache"):
+        _alloc(host, MiB, b"k")
+    allocator.discard(["kv_cache"])
+    assert _states()["kv_cache"] == ("released", "none") and _states()["weights"][0] == "live"
+    allocator.wake_up()
+    allocator.sleep(offload_tags=["weights"])
+    assert _states()["weights"] == ("released", "pinned")
+    allocator.wake_up(["weights"])
+    assert host.peek(w, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_a_pool_the_core_refuses_leaves_no_tag_for_sleep_to_look_for():
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        _alloc(host, MiB, b"w")
+    with pytest.raises(InvalidArgumentError, match="longer than 63 bytes"):
+        with allocator.use_memory_pool("t" * 64):
+            pass
+    allocator.sleep(offload_tags=("weights",))
+    assert _states()["weights"] == ("released", "pinned")
+    allocator.wake_up()
+
+
+@built
+@isolated
 def test_bad_arguments_raise_before_anything_is_done():
     host, module = _vllm()
     allocator = module.CuMemAllocator.get_instance()
@@ -317,8 +350,8 @@ def test_bad_arguments_raise_before_anything_is_done():
     assert not torch_budget.installed()  # nothing above got as far as installing
     with allocator.use_memory_pool("weights"):
         _alloc(host, MiB, b"w")
-    with pytest.raises(TypeError, match="offload_tags must be a str or a tuple"):
-        allocator.sleep(offload_tags=["weights"])
+    with pytest.raises(TypeError, match="offload_tags must be a str or a tuple or list"):
+        allocator.sleep(offload_tags=5)
     with pytest.raises(TypeError, match="a tag of offload_tags must be a str"):
         allocator.sleep(offload_tags=("weights", None))
     with pytest.raises(TypeError, match="tags must be None or a list"):
@@ -486,8 +519,7 @@ def test_the_backend_takes_vllm_0_33s_level_and_keeps_the_runtime_state_at_both(
     backend.suspend(1)
     assert _states()["weights"] == ("released", "pinned")
     backend.resume()
-    with pytest.warns(DeprecationWarning, match=r"suspend\(level=\.\.\.\) is deprecated.*positionally"):
-        backend.suspend(level=2)  # the adapter's earlier keyword
+    backend.suspend(level=2)  # vLLM 0.33's keyword, taken as it is
     assert _states()["weights"] == ("released", "none")
     backend.resume()
     with pytest.raises(TypeError, match="discardable or level, not both"):

@@ -100,7 +100,7 @@ def test_the_allocator_and_the_backend_have_every_method_of_vllms_with_its_param
             assert ours is not None, f"TorchBudgetBackend has no {name}, which vLLM's SleepModeBackend has"
             assert isinstance(ours, classmethod) == isinstance(attr, classmethod), name
             if name == "suspend" and _version(source) < (0, 34):
-                continue  # 0.33's suspend(level=1): taken positionally (the next tests), named discardable now
+                continue  # 0.33's suspend(level=1): taken positionally or by keyword (the next tests)
             fn = attr.__func__ if isinstance(attr, classmethod) else attr
             mine = inspect.signature(ours.__func__ if isinstance(ours, classmethod) else ours).parameters.values()
             theirs = _parameters(fn)

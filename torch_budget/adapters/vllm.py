@@ -65,7 +65,7 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple, Optional, Union
 
 import torch_budget
-from torch_budget import _deprecation, _runtime, diagnostics, sleep
+from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import ensure_installed, install_at_import
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
@@ -190,11 +190,12 @@ def _covers_every_allocation(tag: str, covered: list[int]) -> bool:
 
 
 def _tag_tuple(tags, what: str) -> tuple[str, ...]:
-    """A str or a tuple of str, as CuMemAllocator.sleep / discard take them."""
+    """A str, or a tuple or list of str, as CuMemAllocator.sleep / discard take them (vLLM tests
+    membership only; its engine-core RPC hands tuples over as lists)."""
     if isinstance(tags, str):
         tags = (tags,)
-    if not isinstance(tags, tuple):
-        raise TypeError(f"{what} must be a str or a tuple of str, got {type(tags).__name__} ({tags!r})")
+    if not isinstance(tags, (tuple, list)):
+        raise TypeError(f"{what} must be a str or a tuple or list of str, got {type(tags).__name__} ({tags!r})")
     return tuple(tag_name(t, f"a tag of {what}") for t in tags)
 
 
@@ -222,11 +223,11 @@ class CuMemAllocator:
         """Allocations inside are charged to `tag` (None: "default") on the VMM route."""
         tag = self.default_tag if tag is None else tag_name(tag)
         self._check_vmm()
-        with self._lock:
-            self._tags.setdefault(tag)
         before, self.current_tag = self.current_tag, tag
         try:
             with torch_budget.region(tag, route="vmm"):
+                with self._lock:  # only once the region opened: a tag it refused is never slept
+                    self._tags.setdefault(tag)
                 yield
             if tag not in sleep.released_tags():
                 torch_budget.empty_cache(device="all", tags=tag)  # vLLM frees what the pool holds unused
@@ -397,13 +398,11 @@ class TorchBudgetBackend:
         """As vLLM's cumem backend: the weights, the runtime state and the graphs keep a pinned host copy,
         the rest (KV cache, workspaces) is discarded. vLLM 0.34 passes `discardable`, the storage addresses
         of the parameters a level-2 sleep's weight update rewrites; vLLM 0.33 passed the level instead
-        (suspend(level): 1 keeps the weights, 2 discards them), which is taken here too. The keyword
-        `level=` (this adapter's earlier name) still works and warns."""
+        (suspend(level=1): 1 keeps the weights, 2 discards them), positionally or by its keyword, which
+        is taken here too."""
         if level is not None:
             if discardable != ():
                 raise TypeError("suspend() takes discardable or level, not both")
-            _deprecation.warn("torch_budget.adapters.vllm.TorchBudgetBackend.suspend(level=...)",
-                              "pass the level positionally, as vLLM 0.33 does (or discardable, as vLLM 0.34 does)")
             discardable = level
         allocator = CuMemAllocator.get_instance()
         if isinstance(discardable, int) and not isinstance(discardable, bool):
