@@ -423,6 +423,22 @@ def test_a_trims_figure_is_what_it_gave_back_whatever_another_thread_allocates_w
 
 
 @isolated
+def test_a_trims_figure_counts_the_sync_routes_segments_it_freed():
+    h = Host(vmm=False, route="sync")
+    h.push(None, "cudagraph")
+    h.begin_pool(POOL, S1)
+    blocks = [h.malloc(4 * MiB, S1), h.malloc(4 * MiB, S1)]
+    h.end_pool(POOL)
+    h.pop()
+    h.submit(S1)                     # a replay may still run: the trim waits for it
+    h.release_pool(POOL)
+    for b in blocks:
+        h.free(b)
+    before = h.reserved()
+    assert before > 0 and h.trim("cudagraph") == before and h.reserved() == 0
+
+
+@isolated
 def test_two_trims_at_once_each_count_only_what_they_gave_back():
     h = Host(route="vmm")
     _dirty_workspace(h)

@@ -154,23 +154,25 @@ void DeviceAllocator::sync_streams(DeviceLock& lock, const std::vector<CUstream>
   bump(ledger_.num_stream_syncs, static_cast<int64_t>(done.size()));
 }
 
-void DeviceAllocator::free_detached(DeviceLock& lock) {
+int64_t DeviceAllocator::free_detached(DeviceLock& lock) {
   // cuMemFree waits for the device: never while a capture is open (kept for later).
-  if (open_captures() > 0) return;
+  if (open_captures() > 0) return 0;
   std::vector<SyncRoute::Detached> list = sync_->take_detached();
   UserFrees user;
   user.swap(user_frees_);
-  if (list.empty() && user.empty()) return;
+  if (list.empty() && user.empty()) return 0;
   lock.unlock();
   sync_->free_detached(list);
   for (const UserFree& f : user) f.source->free(f.base);  // route_user.h: may wait, or take the GIL
   lock.lock();
   unpark();  // Note [The parked block]: a free may have parked one meanwhile
+  const int64_t before = budget_.reserved();  // the lock is held from here on
   sync_->settle(list);
   for (const UserFree& f : user) {
     budget_.uncharge(f.size, Placement{kRouteSync, f.small, true});
     bump(ledger_.num_device_free);
   }
+  return before - budget_.reserved();
 }
 
 void DeviceAllocator::release_cached(DeviceLock& lock) {

@@ -348,7 +348,9 @@ class DeviceAllocator {
   // The route of a new private pool (Note [Private pool routes]).
   int private_route(int tag) const;
   Backing* private_backing(int tag);
-  void free_detached(DeviceLock& lock);
+  // Frees the segments the sync route and MemPools detached (cuMemFree waits for the device: the
+  // lock is released meanwhile); returns the bytes that went back.
+  int64_t free_detached(DeviceLock& lock);
 
   DeviceContext ctx_;
   Capabilities caps_;

@@ -172,8 +172,10 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
     if (all) graphs_.erase(d.id);
     else dead_.push_back(d);  // the driver refused part of it: retried later
   }
-  if (freed != nullptr) *freed += before - budget_.reserved();
-  free_detached(lock);
+  const int64_t destroyed = before - budget_.reserved();
+  // The sync route's and MemPools' segments go back here, the lock released meanwhile.
+  const int64_t detached = free_detached(lock);
+  if (freed != nullptr) *freed += destroyed + detached;
 }
 
 Block* DeviceAllocator::borrow(size_t size, CUstream stream) {
