@@ -168,6 +168,30 @@ def test_a_mapping_the_driver_refuses_to_put_back_is_booked_unmapped_and_not_hel
 
 
 @isolated
+def test_new_memory_the_driver_refuses_to_unmap_stays_booked_with_the_contents_copied_into_it():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 2))
+    # Map 3 puts the first new 8 MiB handle at t, map 4 fails; unmapping that handle again is
+    # refused (unmap 3 on), so the old handle cannot go back over it either (map 5 on).
+    h.fail("cuMemMap", nth=-4)
+    h.fail("cuMemUnmap", nth=-3)
+    with pytest.raises(Exception, match="8388608 bytes .* contents lost"):
+        h.share(t)
+    h.heal()
+    assert h.reserved() == 32 * MiB == h.device_used()  # the books and the driver agree
+    assert h.peek(t, 8 * MiB) == pattern(40 * MiB, 2)[:8 * MiB]  # copied before the failure
+    h.free(t)
+    for _ in range(2):                           # the range serves again, and goes back
+        t = h.malloc(40 * MiB)
+        h.poke(t, pattern(40 * MiB, 4))
+        assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 4)
+        h.free(t)
+        h.empty_cache()
+        assert h.reserved() == 0 == h.device_used()
+
+
+@isolated
 def test_a_mapping_put_back_without_access_is_reached_before_its_memory_serves_again():
     h = Host(route="vmm", map_run=16 * MiB)
     t = h.malloc(40 * MiB)

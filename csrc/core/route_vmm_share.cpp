@@ -35,8 +35,9 @@
 // route('sync'), whose handles need no cut.
 // Note [A cut that cannot be undone]
 // A commit that fails after unmapping the old mapping maps it back. Where the driver refuses
-// that too (after retries), the range is unmapped: the books say so (the granules unmapped,
-// the old handle given back), so that no cache release later tries to unmap it again and the
+// that too (after retries), or refuses to unmap the new handles already mapped in its place
+// (which then stay, booked as mapped, with the contents copied into them), the rest of the range
+// is unmapped: the books say so (those granules unmapped, the old handle given back), so that no cache release later tries to unmap it again and the
 // memory is not held for good; the share fails naming the loss. A later allocation there maps
 // new memory as anywhere else: the segment is marked (Segment::lost_mapping), so that the
 // shared block, once freed, is not taken back as it is (Note [The parked block]) but goes
@@ -224,9 +225,11 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
   auto undo = [&](bool old_unmapped) {
     fail_driver(r, call, __FILE__, __LINE__);
     std::string msg = last_error_message();
-    if (at_va > 0) retry_driver([&] { return d->memUnmap(va, at_va); });
+    // New handles mapped at va whose unmap is refused stay there (the old one cannot go back over them).
+    const bool new_stay = at_va > 0 && retry_driver([&] { return d->memUnmap(va, at_va); }) != CUDA_SUCCESS;
+    size_t kept = 0;  // of the staged handles, those that stay mapped at va
     if (old_unmapped) {
-      if (retry_driver([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS) {
+      if (!new_stay && retry_driver([&] { return d->memMap(va, bytes, 0, old, 0); }) == CUDA_SUCCESS) {
         // The books name `old` at head still; without access it is listed (Note [Unreachable mappings]).
         if (set_access(seg, head) != CUDA_SUCCESS) {
           unreachable_.emplace_back(&seg, head);
@@ -237,11 +240,22 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
         seg.lost_mapping = true;
         note_unmap(seg, head);
         give_back_handle(old, bytes, st->placement);
-        msg += "; mapping the old memory back failed too, so " + std::to_string(bytes) +
+        if (new_stay) {  // mapped, holding the copied contents: booked, each reached or listed
+          kept = at_va / piece_bytes;
+          for (size_t i = 0; i < kept; ++i) {
+            note_map(seg, head + i * st->piece, st->piece, st->handles[i]);
+            if (set_access(seg, head + i * st->piece) != CUDA_SUCCESS)
+              unreachable_.emplace_back(&seg, head + i * st->piece);
+          }
+          bump(ledger_.num_device_alloc, static_cast<int64_t>(kept));
+          st->handles.erase(st->handles.begin(), st->handles.begin() + static_cast<std::ptrdiff_t>(kept));
+        }
+        msg += "; mapping the old memory back failed too, so " + std::to_string(bytes - kept * piece_bytes) +
                " bytes under the tensor being shared are unmapped and their contents lost";
       }
     }
-    drop_staged(st);
+    drop_staged(st);  // uncharges every staged byte: those kept mapped are charged again
+    if (kept > 0) budget_.charge_unchecked(kept * piece_bytes, placement(seg));
     set_error(kDriverError, msg);
     return false;
   };
