@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from _hostcore import GiB, Host, MiB, OOM, S1, isolated
+from _hostcore import GiB, Host, MiB, OOM, S1, S2, isolated
 from torch_budget import _native
 
 pytestmark = pytest.mark.built("_host_core")
@@ -372,6 +372,30 @@ def test_pinned_memory_is_unpinned_from_a_thread_without_a_context(how):
     for p, data in blocks:
         assert h.peek(p, len(data)) == data
     assert h.lib.tb_host_pinned() == 0 and h.host_pool()["bytes"] == 0
+
+
+@isolated
+def test_pinned_memory_stays_pinned_while_a_capture_is_open_and_goes_after():
+    h = Host(route="vmm")
+    blocks = fill(h, "weights")
+    _native.check(h.lib, h.lib.tb_host_pool_set_keep(0, None))
+    h.release("weights", "pinned")
+    p, data = blocks[2]
+    _, view = h.backup_view(p, len(data))
+    h.restore("weights")                        # the view still holds its chunk
+    pinned = h.lib.tb_host_pinned()
+    h.begin_pool((0, 9), S2)                    # a capture opens: unpinning would invalidate it
+    unregisters = h.counters()["injected"]
+    h.fail("cuMemHostUnregister", nth=1)        # counts an unpinning from here on
+    h.fail("cuMemFreeHost", nth=1)
+    _on_a_thread_without_context(lambda: h.backup_view_end(view))
+    assert h.counters()["injected"] == unregisters and h.lib.tb_host_pinned() == pinned > 0
+    with pytest.raises(Exception, match="capture is open"):
+        _native.check(h.lib, h.lib.tb_host_pool_free())
+    h.heal()
+    h.end_pool((0, 9))
+    _native.check(h.lib, h.lib.tb_host_pool_free())
+    assert h.lib.tb_host_pinned() == 0
 
 
 @isolated

@@ -4,6 +4,7 @@
 
 #include "error.h"
 #include "events.h"
+#include "host_pool.h"
 #include "scope.h"
 
 namespace tb {
@@ -53,6 +54,7 @@ bool DeviceAllocator::init(const Settings& settings) {
   CUdevice dev = 0;
   TB_DRIVER_CHECK(d->deviceGet(&dev, ctx_.device), false);
   TB_DRIVER_CHECK(d->primaryCtxRetain(&ctx_.ctx, dev), false);
+  HostPool::get().watch_captures(&open_captures_);  // Note [Unpinning during capture]
 
   if (caps_.vmm) {
     size_t granule = 2 << 20;

@@ -186,7 +186,7 @@ void HostPool::give_back(const std::vector<HostExtent>& extents) {
       stats_.used -= static_cast<int64_t>(part);
     }
   }
-  if (keep_) return;
+  if (keep_ || capturing()) return;  // Note [Unpinning during capture]: the next one unpins them
   // Called from destructors and failure paths: the caller's error stays what it was, and a
   // chunk the driver refuses to unpin stays pinned (free_unused() tries it again).
   const KeepError kept;
@@ -223,6 +223,10 @@ bool HostPool::unpin_unused(Which which) {
 
 bool HostPool::free_unused() {
   std::lock_guard<std::mutex> lock(mu_);
+  TB_REQUIRE(!capturing(), kState,
+             "a CUDA graph capture is open, and unpinning host memory would invalidate it: free the host pool "
+             "once the capture ends",
+             false);
   return unpin_unused([](const Chunk&) { return true; });
 }
 

@@ -10,11 +10,18 @@
 // a release is unpinned as soon as the last backup in it goes back (what torch_memory_saver
 // does with each backup); chunks reserve() pinned stay either way: they were asked for.
 //
+// Note [Unpinning during capture]: unpinning (cuMemHostUnregister, cuMemFreeHost) is a call
+// that a CUDA graph capture in global mode forbids to every thread, and the thread unpinning
+// may be any (a finalizer ending the last view of a backup). While the process has a capture
+// open, chunks stay pinned: give_back leaves them to the next give_back or free_unused, and
+// free_unused refuses, saying so.
+//
 // Lock rule: one process-wide mutex; taken after a device's mutex, never before one.
 #pragma once
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -54,6 +61,8 @@ class HostPool {
   bool set_keep(bool keep);
   bool keeps();
   HostPoolStats stats();
+  // The process's count of open captures (Note [Unpinning during capture]).
+  void watch_captures(const std::atomic<int>* open) { captures_.store(open, std::memory_order_release); }
 
   static constexpr size_t kUnit = 2 << 20;
 
@@ -77,6 +86,11 @@ class HostPool {
   HostPoolStats stats_;
   bool keep_ = true;
   CUcontext pinned_with_ = nullptr;  // current at the first pin; unpin_unused borrows it
+  std::atomic<const std::atomic<int>*> captures_{nullptr};
+  bool capturing() const {
+    const std::atomic<int>* open = captures_.load(std::memory_order_acquire);
+    return open != nullptr && open->load(std::memory_order_acquire) > 0;
+  }
 };
 
 }  // namespace tb
