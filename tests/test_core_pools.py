@@ -311,6 +311,31 @@ def test_reuse_in_capture_waits_until_every_stream_that_used_the_block_joined():
 
 
 @isolated
+def test_reuse_in_capture_is_not_fooled_by_dependencies_set_anew():
+    h = Host(route="sync")
+    h.capture_reuse(True)
+    h.capture(S1, 1)
+    h.capture(S2, 1)
+    h.begin_pool(POOL, S1)
+    captured_read(h, 1, [(S1, 9, [])])
+    blocks = [h.malloc(512, S1) for _ in range(5)]     # d and c apart, between neighbours
+    d, c = blocks[1], blocks[3]
+    captured_read(h, 1, [(S2, 10, [9])])               # node 10 on s2 reads d and c
+    h.record_stream(d, S2)
+    h.record_stream(c, S2)
+    h.free(d)
+    captured_read(h, 1, [(S1, 11, [10])])              # s1 joins s2: d is behind every use
+    assert h.malloc(512, S1) == d                      # (s1's walk has reached 11, 10 and 9)
+    # cudaStreamUpdateCaptureDependencies(s1, {12}, SET): s1 follows node 12 alone, not node 10.
+    h.node(12, [])
+    h.capture(S1, 1, [12])
+    h.free(c)
+    captured_read(h, 1, [(S1, 14, [12])])
+    assert h.malloc(512, S1) != c, "node 10 reads c, and nothing orders it before s1's next work"
+    h.end_pool(POOL)
+
+
+@isolated
 def test_a_block_used_on_a_stream_outside_the_capture_waits_for_the_end_of_capture():
     h = Host(route="sync")
     h.capture_reuse(True)

@@ -74,20 +74,38 @@ const std::unordered_set<CUgraphNode>* CaptureWalks::reached(CUstream stream) {
   Walk* walk = nullptr;
   for (Walk& w : walks_)
     if (w.capture == info.id && w.stream == stream) walk = &w;
-  if (walk == nullptr) walk = &walks_.emplace_back(Walk{info.id, stream, {}});
-  std::vector<CUgraphNode> todo(info.tails, info.tails + info.count);
+  if (walk == nullptr) walk = &walks_.emplace_back(Walk{info.id, stream, {}, {}});
   std::vector<CUgraphNode> deps;
   std::vector<CUgraphEdgeData> edges;
-  while (!todo.empty()) {
-    CUgraphNode n = todo.back();
-    todo.pop_back();
-    if (walk->seen.count(n)) continue;
-    // A node whose dependencies cannot be read is not counted as reached: the blocks
-    // it would free wait for the end of capture.
-    if (!dependencies(n, &deps, &edges)) continue;
-    walk->seen.insert(n);
-    todo.insert(todo.end(), deps.begin(), deps.end());
+  // From the current tails, stopping at nodes reached before; `met` the ones stopped at.
+  auto extend = [&](std::unordered_set<CUgraphNode>* met) {
+    std::unordered_set<CUgraphNode> fresh;
+    std::vector<CUgraphNode> todo(info.tails, info.tails + info.count);
+    while (!todo.empty()) {
+      CUgraphNode n = todo.back();
+      todo.pop_back();
+      if (walk->seen.count(n)) {
+        if (met != nullptr) met->insert(n);
+        continue;
+      }
+      // A node whose dependencies cannot be read is not counted as reached: the blocks
+      // it would free wait for the end of capture.
+      if (fresh.count(n) || !dependencies(n, &deps, &edges)) continue;
+      fresh.insert(n);
+      todo.insert(todo.end(), deps.begin(), deps.end());
+    }
+    return fresh;
+  };
+  std::unordered_set<CUgraphNode> met;
+  std::unordered_set<CUgraphNode> fresh = extend(&met);
+  bool grew = true;  // the last tails are reached again: what was reached before still is
+  for (CUgraphNode t : walk->tails) grew = grew && (met.count(t) > 0 || fresh.count(t) > 0);
+  if (!grew) {  // its dependencies were set anew: Note [Reuse during capture]
+    walk->seen.clear();
+    fresh = extend(nullptr);
   }
+  walk->seen.insert(fresh.begin(), fresh.end());
+  walk->tails.assign(info.tails, info.tails + info.count);
   return &walk->seen;
 }
 

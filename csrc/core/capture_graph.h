@@ -20,14 +20,23 @@
 // capture another graph, there are no markers either, and the block waits for the end
 // of capture as before.
 //
+// A stream's tails say where its uses lie only while its dependencies grow: a capture may
+// set them anew (cudaStreamUpdateCaptureDependencies with SET), and uses queued before are
+// then ordered before nothing the stream does next. A stream with no tails at the free is
+// taken to have queued nothing in the capture (torch's reading, whose tests free a block its
+// stream never used): one whose dependencies were set to none after it used the block is
+// not told apart from it.
+//
 // Before a later allocation on the block's own stream, the nodes that stream ends in
 // are walked back through their dependencies. Whatever that stream queues next
 // depends on all of them, so when every marker is among the nodes reached, the new
 // work runs after the block's last use on every stream: the block is free on that
 // stream with no event at all. Only its own stream may take it (blocks are matched
-// by stream), so the check is made on that stream only. A stream's nodes only grow
-// in one capture, so the walk is kept per (capture, stream) and never visits a node
-// twice; it is dropped when the device's captures end.
+// by stream), so the check is made on that stream only. The walk is kept per (capture,
+// stream) and goes on from where it stopped: the nodes reached before are ancestors of
+// the stream's new tails as long as its last tails are (its dependencies only grew). A
+// walk that does not reach them again (they were set anew) starts over from the new
+// tails. The walks are dropped when the device's captures end.
 #pragma once
 
 #include <cuda.h>
@@ -39,8 +48,8 @@
 namespace tb {
 
 // The nodes `streams` currently end in, all of capture *id: false when one of them is
-// not capturing, they capture different graphs, or the driver cannot say. Streams
-// that have queued nothing in the capture yet add no node.
+// not capturing, they capture different graphs, or the driver cannot say. Streams that
+// have queued nothing in the capture yet add no node (Note [Reuse during capture]).
 bool capture_tails(const std::vector<CUstream>& streams, std::vector<CUgraphNode>* out, uint64_t* id);
 
 // The capture `stream` is in; 0 when it is not capturing or the driver cannot say.
@@ -61,6 +70,7 @@ class CaptureWalks {
     cuuint64_t capture;
     CUstream stream;
     std::unordered_set<CUgraphNode> seen;
+    std::vector<CUgraphNode> tails;  // the stream's tails when `seen` was last walked from
   };
   std::vector<Walk> walks_;
 };
