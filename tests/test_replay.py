@@ -54,6 +54,27 @@ def test_both_files_round_trip(tmp_path):
     assert list(load(str(pkl)).sizes) == [5]
 
 
+def _damaged_gzip():
+    """A gzip file whose inflate stream is corrupt (not cut short): zlib's own error."""
+    data = bytearray(gzip.compress(b"# torch_budget trace 1\n" + b"a 0 10 0\nf 0\n" * 200, mtime=0))
+    data[12] ^= 0xFF
+    data[13] ^= 0xFF
+    return bytes(data)
+
+
+def _deep_pickle():
+    """An event nested deeper than Python's recursion limit (unpickling is not recursive)."""
+    event = {"action": "alloc", "addr": 1, "size": 5}
+    for _ in range(5000):
+        event = {"action": "alloc", "addr": event}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50000)
+    try:
+        return pickle.dumps(history([event]))
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 @pytest.mark.parametrize("content,match", [
     (b"hello", "neither a memory snapshot"),
     (b"# torch_budget trace 1\na 0 10 0\nf 1\n", "free of tensor 1, which is not live"),
@@ -69,8 +90,21 @@ def test_both_files_round_trip(tmp_path):
     (pickle.dumps({"device_traces": [{"action": "alloc", "addr": 1, "size": 5}]}), "is not a list of events"),
     (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5}, {"action": "free_completed", "addr": [1]}])),
      "event 1 of device 0 is not one of"),
+    # these were tracebacks too (zlib.error, TypeError, OverflowError, RecursionError)
+    (_damaged_gzip(), "damaged gzip"),
+    (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 10, "stream": [1]}])), "event 0 of device 0"),
+    (pickle.dumps({"device_traces": [None, [{"action": "alloc", "addr": 1, "size": 5}]]}), "device 0 is not a list"),
+    (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 2**70}])), "below 2\\*\\*63"),
+    (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": True}])), "event 0 of device 0"),
+    (_deep_pickle(), "event 0 of device 0|nested too deep"),
+    # and these were read as fine, to fail on a GPU
+    (b"# torch_budget trace 1\n# nothing\n", "allocates nothing"),
+    (b"# torch_budget trace 1\na 0 10 -1\nf 0\n", "stream -1: streams are numbered 0 to 127"),
+    (b"# torch_budget trace 1\na 0 10 200\nf 0\n", "stream 200"),
+    (b"# torch_budget trace 10\na 0 10 0\n", "neither a memory snapshot"),
 ])
 def test_bad_trace_files_are_refused_with_the_reason(tmp_path, content, match):
+    # (the parameters above use _damaged_gzip and _deep_pickle, defined before them)
     p = tmp_path / "bad"
     p.write_bytes(content)
     with pytest.raises(TraceError, match=match):
@@ -105,6 +139,20 @@ def test_unknown_mixes_are_refused(spec):
     # "serving:abc" and "1MiB:1e6" were int()'s ValueError (a traceback from the CLI); "1MiB:-5" an empty trace
     with pytest.raises(TraceError, match="mix"):
         mix(spec)
+
+
+def test_sparse_tensor_ids_are_numbered_again_so_a_replay_keeps_no_slot_for_ids_never_used(tmp_path):
+    p = tmp_path / "sparse.tbtrace"
+    p.write_text("# torch_budget trace 1\na 9000000000000000000 10 0\na 7 20 0\nf 9000000000000000000\na 5 30 0\n")
+    t = load(str(p))
+    assert (list(t.ids), list(t.sizes)) == ([0, 1, 0, 2], [10, 20, 0, 30]) and t.num_tensors == 3
+
+
+def test_a_mix_too_long_to_replay_is_refused_before_it_is_built():
+    with pytest.raises(TraceError, match="at most"):
+        mix("1MiB:99999999999999")
+    with pytest.raises(TraceError, match="size must be 0 or more bytes"):
+        mix("-1MiB")
 
 
 def test_replay_without_a_gpu_reads_the_traces_and_says_why_it_stops(capsys, monkeypatch):

@@ -74,6 +74,7 @@ def one_size(size: int, ops: int = 40_000) -> Trace:
 
 
 MIXES = {"serving": serving, "small": small, "lognormal": lognormal}
+MAX_OPS = 10_000_000
 
 
 def mix(spec: str) -> Trace:
@@ -86,12 +87,20 @@ def mix(spec: str) -> Trace:
     args = [int(f) for f in fields]
     if args[:1] == [0]:
         raise TraceError(f"mix {spec!r}: expected {shape} with ops > 0")
+    if args[:1] and args[0] > MAX_OPS:
+        raise TraceError(f"mix {spec!r}: {args[0]} operations; a mix has at most {MAX_OPS} (a trace that long "
+                         "takes minutes a pass per configuration)")
+    if name not in MIXES and args[:1] and args[0] < 2:
+        raise TraceError(f"mix {spec!r}: a size's mix allocates and frees, so it needs ops >= 2")
     if name in MIXES:
         return MIXES[name](*args)
     try:
         size = parse_bytes(name)
-    except ValueError:
-        raise TraceError(f"unknown mix {spec!r}: one of {', '.join(MIXES)} or a size such as 1MiB") from None
+    except ValueError as e:
+        raise TraceError(f"unknown mix {spec!r}: one of {', '.join(MIXES)} or a size such as 1MiB"
+                         f"{'' if name[:1].isalpha() else f' ({e})'}") from None
+    if size >= 1 << 63:
+        raise TraceError(f"mix {spec!r}: the size must be below 2**63 bytes")
     if size <= 0:
         raise TraceError(f"mix {spec!r}: the size must be positive")
     return one_size(size, *args[:1])

@@ -24,10 +24,13 @@ import gzip
 import io
 import os
 import pickle
+import reprlib
+import zlib
 from array import array
 from dataclasses import dataclass, field
 
 HEADER = "# torch_budget trace 1"
+MAX_STREAMS = 128  # Trace.streams holds signed bytes
 
 
 class TraceError(ValueError):
@@ -49,8 +52,13 @@ class Trace:
         return len(self.ids)
 
     def alloc(self, tid: int, size: int, stream: int = 0) -> None:
-        if size <= 0:
-            raise TraceError(f"{self.name}: allocation {tid} of {size} bytes (sizes must be positive)")
+        if size <= 0 or size >= 1 << 63:
+            raise TraceError(f"{self.name}: allocation {tid} of {size} bytes (sizes must be positive, below 2**63)")
+        if not 0 <= stream < MAX_STREAMS:
+            raise TraceError(f"{self.name}: allocation {tid} on stream {stream}: streams are numbered 0 to "
+                             f"{MAX_STREAMS - 1}")
+        if not 0 <= tid < 1 << 63:
+            raise TraceError(f"{self.name}: tensor id {tid}: ids are whole numbers from 0, below 2**63")
         self.ids.append(tid)
         self.sizes.append(size)
         self.streams.append(stream)
@@ -69,7 +77,11 @@ class Trace:
         return (max(self.ids) + 1) if len(self) else 0
 
     def check(self) -> "Trace":
-        """Every free names a live tensor and no id is allocated twice while live."""
+        """Every free names a live tensor, no id is allocated twice while live, and the trace
+        allocates something. Ids past the number of allocations (a replay keeps a slot for every
+        id up to the largest) are numbered again densely, in order of allocation."""
+        if not self.allocations():
+            raise TraceError(f"{self.name}: the trace allocates nothing: there is nothing to replay")
         live = set()
         for i, (tid, size) in enumerate(zip(self.ids, self.sizes)):
             if tid < 0:
@@ -82,6 +94,14 @@ class Trace:
                 if tid not in live:
                     raise TraceError(f"{self.name}: operation {i}: free of tensor {tid}, which is not live")
                 live.discard(tid)
+        if self.num_tensors > self.allocations():
+            renamed: dict = {}
+            allocated = 0
+            for i, (tid, size) in enumerate(zip(self.ids, self.sizes)):
+                if size:
+                    renamed[tid] = allocated
+                    allocated += 1
+                self.ids[i] = renamed[tid] if size else renamed.pop(tid)
         return self
 
     def peak_live(self, granule: int = 512) -> int:
@@ -142,21 +162,27 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
     if not isinstance(traces, list):
         raise TraceError(f"{name}: not a memory snapshot with 'device_traces' (torch.cuda.memory._snapshot())")
+    for d, t in enumerate(traces):
+        if not isinstance(t, list):
+            raise TraceError(f"{name}: the history of device {d} is not a list of events: {_short(t)}")
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     if device >= len(traces) or not traces[device]:
         raise TraceError(f"{name}: no allocation history for device {device}: record it with "
                          "torch.cuda.memory._record_memory_history() before the workload runs")
     events = traces[device]
-    if not isinstance(events, list):
-        raise TraceError(f"{name}: the history of device {device} is not a list of events: {events!r:.200}")
+
+    def whole(v):
+        return type(v) is int  # not a bool: torch writes plain ints
+
     for k, e in enumerate(events):
         action = e.get("action") if isinstance(e, dict) else None
         if action is None or (action in ("alloc", "free_requested", "free_completed") and (
-                not isinstance(e.get("addr"), int) or (action == "alloc" and (not isinstance(e.get("size"), int)
-                                                                              or e["size"] < 0)))):
+                not whole(e.get("addr")) or not whole(e.get("stream", 0))
+                or (action == "alloc" and (not whole(e.get("size")) or not 0 <= e["size"] < 1 << 63)))):
             raise TraceError(f"{name}: event {k} of device {device} is not one of torch's memory history events (an "
-                             f"object with 'action', an integer 'addr', and a 'size' to allocate): {e!r:.200}")
+                             f"object with 'action', an integer 'addr' and 'stream', and a 'size' to allocate below "
+                             f"2**63): {_short(e)}")
     has_requests = any(e.get("action") == "free_requested" for e in events)
     free_action = "free_requested" if has_requests else "free_completed"
     trace = Trace(name)
@@ -190,6 +216,13 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     return trace
 
 
+def _short(value) -> str:
+    """A bounded repr of what a file held, however deep it nests."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, 80, 80
+    return short.repr(value)[:200]
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """A snapshot holds only dicts, lists, strings and numbers: nothing else is built."""
 
@@ -208,15 +241,18 @@ def load(path: str) -> Trace:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"{path}: a damaged gzip file ({e})") from None
-    if raw.startswith(HEADER.encode()):
+    if raw.startswith(HEADER.encode()) and raw[len(HEADER):len(HEADER) + 1] in (b"", b"\n", b"\r"):
         return _parse_text(name, io.StringIO(raw.decode("utf-8", errors="replace"))).check()
     if raw[:1] == b"\x80":  # a pickle
         try:
             snap = _PlainUnpickler(io.BytesIO(raw)).load()
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
             raise TraceError(f"{path}: a pickle that is not a memory snapshot ({type(e).__name__}: {e})") from None
-        return from_snapshot(snap, name).check()
+        try:
+            return from_snapshot(snap, name).check()
+        except RecursionError:
+            raise TraceError(f"{path}: a pickle nested too deep to be a memory snapshot") from None
     raise TraceError(f"{path}: neither a memory snapshot pickle (torch.cuda.memory._dump_snapshot) nor a "
                      f"torch_budget trace (first line {HEADER!r})")
