@@ -171,6 +171,27 @@ def test_cli_report_out_that_is_a_folder_says_so_without_an_errno(tmp_path, caps
     assert f"'{tmp_path}' is a folder; give a file path" in err and "Errno" not in err
 
 
+@pytest.mark.parametrize("out", [None, "same"])
+def test_cli_report_never_writes_its_picture_over_the_ledger(tmp_path, capsys, out):
+    src = _saved_plan(tmp_path)
+    if out is None:  # a ledger named .png: the picture's default path is the ledger itself
+        src = src.rename(tmp_path / "ledger.png")
+    before = src.read_bytes()
+    assert cli_report([str(src)] + ([] if out is None else ["--out", str(src)])) == 2
+    assert "is the ledger itself" in capsys.readouterr().err and src.read_bytes() == before
+
+
+@pytest.mark.parametrize("content,message", [(b"\x1f\x8b\x08binary", "is not text (UTF-8)"),
+                                             (b"[" * 100000 + b"]" * 100000, "nests its JSON too deep")])
+def test_cli_report_and_plan_name_a_file_they_cannot_read_as_json(tmp_path, capsys, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    assert cli_report([str(bad)]) == 2
+    assert cli.main(["plan", "--config", str(bad), "--gpu-mem", "8GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(message) == 2 and "Traceback" not in err
+
+
 def test_cli_report_of_a_folder_says_it_is_a_folder(tmp_path, capsys):
     assert cli_report([str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -107,3 +107,26 @@ def tag_names(value: object, what: str = "tags") -> list[str] | None:
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"{what} repeat a name: {names!r}")
     return names
+
+
+def read_json_file(path, what: str):
+    """The JSON value in file `path`, or a ValueError naming `what` (e.g. "config file") and the
+    problem: missing, a folder, unreadable, not UTF-8 text, not JSON, or nested too deep."""
+    import json
+
+    name = repr(str(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {name} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {name} is a folder; give the JSON file in it") from None
+    except OSError as e:
+        raise ValueError(f"{what} {name} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {name} is not text (UTF-8): give the JSON file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{what} {name} nests its JSON too deep to be read") from None

@@ -21,6 +21,14 @@ def whole_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
+def seed(text: str) -> int:
+    """argparse type: a random seed, a whole number in [0, 2**63) (torch's generators take no more)."""
+    value = whole_number(text)
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed is a whole number from 0 below 2**63")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: a positive whole number."""
     value = whole_number(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torch_budget.cli.arguments import PROG, output_file, parse, positive_int, whole_number
+from torch_budget.cli.arguments import PROG, output_file, parse, positive_int, seed
 from torch_budget.cli.doctor import environment_settings
 
 
@@ -17,7 +17,7 @@ def parser() -> argparse.ArgumentParser:
                     "ledger. Without a CUDA device (or without the compiled extension) it prints the plan for an "
                     "assumed card and says why it stops there.")
     p.add_argument("--requests", type=positive_int, help="requests to serve (default 48, 16 with --quick)")
-    p.add_argument("--seed", type=whole_number, default=0,
+    p.add_argument("--seed", type=seed, default=0,
                    help="seed for weights, prompt lengths and tokens (default 0)")
     p.add_argument("--out", type=output_file, default=Path("torch_budget_ledger.png"),
                    help="where to write the measured ledger picture; its folder must exist "

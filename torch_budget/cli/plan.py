@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from torch_budget._validate import read_json_file
 from torch_budget.cli.arguments import (PROG, fraction, gib, gib_or_zero, output_file, parse, positive_int, size,
                                          size_or_zero)
 from torch_budget.units import GiB, format_bytes
@@ -102,15 +102,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _config_values(path: str) -> dict:
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"config file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise ValueError(f"config file {path!r} is a folder; give the JSON file in it") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
+    values = read_json_file(path, "config file")
     if not isinstance(values, dict):
         raise ValueError(f"config file {path!r} must hold a JSON object")
     return values

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _same_file(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve() or os.path.samefile(a, b)
+    except OSError:  # the picture does not exist yet
+        return False
+
+
 def run(argv: list[str]) -> int:
     args, rc = parse(parser(), argv)
     if rc is not None:
@@ -32,6 +40,8 @@ def run(argv: list[str]) -> int:
         print(f"{PROG} report: error: {e}", file=sys.stderr)
         return 2
     problem = output_problem(out)
+    if not problem and _same_file(out, args.ledger):
+        problem = f"{str(out)!r} is the ledger itself, which the picture would overwrite"
     if problem:
         print(f"{PROG} report: error: the picture beside the ledger: {problem}; choose one with --out",
               file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torch_budget._validate import read_json_file
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine, TagBudget
 
 
@@ -72,14 +73,7 @@ def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget
     """`load_ledger`, and the tag budgets a measured ledger may carry (`budgets`, see
     `ledger_json`; none for a plan)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"ledger file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ValueError(f"ledger file {str(path)!r} is a folder; give the JSON file in it") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"ledger file {str(path)!r} is not valid JSON: {e}") from None
+    data = read_json_file(path, "ledger file")
     if not isinstance(data, dict) or "total" not in data or "lines" not in data:
         raise ValueError(f"ledger file {str(path)!r} must be a JSON object with 'total' and 'lines'")
     total = data["total"]
