@@ -57,7 +57,7 @@ def _host_signatures():
         "tb_host_capture": (None, [vp, u64, ctypes.POINTER(u64), i]),
         "tb_host_node": (None, [u64, ctypes.POINTER(u64), i]),
         "tb_host_user_pool": (i, [i, u64, u64]),
-        "tb_host_user_counts": (None, [ctypes.c_int64 * 3]),
+        "tb_host_user_counts": (None, [ctypes.c_int64 * 5]),
         "tb_host_parking": (None, [i]),
         "tb_host_mark_interval": (None, [i64]),
         "tb_host_replay": (i64, [vp, vp, vp, i64, vp, i, vp, i64]),

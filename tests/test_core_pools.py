@@ -364,9 +364,9 @@ def _user_pool_block_freed():
 
 
 def _user_counts(h):
-    out = (ctypes.c_int64 * 3)()
+    out = (ctypes.c_int64 * 5)()
     h.lib.tb_host_user_counts(out)
-    return {"allocs": out[0], "frees": out[1], "under_lock": out[2]}
+    return {"allocs": out[0], "frees": out[1], "under_lock": out[2], "ends": out[3], "ends_under_lock": out[4]}
 
 
 @isolated
@@ -380,6 +380,7 @@ def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
     counts = _user_counts(h)
     assert counts["allocs"] == 1 and counts["frees"] == 1, counts
     assert counts["under_lock"] == 0, "the pool's own allocator was called under the device lock"
+    assert counts["ends"] == 1 and counts["ends_under_lock"] == 0, "the allocator ended under the device lock"
     assert h.reserved() < reserved and h.stats()["num_device_free"] >= 1
 
 

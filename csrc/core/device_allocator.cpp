@@ -165,12 +165,15 @@ int64_t DeviceAllocator::free_detached(DeviceLock& lock) {
   if (list.empty() && user.empty()) return 0;
   lock.unlock();
   sync_->free_detached(list);
-  for (const UserFree& f : user) f.source->free(f.base);  // route_user.h: may wait, or take the GIL
+  for (UserFree& f : user) {
+    f.source->free(f.base);  // route_user.h: may wait, or take the GIL
+    f.source.reset();        // and so may the allocator's end, where this was its last reference
+  }
   lock.lock();
   unpark();  // Note [The parked block]: a free may have parked one meanwhile
   const int64_t before = budget_.reserved();  // the lock is held from here on
   sync_->settle(list);
-  for (const UserFree& f : user) {
+  for (const UserFree& f : user) {  // sizes only: every source was let go before the lock
     budget_.uncharge(f.size, Placement{kRouteSync, f.small, true});
     bump(ledger_.num_device_free);
   }

@@ -1110,11 +1110,29 @@ namespace {
 // free built on cudaFree (which waits for the device) or on Python (which takes the GIL)
 // needs: that another thread can allocate on the device meanwhile. Frees that found the
 // device allocator's lock held are counted.
-std::atomic<int64_t> g_user_allocs{0}, g_user_frees{0}, g_user_frees_blocked{0};
+std::atomic<int64_t> g_user_allocs{0}, g_user_frees{0}, g_user_frees_blocked{0}, g_user_ends{0},
+    g_user_ends_blocked{0};
+
+// Whether another thread can allocate on `device` within 300 ms (the device lock is not held).
+bool device_lock_free(int device) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread([done, device] {
+    tb_free(tb_malloc(512, device, nullptr), 512, device, nullptr);
+    done->store(true);
+  }).detach();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  while (!done->load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  return done->load();
+}
 
 class ProbingSource final : public tb::SegmentSource {
  public:
   explicit ProbingSource(int device) : device_(device) {}
+  // The allocator's end (a Python object's, taking the GIL) must not run under the lock either.
+  ~ProbingSource() override {
+    if (!device_lock_free(device_)) g_user_ends_blocked.fetch_add(1);
+    g_user_ends.fetch_add(1);
+  }
   CUdeviceptr alloc(size_t bytes, CUstream) override {
     CUdeviceptr p = 0;
     tb_host_set_current(device_);  // a user's allocator allocates on the current device, as torch's do
@@ -1126,15 +1144,7 @@ class ProbingSource final : public tb::SegmentSource {
     return p;
   }
   void free(CUdeviceptr ptr) override {
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    const int device = device_;
-    std::thread([done, device] {
-      tb_free(tb_malloc(512, device, nullptr), 512, device, nullptr);
-      done->store(true);
-    }).detach();
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
-    while (!done->load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-    if (!done->load()) g_user_frees_blocked.fetch_add(1);
+    if (!device_lock_free(device_)) g_user_frees_blocked.fetch_add(1);
     tb_host_set_current(device_);
     tb::driver()->memFree(ptr);
     g_user_frees.fetch_add(1);
@@ -1176,10 +1186,12 @@ void tb_host_mark_interval(int64_t microseconds) {
 }
 
 // The ProbingSource's allocations, frees, and frees that ran under the device lock.
-void tb_host_user_counts(int64_t out[3]) {
+void tb_host_user_counts(int64_t out[5]) {
   out[0] = g_user_allocs.load();
   out[1] = g_user_frees.load();
   out[2] = g_user_frees_blocked.load();
+  out[3] = g_user_ends.load();
+  out[4] = g_user_ends_blocked.load();
 }
 
 }  // extern "C"
