@@ -264,7 +264,8 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   auto tag_live = [&] {
     TB_REQUIRE((graphs_.capturing() && graphs_.route_for(stream) != nullptr) || tags_.live(tag), kState,
                "tag '" + tag_name(tag) + "' is released on device " + std::to_string(ctx_.device) +
-                   ": restore it (torch_budget.restore) before allocating under it",
+                   ": restore it (torch_budget.restore, or the resume / wake_up / materialize of the serving "
+                   "stack whose adapter paused it) before allocating under it",
                false);
     return true;
   };
