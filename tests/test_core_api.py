@@ -287,6 +287,19 @@ def test_device_all_is_refused_where_a_call_reads_one_device():
         torch_budget.stats(True)
 
 
+@isolated
+def test_tags_as_bytes_and_backup_of_copy_as_a_non_bool_are_refused_naming_them():
+    import torch
+
+    _installed_host()
+    for tags in (b"w", bytearray(b"w")):
+        with pytest.raises(TypeError, match="tags must be None, a tag name \\(str\\)"):
+            torch_budget.release(tags)
+    for copy in (None, 0, "no"):
+        with pytest.raises(TypeError, match="backup_of's copy must be True or False"):
+            sleep.backup_of(torch.zeros(1), copy=copy)
+
+
 def test_calls_that_need_install_say_so():
     for call, name in ((torch_budget.stats, "stats"), (torch_budget.release, "release"),
                        (torch_budget.restore, "restore"), (torch_budget.empty_cache, "empty_cache")):

@@ -157,6 +157,15 @@ def test_get_rejects_negative_or_non_integer_sizes():
         meta.get(-3)
     with pytest.raises(TypeError, match=r"nbytes \(bytes\) must be an integer"):
         meta.get(2.5)
+    with pytest.raises(ValueError, match=r"nbytes \(bytes\) must be below 2\*\*63"):
+        meta.get(2**70)
+
+
+@pytest.mark.parametrize("flag", ["reclaimable", "is_graph_metadata", "multi_stream", "return_to_device"])
+@pytest.mark.parametrize("value", ["false", None, 0])
+def test_metadata_flags_must_be_bools_not_values_that_read_as_one(flag, value):
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        WorkspaceMetadata("cpu", **{flag: value})
 
 
 # -- overlapping forwards -------------------------------------------------------------------

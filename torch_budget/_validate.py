@@ -95,6 +95,8 @@ def tag_names(value: object, what: str = "tags") -> list[str] | None:
         return None
     if isinstance(value, str):
         return [tag_name(value, what)]
+    if isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"{what} must be None, a tag name (str) or an iterable of names, got {type(value).__name__}")
     try:
         names = list(value)  # type: ignore[call-overload]
     except TypeError:
@@ -130,3 +132,10 @@ def read_json_file(path, what: str):
         raise ValueError(f"{what} {name} is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError(f"{what} {name} nests its JSON too deep to be read") from None
+
+
+def boolean(value: object, what: str) -> bool:
+    """`value`, which must be a bool: a string such as "false" or None is a slip, not a setting."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {type(value).__name__} ({value!r:.60})")
+    return value

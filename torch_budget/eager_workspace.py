@@ -71,7 +71,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from torch_budget import _runtime, allocator
-from torch_budget._validate import non_negative_int
+from torch_budget._validate import boolean, non_negative_int
 from torch_budget.errors import InvalidArgumentError, NotWarmedUpError, StateError
 
 if TYPE_CHECKING:
@@ -533,7 +533,7 @@ def get(meta, nbytes) -> "torch.Tensor":
     valid until the next `get` on the same metadata and must not be kept across forwards.
     """
     tensor = meta.workspace
-    if type(nbytes) is not int or nbytes < 0:
+    if type(nbytes) is not int or not 0 <= nbytes < 1 << 63:
         nbytes = _as_bytes("nbytes", nbytes)
     if tensor is None:
         raise _missing_warm_up(meta)
@@ -579,13 +579,13 @@ class WorkspaceMetadata:
         self.device = torch.device(device)
         self.workspace = None
         self.graph_workspace = graph_workspace
-        self.is_graph_metadata = bool(is_graph_metadata)
-        self.reclaimable = bool(reclaimable)
-        self.multi_stream = bool(multi_stream)
+        self.is_graph_metadata = boolean(is_graph_metadata, "is_graph_metadata")
+        self.reclaimable = boolean(reclaimable, "reclaimable")
+        self.multi_stream = boolean(multi_stream, "multi_stream")
         if stream_fn is not None and not callable(stream_fn):
             raise TypeError(f"stream_fn must be callable, got {type(stream_fn).__name__}")
         self.stream_fn = stream_fn
-        self.return_to_device = bool(return_to_device)
+        self.return_to_device = boolean(return_to_device, "return_to_device")
         self.workspace_state = None
 
     def warm_up(self, nbytes=None):

@@ -61,7 +61,7 @@ from typing import TypedDict
 
 from . import _native, _runtime
 from ._runtime import Device, Tags
-from ._validate import non_negative_int, pool_handle, tag_names
+from ._validate import boolean, non_negative_int, pool_handle, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
@@ -506,6 +506,7 @@ def backup_of(tensor, *, copy: bool = True):
     import torch
 
     lib = _runtime.require_installed("torch_budget.sleep.backup_of()")
+    copy = boolean(copy, "backup_of's copy")  # a view where a copy was meant would be written through
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"backup_of takes a tensor, got {type(tensor).__name__}")
     if not tensor.is_cuda or not tensor.is_contiguous():
