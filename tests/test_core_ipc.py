@@ -144,6 +144,17 @@ def test_a_driver_failure_while_mapping_again_leaves_the_memory_as_it_was():
     assert h.device_used() == 0
 
 
+def _serves_again_and_goes_back(h):
+    """A 40 MiB allocation where a failed share left its range holds what is written to it, and
+    its memory goes back to the driver whole."""
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 3))
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 3)
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used()
+
+
 @isolated
 def test_a_mapping_the_driver_refuses_to_put_back_is_booked_unmapped_and_not_held_for_good():
     h = Host(route="vmm", map_run=16 * MiB)
@@ -159,12 +170,7 @@ def test_a_mapping_the_driver_refuses_to_put_back_is_booked_unmapped_and_not_hel
     assert h.peek(t + 16 * MiB, 24 * MiB) == pattern(40 * MiB, 2)[16 * MiB:]
     assert h.reserved() == 24 * MiB == h.device_used()
     h.free(t)
-    t = h.malloc(40 * MiB)                       # maps new memory where the old went
-    h.poke(t, pattern(40 * MiB, 3))
-    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 3)
-    h.free(t)
-    h.empty_cache()
-    assert h.reserved() == 0 == h.device_used()
+    _serves_again_and_goes_back(h)               # maps new memory where the old went
 
 
 @isolated
@@ -182,13 +188,8 @@ def test_new_memory_the_driver_refuses_to_unmap_stays_booked_with_the_contents_c
     assert h.reserved() == 32 * MiB == h.device_used()  # the books and the driver agree
     assert h.peek(t, 8 * MiB) == pattern(40 * MiB, 2)[:8 * MiB]  # copied before the failure
     h.free(t)
-    for _ in range(2):                           # the range serves again, and goes back
-        t = h.malloc(40 * MiB)
-        h.poke(t, pattern(40 * MiB, 4))
-        assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 4)
-        h.free(t)
-        h.empty_cache()
-        assert h.reserved() == 0 == h.device_used()
+    for _ in range(2):
+        _serves_again_and_goes_back(h)
 
 
 @isolated

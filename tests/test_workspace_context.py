@@ -182,8 +182,9 @@ def test_nested_forward_on_one_workspace_raises_runtime_error():
     forward(meta, 1 * MiB)  # the workspace is free again
 
 
-def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
-    meta = warmed()
+@contextlib.contextmanager
+def _forward_in_another_thread(meta):
+    """While the block runs, another thread's forward holds `meta`'s workspace."""
     inside, leave = threading.Event(), threading.Event()
 
     def first_forward():
@@ -195,37 +196,30 @@ def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
     thread.start()
     try:
         assert inside.wait(10)
-        with pytest.raises(StateError, match="overlapping forwards"):
-            with workspace(meta):
-                pass
+        yield
     finally:
         leave.set()
         thread.join()
+
+
+def test_forward_from_another_thread_during_a_forward_raises_runtime_error():
+    meta = warmed()
+    with _forward_in_another_thread(meta):
+        with pytest.raises(StateError, match="overlapping forwards"):
+            with workspace(meta):
+                pass
     forward(meta, 1 * MiB)
 
 
 def test_another_thread_cannot_exit_a_forward_it_did_not_enter():
     meta = warmed()
-    inside, leave = threading.Event(), threading.Event()
-
-    def first_forward():
-        with workspace(meta):
-            inside.set()
-            leave.wait(10)
-
-    thread = threading.Thread(target=first_forward)
-    thread.start()
-    try:
-        assert inside.wait(10)
+    with _forward_in_another_thread(meta):
         with pytest.raises(StateError, match="other than the one whose forward"):
             workspace(meta).__exit__(None, None, None)
         assert meta.workspace_state.in_forward  # the first forward still holds its workspace
         with pytest.raises(StateError, match="overlapping forwards"):
             with workspace(meta):
                 pass
-    finally:
-        leave.set()
-        thread.join()
     forward(meta, 1 * MiB)
 
 
