@@ -201,7 +201,8 @@ bool HostPool::unpin_unused(Which which) {
   CUcontext current = nullptr;
   if (driver()->ctxGetCurrent(&current) != CUDA_SUCCESS) current = nullptr;
   ContextGuard guard(current == nullptr && pinned_with_ != nullptr ? pinned_with_ : current);
-  bool ok = guard.ok();
+  if (!guard.ok()) return false;  // every chunk stays pinned; the error says why
+  bool ok = true;
   std::vector<Chunk> kept;
   for (Chunk& c : chunks_) {
     const bool unused = c.free.size() == 1 && c.free.begin()->first == 0 && c.free.begin()->second == c.bytes;
@@ -209,7 +210,7 @@ bool HostPool::unpin_unused(Which which) {
       kept.push_back(std::move(c));
       continue;
     }
-    if (!guard.ok() || !unpin(c)) {
+    if (!unpin(c)) {
       ok = false;
       kept.push_back(std::move(c));
       continue;
