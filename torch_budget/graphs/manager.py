@@ -179,6 +179,8 @@ class GraphPoolManager:
         try:
             if bucket is not None:
                 bucket = positive_int(bucket, "bucket")
+                if bucket >= _EAGER_BUCKET:  # the code that says "eager" in the exchange
+                    raise InvalidArgumentError(f"agree(): bucket {bucket} must be below 2**62")
             tier_code = self._encode_tier(tier)
         except (TypeError, ValueError) as e:
             refused, tier_code = e, -1
