@@ -68,10 +68,13 @@ def test_a_bad_budget_raises_a_value_error_saying_how_to_write_it(value, message
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("value,message", [(True, "bytes or a fraction"), ([1], "int, float or str")])
+@pytest.mark.parametrize("value,message", [(True, "bytes or a fraction"), ([1], "int, float or str"),
+                                           (("bytes", 1.5), r"budgets\['kv'\] \('bytes', 1.5\): the bytes must be a whole"),
+                                           (("fraction", "abc"), r"budgets\['kv'\] .*the fraction must be a number"),
+                                           (("fraction", None), r"budgets\['kv'\] .*the fraction must be a number")])
 def test_a_budget_of_the_wrong_type_raises_a_type_error(value, message):
     with pytest.raises(TypeError, match=message):
-        config.parse_budget(value)
+        config.parse_budget(value, "budgets['kv']")
 
 
 @pytest.mark.parametrize("text,message", [

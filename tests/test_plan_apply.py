@@ -263,3 +263,51 @@ def test_install_takes_a_plans_sub_mebibyte_lines_through_budget_settings():
     p = planner.plan(prof, CacheCost(slope=4096), eager_workspace_in_peak=300 << 10, max_kv_bytes=32 * MiB)
     installed_host(budgets=p.budget_settings())
     assert {t: b for t, b in budgets_now().items() if b is not None} == p.tag_budgets()
+
+
+def _no_kv_plan():
+    """A plan whose KV line is 0 bytes (max_kv_tokens=0): the plan gives the cache nothing."""
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=28 * MiB, total=CARD,
+                                     model_bytes=16 * MiB)
+    p = planner.plan(prof, CacheCost(slope=4096), max_kv_tokens=0)
+    assert p.kv_bytes == 0 and p.tag_budgets()["kv"] == 0
+    return p
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_line_of_0_bytes_lets_nothing_be_allocated_under_its_tag():
+    host = installed_host()
+    torch_budget.set_budget("64MiB", tag="kv")  # an older, larger budget the plan must replace
+    with _no_kv_plan().apply() as applied:
+        assert budgets_now()["kv"] == 0 and applied.budgets["kv"] == 0
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'kv'"):
+            under(host, "kv", 4096)
+        under(host, "weights", 4096)  # the other tags keep serving
+    assert budgets_now()["kv"] == 64 * MiB  # undone: the older budget is back
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_install_takes_a_line_of_0_bytes_too():
+    host = installed_host(budgets=_no_kv_plan().budget_settings())
+    assert budgets_now()["kv"] == 0
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="tag 'kv'"):
+        under(host, "kv", 4096)
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_tag_budget_of_0_is_written_out_and_a_device_budget_is_never_0():
+    from torch_budget.errors import ConfigError
+
+    installed_host()
+    torch_budget.set_budget(("bytes", 0), tag="kv")
+    assert budgets_now()["kv"] == 0
+    torch_budget.set_budget(None, tag="kv")
+    assert budgets_now()["kv"] is None
+    for zero in (0, "0B"):  # a bare 0 may mean "no limit" to some: only the written-out form is read as none
+        with pytest.raises(ConfigError, match="more than 0 bytes"):
+            torch_budget.set_budget(zero, tag="kv")
+    with pytest.raises(ConfigError, match="more than 0 bytes"):
+        torch_budget.set_budget(("bytes", 0))

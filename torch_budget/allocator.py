@@ -127,8 +127,8 @@ def _parse_setting(name: str, value, source: str | None = None):
     """One install() setting, parsed by config's parser for it."""
     source = source or name
     with _config_errors():
-        if name == "budget":
-            return config.parse_budget(value, source)
+        if name in ("budget", "tag budget"):
+            return config.parse_budget(value, source, tag=name == "tag budget")
         if name == "route":
             return config.check_route(value, source)
         if name == "host_pool":
@@ -446,7 +446,8 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
     that serve their first allocation later included): bytes, "40GiB" or a fraction of the
     card. With `tag`, the budget of that tag alone
     (Note [Tag budgets]: what may be allocated under it, inside the device's budget);
-    `budget=None` then removes the tag's budget.
+    `budget=None` then removes the tag's budget, and `("bytes", 0)` lets nothing be allocated
+    under the tag.
 
     Raises ConfigError for a budget that cannot be read, InvalidArgumentError (both
     ValueErrors) when it is below what is allocated now (under the tag, with `tag`).
@@ -455,7 +456,7 @@ def set_budget(budget: int | float | str | None, device: Device = None, tag: str
     if tag is not None:
         # Everything is checked before the tag is registered: a refused call leaves no tag behind.
         name = tag_name(tag)
-        bytes_, fraction = _for_core(None if budget is None else _parse_setting("budget", budget))
+        bytes_, fraction = _for_core(None if budget is None else _parse_setting("tag budget", budget, "budget"))
         devices = _runtime.device_indices(lib, device)
         count = lib.tb_device_count()  # as tb_set_tag_budget would: it starts the driver either way
         if devices and 0 <= count <= max(devices):

@@ -35,7 +35,7 @@ def _not_positive(source: str, value) -> str:
             "(leave it unset for the whole card)")
 
 
-def parse_budget(value, source: str = "budget"):
+def parse_budget(value, source: str = "budget", *, tag: bool = False):
     """A budget as ("bytes", n) or ("fraction", f); None -> None. `source` names where the
     value came from in error messages. One rule wherever a budget is given (install, set_budget,
     TORCH_BUDGET_CONF):
@@ -43,7 +43,9 @@ def parse_budget(value, source: str = "budget"):
     - bytes: an int, or a str with a unit ("40GiB", "512 MiB", "60GB"); a bare number (an int,
       or a str without a unit) is bytes only from 1 MiB up, since `1` would be one byte;
     - a fraction of the card: a float, or a str with a decimal point ("0.9"), in (0, 1];
-    - never 0 or negative: leave the budget unset for the whole card.
+    - never 0 or negative: leave the budget unset for the whole card. A tag's budget (`tag`) may
+      be ("bytes", 0), written out so: nothing may be allocated under the tag (a plan's line of
+      0 bytes, Note [Plan as budgets]).
 
     A value this returns may be passed again and comes back unchanged.
     """
@@ -54,10 +56,16 @@ def parse_budget(value, source: str = "budget"):
     if isinstance(value, tuple) and len(value) == 2 and value[0] in ("bytes", "fraction"):
         kind, amount = value
         if kind == "bytes":
-            if not is_int(amount) or amount <= 0:
+            if not is_int(amount):
+                raise TypeError(f"{source} {value!r}: the bytes must be a whole number, got {type(amount).__name__}")
+            if tag and amount == 0:
+                return ("bytes", 0)
+            if amount <= 0:
                 raise ValueError(_not_positive(source, value))
             return ("bytes", check_max_bytes(amount.__index__(), source, value))
-        return parse_budget(amount, source) if isinstance(amount, float) else parse_budget(float(amount), source)
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise TypeError(f"{source} {value!r}: the fraction must be a number in (0, 1], got {type(amount).__name__}")
+        return parse_budget(float(amount), source)
     if is_int(value):
         value = value.__index__()
         if value <= 0:
@@ -184,7 +192,7 @@ def parse_budgets(value, source: str = "budgets") -> dict:
         return {}
     if not isinstance(value, dict):
         raise TypeError(f"{source} must be a dict of tag name to budget, got {type(value).__name__}")
-    return {tag_name(tag, f"{source}: a tag"): parse_budget(b, f"{source}[{tag!r}]") for tag, b in value.items()}
+    return {tag_name(tag, f"{source}: a tag"): parse_budget(b, f"{source}[{tag!r}]", tag=True) for tag, b in value.items()}
 
 
 def from_environment() -> dict:

@@ -8,10 +8,12 @@ an allocation past its line is then an out-of-memory error naming the tag, while
 tags keep serving. Lines outside torch's allocator (non-torch), the allocator's cache (torch's
 memory, but no tag allocates it) and reserves of no component have no tag to hold them; the
 headroom is the margin no tag may take, which is why the budgets add up to less than the card.
-Before anything is set, the budgets must fit in the device's: its own budget when one is set,
-else the card less what the plan puts outside torch. Budgets go through the public set_budget
-(or install(budgets=plan.budget_settings()) before install), so the same budget layer checks
-them as any other.
+A line of 0 bytes (no KV cache left, a reserve of nothing) is a budget of 0: nothing may be
+allocated under its tag. Before anything is set, the budgets must fit in the device's: its own
+budget when one is set, else the card less what the plan puts outside torch. Budgets go through
+the public set_budget, so the same budget layer checks them as any other.
+install(budgets=plan.budget_settings()) sets the same budgets before any device exists, so
+nothing checks that they fit it: Plan.apply() after install() does.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ UNBUDGETED = ("non_torch", "allocator_cache", "reserve", "headroom")
 
 def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, int]:
     """{tag: bytes} of a plan's lines: each tag gets the sum of its categories' lines (`tags`
-    maps a category to its tag, TAGS by default). Tags whose lines add up to 0 get none: a
-    budget must be positive."""
+    maps a category to its tag, TAGS by default). A tag whose lines add up to 0 gets a budget of
+    0: the plan gives it nothing, so nothing may be allocated under it (a tag the plan has no
+    line for gets no budget)."""
     tags = TAGS if tags is None else tags
     unknown = sorted(set(tags) - set(CATEGORIES))
     if unknown:
@@ -50,7 +53,7 @@ def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> 
         tag = tags.get(line.category)
         if tag is not None:
             out[tag] = out.get(tag, 0) + line.bytes
-    return {tag: n for tag, n in out.items() if n > 0}
+    return out
 
 
 def bounds(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:

@@ -61,7 +61,9 @@ class Plan:
 
     def budget_settings(self, tags: dict[str, str] | None = None) -> dict[str, tuple]:
         """tag_budgets() as install(budgets=...) takes them whatever their size ({tag: ("bytes",
-        n)}: a bare number under 1 MiB would be refused as a likely slip for a fraction)."""
+        n)}: a bare number under 1 MiB would be refused as a likely slip for a fraction). install()
+        cannot check that they fit a device (none exists yet): apply() checks that, and sets the
+        same budgets again."""
         return {tag: _apply.as_setting(n) for tag, n in self.tag_budgets(tags).items()}
 
     def apply(self, device=None, tags: dict[str, str] | None = None) -> "_apply.AppliedBudgets":
