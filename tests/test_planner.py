@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import GiB, MiB
+from torch_budget.units import format_bytes
 from torch_budget.planner import (
     CacheCost,
     Plan,
@@ -308,6 +309,28 @@ def test_plan_clamps_negative_budget_to_zero_and_reports_overcommit():
 def test_plan_clamps_when_reserves_from_kv_exceed_what_is_available():
     p = plan(base_profile(), COST, from_kv=[Reserve("huge", 100 * GiB, "too big")])
     assert p.kv_bytes == 0
+    assert "OVER-COMMITTED" in p.line("headroom").reason
+
+
+def test_reserves_past_the_kv_budget_are_said_to_come_out_of_the_margin():
+    # (80 - 22) GiB available before the fraction; 0.9 of it for the KV budget, the rest the margin
+    raw = (80 - 22) * GiB
+    available = math.floor(raw * 0.9)
+    p = plan(base_profile(), COST, from_kv=[Reserve("graphs", available + 2 * GiB, "measured", "graph_pools")])
+    assert p.kv_bytes == 0
+    step5 = next(s for s in p.steps if s.step == 5)
+    assert "2.00 GiB more than is available" in step5.note
+    headroom = p.line("headroom")
+    assert headroom.bytes == raw - available - 2 * GiB > 0
+    assert headroom.reason.startswith(f"left unplanned: 1-fraction margin {format_bytes(headroom.bytes)}")
+    assert "exceed it by 2.00 GiB, taken from the 1-fraction margin" in headroom.reason
+
+
+def test_a_fractional_slope_gives_whole_bytes_that_read_back():
+    p = plan(base_profile(), CacheCost(slope=1536.5), max_kv_tokens=1000)
+    assert p.kv_bytes == 1536500 and isinstance(p.kv_bytes, int)
+    assert CacheCost(slope=0.5).bytes_for_tokens(3) == 2  # rounded up: never under-counts
+    assert Plan.from_json(p.to_json()).kv_bytes == p.kv_bytes
 
 
 def test_plan_steps_trace_each_stage_of_the_budget():

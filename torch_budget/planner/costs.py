@@ -35,8 +35,9 @@ class CacheCost:
             raise ValueError(f"CacheCost.intercept must be >= 0, got {self.intercept}")
 
     def bytes_for_tokens(self, tokens: int) -> int:
+        """Whole bytes, rounded up: a fractional slope (an average over layers) never under-counts."""
         non_negative_int(tokens, "tokens")
-        return self.slope * tokens + self.intercept
+        return math.ceil(self.slope * tokens + self.intercept)
 
     def tokens_for_budget(self, budget_bytes: int) -> int:
         """Largest token count whose cost fits `budget_bytes`; 0 when nothing fits or the cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from torch_budget._validate import INT64_MAX
 from torch_budget.units import format_bytes
 
 # Ledger categories and their display labels, in the order they are stacked on the bar: what is
@@ -56,6 +57,8 @@ class LedgerLine:
             raise ValueError(f"ledger category {self.category!r} is not one of {list(CATEGORIES)}")
         if self.bytes < 0 and self.category != "headroom":
             raise ValueError(f"ledger line {self.name!r} has negative bytes ({self.bytes}); only headroom may")
+        if abs(self.bytes) > INT64_MAX:
+            raise ValueError(f"ledger line {self.name!r} has {self.bytes} bytes; a line holds less than 2**63")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +98,8 @@ class TagBudget:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"tag {self.tag!r} has negative {name} ({value})")
+            if value is not None and value > INT64_MAX:
+                raise ValueError(f"tag {self.tag!r}: {name} {value} is past 2**63 bytes")
 
     @property
     def headroom(self) -> int:

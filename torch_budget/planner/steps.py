@@ -177,8 +177,9 @@ def plan(
        per token, but a byte budget means the same thing on every rank. `kv_shards` says how many
        ranks each token's KV is split over (`kv_cost` is then one rank's, see CacheCost.shard);
        it only explains: planned without a process group, the other ranks are assumed alike.
-    A negative budget at any step is clamped to 0; the headroom line then goes negative and
-    shows by how much the card is over-committed.
+    A negative budget at any step is clamped to 0. What step 5's reserves take past the KV budget
+    comes out of the 1-fraction margin (the headroom line's reason says how much); once that is
+    gone too, the headroom line goes negative and shows by how much the card is over-committed.
 
     `notes` maps a ledger line name ("weights", "activations", "non-torch", "allocator cache") to
     text appended to its reason, e.g. where a figure came from when it was not measured.
@@ -233,6 +234,8 @@ def plan(
     taken = sum(r.bytes for r in from_kv)
     budget = max(available - taken, 0)
     note = f"{len(from_kv)} reserve(s), {format_bytes(taken)}"
+    if taken > available:
+        note += f", {format_bytes(taken - available)} more than is available: KV budget clamped to 0"
     ws = WorkspaceReserve(0, 0)
     if workspace_bytes_per_token > 0:
         if max_seq_len is None:
@@ -296,13 +299,17 @@ def plan(
                             + (f" + {kv_cost.intercept} B/request" if kv_cost.intercept else "")))
     headroom = total - sum(line.bytes for line in lines)
     parts = []
-    if raw > 0:
-        parts.append(f"1-fraction margin {format_bytes(raw - available)}")
+    short = max(taken - available, 0)  # reserves past the KV budget take it from the margin
+    if raw > 0 and raw - available > short:
+        parts.append(f"1-fraction margin {format_bytes(raw - available - short)}")
     if uncapped > capped:
         parts.append(f"caps {format_bytes(uncapped - capped)}")
     if capped > budget:
         parts.append(f"min over ranks {format_bytes(capped - budget)}")
     why = "left unplanned: " + (", ".join(parts) if parts else "nothing")
+    if short:
+        why += (f"; the reserves taken from the KV budget exceed it by {format_bytes(short)}, taken from "
+                f"the 1-fraction margin{' and the card' if short > raw - available else ''}")
     if headroom < 0:
         why = "OVER-COMMITTED: the peak and reserves exceed the card by this much"
     lines.append(LedgerLine("headroom", "headroom", headroom, why))
