@@ -134,9 +134,10 @@ def test_the_serving_mix_has_the_sizes_and_live_set_it_describes():
 
 
 @pytest.mark.parametrize("spec", ["nope", "serving:0", "1MiB:x", "0B", "serving:abc", "1MiB:1e6", "1MiB:-5",
-                                  "serving:10:1:2", "1MiB:10:3"])
+                                  "serving:10:1:2", "1MiB:10:3", "1MiB:\u00b2", "serving:5:\u00b2"])
 def test_unknown_mixes_are_refused(spec):
-    # "serving:abc" and "1MiB:1e6" were int()'s ValueError (a traceback from the CLI); "1MiB:-5" an empty trace
+    # "serving:abc", "1MiB:1e6" and a superscript digit were int()'s ValueError (a traceback from the CLI);
+    # "1MiB:-5" an empty trace
     with pytest.raises(TraceError, match="mix"):
         mix(spec)
 

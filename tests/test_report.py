@@ -133,7 +133,11 @@ def test_load_ledger_reads_a_plan_file(tmp_path):
     (None, "does not exist"),
     ("{not json", "not valid JSON"),
     ('{"lines": []}', "'total'"),
-    ('{"total": -5, "lines": []}', "non-positive"),
+    ('{"total": -5, "lines": []}', "'total' (-5) must be more than 0"),
+    ('{"total": 1%s, "lines": []}' % ("0" * 400), "less than 2**63"),  # format_bytes' float overflowed
+    ('{"total": 100, "lines": [{"name": "w", "category": "weights", "bytes": 1%s}]}' % ("0" * 400), "less than 2**63"),
+    ('{"total": 100, "lines": [], "budgets": [{"tag": "kv", "budget": 1%s, "used": 0}]}' % ("0" * 400),
+     "budget 1000000000000000000000"),
     ('{"total": 100, "lines": [{"name": "w", "category": "weights"}]}', "'bytes'"),
     ('{"total": 100, "lines": [{"name": "w", "category": "nope", "bytes": 1}]}', "nope"),
     # each of these three was a traceback (AttributeError, TypeError, TypeError) and exit 1

@@ -82,7 +82,7 @@ def mix(spec: str) -> Trace:
     name, _, rest = spec.partition(":")
     fields = rest.split(":") if rest else []
     shape = f"{name}[:ops[:seed]]" if name in MIXES else f"{name}[:ops]"
-    if len(fields) > (2 if name in MIXES else 1) or not all(f.isdigit() for f in fields):
+    if len(fields) > (2 if name in MIXES else 1) or not all(f.isascii() and f.isdigit() for f in fields):
         raise TraceError(f"mix {spec!r}: expected {shape}, whole numbers, with ops > 0")
     args = [int(f) for f in fields]
     if args[:1] == [0]:

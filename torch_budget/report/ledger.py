@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch_budget._validate import read_json_file
+from torch_budget._validate import INT64_MAX, read_json_file
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine, TagBudget
 
 
@@ -79,8 +79,8 @@ def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget
     total = data["total"]
     if isinstance(total, bool) or not isinstance(total, int):
         raise ValueError(f"ledger file {str(path)!r}: 'total' must be the card's bytes, an integer, got {total!r}")
-    if total <= 0:
-        raise ValueError(f"ledger file {str(path)!r} has a non-positive total ({total})")
+    if total <= 0 or total > INT64_MAX:
+        raise ValueError(f"ledger file {str(path)!r}: 'total' ({total}) must be more than 0 and less than 2**63")
     if not isinstance(data["lines"], list):
         raise ValueError(f"ledger file {str(path)!r}: 'lines' must be a list of ledger lines")
     try:
