@@ -311,3 +311,26 @@ def test_a_tag_budget_of_0_is_written_out_and_a_device_budget_is_never_0():
             torch_budget.set_budget(zero, tag="kv")
     with pytest.raises(ConfigError, match="more than 0 bytes"):
         torch_budget.set_budget(("bytes", 0))
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_when_putting_back_fails_too_the_failure_that_stopped_apply_is_raised_with_a_note():
+    from torch_budget import allocator
+
+    installed_host()
+    torch_budget.set_budget("40MiB", tag="weights")
+    real = allocator.set_budget
+
+    def failing(budget, device=None, tag=None):
+        if tag == "graphs" and budget is not None:
+            raise RuntimeError("refused")
+        if tag == "weights" and budget == ("bytes", 40 * MiB):
+            raise OSError("cannot go back")
+        return real(budget, device=device, tag=tag)
+
+    allocator.set_budget = failing
+    with pytest.raises(RuntimeError, match="refused") as e:
+        sample_plan().apply()
+    assert any("putting back the budgets set before it failed too: OSError: cannot go back" in n
+               for n in getattr(e.value, "__notes__", ())), e.value

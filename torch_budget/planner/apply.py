@@ -185,8 +185,11 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
                 before = by_tag[tag]["budget"] if tag in by_tag else None
                 allocator.set_budget(as_setting(n), device=dev, tag=tag)
                 applied.previous.setdefault(dev, {})[tag] = before
-    except BaseException:
-        applied.undo()
+    except BaseException as failure:
+        try:
+            applied.undo()
+        except Exception as e:  # noqa: BLE001 -- the failure that stopped apply() is the one raised
+            failure.add_note(f"and putting back the budgets set before it failed too: {type(e).__name__}: {e}")
         raise
     return applied
 
