@@ -285,3 +285,11 @@ def test_a_released_line_survives_the_json_form_and_the_report_command(tmp_path,
     src.write_text(json.dumps({"total": 8 * GiB, "lines": [line.to_dict() for line in lines]}))
     assert cli_report([str(src)]) == 0
     assert "released 2.00 GiB, backup pinned" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ledger", [".", ""])
+def test_cli_report_of_a_folder_or_an_empty_path_exits_2_with_a_message(capsys, ledger):
+    # the picture's default path was made from the ledger's before the ledger was read: a traceback
+    assert cli_report([ledger]) == 2
+    err = capsys.readouterr().err
+    assert "ledger file" in err and "Traceback" not in err

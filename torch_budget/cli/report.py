@@ -33,12 +33,12 @@ def run(argv: list[str]) -> int:
         return rc
     from torch_budget.report import format_table, load_report, write_png
 
-    out = args.out or Path(args.ledger).with_suffix(".png")
     try:
         title, total, lines, budgets = load_report(args.ledger)
     except ValueError as e:
         print(f"{PROG} report: error: {e}", file=sys.stderr)
         return 2
+    out = args.out or Path(args.ledger).with_suffix(".png")  # a file's path now: it was read
     problem = output_problem(out)
     if not problem and _same_file(out, args.ledger):
         problem = f"{str(out)!r} is the ledger itself, which the picture would overwrite"
