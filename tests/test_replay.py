@@ -1,9 +1,9 @@
 """Allocation traces without a GPU: both file formats, torch's memory history, the built-in
 mixes, bad files named with what is wrong, and `torch-budget replay` saying why it stops."""
 import gzip
-import sys
 import types
 import pickle
+import sys
 
 import pytest
 
@@ -63,16 +63,19 @@ def _damaged_gzip():
 
 
 def _deep_pickle():
-    """An event nested deeper than Python's recursion limit (unpickling is not recursive)."""
-    event = {"action": "alloc", "addr": 1, "size": 5}
-    for _ in range(5000):
-        event = {"action": "alloc", "addr": event}
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(50000)
-    try:
-        return pickle.dumps(history([event]))
-    finally:
-        sys.setrecursionlimit(limit)
+    """An event nested deeper than any recursion limit, written opcode by opcode: pickling it
+    would recurse (Python 3.12 bounds that below its recursion limit), unpickling does not."""
+    def text(value):
+        raw = value.encode()
+        return b"X" + len(raw).to_bytes(4, "little") + raw  # BINUNICODE
+
+    depth = 5000
+    level = b"}(" + text("action") + text("alloc") + text("addr")  # EMPTY_DICT, MARK, two items' worth
+    inner = level + b"K\x01" + text("size") + b"K\x05u"  # addr 1, size 5, SETITEMS
+    deep = level * depth + inner + b"u" * depth  # each outer dict's addr is the dict inside it
+    stub = pickle.dumps(history(["placeholder event"]), protocol=2)  # no frames: bytes may be spliced
+    assert stub.count(text("placeholder event")) == 1
+    return stub.replace(text("placeholder event"), deep)
 
 
 @pytest.mark.parametrize("content,match", [
