@@ -385,6 +385,19 @@ def test_a_mempools_own_allocator_frees_with_the_device_lock_released():
 
 
 @isolated
+def test_a_mempool_that_never_allocated_ends_its_allocator_with_the_device_lock_released():
+    # No segment holds a reference then: the pool's route holds the allocator's last one.
+    h = Host(route="vmm")
+    h.free(h.malloc(1 * MiB, S1))
+    assert h.lib.tb_host_user_pool(0, 9, 9) == 0
+    h.release_pool((9, 9))
+    h.empty_cache()
+    counts = _user_counts(h)
+    assert counts["allocs"] == 0 and counts["ends"] == 1, counts
+    assert counts["ends_under_lock"] == 0, "the allocator ended under the device lock"
+
+
+@isolated
 def test_emptying_one_pools_cache_hands_its_own_allocators_segments_back_at_once():
     h, _ = _user_pool_block_freed()
     h.begin_pool((9, 9), S1)

@@ -439,6 +439,27 @@ def test_a_trims_figure_counts_the_sync_routes_segments_it_freed():
 
 
 @isolated
+def test_a_trims_figure_leaves_out_what_others_had_waiting_for_the_driver():
+    h = Host(vmm=False, route="sync")
+    h.free(h.malloc(30 * MiB, S2))          # an untagged segment, cached
+    h.fail("cuMemFree", rate=1.0, result=2)
+    h.empty_cache()                          # its cuMemFree fails: it waits for a later try
+    h.push(None, "cudagraph")
+    h.begin_pool(POOL, S1)
+    blocks = [h.malloc(4 * MiB, S1), h.malloc(4 * MiB, S1)]
+    h.end_pool(POOL)
+    h.pop()
+    h.submit(S1)
+    h.release_pool(POOL)
+    for b in blocks:
+        h.free(b)
+    h.heal()
+    pool_bytes = h.reserved() - 30 * MiB
+    assert h.trim("cudagraph") == pool_bytes  # the untagged segment went back too, but it is no tag's
+    assert h.reserved() == 0
+
+
+@isolated
 def test_two_trims_at_once_each_count_only_what_they_gave_back():
     h = Host(route="vmm")
     _dirty_workspace(h)

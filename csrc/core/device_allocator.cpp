@@ -156,19 +156,28 @@ void DeviceAllocator::sync_streams(DeviceLock& lock, const std::vector<CUstream>
   bump(ledger_.num_stream_syncs, static_cast<int64_t>(done.size()));
 }
 
+int64_t DeviceAllocator::detached_bytes() const {
+  int64_t n = static_cast<int64_t>(sync_->detached_bytes());
+  for (const UserFree& f : user_frees_) n += static_cast<int64_t>(f.size);
+  return n;
+}
+
 int64_t DeviceAllocator::free_detached(DeviceLock& lock) {
   // cuMemFree waits for the device: never while a capture is open (kept for later).
   if (open_captures() > 0) return 0;
   std::vector<SyncRoute::Detached> list = sync_->take_detached();
   UserFrees user;
   user.swap(user_frees_);
-  if (list.empty() && user.empty()) return 0;
+  std::vector<std::unique_ptr<Backing>> ended;
+  ended.swap(ended_routes_);
+  if (list.empty() && user.empty() && ended.empty()) return 0;
   lock.unlock();
   sync_->free_detached(list);
   for (UserFree& f : user) {
     f.source->free(f.base);  // route_user.h: may wait, or take the GIL
     f.source.reset();        // and so may the allocator's end, where this was its last reference
   }
+  ended.clear();  // a dead pool's route, with the allocator's last reference where no segment kept one
   lock.lock();
   unpark();  // Note [The parked block]: a free may have parked one meanwhile
   const int64_t before = budget_.reserved();  // the lock is held from here on

@@ -351,6 +351,8 @@ class DeviceAllocator {
   // Frees the segments the sync route and MemPools detached (cuMemFree waits for the device: the
   // lock is released meanwhile); returns the bytes that went back.
   int64_t free_detached(DeviceLock& lock);
+  // Under the lock: the bytes free_detached would free now.
+  int64_t detached_bytes() const;
 
   DeviceContext ctx_;
   Capabilities caps_;
@@ -363,6 +365,9 @@ class DeviceAllocator {
   std::unique_ptr<VmmRoute> vmm_;
   std::unique_ptr<SyncRoute> sync_;
   UserFrees user_frees_;  // segments of MemPools' own allocators to free with the lock released
+  // Routes of dead MemPools' own allocators, ended with the lock released (free_detached):
+  // the route may hold the allocator's last reference, whose end may take the GIL.
+  std::vector<std::unique_ptr<Backing>> ended_routes_;
   std::unique_ptr<PoolRoute> pool_;
   std::unique_ptr<BlockPool> vmm_pool_;
   std::unique_ptr<BlockPool> sync_pool_;

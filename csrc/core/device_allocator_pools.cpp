@@ -154,6 +154,7 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
   // unmapping is an unsafe call while it captures in global mode.
   RelaxedCaptureMode relaxed(open_captures() > 0);
   const int64_t before = budget_.reserved();  // the lock is held from here to the end of the loop
+  const int64_t queued_before = detached_bytes();
   for (const DeadPool& d : dead) {
     if ((d.during_capture && !all) || !dead_pool_of(d, tag)) {
       dead_.push_back(d);
@@ -169,13 +170,17 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
     for (const auto& seg : p->blocks->segments()) segs.push_back(seg.get());
     bool all = true;
     for (Segment* seg : segs) all &= p->blocks->backing()->destroy_segment(*seg);
-    if (all) graphs_.erase(d.id);
+    if (all) {
+      if (std::unique_ptr<Backing> own = graphs_.erase(d.id)) ended_routes_.push_back(std::move(own));
+    }
     else dead_.push_back(d);  // the driver refused part of it: retried later
   }
   const int64_t destroyed = before - budget_.reserved();
-  // The sync route's and MemPools' segments go back here, the lock released meanwhile.
+  // The sync route's and MemPools' segments go back here, the lock released meanwhile, with
+  // whatever else waited (an earlier failed cuMemFree): only these pools' count as freed here.
+  const int64_t mine = detached_bytes() - queued_before;
   const int64_t detached = free_detached(lock);
-  if (freed != nullptr) *freed += destroyed + detached;
+  if (freed != nullptr) *freed += destroyed + std::min(mine, detached);
 }
 
 Block* DeviceAllocator::borrow(size_t size, CUstream stream) {

@@ -34,7 +34,13 @@ bool GraphPools::release(const PoolId& id) {
   return true;
 }
 
-void GraphPools::erase(const PoolId& id) { pools_.erase(id); }
+std::unique_ptr<Backing> GraphPools::erase(const PoolId& id) {
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return nullptr;
+  std::unique_ptr<Backing> own = std::move(it->second.own_backing);
+  pools_.erase(it);  // its blocks go now, their backing after them
+  return own;
+}
 
 PrivatePool* GraphPools::find(const PoolId& id) {
   auto it = pools_.find(id);

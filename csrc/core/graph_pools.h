@@ -60,7 +60,9 @@ class GraphPools {
                        std::unique_ptr<Backing> own = nullptr);
   // Drops one use. Unknown ids or a count already at zero: false + kInvalidArgument.
   bool release(const PoolId& id);
-  void erase(const PoolId& id);
+  // Destroys the pool; returns its own backing (a MemPool's allocator, route_user.h), which
+  // outlived its blocks, for the caller to end where it may (never under the device lock).
+  std::unique_ptr<Backing> erase(const PoolId& id);
   PrivatePool* find(const PoolId& id);
   PrivatePool* find(const BlockPool* blocks, PoolId* id);
 

@@ -36,6 +36,12 @@ void SyncRoute::release_cached(BlockPool& pool) {
   for (Segment* seg : pool.idle_clean_segments()) destroy_segment(*seg);
 }
 
+size_t SyncRoute::detached_bytes() const {
+  size_t n = 0;
+  for (const Detached& d : detached_) n += d.size;
+  return n;
+}
+
 std::vector<SyncRoute::Detached> SyncRoute::take_detached() {
   std::vector<Detached> out;
   out.swap(detached_);

@@ -37,6 +37,8 @@ class SyncRoute final : public Backing {
   void free_detached(std::vector<Detached>& list) const;
   // Under the lock: uncharges what was freed; keeps the rest for a later try.
   void settle(std::vector<Detached>& list);
+  // Under the lock: the bytes waiting for cuMemFree.
+  size_t detached_bytes() const;
 
  private:
   const DeviceContext& ctx_;
