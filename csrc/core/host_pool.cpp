@@ -225,8 +225,9 @@ bool HostPool::unpin_unused(Which which) {
 bool HostPool::free_unused() {
   std::lock_guard<std::mutex> lock(mu_);
   TB_REQUIRE(!capturing(), kState,
-             "a CUDA graph capture is open, and unpinning host memory would invalidate it: free the host pool "
-             "once the capture ends",
+             "a CUDA graph capture may be open (a capture into a private pool or a torch.cuda.use_mem_pool block, "
+             "which torch opens alike, has not ended), and unpinning host memory would invalidate a capture: free "
+             "the host pool once it ends",
              false);
   return unpin_unused([](const Chunk&) { return true; });
 }

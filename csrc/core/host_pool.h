@@ -14,7 +14,9 @@
 // that a CUDA graph capture in global mode forbids to every thread, and the thread unpinning
 // may be any (a finalizer ending the last view of a backup). While the process has a capture
 // open, chunks stay pinned: give_back leaves them to the next give_back or free_unused, and
-// free_unused refuses, saying so.
+// free_unused refuses, saying so. What is counted is open pool contexts: torch opens a
+// use_mem_pool block as it opens a capture (beginAllocateToPool, before any stream captures),
+// so one counts as a capture too.
 //
 // Lock rule: one process-wide mutex; taken after a device's mutex, never before one.
 #pragma once
