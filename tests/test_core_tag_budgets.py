@@ -136,6 +136,21 @@ def test_torch_budget_conf_sets_tag_budgets(monkeypatch):
     assert torch_budget.install()["budgets"] == {"kv": ("bytes", 2 * MiB), "graphs": ("fraction", 0.25)}
 
 
+@isolated
+def test_install_budgets_and_torch_budget_conf_merge_per_tag(monkeypatch):
+    from torch_budget.errors import InstallError
+
+    monkeypatch.setenv(config.ENV_VAR, "budget.kv:2MiB, budget.graphs:0.25")
+    _installed_host(budgets={"kv": "4MiB", "weights": "8MiB"})  # kv given: the call's; graphs: the variable's
+    expected = {"kv": ("bytes", 4 * MiB), "graphs": ("fraction", 0.25), "weights": ("bytes", 8 * MiB)}
+    assert torch_budget.install()["budgets"] == expected
+    by_tag = torch_budget.stats()["by_tag"]
+    assert (by_tag["kv"]["budget"], by_tag["weights"]["budget"]) == (4 * MiB, 8 * MiB)
+    assert torch_budget.install(budgets={"weights": "8MiB"})["budgets"] == expected  # agrees per tag
+    with pytest.raises(InstallError, match="budgets"):
+        torch_budget.install(budgets={"kv": "2MiB"})
+
+
 def test_tag_budget_settings_are_checked_before_anything_is_installed():
     assert config.parse_conf("budget.kv:8GiB") == {"budgets": {"kv": ("bytes", 8 << 30)}}
     with pytest.raises(ValueError, match="budget.kv is given twice"):

@@ -175,7 +175,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     and capabilities are then None, and host_pool is not pinned, until an install() call that
     starts the driver (a release pins what it needs otherwise).
 
-    Arguments left None come from TORCH_BUDGET_CONF, else the defaults. Must run before the
+    Arguments left None come from TORCH_BUDGET_CONF, else the defaults; `budgets` does so per
+    tag (a tag the call does not name keeps its budget.<tag> from the variable). Must run before the
     first CUDA allocation; raises InstallError otherwise. A later call compares the arguments
     it gives, after parsing ("60GiB" and 60 << 30 are one budget), with the settings in force:
     equal ones return those settings, others raise InstallError naming both (the budget can
@@ -190,6 +191,8 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
     asked = {name: _parse_setting(name, value) for name, value in given.items() if value is not None}
     with _lock:
         if _in_force is not None:
+            if "budgets" in asked:  # per tag, as at the first call: tags not given keep theirs
+                asked["budgets"] = {**_in_force.budgets, **asked["budgets"]}
             differ = [name for name, value in asked.items() if getattr(_in_force, name) != value]
             if differ:
                 wanted = _Requested(**{**vars(_in_force), **asked})
@@ -201,7 +204,10 @@ def install(budget: int | float | str | None = None, route: str | None = None, r
             if start_driver and _settings["capabilities"] is None:
                 _start_driver(_runtime.library(), _in_force)
             return _settings.copy()
-        wanted = _Requested(**{**_DEFAULTS, **_from_environment(), **asked})
+        env = _from_environment()
+        if "budgets" in asked:  # per tag: budget.<tag> keys of TORCH_BUDGET_CONF the call does not name stay
+            asked["budgets"] = {**env.get("budgets", {}), **asked["budgets"]}
+        wanted = _Requested(**{**_DEFAULTS, **env, **asked})
         _runtime.check_can_install()
         lib = _runtime.library()
         budget_bytes, fraction = _for_core(wanted.budget)
