@@ -126,3 +126,16 @@ def test_described_settings_say_which_values_are_defaults():
 def test_units_read_binary_and_decimal_sizes_and_print_sizes_the_way_people_read_them():
     assert parse_bytes("2KiB") == 2048 and parse_bytes("2KB") == 2000 and parse_bytes("7") == 7
     assert format_bytes(3 * GiB // 2) == "1.50 GiB" and format_bytes(-3 * MiB) == "-3.0 MiB"
+
+
+def test_sizes_are_counted_exactly_and_a_fraction_of_a_byte_is_refused():
+    from torch_budget.units import memory_bytes
+
+    assert parse_bytes("9007199254740993") == 2**53 + 1  # a float holds 2**53 + 1 as 2**53
+    assert memory_bytes("9007199254740993B") == 2**53 + 1
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes("0.1KiB") == 102  # a larger unit's fraction is dropped
+    for text in ("1.5B", "0.5 b"):
+        with pytest.raises(ValueError, match="is not a whole number of bytes"):
+            parse_bytes(text)
+    with pytest.raises(ValueError, match="is not a whole number of bytes"):
+        memory_bytes("2097152.5B")

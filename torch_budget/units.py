@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 from ._validate import INT64_MAX
 
@@ -48,6 +49,16 @@ def parse_size(text: str, what: str = "size") -> tuple[float, str]:
     return number, unit
 
 
+def _whole_bytes(text: str, unit: str, what: str) -> int:
+    """The bytes `text` (a size parse_size read, with its `unit`) names, counted exactly (a float
+    holds whole numbers only to 2**53): a fraction of a byte is refused where the unit is bytes,
+    else dropped ("0.1KiB" is 102 bytes)."""
+    exact = Fraction(_SIZE.fullmatch(text).group(1)) * UNITS[unit]
+    if exact.denominator != 1 and UNITS[unit] == 1:
+        raise ValueError(f"{_named(what, repr(text))} is not a whole number of bytes")
+    return math.floor(exact)
+
+
 def check_max_bytes(n: int, what: str, shown: object) -> int:
     """`n` bytes, if the core can hold them (INT64_MAX, _validate.py)."""
     if n > INT64_MAX:
@@ -60,7 +71,7 @@ def parse_bytes(text: str, what: str = "size") -> int:
     number, unit = parse_size(text, what)
     if number < 0:
         raise ValueError(f"{what} must be 0 or more bytes, got {text!r}")
-    return check_max_bytes(int(number * UNITS[unit]), what, text)
+    return check_max_bytes(_whole_bytes(text, unit, what), what, text)
 
 
 def bare_number_message(what: str, shown: str, *, fraction: bool = False) -> str:
@@ -85,7 +96,7 @@ def memory_bytes(text: str, what: str = "size", *, zero: bool = False, fraction_
             raise ValueError(f"{_named(what, repr(text))} has no unit: write one, e.g. \"{text.strip()}GiB\"")
         if 0 < number < BARE_BYTES_MIN:
             raise ValueError(bare_number_message(what, repr(text), fraction=fraction_hint))
-    n = check_max_bytes(int(number * UNITS[unit]), what, text)
+    n = check_max_bytes(_whole_bytes(text, unit, what), what, text)
     if n == 0 and not zero:
         raise ValueError(f"{what or 'a size'} must be more than 0 bytes, got {text!r} (less than one byte)")
     return n
