@@ -52,6 +52,8 @@ def test_demo_without_a_gpu_prints_the_plan_and_why_it_stops(tmp_path):
     (["--layers", "x"], "not a whole number"),
     (["--gpu-mem-gib", "80", "--layers", "2", "--hidden", "96", "--heads", "6", "--kv-heads", "4", "--intermediate",
       "256", "--vocab", "100"], "multiple of kv_heads"),
+    # the estimate passed 2**63 and the profile refused it as "torch_peak", a name no option has
+    (["--gpu-mem-gib", "80", "--max-num-tokens", "99999999999999"], "estimated from shapes for 99999999999999 tokens"),
 ])
 def test_plan_with_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert cli.main(["plan", *argv]) == 2

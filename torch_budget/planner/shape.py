@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torch_budget._validate import positive_int
+from torch_budget._validate import INT64_MAX, positive_int
 from torch_budget.planner.costs import CacheCost
 from torch_budget.planner.measure import Profile
 
@@ -149,6 +149,10 @@ def described_profile(shape: ModelShape, *, total: int, num_tokens: int, num_seq
         act_note = f"estimated from shapes for {num_tokens} tokens in {num_sequences} sequence(s)"
     else:
         a, act_note = activations, "given"
+    if w + a + non_torch > INT64_MAX:
+        # Said here, in the caller's terms: the profile would refuse the sum by its own field's name.
+        raise ValueError(f"the described model needs {w + a + non_torch} bytes (weights {w}, activations {a}: "
+                         f"{act_note}), past any card (2**63 bytes): lower the token count or the shape")
     prof = Profile.from_measurements(torch_peak=w + a, torch_used=w + a, total_used=w + a + non_torch, total=total,
                                      model_bytes=w, source="described model, no device")
     notes = {
