@@ -223,6 +223,58 @@ def test_another_thread_cannot_exit_a_forward_it_did_not_enter():
     forward(meta, 1 * MiB)
 
 
+class _HookedLock:
+    """A lock that runs `hook` once, right after an acquire succeeds."""
+
+    def __init__(self, lock, hook):
+        self._lock, self._hook = lock, hook
+
+    def acquire(self, blocking=True):
+        ok = self._lock.acquire(blocking)
+        if ok and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return ok
+
+    def release(self):
+        self._lock.release()
+
+    def locked(self):
+        return self._lock.locked()
+
+
+def test_a_stray_exit_of_the_last_forwards_thread_cannot_end_the_next_forward():
+    meta = warmed()
+    state = workspace(meta)
+    ended, asked, done, stray = threading.Event(), threading.Event(), threading.Event(), []
+
+    def last_owner():  # runs a forward, then exits once more when asked
+        forward(meta, 1 * MiB)
+        ended.set()
+        asked.wait(10)
+        try:
+            state.__exit__(None, None, None)
+        except StateError as e:
+            stray.append(e)
+        done.set()
+
+    def between_acquire_and_owner_mark():  # the next forward holds the lock, not yet marked its owner's
+        asked.set()
+        assert done.wait(10)
+
+    thread = threading.Thread(target=last_owner)
+    thread.start()
+    assert ended.wait(10)
+    state._lock = _HookedLock(state._lock, between_acquire_and_owner_mark)
+    try:
+        with workspace(meta):
+            assert state.in_forward, "the stray exit ended this forward"
+    finally:
+        thread.join()
+    assert len(stray) == 1 and "other than the one whose forward" in str(stray[0])
+    forward(meta, 1 * MiB)
+
+
 def test_separate_metadata_objects_run_forwards_side_by_side():
     a, b = warmed(), warmed()
     with workspace(a), workspace(b):

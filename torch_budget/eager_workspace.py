@@ -306,6 +306,7 @@ class WorkspaceState:
             return None
         except BaseException:
             self._active = None
+            self._owner = None
             self._lock.release()
             raise
 
@@ -326,6 +327,7 @@ class WorkspaceState:
         finally:
             self._measuring = False
             self._active = None
+            self._owner = None  # before the lock goes: a stray exit of this thread then finds no forward of its own
             self._lock.release()
         return False
 
