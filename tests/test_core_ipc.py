@@ -193,6 +193,26 @@ def test_new_memory_the_driver_refuses_to_unmap_stays_booked_with_the_contents_c
 
 
 @isolated
+def test_new_memory_all_mapped_that_the_driver_refuses_to_unmap_is_said_to_stay_with_nothing_lost():
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)
+    h.poke(t, pattern(40 * MiB, 2))
+    # Both new 8 MiB handles are mapped at t; access for them (access 2) fails, and unmapping
+    # them again (unmap 3 on) is refused: they stay, holding the copied contents.
+    h.fail("cuMemSetAccess", nth=-2)
+    h.fail("cuMemUnmap", nth=-3)
+    with pytest.raises(Exception) as e:
+        h.share(t)
+    h.heal()
+    assert "could not be unmapped, so it stays there with the contents copied into it" in str(e.value)
+    assert "contents lost" not in str(e.value), e.value  # it said "0 bytes ... unmapped and their contents lost"
+    assert h.reserved() == 40 * MiB == h.device_used()
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 2)
+    h.free(t)
+    _serves_again_and_goes_back(h)
+
+
+@isolated
 def test_a_mapping_put_back_without_access_is_reached_before_its_memory_serves_again():
     h = Host(route="vmm", map_run=16 * MiB)
     t = h.malloc(40 * MiB)

@@ -250,8 +250,13 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
           bump(ledger_.num_device_alloc, static_cast<int64_t>(kept));
           st->handles.erase(st->handles.begin(), st->handles.begin() + static_cast<std::ptrdiff_t>(kept));
         }
-        msg += "; mapping the old memory back failed too, so " + std::to_string(bytes - kept * piece_bytes) +
-               " bytes under the tensor being shared are unmapped and their contents lost";
+        const size_t lost = bytes - kept * piece_bytes;
+        if (lost == 0)  // every new handle stays mapped, holding the copied contents
+          msg += "; the new memory, already mapped in place of the old, could not be unmapped, so it stays there "
+                 "with the contents copied into it, and the old memory went back to the driver";
+        else
+          msg += "; mapping the old memory back failed too, so " + std::to_string(lost) +
+                 " bytes under the tensor being shared are unmapped and their contents lost";
       }
     }
     drop_staged(st);  // uncharges every staged byte: those kept mapped are charged again
