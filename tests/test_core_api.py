@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 import torch_budget
 from _hostcore import OOM, GiB, MiB, Host, isolated, python_api_over
@@ -381,6 +382,22 @@ def test_a_release_that_failed_halfway_and_left_its_tag_released_is_known_releas
     assert sleep.any_released() and sleep.released_tags() == {"w": "pinned"}
     torch_budget.restore("w")
     assert not sleep.any_released() and host.peek(ptrs[0], 16) is not None
+
+
+@isolated
+def test_a_restore_that_fails_part_way_lists_as_released_only_what_stays_released():
+    host = _installed_host(route="vmm")
+    a, b = _tagged(host, "a", 2 * MiB, b"A"), _tagged(host, "b", 2 * MiB, b"B")
+    torch_budget.release(["a", "b"])
+    host.fail("cuMemCreate", nth=-2)         # "a" maps back, "b" cannot
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.restore(["a", "b"])
+    host.heal()
+    assert sleep.tag_states()["a"]["state"] == "live" and host.peek(a, 4096) == b"A" * 4096
+    assert sleep.released_tags() == {"b": "pinned"}  # it still listed "a", which no adapter could pause again
+    torch_budget.release("a")
+    torch_budget.restore(["a", "b"])
+    assert not sleep.any_released() and host.peek(b, 4096) == b"B" * 4096
 
 
 @isolated

@@ -280,24 +280,27 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
     start = time.perf_counter()
     moved = backed = 0
     failed = None
-    for dev, tag, _ in targets:
-        try:
-            # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
-            # be retained) raises with its retention unchanged, as are those of the tags after it.
-            if retain is not None:
-                _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
-            _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
-        except Exception as e:
-            if not go_on:
-                raise
-            failed = failed or e
-            continue
-        b, k = _moved(lib, dev, tag)
-        moved, backed = moved + b, backed + k
-    served = _runtime.served_devices(lib)
-    for _, tag, name in targets:
-        if all(_life(lib, dev, tag) == _LIVE for dev in served):
-            _released.pop(name, None)
+    try:
+        for dev, tag, _ in targets:
+            try:
+                # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
+                # be retained) raises with its retention unchanged, as are those of the tags after it.
+                if retain is not None:
+                    _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
+                _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
+            except Exception as e:
+                if not go_on:
+                    raise
+                failed = failed or e
+                continue
+            b, k = _moved(lib, dev, tag)
+            moved, backed = moved + b, backed + k
+    finally:
+        # Also when one raised: the tags restored before it are live, and listed so no longer.
+        served = _runtime.served_devices(lib)
+        for _, tag, name in targets:
+            if all(_life(lib, dev, tag) == _LIVE for dev in served):
+                _released.pop(name, None)
     if failed is not None:
         raise failed
     return _report(lib, targets, moved, backed, start)
