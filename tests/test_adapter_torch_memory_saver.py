@@ -1007,3 +1007,57 @@ def test_resume_maps_back_the_cache_a_tag_held_at_pause_without_copying_into_it(
     again = host.malloc(64 * MiB, stream=host.stream(0))
     assert host.device_used() == before, "the next pass finds its memory in the cache"
     host.free(again)
+
+
+@built
+@isolated
+def test_pausing_a_graph_tag_again_and_again_holds_the_same_memory():
+    # A graph pool's free blocks come back with the restore; they were counted as the tag's cache
+    # and mapped a second time at each resume: 16, 24, 32 ... MiB with SGLang pausing every RL step.
+    import torch
+
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    torch.cuda.graph = _fake_capture(host)
+    with saver.cuda_graph(object(), pool=(0, 7), tag="cuda_graph"):
+        scratch = host.malloc(8 * MiB, stream=S1)  # freed before the capture ends: the pool's
+        out = host.malloc(8 * MiB, stream=S1)
+        host.free(scratch)
+    before = host.device_used()
+    for _ in range(3):
+        saver.pause("cuda_graph")
+        saver.resume("cuda_graph")
+        assert host.device_used() == before
+    del out
+
+
+@built
+@isolated
+def test_a_resume_under_a_tag_budget_regrows_no_cache_past_it_and_counts_no_oom():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("kv_cache"):
+        _alloc(host, 4 * MiB, b"a")
+        host.free(_alloc(host, 4 * MiB, b"c"))  # 4 MiB cached
+    torch_budget.set_budget(("bytes", 6 * MiB), tag="kv_cache")
+    saver.pause("kv_cache")
+    saver.resume("kv_cache")
+    assert torch_budget.stats()["raw"]["num_ooms"] == 0, "the regrow was refused as an out-of-memory error"
+
+
+@built
+@isolated
+def test_a_pause_that_fails_drops_no_contents_of_a_tag_without_backup():
+    # The groups without a backup went first: undone, they came back with their contents lost.
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("weights"):
+        a = _alloc(host, 2 * MiB, b"A")
+    with saver.region("weights", enable_cpu_backup=True):
+        b = _alloc(host, 2 * MiB, b"B")
+    host.fail("cuMemcpyDtoHAsync", nth=1)
+    with pytest.raises(TorchBudgetError):
+        saver.pause("weights")
+    host.heal()
+    assert not sleep.any_released()
+    assert host.peek(a, 4096) == b"A" * 4096 and host.peek(b, 4096) == b"B" * 4096

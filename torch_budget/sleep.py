@@ -71,6 +71,7 @@ __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sle
 
 BACKUPS = {"none": 0, "memset": 1, "cpu": 2, "pinned": 3, "disk": 4}  # csrc/core/tag_sleep.h
 RETAINABLE = ("cpu", "pinned")  # backups that keep contents, which release(retain=True) can keep
+KEEPS = ("cpu", "pinned", "disk")  # backups that keep contents
 _RETAIN = 0x100  # or-ed into a cpu / pinned mode (kBackupRetain)
 DEFAULT_BACKUP = "pinned"
 STATES = ("live", "released", "restoring")

@@ -114,7 +114,7 @@ def _env_flag(name: str) -> bool:
 # torch_budget's own "untagged" nothing would ever pause.
 _registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UNTAGGED else tag)
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
-_cache_at_pause: dict[tuple[str, int], int] = {}  # (torch_budget tag, device) -> bytes its cache held at pause
+_resident_at_pause: dict[tuple[str, int], int] = {}  # (torch_budget tag, device) -> bytes mapped at pause, where some cached
 _pool_set = False  # whether the first pause set the pinned pool's keeping (_set_host_pool)
 _scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for; flips
 
@@ -307,30 +307,36 @@ def _holding(names) -> set[str]:
     return out
 
 
-def _cache_bytes(names) -> dict[tuple[str, int], int]:
-    """(tag, device) -> bytes mapped behind the tag that no tensor uses (its cache), where some."""
+def _resident_with_cache(names) -> dict[tuple[str, int], int]:
+    """(tag, device) -> bytes mapped behind the tag, where some of them no tensor uses (a cache)."""
     out = {}
     for device in _runtime.served_devices(_runtime.library()):
         by_tag = torch_budget.stats(device)["by_tag"]
         for name in names:
             t = by_tag.get(name)
             if t is not None and t["resident"] > t["allocated"]:
-                out[(name, device)] = t["resident"] - t["allocated"]
+                out[(name, device)] = t["resident"]
     return out
 
 
 def _regrow_cache(names) -> None:
-    """Gives each of `names` back the cache it held at pause, where the budget has room: one
-    block allocated under the tag and freed at once, so it stays mapped in the tag's cache.
-    Where it has no room, the cache stays smaller (torch_budget grows it again on demand)."""
+    """Gives each of `names` back what was mapped behind it at pause that the restore did not map
+    back (its own cache: a graph pool's free blocks come back with the restore), where the budgets
+    have room: one block allocated under the tag and freed at once, so it stays mapped in the
+    tag's cache. Where the device's or the tag's budget has no room, the cache stays smaller
+    (torch_budget grows it again on demand)."""
     lib = _runtime.library()
-    for (name, device), nbytes in sorted(_cache_at_pause.items()):
+    for (name, device), at_pause in sorted(_resident_at_pause.items()):
         if name not in names:
             continue
-        del _cache_at_pause[(name, device)]
+        del _resident_at_pause[(name, device)]
         s = torch_budget.stats(device)
+        t = s["by_tag"].get(name, {})
+        nbytes = at_pause - t.get("resident", at_pause)
         room = (s["budget"] if s["budget"] is not None else s["total"]) - s["reserved"]
-        if nbytes > room:
+        if t.get("budget") is not None:
+            room = min(room, t["budget"] - t["allocated"])
+        if nbytes <= 0 or nbytes > room:
             continue
         stream = _current_stream(device)
         with torch_budget.region(name, route="vmm"):
@@ -432,11 +438,12 @@ class TorchMemorySaver:
             by_backup: dict[str, list[str]] = {}
             for name, backup in sorted(names.items()):
                 by_backup.setdefault(backup, []).append(name)
-            cache = _cache_bytes(names)
+            cache = _resident_with_cache(names)
             _set_host_pool()
             done: list[list[str]] = []
             try:
-                for backup, group in sorted(by_backup.items()):
+                # Backups that keep contents first: a failure then undoes before any contents were dropped.
+                for backup, group in sorted(by_backup.items(), key=lambda item: (item[0] not in sleep.KEEPS, item[0])):
                     torch_budget.release(group, backup=backup, device="all",
                                          retain=_retain and backup in sleep.RETAINABLE)
                     done.append(group)
@@ -445,7 +452,7 @@ class TorchMemorySaver:
                     with contextlib.suppress(TorchBudgetError):
                         torch_budget.restore(group, device="all")
                 raise
-            _cache_at_pause.update(cache)
+            _resident_at_pause.update(cache)
 
     def resume(self, tag: Optional[str] = None):
         """Maps memory back behind `tag` (None or "": every paused tag) at the same addresses and
