@@ -452,3 +452,41 @@ def test_serve_tensorrt_llm_without_tensorrt_llm_raises_import_error():
     _, module = _trt()
     with pytest.raises(ImportError):
         module.serve_tensorrt_llm()
+
+
+@built
+@isolated
+def test_release_and_materialize_before_any_allocation_do_nothing():
+    # TensorRT-LLM's own allocator has nothing to walk then; the core said "live on no device".
+    _, trt = _trt()
+    with trt.scope("kv_cache"):
+        pass
+    assert trt.release_with_tag("kv_cache") == 0 and trt.materialize_with_tag("kv_cache") == 0
+
+
+@built
+@isolated
+def test_a_tag_named_untagged_is_released_like_any_other():
+    host, trt = _trt()
+    with trt.scope("untagged"):
+        _alloc(host, 2 * MiB, b"A")
+    with trt.scope("untagged", trt.RestoreMode.PINNED):
+        b = _alloc(host, 2 * MiB, b"B")
+    assert trt.release_with_tag("untagged") == 2  # under torch_budget's own "untagged", nothing could go
+    assert trt.materialize_with_tag("untagged") == 2 and host.peek(b, 4096) == b"B" * 4096
+
+
+@built
+@isolated
+def test_a_release_that_fails_drops_no_contents_of_a_scope_without_a_copy():
+    host, trt = _trt()
+    with trt.scope("model"):
+        a = _alloc(host, 2 * MiB, b"A")
+    with trt.scope("model", trt.RestoreMode.PINNED):
+        b = _alloc(host, 2 * MiB, b"B")
+    host.fail("cuMemcpyDtoHAsync", nth=1)  # the pinned copy fails after the scope without a copy went
+    with pytest.raises(Exception):
+        trt.release_with_tag("model")
+    host.heal()
+    assert not sleep.any_released()
+    assert host.peek(a, 4096) == b"A" * 4096 and host.peek(b, 4096) == b"B" * 4096

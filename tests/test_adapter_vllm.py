@@ -731,3 +731,31 @@ def graphs_captured_into_the_graph_pool_replay_after_sleep(level):
     del graph, y, const
     allocator.release_cudagraph_pool()
     assert sleep.tag_states()["cudagraph"]["resident"] == 0, "the graphs' memory went back to the driver"
+
+
+@built
+@isolated
+def test_sleep_before_any_allocation_does_nothing():
+    _, vllm = _vllm()
+    allocator = vllm.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        pass
+    allocator.sleep(("weights",))  # it raised: the tag was live on no device
+    allocator.wake_up()
+    assert not sleep.any_released()
+
+
+@built
+@isolated
+def test_a_pool_named_untagged_is_refused_before_it_allocates():
+    # Its memory went to torch_budget's own "untagged", and every later sleep() raised for all tags.
+    host, vllm = _vllm()
+    allocator = vllm.CuMemAllocator.get_instance()
+    with pytest.raises(InvalidArgumentError, match="'untagged' is torch_budget's name for memory of no tag"):
+        with allocator.use_memory_pool("untagged"):
+            pass
+    with allocator.use_memory_pool("weights"):
+        w = _alloc(host, 2 * MiB, b"w")
+    allocator.sleep(("weights",))
+    allocator.wake_up()
+    assert host.peek(w, 4096) == b"w" * 4096

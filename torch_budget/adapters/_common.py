@@ -35,6 +35,13 @@ def install_at_import(install: Callable[[], None]) -> None:
         install()
 
 
+def allocated_anywhere() -> bool:
+    """Whether torch_budget has served an allocation on some device: before, the stacks' release
+    and restore calls have no allocation to walk and do nothing (their own libraries do nothing
+    then either; SGLang pauses its tags whether or not they allocated)."""
+    return bool(_runtime.served_devices(_runtime.library()))
+
+
 class TagRegistry:
     """The torch_budget tag of a stack's (tag, backup): `tag` for backup "none", "tag+<backup>"
     otherwise; two pairs never share one (Note [torch_memory_saver tags]). `mode` names the

@@ -60,7 +60,7 @@ from typing import NamedTuple, Optional
 import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.adapters._common import TagRegistry, ensure_installed, install_at_import
+from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, TorchBudgetError, UnsupportedError
 
 __all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
@@ -106,7 +106,9 @@ def _tag(tag, what: str = "tag") -> str:
 
 # Note [TensorRT-LLM tags] mirrors Note [torch_memory_saver tags]: the torch_budget tag of (tag, mode) is
 # `tag` for NONE and "tag+<backup>" otherwise; names are checked not to collide.
-_registry = TagRegistry("restore mode")
+# TensorRT-LLM's tag "untagged" is torch_budget's "trt_untagged": under torch_budget's own
+# "untagged" (memory of no tag) nothing could ever be released.
+_registry = TagRegistry("restore mode", rename=lambda tag: "trt_untagged" if tag == "untagged" else tag)
 _scopes = threading.local()  # stack: the scopes open on this thread, innermost last
 
 
@@ -178,9 +180,13 @@ def release_with_tag(*tags: str) -> int:
     if not names:
         return 0
     _install()
+    if not allocated_anywhere():
+        return 0
     with _registry.lock:
         asleep = sleep.released_tags()
         todo = [(n, b) for tag in names for n, b in sorted(_registry.of(tag).items()) if n not in asleep]
+        # Backups that keep contents first: a failure then undoes before any contents were dropped.
+        todo.sort(key=lambda item: item[1] not in sleep.KEEPS)
         done: list[str] = []
         count = 0
         try:
@@ -202,6 +208,8 @@ def materialize_with_tag(*tags: str) -> int:
     if not names:
         return 0
     _install()
+    if not allocated_anywhere():
+        return 0
     count = 0
     with _registry.lock:
         asleep = sleep.released_tags()

@@ -80,7 +80,7 @@ from typing import Literal, NamedTuple, Optional
 import torch_budget
 from torch_budget import _runtime, sleep
 from torch_budget._validate import non_negative_int, tag_name
-from torch_budget.adapters._common import TagRegistry, ensure_installed, install_at_import
+from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "UnsupportedError"]
@@ -290,12 +290,6 @@ def _backup_words(backup: str) -> str:
     return "no backup" if backup == "none" else f"backup {backup!r}"
 
 
-def _allocated_anywhere() -> bool:
-    """Whether torch_budget has served an allocation on some device: before, torch_memory_saver's
-    pause and resume have no allocation to walk and do nothing (SGLang pauses its tags either way)."""
-    return bool(_runtime.served_devices(_runtime.library()))
-
-
 def _holding(names) -> set[str]:
     """Those of `names` that hold memory on some device: tensors, or a cache. torch_memory_saver
     pauses and resumes allocations, so a tag that holds none is not paused or resumed: a pause or
@@ -425,7 +419,7 @@ class TorchMemorySaver:
         device, backing up what enable_cpu_backup asked for. A tag never used: nothing to do."""
         tag = _tag_or_all(tag)
         self._ensure_initialized()
-        if not _allocated_anywhere():
+        if not allocated_anywhere():
             return
         with _registry.lock:
             names = _registry.of(tag)
@@ -459,7 +453,7 @@ class TorchMemorySaver:
         copies the backups in. A tag never used: nothing to do; one not paused: TagStateError."""
         tag = _tag_or_all(tag)
         self._ensure_initialized()
-        if not _allocated_anywhere():
+        if not allocated_anywhere():
             return
         with _registry.lock:
             names = _registry.of(tag)

@@ -67,7 +67,7 @@ from typing import NamedTuple, Optional, Union
 import torch_budget
 from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
-from torch_budget.adapters._common import ensure_installed, install_at_import
+from torch_budget.adapters._common import allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS", "GRAPH_TAG",
@@ -222,6 +222,9 @@ class CuMemAllocator:
     def use_memory_pool(self, tag: Optional[str] = None):
         """Allocations inside are charged to `tag` (None: "default") on the VMM route."""
         tag = self.default_tag if tag is None else tag_name(tag)
+        if tag == "untagged":
+            raise InvalidArgumentError("use_memory_pool('untagged'): 'untagged' is torch_budget's name for memory of "
+                                       "no tag, which cannot sleep; give the pool another tag")
         self._check_vmm()
         before, self.current_tag = self.current_tag, tag
         try:
@@ -355,6 +358,8 @@ class CuMemAllocator:
         if not wanted:
             return
         _install("torch_budget's CuMemAllocator was used")
+        if not allocated_anywhere():  # nothing to release yet, as vLLM's allocator has no allocation then
+            return
         with self._lock:
             asleep = sleep.released_tags()
             kept = sorted(t for t, b in wanted.items() if t in asleep and (asleep[t] == _DISCARD) != (b == _DISCARD))
