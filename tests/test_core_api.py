@@ -401,6 +401,22 @@ def test_a_restore_that_fails_part_way_lists_as_released_only_what_stays_release
 
 
 @isolated
+def test_a_tag_is_restored_on_all_its_devices_or_on_none():
+    host = _installed_host(devices=2)
+    a, b = _tagged(host, "kv", 2 * MiB, b"A", device=0), _tagged(host, "kv", 2 * MiB, b"B", device=1)
+    torch_budget.release("kv", device="all")
+    host.fail("cuMemCreate", nth=-2)         # device 0 maps back, device 1 cannot
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.restore("kv", device="all")
+    host.heal()
+    # Half restored, the tag was listed released, and the adapters' next release skipped device 0.
+    assert [sleep.tag_states(d)["kv"]["state"] for d in (0, 1)] == ["released", "released"]
+    assert sleep.released_tags() == {"kv": "pinned"}
+    torch_budget.restore("kv", device="all")
+    assert host.peek(a, 4096) == b"A" * 4096 and host.peek(b, 4096) == b"B" * 4096
+
+
+@isolated
 def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_they_were():
     host = _installed_host(route="vmm")
     for tag in ("a", "b", "c"):

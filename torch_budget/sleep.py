@@ -277,12 +277,14 @@ def _release(lib, targets, backup: str, retain: bool = False, discardable=()) ->
 
 def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> SleepReport:
     """Restores `targets` in turn. A failure is raised at once, or with `go_on` once every other
-    target was tried (the first failure)."""
+    target was tried (the first failure). A tag is restored on all its devices or on none: where
+    one refuses, the devices that took it back release it again, with the backup it had."""
     start = time.perf_counter()
     moved = backed = 0
     failed = None
+    restored: list[tuple[int, int, str]] = []
     try:
-        for dev, tag, _ in targets:
+        for dev, tag, name in targets:
             try:
                 # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
                 # be retained) raises with its retention unchanged, as are those of the tags after it.
@@ -290,10 +292,12 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
                     _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
                 _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
             except Exception as e:
+                _release_again(lib, [r for r in restored if r[2] == name])
                 if not go_on:
                     raise
                 failed = failed or e
                 continue
+            restored.append((dev, tag, name))
             b, k = _moved(lib, dev, tag)
             moved, backed = moved + b, backed + k
     finally:
@@ -305,6 +309,17 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
     if failed is not None:
         raise failed
     return _report(lib, targets, moved, backed, start)
+
+
+def _release_again(lib, done) -> None:
+    """Releases again, with the backup each had, the devices of a tag that took it back before
+    another device refused it (_restore); one that refuses leaves the tag live there, and listed
+    released while some device holds it released."""
+    for dev, tag, name in reversed(done):
+        backup = _released.get(name)
+        if backup is not None:
+            with contextlib.suppress(Exception):
+                _native.check(lib, lib.tb_release_tag(dev, tag, BACKUPS[backup]), state=TagStateError)
 
 
 def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
