@@ -733,3 +733,27 @@ def test_graphs_module_imports_without_touching_cuda(fresh):
         print(torch.cuda.is_initialized())
     """)
     assert out.strip() == "False"
+
+
+def test_an_out_of_memory_error_allocating_a_static_output_leaves_the_next_step_to_allocate_it(monkeypatch):
+    import torch_budget.graphs.outputs as outputs
+
+    class RefusingOnce:
+        refused = False
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *args, **kwargs):
+            if not RefusingOnce.refused:
+                RefusingOnce.refused = True
+                raise torch.OutOfMemoryError("out of memory (refused once)")
+            return torch.zeros(*args, **kwargs)
+
+    monkeypatch.setattr(outputs, "torch", RefusingOnce())
+    runner, weight = _runner(GraphPoolManager("cpu"), buckets=(2, 4))
+    x, pos = torch.ones(2, HIDDEN), torch.zeros(2)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.run_eager(2, x=x, pos=pos)
+    out = runner.run_eager(2, x=x, pos=pos)  # it raised KeyError: the output was recorded, its buffer not
+    assert torch.allclose(out["y"], x @ weight)

@@ -164,15 +164,19 @@ class StaticOutputs:
                 shape[axis] = b
             shapes[b] = tuple(shape)
         layout = BufferLayout(shapes)
+        kept = self._keep_last and index == len(self._pieces) - 1  # no static buffer: Note [Outputs kept in the pool]
+        # Allocated before anything is recorded: an out-of-memory error leaves the output unknown,
+        # so that the next step allocates it again.
+        flat = None if kept else torch.zeros((layout.numel,), dtype=tensor.dtype, device=tensor.device)
         self._layouts[name] = layout
         self._meta[name] = (tensor.dtype, tensor.device)
         self._axis[name] = axis
         self._producer[name] = index
         self._names.append(name)
-        if self._keep_last and index == len(self._pieces) - 1:
-            self._kept.add(name)  # no static buffer; see Note [Outputs kept in the pool]
+        if kept:
+            self._kept.add(name)
             return
-        self._flat[name] = torch.zeros((layout.numel,), dtype=tensor.dtype, device=tensor.device)
+        self._flat[name] = flat
         self._static.append(name)
 
     def result(self, bucket: int, n: int, kept: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
