@@ -757,3 +757,56 @@ def test_an_out_of_memory_error_allocating_a_static_output_leaves_the_next_step_
         runner.run_eager(2, x=x, pos=pos)
     out = runner.run_eager(2, x=x, pos=pos)  # it raised KeyError: the output was recorded, its buffer not
     assert torch.allclose(out["y"], x @ weight)
+
+
+def test_a_bucket_that_fails_to_capture_leaves_the_others_captured_and_serves_no_step(monkeypatch):
+    import torch_budget.graphs.runner as runner_module
+
+    manager = GraphPoolManager("cpu")
+    runner, _ = _runner(manager, buckets=(2, 4, 8))
+    object.__setattr__(runner, "device", torch.device("cuda", 0))  # capture's path, with the device faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
+    monkeypatch.setattr(manager, "capture_stream", lambda: None)
+    monkeypatch.setattr(runner, "_warm_up", lambda bucket, stream: None)
+    refuse = {8}
+
+    def capture_bucket(bucket, *args, **kwargs):
+        if bucket in refuse:
+            raise torch.OutOfMemoryError(f"out of memory capturing bucket {bucket}")
+        return object()
+
+    monkeypatch.setattr(runner_module, "capture_bucket", capture_bucket)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        runner.capture()  # the largest went first and failed: none was captured, none could be released
+    assert "bucket(s) [8] not captured (captured: (2, 4))" in "".join(getattr(e.value, "__notes__", ()))
+    assert runner.captured == (2, 4) and runner.buckets == (2, 4)
+    assert runner.bucket_for(3) == 4 and runner.bucket_for(7) is None  # above the largest captured: eager
+    refuse.clear()
+    runner.capture()  # tries the failed one again
+    assert runner.captured == (2, 4, 8) and runner.bucket_for(7) == 8
+
+
+def test_a_warm_up_whose_piece_raises_still_joins_the_capture_stream(monkeypatch):
+    import contextlib
+
+    joins = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            joins.append((self.name, other.name))
+
+    def failing(buffers):
+        raise RuntimeError("piece failed")
+
+    runner, _ = _runner(GraphPoolManager("cpu"), buckets=(2,), pieces=failing)
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="piece failed"):
+        runner._warm_up(2, Stream("capture"))
+    # the next step's writes on the current stream wait for what the warm-up queued
+    assert joins == [("capture", "current"), ("current", "capture")]

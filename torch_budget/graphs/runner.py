@@ -279,7 +279,11 @@ class GraphRunner:
 
         Largest first: a smaller bucket's graph can then reuse blocks the larger one freed
         in the shared pool (see Note [Static outputs make pool sharing safe]). The first
-        piece is captured once per shadow slot (see Note [Shadow ring]).
+        piece is captured once per shadow slot (see Note [Shadow ring]). A bucket whose warm-up
+        or capture raises (out of memory, say) does not stop the others: the first error is
+        raised once they were tried, and the buckets that failed serve no step (a step pads
+        past them, or runs eagerly above the largest bucket captured) until a later capture()
+        captures them.
         """
         self._require_open()
         if self.device.type != "cuda" or not torch.cuda.is_available():
@@ -289,25 +293,37 @@ class GraphRunner:
             return
         pool = self._pool = self._manager.capture_pool(self)
         stream = self._manager.capture_stream()
+        failed: dict[int, Exception] = {}
         try:
             for bucket in pending:
-                self._warm_up(bucket, stream)
-                self._captured_buckets[bucket] = capture_bucket(
-                    bucket, self._pieces, self._ins, self._outs, owner=self._label, runner=self.name,
-                    ledger=self._ledger, pool=pool, stream=stream)
+                try:
+                    self._warm_up(bucket, stream)
+                    self._captured_buckets[bucket] = capture_bucket(
+                        bucket, self._pieces, self._ins, self._outs, owner=self._label, runner=self.name,
+                        ledger=self._ledger, pool=pool, stream=stream)
+                except Exception as e:  # noqa: BLE001 -- raised below, once the other buckets were tried
+                    failed[bucket] = e
         finally:
-            self._available = sorted(set(self._available) | set(self._captured_buckets))
+            self._available = sorted((set(self._available) | set(self._captured_buckets)) - set(failed))
             self._result_cache.clear()
+        if failed:
+            first = next(iter(failed.values()))
+            first.add_note(f"{self._label}: bucket(s) {sorted(failed)} not captured (captured: {self.captured}); "
+                           "until a later capture() captures them, steps pad past them, or run eagerly above "
+                           "the largest bucket captured")
+            raise first
 
     def _warm_up(self, bucket: int, stream: Any) -> None:
         """Eager runs on the capture stream first, as torch recommends: lazy inits (cuBLAS
         workspaces, autotuning) happen outside capture, and outputs get their static buffers."""
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            for _ in range(self._warmup_iters):
-                self._run_pieces_eagerly(bucket, self._ins.acquire_slot())
-        current.wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(self._warmup_iters):
+                    self._run_pieces_eagerly(bucket, self._ins.acquire_slot())
+        finally:  # also when a piece raised: what it queued on the capture stream is joined
+            current.wait_stream(stream)
 
     def step(self, n: int, *, bucket: int | None = None, **data: object) -> dict[str, torch.Tensor]:
         """Stage `data` (host inputs into the next shadow slot, device inputs into their
