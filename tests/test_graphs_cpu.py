@@ -810,3 +810,16 @@ def test_a_warm_up_whose_piece_raises_still_joins_the_capture_stream(monkeypatch
         runner._warm_up(2, Stream("capture"))
     # the next step's writes on the current stream wait for what the warm-up queued
     assert joins == [("capture", "current"), ("current", "capture")]
+
+
+def test_a_runners_own_pool_is_refused_to_another_runner(monkeypatch):
+    # Captured into, a's close raised PoolInUseError and left it half closed, and the manager's close stopped there.
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 77))
+    manager = GraphPoolManager("cpu")
+    a, _ = _runner(manager, name="a", pool="own")
+    a._pool = manager.capture_pool(a)  # what a's first capture does
+    with pytest.raises(ValueError, match=r"graph pool \(0, 77\) is graph runner 'a''s own \(pool='own'\)"):
+        _runner(manager, name="b", pool=a.pool)
+    _runner(manager, name="c", pool="shared")
+    manager.close()
+    assert manager.runners == {} and a.closed

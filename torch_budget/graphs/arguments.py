@@ -55,7 +55,7 @@ def check_pool(owner: str, pool: object, ledger: PoolLedger,
     """(mode, handle): ("shared", None), ("own", None) or ("external", the handle handed in).
 
     A handed-in handle must not be released in `ledger`, nor be the pool of a runner that
-    keeps its outputs there (`keeper_of(pool)`, the manager's runner_keeping_outputs_in).
+    keeps it from others (`keeper_of(pool)`, the manager's runner_keeping_pool).
     """
     if pool in ("shared", "own"):
         return pool, None
@@ -68,12 +68,17 @@ def check_pool(owner: str, pool: object, ledger: PoolLedger,
     key = pool_key(pool)
     ledger.check_usable(key)
     other = keeper_of(key)
-    if other is not None:
+    if other is not None and other.last_outputs == "in_pool":
         raise InvalidArgumentError(
             f"{owner}: graph pool {tuple(key)} belongs to graph runner {other.name!r}, which keeps its "
             "outputs in it (last_outputs='in_pool'); graphs captured into it could overwrite them. "
             "See Note [Outputs kept in the pool]"
         )
+    if other is not None:
+        raise InvalidArgumentError(
+            f"{owner}: graph pool {tuple(key)} is graph runner {other.name!r}'s own (pool='own'): its graphs may "
+            "replay beside others', and its close ends the pool. Capture into pool='shared', a pool of this "
+            "runner's own, or a handle no runner keeps for itself")
     return "external", pool
 
 

@@ -143,12 +143,15 @@ class GraphPoolManager:
         """The stream every capture on this manager's device uses (see _capture_stream)."""
         return _capture_stream(self.device)
 
-    def runner_keeping_outputs_in(self, pool: PoolHandle) -> GraphRunner | None:
-        """The open runner whose last outputs live in `pool` (last_outputs="in_pool"), if
-        any: no other runner may capture into that pool. See Note [Outputs kept in the pool]."""
+    def runner_keeping_pool(self, pool: PoolHandle) -> GraphRunner | None:
+        """The open runner that keeps `pool` from every other runner, if any: one whose pool it
+        is alone (pool="own": its graphs may replay beside others', and its close releases the
+        pool), or one whose last outputs live in it (last_outputs="in_pool", Note [Outputs kept
+        in the pool])."""
         key = pool_key(pool)
         for runner in self._runners.values():
-            if runner.last_outputs == "in_pool" and runner.pool is not None and pool_key(runner.pool) == key:
+            if (runner.last_outputs == "in_pool" or runner.pool_mode == "own") and runner.pool is not None \
+                    and pool_key(runner.pool) == key:
                 return runner
         return None
 

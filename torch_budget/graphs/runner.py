@@ -41,7 +41,7 @@ class RunnerOwner(Protocol):
     Neither reads the other's private state. The manager hands the runner the pool to
     capture into (capture_pool, from the runner's public pool_mode and pool) and the
     capture stream (capture_stream), and says whether another runner keeps its outputs in
-    a handed-in pool (runner_keeping_outputs_in); the runner reports its close
+    a handed-in pool (runner_keeping_pool); the runner reports its close
     (runner_closed). The runner records and drops its own graphs in `ledger`, and releases
     a pool of its own when it closes. See Note [Pool ownership].
     """
@@ -53,7 +53,7 @@ class RunnerOwner(Protocol):
 
     def capture_stream(self) -> Any: ...
 
-    def runner_keeping_outputs_in(self, pool: PoolHandle) -> GraphRunner | None: ...
+    def runner_keeping_pool(self, pool: PoolHandle) -> GraphRunner | None: ...
 
     def runner_closed(self, runner: GraphRunner) -> None: ...
 
@@ -87,7 +87,7 @@ class GraphRunner:
         self._warmup_iters = positive_int(warmup, f"{label}: warmup iterations")
         shadow_slots = positive_int(shadow_slots, f"{label}: shadow_slots")
         specs = check_inputs(label, inputs, axes)
-        self._pool_mode, self._pool = check_pool(label, pool, self._ledger, manager.runner_keeping_outputs_in)
+        self._pool_mode, self._pool = check_pool(label, pool, self._ledger, manager.runner_keeping_pool)
         self._keep_last = check_last_outputs(label, last_outputs, self._pool_mode, self._pieces)
 
         self._all_buckets = resolve_buckets(buckets, cost=lambda b: inputs_nbytes(specs.values(), axes, b, label))
