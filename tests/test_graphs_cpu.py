@@ -188,6 +188,8 @@ def test_bucket_views_are_contiguous_prefixes_of_one_allocation():
 @pytest.mark.parametrize("kwargs,match", [
     ({"name": "1x"}, "identifier"),
     ({"name": "_x"}, "identifier"),
+    ({"name": "n"}, "'n' is a parameter of step"),        # step(n, ...) could never be given it
+    ({"name": "bucket"}, "'bucket' is a parameter of step"),
     ({"dtype": "float32"}, "torch.dtype"),
     ({"shape": (0,)}, "dimension 0"),
     ({"batch_axis": 2}, "batch_axis"),

@@ -52,6 +52,9 @@ class StaticInput:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name.startswith("_"):
             raise InvalidArgumentError(f"static input name must be an identifier not starting with '_', got {self.name!r}")
+        if self.name in ("n", "bucket"):  # step(n, *, bucket=None, **data) could never be given it
+            raise InvalidArgumentError(f"static input name {self.name!r} is a parameter of step() and run_eager(); "
+                                       "give the input another name")
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidArgumentError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
         shape = []
