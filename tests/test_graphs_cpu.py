@@ -825,3 +825,12 @@ def test_a_runners_own_pool_is_refused_to_another_runner(monkeypatch):
     _runner(manager, name="c", pool="shared")
     manager.close()
     assert manager.runners == {} and a.closed
+
+
+def test_a_fixed_dimension_shorter_than_declared_is_refused_not_padded():
+    runner, _ = _runner(GraphPoolManager("cpu"), buckets=(2,))
+    with pytest.raises(ValueError, match=r"dimension\(s\) \[1\] are declared fixed \(\(8,\)\), so they must be \[8\]"):
+        runner.run_eager(2, x=torch.ones(2, HIDDEN - 1), pos=torch.zeros(2))  # it was padded with zeros
+    symbolic, _ = _runner(GraphPoolManager("cpu"), buckets=(2,), axes={"seq": 4},
+                          inputs=[StaticInput("x", torch.float32, ("seq",))], pieces=lambda b: {"y": b["x"] * 1})
+    assert symbolic.run_eager(2, x=torch.ones(2, 3))["y"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]  # padded

@@ -235,8 +235,9 @@ class StaticInputs:
                 f"{where} is host-sourced but got a tensor on {value.device}; pass a CPU tensor "
                 "(reading a device tensor back would synchronise) or declare source='device'"
             )
-        if not torch.can_cast(value.dtype, spec.dtype):
-            raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, which does not cast safely")
+        if not torch.can_cast(value.dtype, spec.dtype):  # a narrower type of the same kind is copied as torch copies
+            raise TypeError(f"{where} has dtype {spec.dtype}; got {value.dtype}, a kind that does not cast to it "
+                            "(e.g. float into an integer input)")
         shape, cap = tuple(value.shape), tuple(self.layouts[spec.name].shapes[bucket])
         if len(shape) != len(cap):
             raise InvalidArgumentError(f"{where} expects {len(cap)} dims like {cap} at bucket {bucket}, got shape {shape}")
@@ -245,6 +246,13 @@ class StaticInputs:
             raise InvalidArgumentError(f"{where} has {shape[axis]} rows on batch axis {axis}, but the step has n={n}")
         if any(s > c for s, c in zip(shape, cap)):
             raise InvalidArgumentError(f"{where} has shape {shape}, larger than its static buffer {cap} at bucket {bucket}")
+        dims = list(spec.shape)
+        if axis is not None:
+            dims.insert(axis, None)
+        short = [d for d, declared in enumerate(dims) if isinstance(declared, int) and shape[d] != declared]
+        if short:  # only the batch axis and symbolic axes may be shorter, padded
+            raise InvalidArgumentError(f"{where} has shape {shape}; its dimension(s) {short} are declared fixed "
+                                       f"({tuple(spec.shape)}), so they must be {[dims[d] for d in short]}")
         return value
 
     def _reject_names(self, data: Mapping[str, object]) -> None:
