@@ -834,3 +834,16 @@ def test_a_fixed_dimension_shorter_than_declared_is_refused_not_padded():
     symbolic, _ = _runner(GraphPoolManager("cpu"), buckets=(2,), axes={"seq": 4},
                           inputs=[StaticInput("x", torch.float32, ("seq",))], pieces=lambda b: {"y": b["x"] * 1})
     assert symbolic.run_eager(2, x=torch.ones(2, 3))["y"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]  # padded
+
+
+def test_an_output_a_piece_stops_returning_is_refused_not_returned_stale():
+    def piece(buffers):
+        out = {"y": buffers["x"] * 2}
+        if buffers["x"][0, 0] > 0:
+            out["aux"] = buffers["x"] + 100
+        return out
+
+    runner, _ = _runner(GraphPoolManager("cpu"), buckets=(2,), pieces=piece)
+    runner.run_eager(2, x=torch.ones(2, HIDDEN), pos=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"did not return \['aux'\], which it returned before"):
+        runner.run_eager(2, x=-torch.ones(2, HIDDEN), pos=torch.zeros(2))  # it returned the last step's aux

@@ -108,13 +108,18 @@ class StaticOutputs:
         """Copy a piece's results into static outputs; returns (static views, outputs kept
         as they are). See Note [Static outputs make pool sharing safe]."""
         pname = piece_name(self._pieces[index])
-        if result is None:
-            return {}, {}
-        if not isinstance(result, Mapping):
+        if result is not None and not isinstance(result, Mapping):
             raise TypeError(
                 f"{self._label}: piece {pname!r} returned {type(result).__name__}; a piece returns "
                 "a dict of named output tensors, or None"
             )
+        # A step's result lists every output: one a piece no longer returns would come back stale.
+        missing = [name for name in self._names if self._producer[name] == index and (result is None or name not in result)]
+        if missing:
+            raise InvalidArgumentError(f"{self._label}: piece {pname!r} did not return {missing}, which it returned "
+                                       "before; a piece returns the same outputs at every step")
+        if result is None:
+            return {}, {}
         views, kept = {}, {}
         for name, tensor in result.items():
             where = f"{self._label}: output {name!r} of piece {pname!r}"
