@@ -587,3 +587,33 @@ def test_package_level_workspace_call_works_whatever_was_imported_first(fresh):
         print(meta.capacity)
     """)
     assert out.split() == [str(4 * MiB)]
+
+
+def test_a_forward_that_regrows_below_the_floor_after_a_refused_growth_exits_cleanly():
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    meta.warm_up(64)
+    with workspace(meta):
+        meta.get(128)
+    with workspace(meta):  # it raised at exit: capacity 32 below the floor of 64
+        with pytest.raises(RuntimeError):
+            meta.get(1 << 62)  # refused: the reclaimable workspace gave its storage up first
+        assert meta.get(32).numel() >= 32  # the forward goes on with what it needs
+    with workspace(meta):
+        assert meta.get(100).numel() >= 100
+
+
+def test_growth_in_a_forward_that_raised_starts_the_shrink_window_again():
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    meta.warm_up(64)
+    with workspace(meta):
+        meta.get(1000)
+    for _ in range(2):  # two underfilled forwards of the three that shrink it
+        with workspace(meta):
+            meta.get(100)
+    with pytest.raises(RuntimeError, match="layer failed"):
+        with workspace(meta):
+            meta.get(50_000)  # grows, then a later layer raises
+            raise RuntimeError("layer failed")
+    with workspace(meta):  # the retry's size is kept: it shrank to 100 here
+        meta.get(100)
+    assert meta.capacity >= 50_000

@@ -319,11 +319,14 @@ class WorkspaceState:
             raise StateError("the workspace is exited on a thread other than the one whose forward is running "
                              "in it: each thread enters and exits its own forward")
         try:
-            # A forward that raised did not finish its demand; it must not count.
+            # A forward that raised did not finish its demand; it must not count. Growth in it
+            # still restarts the window (three underfilled forwards with no growth between them).
             if self._measuring and exc_type is None:
                 target = self._measure()
                 if target is not None:
                     self._shrink(self._active, target)
+            elif self._measuring and self._tensor.untyped_storage().nbytes() > self._entry_capacity:
+                self._policy.reset()
         finally:
             self._measuring = False
             self._active = None
@@ -344,6 +347,11 @@ class WorkspaceState:
         elif capacity == self._floor:
             # At the floor without growth the policy would only reset a window that is
             # already empty (every capacity change resets it), so skip the call.
+            return None
+        if capacity < self._floor:
+            # Below the floor only after a refused growth gave the storage up (grow()): nothing to
+            # shrink, and the policy takes no capacity under its floor; the window starts again.
+            self._policy.reset()
             return None
         return self._policy.finish_forward(required, capacity, capacity > self._entry_capacity)
 
