@@ -330,7 +330,8 @@ class GraphRunner:
         buffers), then replay the bucket's graphs in order with eager pieces in between.
 
         `bucket` overrides the padded size (e.g. the one agree() returned). Returns the
-        outputs as views narrowed to n rows, valid until the next step; the same view
+        outputs as views narrowed to n rows, valid until the next step, run_eager() or capture()
+        (its warm-up runs the pieces, writing the same buffers); the same view
         objects come back for the same (bucket, n), so do not change their shape in place.
         """
         if self._closed:
