@@ -292,6 +292,24 @@ def test_vllms_tag_hooks_run_around_the_unmap_and_after_the_wake():
 
 @built
 @isolated
+def test_a_sleep_that_fails_after_the_before_unmap_hooks_runs_the_after_map_ones():
+    # The memory is mapped again by the undo: vLLM's hook state must not stay "unmapped".
+    calls = []
+    _fake_vllm(tag_hooks=calls)
+    host, module = _vllm()
+    module._vllm_tag_hooks.cache_clear()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        _alloc(host, MiB, b"w")
+    host.fail("cuMemcpyDtoHAsync", nth=1)
+    with pytest.raises(Exception):
+        allocator.sleep(offload_tags=("weights",))
+    host.heal()
+    assert calls == [("before", [("weights", False)], ["weights"]), ("after", [("weights", False)])], calls
+
+
+@built
+@isolated
 def test_use_memory_pool_gives_the_tags_unused_cache_back_on_exit():
     host, module = _vllm()
     allocator = module.CuMemAllocator.get_instance()

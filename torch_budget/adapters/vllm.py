@@ -382,6 +382,9 @@ class CuMemAllocator:
                 if done:  # all or nothing, as one release() is
                     with contextlib.suppress(TorchBudgetError):
                         torch_budget.restore(done, device="all")
+                if hooks and live:  # the before-unmap hooks ran: the memory is mapped again, so the after-map ones run
+                    with contextlib.suppress(Exception):
+                        hooks[1](self._allocations())
                 raise
 
 
