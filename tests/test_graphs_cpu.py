@@ -189,6 +189,7 @@ def test_bucket_views_are_contiguous_prefixes_of_one_allocation():
     ({"name": "1x"}, "identifier"),
     ({"name": "_x"}, "identifier"),
     ({"name": "n"}, "'n' is a parameter of step"),        # step(n, ...) could never be given it
+    ({"shape": 16}, "shape must be a tuple of dimensions"),  # "'int' object is not iterable"
     ({"name": "bucket"}, "'bucket' is a parameter of step"),
     ({"dtype": "float32"}, "torch.dtype"),
     ({"shape": (0,)}, "dimension 0"),
@@ -847,3 +848,8 @@ def test_an_output_a_piece_stops_returning_is_refused_not_returned_stale():
     runner.run_eager(2, x=torch.ones(2, HIDDEN), pos=torch.zeros(2))
     with pytest.raises(ValueError, match=r"did not return \['aux'\], which it returned before"):
         runner.run_eager(2, x=-torch.ones(2, HIDDEN), pos=torch.zeros(2))  # it returned the last step's aux
+
+
+def test_a_single_static_input_not_in_a_list_is_refused_naming_what_inputs_takes():
+    with pytest.raises(ValueError, match="inputs must be a list of StaticInput declarations"):
+        _runner(GraphPoolManager("cpu"), inputs=StaticInput("x", torch.float32, (HIDDEN,)))

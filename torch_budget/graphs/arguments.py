@@ -34,6 +34,8 @@ def check_pieces(owner: str, pieces: Any) -> list:
 def check_inputs(owner: str, inputs: Sequence[StaticInput], axes: Mapping[str, AxisSize]) -> dict[str, StaticInput]:
     """name -> declaration; names are unique and every symbolic axis is sized by `axes`."""
     specs: dict[str, StaticInput] = {}
+    if isinstance(inputs, StaticInput) or not isinstance(inputs, Sequence):
+        raise InvalidArgumentError(f"{owner}: inputs must be a list of StaticInput declarations, got {inputs!r}")
     for spec in inputs:
         if not isinstance(spec, StaticInput):
             raise InvalidArgumentError(f"{owner}: inputs must be StaticInput declarations, got {spec!r}")

@@ -57,6 +57,9 @@ class StaticInput:
                                        "give the input another name")
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidArgumentError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.shape, (tuple, list)):
+            raise InvalidArgumentError(f"static input {self.name!r}: shape must be a tuple of dimensions (ints, or "
+                                       f"names of symbolic axes), got {self.shape!r}")
         shape = []
         for dim in self.shape:
             if isinstance(dim, str):
