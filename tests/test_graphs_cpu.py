@@ -853,3 +853,25 @@ def test_an_output_a_piece_stops_returning_is_refused_not_returned_stale():
 def test_a_single_static_input_not_in_a_list_is_refused_naming_what_inputs_takes():
     with pytest.raises(ValueError, match="inputs must be a list of StaticInput declarations"):
         _runner(GraphPoolManager("cpu"), inputs=StaticInput("x", torch.float32, (HIDDEN,)))
+
+
+def test_managers_on_two_threads_get_one_capture_stream_per_device(monkeypatch):
+    import threading
+    import time
+
+    import torch_budget.graphs.manager as manager_module
+
+    class SlowStream:
+        def __init__(self, device=None):
+            time.sleep(0.05)  # the window in which a second thread made a stream of its own
+
+    monkeypatch.setattr(torch.cuda, "Stream", SlowStream)
+    monkeypatch.setattr(manager_module, "_CAPTURE_STREAMS", {})
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(manager_module._capture_stream(torch.device("cuda", 5))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] is got[1]

@@ -3,6 +3,7 @@ the agreement of ranks on the graph to replay."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ _EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
 
 
 _CAPTURE_STREAMS: dict[int, Any] = {}
+_CAPTURE_STREAMS_LOCK = threading.Lock()
 
 
 def _capture_stream(device: Any) -> Any:
@@ -44,9 +46,10 @@ def _capture_stream(device: Any) -> Any:
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
-    stream = _CAPTURE_STREAMS.get(index)
-    if stream is None:
-        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    with _CAPTURE_STREAMS_LOCK:  # managers on two threads get the one stream
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
 
 
