@@ -212,6 +212,12 @@ TB_API void tb_host_parking(int on);
 TB_API void tb_host_mark_interval(int64_t microseconds);
 // Opens n bytes of a share handle on `device` and closes it again: 0 or the error code.
 TB_API int tb_host_open_share(int device, const char* bytes, int64_t n);
+// Opens a share and keeps it open as a consumer would: an id (> 0) for tb_host_close_opened, or
+// minus the error code; *ptr and *size: the mapping.
+TB_API int64_t tb_host_open_kept(int device, const char* bytes, int64_t n, uint64_t* ptr, uint64_t* size);
+TB_API void tb_host_close_opened(int device, int64_t id);
+// [imports made, cuIpcOpenMemHandle mappings open, physical handles, address reservations].
+TB_API void tb_host_import_counts(int64_t out[4]);
 // Replays a trace over the core in C (the core's own time per operation; tools/sim_alloc.py).
 TB_API int64_t tb_host_replay(const int64_t* ids, const int64_t* sizes, const int8_t* stream_of, int64_t n,
                               void* const* streams, int num_streams, void** slots, int64_t num_slots);

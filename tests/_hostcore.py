@@ -48,6 +48,9 @@ def _host_signatures():
         "tb_host_hold_syncs": (i, [i, i]),
         "tb_host_pass_syncs": (None, [i]),
         "tb_host_open_share": (i, [i, cp, i64]),
+        "tb_host_open_kept": (i64, [i, cp, i64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
+        "tb_host_close_opened": (None, [i, i64]),
+        "tb_host_import_counts": (None, [ctypes.c_int64 * 4]),
         "tb_host_remove_entry": (i, [cp]),
         "tb_host_free_at_exit": (None, [vp]),
         "tb_host_trace": (None, [i, ctypes.c_int64 * 9]),
@@ -248,6 +251,24 @@ class Host:
     def open_share(self, handle, device=0):
         """Opens share handle bytes on `device` and closes them again: 0 or the error code."""
         return self.lib.tb_host_open_share(device, handle, len(handle))
+
+    def open_kept(self, handle, device=0):
+        """Opens share handle bytes on `device` and keeps them open, as a consumer does: (id, ptr,
+        bytes) of the mapping, for close_opened."""
+        ptr, size = ctypes.c_uint64(), ctypes.c_uint64()
+        opened = self.lib.tb_host_open_kept(device, handle, len(handle), ctypes.byref(ptr), ctypes.byref(size))
+        if opened < 0:
+            raise _native.error(self.lib, -opened)
+        return opened, ptr.value, size.value
+
+    def close_opened(self, opened, device=0):
+        self.lib.tb_host_close_opened(device, opened)
+
+    def import_counts(self):
+        """{imports, ipc_open, handles, reservations} of the stand-in's driver."""
+        out = (ctypes.c_int64 * 4)()
+        self.lib.tb_host_import_counts(out)
+        return dict(zip(("imports", "ipc_open", "handles", "reservations"), out))
 
     def heal(self):
         assert self.lib.tb_host_fail(None, 0, 0.0, 0, 0) == 0

@@ -454,3 +454,50 @@ def test_a_process_forked_after_cuda_cannot_share_or_open_a_share():
     assert refused == 5              # kState
     h.free(a)
 
+
+
+@isolated
+def test_a_consumer_reads_the_producers_bytes_and_its_close_gives_the_memory_back():
+    h = Host(route="vmm")
+    t = h.malloc(2 * MiB)
+    h.poke(t, pattern(2 * MiB, 5))
+    handle, offset = h.share(t)
+    opened, ptr, size = h.open_kept(handle)
+    assert size >= 2 * MiB and h.peek(ptr + offset, 2 * MiB) == pattern(2 * MiB, 5)
+    h.close_opened(opened)
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used()
+    assert h.import_counts()["reservations"] == 0
+
+
+@isolated
+def test_a_consumers_close_the_driver_refuses_once_is_retried_and_the_memory_goes_back():
+    h = Host(route="vmm")
+    t = h.malloc(2 * MiB)
+    handle, _ = h.share(t)
+    opened, _, _ = h.open_kept(handle)
+    h.fail("cuMemUnmap", nth=1)  # one transient refusal: the mapping held the producer's memory until exit
+    h.close_opened(opened)
+    h.heal()
+    h.free(t)
+    h.empty_cache()
+    assert h.reserved() == 0 == h.device_used()
+    assert h.import_counts()["reservations"] == 0
+
+
+@isolated
+def test_a_share_opened_before_a_fork_is_closed_in_the_child_without_a_driver_call():
+    h = Host(route="vmm")
+    t = h.malloc(2 * MiB)
+    handle, _ = h.share(t)
+    opened, _, _ = h.open_kept(handle)
+
+    def child():
+        before = h.counters()
+        h.close_opened(opened)  # the parent's mapping, on the parent's context: ignored as a free is
+        return before, h.counters()
+
+    before, after = in_child(child)
+    assert after == before, (before, after)
+    h.close_opened(opened)

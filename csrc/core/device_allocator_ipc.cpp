@@ -93,6 +93,12 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) no
   return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
 }
 
-void DeviceAllocator::close_shared(OpenedShare& s) noexcept { close_share(ctx_, s, open_captures() == 0); }
+void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
+  if (Allocator::get().forked()) {  // the parent's mapping, on the parent's context: as a free, ignored (Note [Fork])
+    s = OpenedShare{};
+    return;
+  }
+  close_share(ctx_, s, open_captures() == 0);
+}
 
 }  // namespace tb

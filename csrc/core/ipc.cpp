@@ -211,7 +211,7 @@ bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<
       call = "cuMemMap";
       r = d->memMap(base + at, h.handle_bytes, 0, mh, 0);
       if (r != CUDA_SUCCESS) {
-        d->memRelease(mh);
+        retry_driver([&] { return d->memRelease(mh); });
         break;
       }
       out->handles.emplace_back(mh, h.handle_bytes);
@@ -237,18 +237,20 @@ void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync) {
   ContextGuard guard(ctx.ctx);
   if (!guard.ok()) return;
   const DriverApi* d = driver();
+  // Retried as every unmap and release is: a refusal would hold the producer's memory (the
+  // mapping keeps it) until this process exits.
   if (s.kind == kShareCudaMalloc) {
-    if (s.ptr != 0) d->ipcCloseMemHandle(s.ptr);
+    if (s.ptr != 0) retry_driver([&] { return d->ipcCloseMemHandle(s.ptr); });
   } else if (s.ptr != 0) {
     // Work queued on the consumer's streams may still read the mapping.
     if (may_sync) d->ctxSynchronize();
     uintptr_t at = s.ptr;
     for (const auto& [mh, bytes] : s.handles) {
-      d->memUnmap(at, bytes);
-      d->memRelease(mh);
+      retry_driver([&] { return d->memUnmap(at, bytes); });
+      retry_driver([&] { return d->memRelease(mh); });
       at += bytes;
     }
-    d->memAddressFree(s.ptr, s.bytes);
+    retry_driver([&] { return d->memAddressFree(s.ptr, s.bytes); });
   }
   s = OpenedShare{};
 }

@@ -18,6 +18,8 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <unistd.h>
+#include <sys/syscall.h>
+#include <cstdio>
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +65,9 @@ struct Handle {
   int device;
   size_t size;
   std::vector<uint8_t> data;  // contents, materialised on the first copy into or out of it
+  uint64_t root = 0;          // an imported handle: the handle it imports (its memory)
+  int imports = 0;            // live imports of this handle
+  bool dead = false;          // released while imports live: its memory stays until they go
 };
 
 // One entry per mapped granule; a mapping may span several granules of one handle
@@ -98,6 +103,7 @@ struct State {
   std::map<uint64_t, Handle> handles;        // physical handles
   std::map<uintptr_t, Mapping> mappings;     // va -> handle (granule-sized maps)
   uint64_t next_handle = 1;
+  int64_t imports_total = 0, ipc_open = 0;
   std::map<void*, int> streams;              // registered streams -> device
   uintptr_t next_stream = 0x7000000;
   std::map<std::pair<void*, int>, uint64_t> submitted, completed;  // per (stream, device)
@@ -135,7 +141,8 @@ const char* const kEntryPoints[] = {
     "cuEventSynchronize", "cuStreamCreate", "cuStreamDestroy", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
     "cuMemsetD8Async", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamGetCaptureInfo", "cuGraphNodeGetDependencies",
     "cuMemExportToShareableHandle", "cuMemcpyDtoDAsync", "cuModuleLoadData", "cuModuleUnload", "cuModuleGetFunction",
-    "cuLaunchKernel", "cuMemHostRegister", "cuMemHostUnregister",
+    "cuLaunchKernel", "cuMemHostRegister", "cuMemHostUnregister", "cuMemImportFromShareableHandle",
+    "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuIpcCloseMemHandle",
 };
 
 bool known_entry(const std::string& name) {
@@ -463,9 +470,53 @@ CUresult h_export(void* shareable, CUmemGenericAllocationHandle h, CUmemAllocati
                   unsigned long long) {
   HOST_ENTRY("cuMemExportToShareableHandle");
   if (g->handles.count(h) == 0 || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
-  const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, ("tbh:" + std::to_string(h)).c_str(), 1u));
   if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
   *static_cast<int*>(shareable) = fd;
+  return CUDA_SUCCESS;
+}
+CUresult h_import(CUmemGenericAllocationHandle* out, void* shareable, CUmemAllocationHandleType type) {
+  HOST_ENTRY("cuMemImportFromShareableHandle");
+  const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(shareable));
+  char link[64], name[256] = {0};
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, name, sizeof name - 1);
+  if (n <= 0) return CUDA_ERROR_INVALID_VALUE;
+  unsigned long long root = 0;
+  if (sscanf(name, "/memfd:tbh:%llu", &root) != 1) return CUDA_ERROR_INVALID_VALUE;
+  auto it = g->handles.find(root);
+  if (it == g->handles.end() || it->second.dead) return CUDA_ERROR_INVALID_VALUE;
+  it->second.imports++;
+  *out = g->next_handle++;
+  Handle a{it->second.device, it->second.size};
+  a.root = root;
+  g->handles[*out] = a;
+  g->imports_total++;
+  return CUDA_SUCCESS;
+}
+CUresult h_ipc_get(CUipcMemHandle* out, CUdeviceptr p) {
+  HOST_ENTRY("cuIpcGetMemHandle");
+  auto a = g->allocs.upper_bound(p);
+  if (a == g->allocs.begin()) return CUDA_ERROR_INVALID_VALUE;
+  --a;
+  if (p >= a->first + a->second.size) return CUDA_ERROR_INVALID_VALUE;
+  std::memset(out, 0, sizeof *out);
+  const uintptr_t base = a->first;
+  std::memcpy(out->reserved, &base, sizeof base);
+  return CUDA_SUCCESS;
+}
+CUresult h_ipc_open(CUdeviceptr* p, CUipcMemHandle hh, unsigned int) {
+  HOST_ENTRY("cuIpcOpenMemHandle");
+  uintptr_t base = 0;
+  std::memcpy(&base, hh.reserved, sizeof base);
+  if (!g->allocs.count(base)) return CUDA_ERROR_INVALID_VALUE;
+  *p = base;  // same process: the same address
+  g->ipc_open++;
+  return CUDA_SUCCESS;
+}
+CUresult h_ipc_close(CUdeviceptr) {
+  HOST_ENTRY("cuIpcCloseMemHandle");
+  g->ipc_open--;
   return CUDA_SUCCESS;
 }
 CUresult h_release(CUmemGenericAllocationHandle h) {
@@ -474,6 +525,17 @@ CUresult h_release(CUmemGenericAllocationHandle h) {
   if (it == g->handles.end()) return CUDA_ERROR_INVALID_VALUE;
   for (auto& [va, m] : g->mappings)
     if (m.handle == h) return CUDA_ERROR_INVALID_VALUE;  // released while mapped
+  if (it->second.dead) return CUDA_ERROR_INVALID_VALUE;
+  if (it->second.root != 0) {
+    auto r = g->handles.find(it->second.root);
+    if (--r->second.imports == 0 && r->second.dead) {
+      g->devices[r->second.device].used -= r->second.size;
+      g->handles.erase(r);
+    }
+    g->handles.erase(it);
+    return CUDA_SUCCESS;
+  }
+  if (it->second.imports > 0) { it->second.dead = true; return CUDA_SUCCESS; }
   g->devices[it->second.device].used -= it->second.size;
   g->handles.erase(it);
   spend(10);
@@ -547,7 +609,9 @@ CUresult visit_device(uintptr_t va, size_t bytes, const std::function<void(uint8
       fn(a->second.data.data() + (p - a->first), va + bytes - p);
       return CUDA_SUCCESS;
     }
-    Handle& h = g->handles[m->second.handle];
+    Handle* hp = &g->handles[m->second.handle];
+    if (hp->root != 0) hp = &g->handles[hp->root];
+    Handle& h = *hp;
     if (h.data.empty()) h.data.assign(h.size, 0xA5);  // fresh memory: garbage, not zeros
     const size_t n = std::min<size_t>(base + kGranule - p, va + bytes - p);
     fn(h.data.data() + (p - m->second.head), n);
@@ -813,6 +877,10 @@ tb::DriverApi make_api() {
   a.memCreate = h_create;
   a.memRelease = h_release;
   a.memExportToShareableHandle = h_export;
+  a.memImportFromShareableHandle = h_import;
+  a.ipcGetMemHandle = h_ipc_get;
+  a.ipcOpenMemHandle = h_ipc_open;
+  a.ipcCloseMemHandle = h_ipc_close;
   a.memMap = h_map;
   a.memUnmap = h_unmap;
   a.memSetAccess = h_access;
@@ -1154,6 +1222,11 @@ class ProbingSource final : public tb::SegmentSource {
   int device_;
 };
 
+// Shares opened and kept, as a consumer holds them (tb_host_open_kept).
+std::mutex g_opened_mu;
+std::map<int64_t, std::unique_ptr<tb::OpenedShare>> g_opened;
+int64_t g_next_opened = 1;
+
 }  // namespace
 
 extern "C" {
@@ -1175,6 +1248,42 @@ int tb_host_open_share(int device, const char* bytes, int64_t n) {
   if (!d->open_shared(std::string(bytes, static_cast<size_t>(n)), &s)) return tb::last_error_code();
   d->close_shared(s);
   return 0;
+}
+
+// Opens a share on `device` and keeps it open, as a consumer holds what it opened: an id for
+// tb_host_close_opened (> 0), or minus the core's error code; *ptr and *size: the mapping.
+int64_t tb_host_open_kept(int device, const char* bytes, int64_t n, uint64_t* ptr, uint64_t* size) {
+  tb::DeviceAllocator* d = tb::Allocator::get().device(device);
+  if (d == nullptr) return -tb::last_error_code();
+  auto s = std::make_unique<tb::OpenedShare>();
+  if (!d->open_shared(std::string(bytes, static_cast<size_t>(n)), s.get())) return -tb::last_error_code();
+  *ptr = s->ptr;
+  *size = s->bytes;
+  std::lock_guard<std::mutex> l(g_opened_mu);
+  g_opened[g_next_opened] = std::move(s);
+  return g_next_opened++;
+}
+
+// Closes what tb_host_open_kept opened (the consumer's close).
+void tb_host_close_opened(int device, int64_t id) {
+  std::unique_ptr<tb::OpenedShare> s;
+  {
+    std::lock_guard<std::mutex> l(g_opened_mu);
+    auto it = g_opened.find(id);
+    if (it == g_opened.end()) return;
+    s = std::move(it->second);
+    g_opened.erase(it);
+  }
+  if (tb::DeviceAllocator* d = tb::Allocator::get().device_if_ready(device)) d->close_shared(*s);
+}
+
+// What consumers hold: [imports made, cuIpcOpenMemHandle mappings open, physical handles, reservations].
+void tb_host_import_counts(int64_t* out) {
+  std::lock_guard<std::mutex> l(g->mu);
+  out[0] = g->imports_total;
+  out[1] = g->ipc_open;
+  out[2] = static_cast<int64_t>(g->handles.size());
+  out[3] = static_cast<int64_t>(g->reservations.size());
 }
 
 // Note [The parked block] on or off, for every device.
