@@ -232,6 +232,15 @@ int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
   return static_cast<int64_t>(handle.size());
 }
 
+int tb_end_sharing(void* ptr) {
+  clear_error();
+  int device = -1;
+  BlockInfo info{};
+  if (!Allocator::get().lookup(ptr, &device, &info)) return code();
+  DeviceAllocator* d = Allocator::get().device_if_ready(device);
+  return d != nullptr && d->end_sharing(reinterpret_cast<uintptr_t>(ptr)) ? 0 : code();
+}
+
 int64_t tb_inject_driver_faults(double rate, uint64_t seed) {
   clear_error();
   if (!Allocator::get().load_driver() || !inject_driver_faults(rate, seed)) return -1;

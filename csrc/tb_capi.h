@@ -80,6 +80,9 @@ TB_API int tb_reset_peak_stats(int device);
 // its length, or -1 with the error kept (cap too small included: then nothing is shared);
 // *offset: ptr's offset in it.
 TB_API int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset);
+// No other process maps the live block at `ptr` any more: its tag may be released again
+// (Note [Sharing memory between processes]). 0, or an error code.
+TB_API int tb_end_sharing(void* ptr);
 // torch's cacheInfo(device, &largest): the longest free stretch usable without new memory.
 TB_API int tb_cache_info(int device, int64_t* largest);
 // torch's inactive_split and inactive_split_bytes (current), each as [all, small pool, large pool].

@@ -417,6 +417,24 @@ def test_a_tag_is_restored_on_all_its_devices_or_on_none():
 
 
 @isolated
+def test_a_producer_that_keeps_shared_tensors_says_when_the_consumers_closed_them_and_releases_their_tag():
+    # Weights sent for an RL weight sync stay the producer's: without end_sharing their tag could never go.
+    host = _installed_host(route="vmm")
+    w = _tagged(host, "weights", 8 * MiB, b"w")
+    host.share(w)
+    with pytest.raises(StateError, match=r"torch_budget.sleep.end_sharing\(tensors\) said so"):
+        torch_budget.release("weights")
+    sleep.end_sharing([w])
+    torch_budget.release("weights")
+    torch_budget.restore("weights")
+    assert host.peek(w, 4096) == b"w" * 4096
+    with pytest.raises(InvalidArgumentError, match="was not allocated by torch_budget"):
+        sleep.end_sharing([w + 4096 * 1024 * 1024])
+    with pytest.raises(TypeError, match="tensors must be a collection"):
+        sleep.end_sharing(w)
+
+
+@isolated
 def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_they_were():
     host = _installed_host(route="vmm")
     for tag in ("a", "b", "c"):

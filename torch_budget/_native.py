@@ -65,6 +65,7 @@ def _core_signatures():
         "tb_cache_info": (i, [i, ctypes.POINTER(i64)]),
         "tb_inactive_split": (i, [i, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "tb_share": (i64, [vp, ctypes.c_char_p, i64, ctypes.POINTER(i64)]),
+        "tb_end_sharing": (ctypes.c_int, [vp]),
         "tb_inject_driver_faults": (i64, [d, u64]),
         "tb_grant_peer": (i, [i, i]),
         "tb_tag_find": (i, [cp]),

@@ -66,6 +66,7 @@ from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
            "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake",
+           "end_sharing",
            "reserve_host_pool", "free_host_pool", "keep_host_pool", "host_pool_stats", "SleepReport", "TagState",
            "HostPoolStats"]
 
@@ -196,23 +197,38 @@ def _report(lib, targets, moved: int, backed: int, start: float) -> SleepReport:
             "backup_bytes": backed, "allocations": allocations, "seconds": seconds}
 
 
-def _addresses(discardable) -> list[int]:
-    """The storage addresses `discardable` names: ints, or tensors (their storage's)."""
+def _addresses(discardable, what: str = "discardable") -> list[int]:
+    """The storage addresses `discardable` names: ints, or tensors (their storage's); `what` names
+    the argument in errors."""
     if isinstance(discardable, (int, str, bytes)) or not isinstance(discardable, Iterable):
-        raise TypeError(f"discardable must be a collection of storage addresses or tensors, got "
+        raise TypeError(f"{what} must be a collection of storage addresses or tensors, got "
                         f"{type(discardable).__name__}")
     out = []
     for item in discardable:
         if isinstance(item, bool) or not isinstance(item, int):
             storage = getattr(item, "untyped_storage", None)
             if storage is None:
-                raise TypeError(f"discardable holds {type(item).__name__} ({item!r}): expected storage addresses "
+                raise TypeError(f"{what} holds {type(item).__name__} ({item!r}): expected storage addresses "
                                 f"(int) or tensors")
             item = storage().data_ptr()
         if not 0 < item < 2**64:
-            raise InvalidArgumentError(f"discardable holds {item}, which is no device address")
+            raise InvalidArgumentError(f"{what} holds {item}, which is no device address")
         out.append(item)
     return out
+
+
+def end_sharing(tensors) -> None:
+    """Says that no other process maps `tensors` any more (tensors, or their storage addresses):
+    every consumer closed what it opened of them. A tensor once sent to another process (torch's
+    CUDA IPC: torch.multiprocessing, or the handles of a weight sync) keeps its tag from being
+    released for as long as it lives, since this process cannot see a consumer close it (Note
+    [Sharing memory between processes], csrc/core/ipc.h). A producer that keeps the tensors
+    (weights sent to a rollout engine) calls this once the consumers closed them, and may then
+    release their tag. Said of a tensor a consumer still maps, a release and restore leave the
+    consumer on the old memory: the two processes no longer see each other's writes."""
+    lib = _runtime.require_installed("torch_budget.sleep.end_sharing()")
+    for ptr in _addresses(tensors, "tensors"):
+        _native.check(lib, lib.tb_end_sharing(_native.ctypes.c_void_p(ptr)))
 
 
 def _discarding(lib, targets, addresses: list[int]) -> dict[tuple[int, int], list[int]]:

@@ -215,6 +215,9 @@ class DeviceAllocator {
   bool share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room = SIZE_MAX) noexcept;
   bool open_shared(const std::string& bytes, OpenedShare* out) noexcept;
   void close_shared(OpenedShare& s) noexcept;
+  // The caller says no other process maps the live block at `ptr` any more (Note [Sharing memory
+  // between processes]): it no longer keeps its tag from being released.
+  bool end_sharing(uintptr_t ptr) noexcept;
   // Destroys dead graph pools once that is safe (called when captures end).
   void settle_pools() noexcept;
 

@@ -29,6 +29,17 @@ bool DeviceAllocator::share(uintptr_t ptr, std::string* handle, size_t* offset, 
   return true;
 }
 
+bool DeviceAllocator::end_sharing(uintptr_t ptr) noexcept {
+  auto lock = hold();
+  Block* b = live_.find(ptr);
+  TB_REQUIRE(b != nullptr, kInvalidArgument,
+             "end_sharing: the address does not start a live allocation of torch_budget on device " +
+                 std::to_string(ctx_.device) + " (give the tensor whose storage was shared)",
+             false);
+  b->shared = false;
+  return true;
+}
+
 bool DeviceAllocator::cut_for_share(DeviceLock& lock, uintptr_t ptr, Block** block) {
   const uint64_t born = (*block)->born;
   const std::string device = std::to_string(ctx_.device);

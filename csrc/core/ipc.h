@@ -24,7 +24,10 @@
 //   CUDA_ERROR_INVALID_VALUE, at an allocation's start and inside it, and cuIpcGetMemHandle is
 //   for cuMemAlloc memory only; a pool's own export needs a consumer that imports pools.
 // The consumer's mapping holds the physical memory itself; torch's IPC reference
-// count keeps the producer's block allocated while a consumer holds it.
+// count keeps the producer's block allocated while a consumer holds it. A block once shared
+// keeps its tag from being released for as long as it lives (Note [Tag arenas]): the producer
+// cannot see when the consumers closed their mappings. One that keeps the tensor (weights sent
+// for an RL weight sync) says so with end_sharing, after which the tag may be released again.
 #pragma once
 
 #include <cuda.h>

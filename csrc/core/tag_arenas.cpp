@@ -96,8 +96,9 @@ bool TagArenas::release(int tag, Backup backup, bool retain, const std::string& 
   TB_REQUIRE(shared == 0, kState,
              name + " holds " + std::to_string(shared) +
                  " live allocation(s) shared with another process, whose mappings would keep the old memory "
-                 "while this process restores new memory at the same addresses: release it once the consumers "
-                 "dropped those tensors (the producer frees them then)",
+                 "while this process restores new memory at the same addresses: release it once those tensors "
+                 "are freed, or, while this process keeps them, once every consumer closed them and "
+                 "torch_budget.sleep.end_sharing(tensors) said so",
              false);
   TB_REQUIRE(off_route_[tag] == 0, kState,
              name + " holds " + std::to_string(off_route_[tag]) +
