@@ -62,3 +62,16 @@ def share_with_consumer(device: int, consumer_installed: bool, make, extra=lambd
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved(device) <= reserved, (torch.cuda.memory_reserved(device), reserved)
     print("ipc ok", sorted(got))
+
+
+def holder(install, q_in, q_out):
+    """Holds the tensor it is sent until told to drop it: answers "held", then "dropped"."""
+    if install:
+        import torch_budget
+        torch_budget.install()
+    t = q_in.get(timeout=120)
+    q_out.put("held")
+    assert q_in.get(timeout=120) == "drop"
+    del t
+    torch.cuda.synchronize()
+    q_out.put("dropped")

@@ -183,6 +183,18 @@ class TorchSource final : public SegmentSource {
   std::shared_ptr<cca::CUDAAllocator> a_;
 };
 
+// torch's trigger_free_memory_callbacks, which its allocator runs before it gives up on an
+// allocation: what registered in c10's FreeCudaMemoryCallbacksRegistry frees memory it holds
+// (torch's CUDA IPC limbo: blocks this process dropped while a consumer still held them, whose
+// consumers are done). Run with no lock of the core held: the callbacks free through this
+// allocator. Whether any freed memory (then the allocation is tried again).
+bool free_memory_callbacks() {
+  bool freed = false;
+  for (const std::string& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys())
+    freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+  return freed;
+}
+
 class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   BudgetAllocator()
@@ -512,6 +524,8 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     const bool recording = h.enabled();
     if (recording) h.before_alloc();
     Block* b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
+    if (b == nullptr && last_error_code() == kOutOfMemory && free_memory_callbacks())
+      b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
     if (b == nullptr) {
       if (recording) History::forget();
       raise_last_error("allocation failed", device, size);
