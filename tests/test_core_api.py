@@ -435,6 +435,37 @@ def test_a_producer_that_keeps_shared_tensors_says_when_the_consumers_closed_the
 
 
 @isolated
+def test_a_half_restore_undone_releases_each_device_with_its_own_backup():
+    # The undo took the tag's last release's mode (device 1's "none") for device 0, released "pinned".
+    host = _installed_host(devices=2)
+    a = _tagged(host, "kv", 2 * MiB, b"A", device=0)
+    _tagged(host, "kv", 2 * MiB, b"B", device=1)
+    torch_budget.release("kv", backup="pinned", device=0)
+    torch_budget.release("kv", backup="none", device=1)
+    host.fail("cuMemCreate", nth=-2)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.restore("kv", device="all")
+    host.heal()
+    assert sleep.tag_states(0)["kv"]["backup"] == "pinned"
+    torch_budget.restore("kv", device="all")
+    assert host.peek(a, 4096) == b"A" * 4096
+
+
+@isolated
+def test_a_half_restore_undone_keeps_the_retention_each_device_had():
+    host = _installed_host(devices=2)
+    _tagged(host, "kv", 8 * MiB, b"A", device=0)
+    _tagged(host, "kv", 8 * MiB, b"B", device=1)
+    torch_budget.release("kv", device="all", retain=True)
+    host.fail("cuMemCreate", nth=-2)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.restore("kv", device="all")
+    host.heal()
+    torch_budget.restore("kv", device="all")
+    assert [sleep.tag_states(d)["kv"]["retained"] for d in (0, 1)] == [True, True]
+
+
+@isolated
 def test_a_restore_whose_retention_a_tag_refuses_leaves_the_tags_after_it_as_they_were():
     host = _installed_host(route="vmm")
     for tag in ("a", "b", "c"):

@@ -298,10 +298,11 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
     start = time.perf_counter()
     moved = backed = 0
     failed = None
-    restored: list[tuple[int, int, str]] = []
+    restored: list[tuple[int, int, str, int]] = []  # (device, tag, name, the backup it had, as released)
     try:
         for dev, tag, name in targets:
             try:
+                backup = _info(lib, dev, tag)[1]  # this device's own: another may hold the tag with another
                 # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
                 # be retained) raises with its retention unchanged, as are those of the tags after it.
                 if retain is not None:
@@ -313,9 +314,9 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
                     raise
                 failed = failed or e
                 continue
-            restored.append((dev, tag, name))
-            b, k = _moved(lib, dev, tag)
-            moved, backed = moved + b, backed + k
+            info = _info(lib, dev, tag)
+            restored.append((dev, tag, name, backup | (_RETAIN if info[7] else 0)))
+            moved, backed = moved + info[4], backed + info[5]
     finally:
         # Also when one raised: the tags restored before it are live, and listed so no longer.
         served = _runtime.served_devices(lib)
@@ -328,14 +329,13 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
 
 
 def _release_again(lib, done) -> None:
-    """Releases again, with the backup each had, the devices of a tag that took it back before
-    another device refused it (_restore); one that refuses leaves the tag live there, and listed
-    released while some device holds it released."""
-    for dev, tag, name in reversed(done):
-        backup = _released.get(name)
-        if backup is not None:
-            with contextlib.suppress(Exception):
-                _native.check(lib, lib.tb_release_tag(dev, tag, BACKUPS[backup]), state=TagStateError)
+    """Releases again the devices of a tag that took it back before another device refused it
+    (_restore), each with the backup it had there (its retention included: a retained backup is
+    reused, not copied again); one that refuses leaves the tag live there, and listed released
+    while some device holds it released."""
+    for dev, tag, _, mode in reversed(done):
+        with contextlib.suppress(Exception):
+            _native.check(lib, lib.tb_release_tag(dev, tag, mode), state=TagStateError)
 
 
 def release(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
