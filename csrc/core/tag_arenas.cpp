@@ -261,9 +261,14 @@ TagView TagArenas::view(int tag) const {
     const size_t g = vmm_->granule();
     for (BlockPool* pool : pools_of(tag))
       for (const auto& seg : pool->segments()) v.resident += static_cast<int64_t>(seg->mapped * g);
-    for (const Piece& p : st.pieces)
-      for (size_t i = p.first; i < p.first + p.count; ++i)
-        if (p.seg->granules[i] == 0) v.released += static_cast<int64_t>(g);
+    // What the restore will map back: granules no live block covers any more (tensors freed while
+    // the tag slept) are skipped by it, and their backup went with empty_cache.
+    const std::vector<std::vector<bool>> needed = st.pieces.empty() ? std::vector<std::vector<bool>>{} : still_needed(st);
+    for (size_t k = 0; k < st.pieces.size(); ++k) {
+      const Piece& p = st.pieces[k];
+      for (size_t i = 0; i < p.count; ++i)
+        if (p.seg->granules[p.first + i] == 0 && needed[k][i]) v.released += static_cast<int64_t>(g);
+    }
   }
   v.backup_bytes = static_cast<int64_t>(st.backup_bytes);
   v.last_device = st.last_device_bytes;
