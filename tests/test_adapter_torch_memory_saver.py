@@ -429,9 +429,13 @@ def test_disable_gives_its_memory_back_also_when_its_body_raises():
     assert torch_budget.stats()["reserved"] == 0
 
 
-def _fake_capture(host):
-    """torch.cuda.graph over the stand-in: the capture allocates from `pool` on stream S1 (torch's
-    beginAllocateToPool), as on a device."""
+def _saver_capturing():
+    """(host, saver) as _saver gives them, with torch.cuda.graph over the stand-in: the capture
+    allocates from `pool` on stream S1 (torch's beginAllocateToPool), as on a device."""
+    import torch
+
+    host, module = _saver()
+
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         host.begin_pool(pool, S1)
@@ -440,7 +444,8 @@ def _fake_capture(host):
         finally:
             host.end_pool(pool)
 
-    return graph
+    torch.cuda.graph = graph
+    return host, module.torch_memory_saver
 
 
 @built
@@ -448,9 +453,7 @@ def _fake_capture(host):
 def test_cuda_graph_into_a_pool_another_tag_created_raises_naming_the_pool_and_both_tags():
     import torch
 
-    host, module = _saver()
-    saver = module.torch_memory_saver
-    torch.cuda.graph = _fake_capture(host)
+    host, saver = _saver_capturing()
     shared = (0, 7)  # SGLang's one graph pool for every runner
     with saver.cuda_graph(object(), pool=shared, tag="cuda_graph"):
         host.malloc(8 * MiB, stream=S1)
@@ -1014,11 +1017,7 @@ def test_resume_maps_back_the_cache_a_tag_held_at_pause_without_copying_into_it(
 def test_pausing_a_graph_tag_again_and_again_holds_the_same_memory():
     # A graph pool's free blocks come back with the restore; they were counted as the tag's cache
     # and mapped a second time at each resume: 16, 24, 32 ... MiB with SGLang pausing every RL step.
-    import torch
-
-    host, module = _saver()
-    saver = module.torch_memory_saver
-    torch.cuda.graph = _fake_capture(host)
+    host, saver = _saver_capturing()
     with saver.cuda_graph(object(), pool=(0, 7), tag="cuda_graph"):
         scratch = host.malloc(8 * MiB, stream=S1)  # freed before the capture ends: the pool's
         out = host.malloc(8 * MiB, stream=S1)

@@ -265,14 +265,20 @@ def test_a_wake_that_fails_puts_back_to_sleep_what_it_woke():
     assert host.peek(weights, 4096) == b"w" * 4096
 
 
-@built
-@isolated
-def test_vllms_tag_hooks_run_around_the_unmap_and_after_the_wake():
+def _allocator_with_tag_hooks():
+    """(the tag hooks' calls, as _fake_vllm records them; host; the adapter's CuMemAllocator)
+    with vLLM's device_allocator module and its tag hooks faked."""
     calls = []
     _fake_vllm(tag_hooks=calls)
     host, module = _vllm()
     module._vllm_tag_hooks.cache_clear()
-    allocator = module.CuMemAllocator.get_instance()
+    return calls, host, module.CuMemAllocator.get_instance()
+
+
+@built
+@isolated
+def test_vllms_tag_hooks_run_around_the_unmap_and_after_the_wake():
+    calls, host, allocator = _allocator_with_tag_hooks()
     for tag in ("weights", "kv_cache"):
         with allocator.use_memory_pool(tag):
             _alloc(host, MiB, b"x")
@@ -294,11 +300,7 @@ def test_vllms_tag_hooks_run_around_the_unmap_and_after_the_wake():
 @isolated
 def test_a_sleep_that_fails_after_the_before_unmap_hooks_runs_the_after_map_ones():
     # The memory is mapped again by the undo: vLLM's hook state must not stay "unmapped".
-    calls = []
-    _fake_vllm(tag_hooks=calls)
-    host, module = _vllm()
-    module._vllm_tag_hooks.cache_clear()
-    allocator = module.CuMemAllocator.get_instance()
+    calls, host, allocator = _allocator_with_tag_hooks()
     with allocator.use_memory_pool("weights"):
         _alloc(host, MiB, b"w")
     host.fail("cuMemcpyDtoHAsync", nth=1)

@@ -456,42 +456,46 @@ def test_a_process_forked_after_cuda_cannot_share_or_open_a_share():
 
 
 
-@isolated
-def test_a_consumer_reads_the_producers_bytes_and_its_close_gives_the_memory_back():
-    h = Host(route="vmm")
+def _opened_by_a_consumer(h):
+    """A 2 MiB tensor holding pattern(2 MiB, 5), shared and opened by a consumer that keeps it:
+    (tensor, its offset in the share, the consumer's id for close_opened, the mapping, its bytes)."""
     t = h.malloc(2 * MiB)
     h.poke(t, pattern(2 * MiB, 5))
     handle, offset = h.share(t)
-    opened, ptr, size = h.open_kept(handle)
-    assert size >= 2 * MiB and h.peek(ptr + offset, 2 * MiB) == pattern(2 * MiB, 5)
-    h.close_opened(opened)
+    return (t, offset, *h.open_kept(handle))
+
+
+def _freed_and_given_back(h, t):
+    """Frees the producer's tensor: its memory goes back to the driver, and no reservation stays."""
     h.free(t)
     h.empty_cache()
     assert h.reserved() == 0 == h.device_used()
     assert h.import_counts()["reservations"] == 0
+
+
+@isolated
+def test_a_consumer_reads_the_producers_bytes_and_its_close_gives_the_memory_back():
+    h = Host(route="vmm")
+    t, offset, opened, ptr, size = _opened_by_a_consumer(h)
+    assert size >= 2 * MiB and h.peek(ptr + offset, 2 * MiB) == pattern(2 * MiB, 5)
+    h.close_opened(opened)
+    _freed_and_given_back(h, t)
 
 
 @isolated
 def test_a_consumers_close_the_driver_refuses_once_is_retried_and_the_memory_goes_back():
     h = Host(route="vmm")
-    t = h.malloc(2 * MiB)
-    handle, _ = h.share(t)
-    opened, _, _ = h.open_kept(handle)
+    t, _, opened, _, _ = _opened_by_a_consumer(h)
     h.fail("cuMemUnmap", nth=1)  # one transient refusal: the mapping held the producer's memory until exit
     h.close_opened(opened)
     h.heal()
-    h.free(t)
-    h.empty_cache()
-    assert h.reserved() == 0 == h.device_used()
-    assert h.import_counts()["reservations"] == 0
+    _freed_and_given_back(h, t)
 
 
 @isolated
 def test_a_share_opened_before_a_fork_is_closed_in_the_child_without_a_driver_call():
     h = Host(route="vmm")
-    t = h.malloc(2 * MiB)
-    handle, _ = h.share(t)
-    opened, _, _ = h.open_kept(handle)
+    _, _, opened, _, _ = _opened_by_a_consumer(h)
 
     def child():
         before = h.counters()

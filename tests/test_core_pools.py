@@ -254,16 +254,23 @@ def captured_read(h, sequence, streams_nodes):
         h.capture(stream, sequence, [node])
 
 
+def _capturing_into_the_pool_on_two_streams(reuse):
+    """A sync-route host with torch's graph_capture_record_stream_reuse set to `reuse`, S1 and S2
+    capturing (capture 1), allocations on S1 going to POOL."""
+    h = Host(route="sync")
+    h.capture_reuse(reuse)
+    h.capture(S1, 1)
+    h.capture(S2, 1)
+    h.begin_pool(POOL, S1)
+    return h
+
+
 @pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "default"])
 def test_a_block_freed_after_record_stream_is_reused_in_capture_once_the_streams_join(reuse):
     # torch's graph_capture_record_stream_reuse, two streams (Note [Reuse during capture]).
     @isolated
     def body():
-        h = Host(route="sync")
-        h.capture_reuse(reuse)
-        h.capture(S1, 1)
-        h.capture(S2, 1)
-        h.begin_pool(POOL, S1)
+        h = _capturing_into_the_pool_on_two_streams(reuse)
         h.malloc(512, S1)                              # a neighbour, so the freed block stays apart
         data1 = h.malloc(512, S1)
         captured_read(h, 1, [(S2, 10, [])])            # s2 reads data1
@@ -312,11 +319,7 @@ def test_reuse_in_capture_waits_until_every_stream_that_used_the_block_joined():
 
 @isolated
 def test_reuse_in_capture_is_not_fooled_by_dependencies_set_anew():
-    h = Host(route="sync")
-    h.capture_reuse(True)
-    h.capture(S1, 1)
-    h.capture(S2, 1)
-    h.begin_pool(POOL, S1)
+    h = _capturing_into_the_pool_on_two_streams(True)
     captured_read(h, 1, [(S1, 9, [])])
     blocks = [h.malloc(512, S1) for _ in range(5)]     # d and c apart, between neighbours
     d, c = blocks[1], blocks[3]

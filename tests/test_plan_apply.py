@@ -211,9 +211,9 @@ def test_a_tag_holding_more_than_its_line_already_is_refused():
     assert all(b is None for b in budgets_now().values())
 
 
-@pytest.mark.built("_host_core")
-@isolated
-def test_a_failure_part_way_restores_what_was_set():
+def _weights_at_40_mib_and_graphs_refused(undo_refused=False):
+    """Installed over the host, with 'weights' at 40 MiB; set_budget then refuses the graphs tag
+    a budget (RuntimeError), and with `undo_refused` putting 'weights' back to 40 MiB (OSError)."""
     from torch_budget import allocator
 
     installed_host()
@@ -223,9 +223,17 @@ def test_a_failure_part_way_restores_what_was_set():
     def failing(budget, device=None, tag=None):
         if tag == "graphs" and budget is not None:
             raise RuntimeError("refused")
+        if undo_refused and tag == "weights" and budget == ("bytes", 40 * MiB):
+            raise OSError("cannot go back")
         return real(budget, device=device, tag=tag)
 
     allocator.set_budget = failing
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_failure_part_way_restores_what_was_set():
+    _weights_at_40_mib_and_graphs_refused()
     with pytest.raises(RuntimeError, match="refused"):
         sample_plan().apply()
     now = budgets_now()
@@ -306,7 +314,7 @@ def test_a_tag_budget_of_0_is_written_out_and_a_device_budget_is_never_0():
     assert budgets_now()["kv"] == 0
     torch_budget.set_budget(None, tag="kv")
     assert budgets_now()["kv"] is None
-    for zero in (0, "0B"):  # a bare 0 may mean "no limit" to some: only the written-out form is read as none
+    for zero in (0, "0B"):  # a bare 0 may mean "no limit" to some: only the written-out form is a budget of 0
         with pytest.raises(ConfigError, match="more than 0 bytes"):
             torch_budget.set_budget(zero, tag="kv")
     with pytest.raises(ConfigError, match="more than 0 bytes"):
@@ -316,20 +324,7 @@ def test_a_tag_budget_of_0_is_written_out_and_a_device_budget_is_never_0():
 @pytest.mark.built("_host_core")
 @isolated
 def test_when_putting_back_fails_too_the_failure_that_stopped_apply_is_raised_with_a_note():
-    from torch_budget import allocator
-
-    installed_host()
-    torch_budget.set_budget("40MiB", tag="weights")
-    real = allocator.set_budget
-
-    def failing(budget, device=None, tag=None):
-        if tag == "graphs" and budget is not None:
-            raise RuntimeError("refused")
-        if tag == "weights" and budget == ("bytes", 40 * MiB):
-            raise OSError("cannot go back")
-        return real(budget, device=device, tag=tag)
-
-    allocator.set_budget = failing
+    _weights_at_40_mib_and_graphs_refused(undo_refused=True)
     with pytest.raises(RuntimeError, match="refused") as e:
         sample_plan().apply()
     assert any("putting back the budgets set before it failed too: OSError: cannot go back" in n
