@@ -205,7 +205,8 @@ TB_API void tb_host_trace(int on, int64_t counts[9]);
 TB_API void tb_host_capture(void* stream, uint64_t capture, const uint64_t* tails, int n);
 TB_API void tb_host_node(uint64_t node, const uint64_t* parents, int n);
 // A private pool whose own allocator (a MemPool's) frees only after checking that another thread
-// can allocate meanwhile (route_user.h); out: its allocations, frees, frees under the lock.
+// can allocate meanwhile (route_user.h); out: its allocations, frees, frees under the lock, ends
+// of the allocator, ends under the lock.
 TB_API int tb_host_user_pool(int device, uint64_t id0, uint64_t id1);
 TB_API void tb_host_user_counts(int64_t out[5]);
 // Note [The parked block] (device_allocator.h) on or off for every device.

@@ -168,12 +168,13 @@ void DeviceAllocator::destroy_dead_pools(DeviceLock& lock, bool all, bool may_wa
     }
     std::vector<Segment*> segs;
     for (const auto& seg : p->blocks->segments()) segs.push_back(seg.get());
-    bool all = true;
-    for (Segment* seg : segs) all &= p->blocks->backing()->destroy_segment(*seg);
-    if (all) {
-      if (std::unique_ptr<Backing> own = graphs_.erase(d.id)) ended_routes_.push_back(std::move(own));
+    bool gone = true;
+    for (Segment* seg : segs) gone &= p->blocks->backing()->destroy_segment(*seg);
+    if (!gone) {
+      dead_.push_back(d);  // the driver refused part of it: retried later
+      continue;
     }
-    else dead_.push_back(d);  // the driver refused part of it: retried later
+    if (std::unique_ptr<Backing> own = graphs_.erase(d.id)) ended_routes_.push_back(std::move(own));
   }
   const int64_t destroyed = before - budget_.reserved();
   // The sync route's and MemPools' segments go back here, the lock released meanwhile, with

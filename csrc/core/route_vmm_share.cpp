@@ -37,8 +37,9 @@
 // A commit that fails after unmapping the old mapping maps it back. Where the driver refuses
 // that too (after retries), or refuses to unmap the new handles already mapped in its place
 // (which then stay, booked as mapped, with the contents copied into them), the rest of the range
-// is unmapped: the books say so (those granules unmapped, the old handle given back), so that no cache release later tries to unmap it again and the
-// memory is not held for good; the share fails naming the loss. A later allocation there maps
+// is unmapped: the books say so (those granules unmapped, the old handle given back), so that no
+// cache release later tries to unmap it again and the memory is not held for good; the share
+// fails naming the loss. A later allocation there maps
 // new memory as anywhere else: the segment is marked (Segment::lost_mapping), so that the
 // shared block, once freed, is not taken back as it is (Note [The parked block]) but goes
 // through ensure_backed like any cached block. A mapping put back whose access is refused is

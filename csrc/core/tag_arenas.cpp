@@ -263,7 +263,7 @@ TagView TagArenas::view(int tag) const {
       for (const auto& seg : pool->segments()) v.resident += static_cast<int64_t>(seg->mapped * g);
     // What the restore will map back: granules no live block covers any more (tensors freed while
     // the tag slept) are skipped by it, and their backup went with empty_cache.
-    const std::vector<std::vector<bool>> needed = st.pieces.empty() ? std::vector<std::vector<bool>>{} : still_needed(st);
+    const std::vector<std::vector<bool>> needed = still_needed(st);
     for (size_t k = 0; k < st.pieces.size(); ++k) {
       const Piece& p = st.pieces[k];
       for (size_t i = 0; i < p.count; ++i)

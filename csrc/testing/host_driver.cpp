@@ -17,9 +17,8 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <fcntl.h>
-#include <unistd.h>
 #include <sys/syscall.h>
-#include <cstdio>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +26,7 @@
 #include <condition_variable>
 #include <functional>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
