@@ -40,8 +40,8 @@ class RunnerOwner(Protocol):
 
     Neither reads the other's private state. The manager hands the runner the pool to
     capture into (capture_pool, from the runner's public pool_mode and pool) and the
-    capture stream (capture_stream), and says whether another runner keeps its outputs in
-    a handed-in pool (runner_keeping_pool); the runner reports its close
+    capture stream (capture_stream), and says whether another runner keeps a handed-in pool
+    for itself, as its own or with its outputs in it (runner_keeping_pool); the runner reports its close
     (runner_closed). The runner records and drops its own graphs in `ledger`, and releases
     a pool of its own when it closes. See Note [Pool ownership].
     """

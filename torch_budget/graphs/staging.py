@@ -180,7 +180,7 @@ class StaticInputs:
         device_values = [None if copy.name not in data
                          or ((value := data[copy.name]).__class__ is Tensor and value.shape == copy.shape
                              and value.dtype == copy.spec.dtype and not value.requires_grad)
-                         else self._checked(copy, data[copy.name], n, bucket) for copy in device]
+                         else self._checked(copy, value, n, bucket) for copy in device]
         slot = self._ring.acquire()
         dirty = self._dirty[slot]
         for copy, checked in zip(host, host_values):
