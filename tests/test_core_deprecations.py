@@ -127,3 +127,19 @@ def test_a_moved_name_warns_where_it_is_read():
     with pytest.warns(DeprecationWarning) as caught:
         torch_budget.CacheCost
     assert caught[0].filename == __file__
+
+
+def test_runner_keeping_outputs_in_warns_and_names_only_a_runner_keeping_its_outputs_there(monkeypatch):
+    import torch
+
+    from torch_budget.graphs import GraphPoolManager, StaticInput
+
+    handles = iter([(0, 77), (0, 78)])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    manager = GraphPoolManager("cpu")
+    own = manager.runner("own", lambda b: {"y": b["x"] * 1}, buckets=(2,), pool="own",
+                         inputs=[StaticInput("x", torch.float32, (4,))])
+    own._pool = manager.capture_pool(own)  # what its first capture does
+    with _deprecated("runner_keeping_pool"):
+        assert manager.runner_keeping_outputs_in(own.pool) is None  # its own pool, not its outputs'
+    assert manager.runner_keeping_pool(own.pool) is own

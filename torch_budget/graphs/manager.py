@@ -158,6 +158,16 @@ class GraphPoolManager:
                 return runner
         return None
 
+    def runner_keeping_outputs_in(self, pool: PoolHandle) -> GraphRunner | None:
+        """Deprecated: runner_keeping_pool, which also names a runner whose own pool it is. The
+        open runner whose last outputs live in `pool` (last_outputs="in_pool"), if any."""
+        from .._deprecation import warn
+
+        warn("torch_budget.graphs.GraphPoolManager.runner_keeping_outputs_in()",
+             "use runner_keeping_pool(pool), which also names a runner whose own pool it is")
+        runner = self.runner_keeping_pool(pool)
+        return runner if runner is not None and runner.last_outputs == "in_pool" else None
+
     def runner_closed(self, runner: GraphRunner) -> None:
         """Called by runner.close(): the manager no longer lists it (its name is free again)."""
         if self._runners.get(runner.name) is runner:
