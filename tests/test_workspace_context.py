@@ -617,3 +617,23 @@ def test_growth_in_a_forward_that_raised_starts_the_shrink_window_again():
     with workspace(meta):  # the retry's size is kept: it shrank to 100 here
         meta.get(100)
     assert meta.capacity >= 50_000
+
+
+@pytest.mark.parametrize("reclaimable", [True, False])
+def test_growth_under_a_graph_capture_is_refused_and_leaves_the_workspace_as_it_was(monkeypatch, reclaimable):
+    from torch_budget import eager_workspace
+
+    capturing = [False]
+    monkeypatch.setattr(eager_workspace, "_device_hooks", lambda device, meta: (None, lambda: capturing[0]))
+    meta = WorkspaceMetadata("cpu", reclaimable=reclaimable)
+    meta.warm_up(1 * MiB)
+    storage = meta.workspace.untyped_storage().data_ptr()
+    capturing[0] = True
+    with workspace(meta):
+        meta.get(1 * MiB).fill_(3)  # within what it holds: served in the capture
+        with pytest.raises(StateError, match="CUDA graph capture asked it for 2097152.*warm it up"):
+            meta.get(2 * MiB)
+    assert meta.capacity == 1 * MiB and meta.workspace.untyped_storage().data_ptr() == storage
+    capturing[0] = False
+    with workspace(meta):  # outside the capture it grows as before
+        assert meta.get(2 * MiB).numel() == 2 * MiB

@@ -60,7 +60,8 @@ Under graph capture the manager does nothing: capture runs on its own stream, a 
 be recorded into the graph, and a replacement would move an address the graph baked in.
 Graph metadata is likewise left alone, and the graph workspace is a separate tensor that
 eager forwards never touch. (An eager workspace used inside a capture must already be large
-enough: growing it there would take the new storage from the graph's private pool.)
+enough: growing it there would take the new storage from the graph's private pool, so `get`
+refuses it with a StateError.)
 """
 
 import functools
@@ -391,6 +392,14 @@ class WorkspaceState:
         if tensor is not self._tensor:
             raise _replaced(meta)
         if nbytes > self._capacity:
+            capturing = self._capturing
+            if capturing is not None and capturing():
+                raise StateError(
+                    f"the eager workspace of {_describe(meta)} holds {self._capacity} bytes and a CUDA graph capture "
+                    f"asked it for {nbytes}: growing it there would take its new storage from the graph's private "
+                    "pool; warm it up to the captured forwards' need first (warm_up(meta, nbytes), or one eager "
+                    "forward of that size), or give captured forwards a graph workspace"
+                )
             before = tensor.numel()
             try:
                 with _allocation_scope():
