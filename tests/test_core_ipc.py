@@ -505,3 +505,19 @@ def test_a_share_opened_before_a_fork_is_closed_in_the_child_without_a_driver_ca
     before, after = in_child(child)
     assert after == before, (before, after)
     h.close_opened(opened)
+
+
+@isolated
+def test_a_consumers_close_during_a_capture_waits_for_the_capture_to_end_before_it_unmaps():
+    h = Host(route="vmm")
+    t, _, opened, _, _ = _opened_by_a_consumer(h)
+    h.begin_pool((0, 3), S2)
+    before = h.counters()
+    h.close_opened(opened)  # queued work may still read the mapping; the device cannot be synchronised now
+    during = h.counters()
+    assert (during["unmaps"], during["syncs"]) == (before["unmaps"], before["syncs"]), (before, during)
+    h.end_pool((0, 3))
+    after = h.counters()
+    assert after["unmaps"] > during["unmaps"] and after["syncs"] > during["syncs"], (during, after)
+    h.release_pool((0, 3))
+    _freed_and_given_back(h, t)

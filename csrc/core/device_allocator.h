@@ -214,7 +214,11 @@ class DeviceAllocator {
   // block counts as shared only once its handle was handed out.
   bool share(uintptr_t ptr, std::string* handle, size_t* offset, size_t room = SIZE_MAX) noexcept;
   bool open_shared(const std::string& bytes, OpenedShare* out) noexcept;
+  // While a capture is open, a VMM mapping's close waits for the last capture to end (Note
+  // [Closing a share during a capture], device_allocator_ipc.cpp): end_allocate_to_pool calls
+  // captures_ended, with no lock held, once none is open.
   void close_shared(OpenedShare& s) noexcept;
+  static void captures_ended() noexcept;
   // The caller says no other process maps the live block at `ptr` any more (Note [Sharing memory
   // between processes]): it no longer keeps its tag from being released.
   bool end_sharing(uintptr_t ptr) noexcept;

@@ -1,5 +1,9 @@
 // DeviceAllocator: sharing its blocks with other processes (Note [Sharing memory between
 // processes], ipc.h, which does the work).
+#include <mutex>
+#include <utility>
+#include <vector>
+
 #include "allocator.h"
 #include "device_allocator.h"
 #include "error.h"
@@ -12,6 +16,26 @@ namespace {
 // Times a share starts again because other threads changed its segment's mappings while
 // it waited for the device (Note [Sharing run mappings]).
 constexpr int kShareRestarts = 3;
+
+// Note [Closing a share during a capture]: a consumer's VMM mapping closed while a capture is
+// open anywhere in the process waits here, with its device, for the last capture to end; work
+// queued on the consumer's streams may still read it, and the device cannot be synchronised
+// under a capture. Process-wide, as open_captures_ is; never destroyed (closes may come at exit).
+std::mutex g_deferred_mu;
+auto* g_deferred = new std::vector<std::pair<DeviceContext, OpenedShare>>();
+
+// Closes what waited for the captures to end, when none is open (a fork child forgets the
+// parent's mappings, Note [Fork]).
+void close_deferred_shares(bool forked) {
+  std::vector<std::pair<DeviceContext, OpenedShare>> due;
+  {
+    std::lock_guard<std::mutex> l(g_deferred_mu);
+    if (g_deferred->empty() || DeviceAllocator::open_captures() > 0) return;
+    due.swap(*g_deferred);
+  }
+  if (forked) return;
+  for (auto& [ctx, s] : due) close_share(ctx, s, true);
+}
 
 }  // namespace
 
@@ -109,7 +133,18 @@ void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
     s = OpenedShare{};
     return;
   }
-  close_share(ctx_, s, open_captures() == 0);
+  if (s.kind != kShareCudaMalloc && s.ptr != 0 && open_captures() > 0) {
+    std::lock_guard<std::mutex> l(g_deferred_mu);
+    if (open_captures() > 0) {  // else the capture ended meanwhile: closed below
+      g_deferred->emplace_back(ctx_, std::move(s));
+      s = OpenedShare{};
+      return;
+    }
+  }
+  close_deferred_shares(false);
+  close_share(ctx_, s, true);
 }
+
+void DeviceAllocator::captures_ended() noexcept { close_deferred_shares(Allocator::get().forked()); }
 
 }  // namespace tb

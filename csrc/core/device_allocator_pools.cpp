@@ -36,16 +36,19 @@ bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filt
 }
 
 bool DeviceAllocator::end_allocate_to_pool(const PoolId& id) noexcept {
-  auto lock = hold();
-  if (!graphs_.end_capture(id)) return false;
-  open_captures_.fetch_sub(1, std::memory_order_acq_rel);
-  if (!graphs_.capturing()) {  // markers and walks name nodes of graphs no longer captured
-    uses_.captures_ended();
+  {
+    auto lock = hold();
+    if (!graphs_.end_capture(id)) return false;
+    open_captures_.fetch_sub(1, std::memory_order_acq_rel);
+    if (!graphs_.capturing()) {  // markers and walks name nodes of graphs no longer captured
+      uses_.captures_ended();
+    }
+    if (open_captures() == 0) {
+      uses_.settle();
+      destroy_dead_pools(lock);
+    }
   }
-  if (open_captures() == 0) {
-    uses_.settle();
-    destroy_dead_pools(lock);
-  }
+  if (open_captures() == 0) captures_ended();  // shares closed during the capture (may synchronise)
   return true;
 }
 

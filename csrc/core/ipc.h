@@ -79,7 +79,8 @@ bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_
 // The consumer's side, on the device of `ctx` (`granularity`: its VMM granularity, 0 when
 // it cannot import VMM memory), granting `peers` access too; bytes from another process
 // are checked before anything is opened (kInvalidArgument). close_share undoes it
-// (`may_sync`: wait for work queued on the mapping first, impossible while a capture is open).
+// (`may_sync`: wait for work queued on the mapping first, impossible while a capture is open:
+// DeviceAllocator::close_shared then keeps the mapping until the captures end).
 bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<int>& peers, const std::string& bytes,
                 OpenedShare* out);
 void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
