@@ -54,6 +54,9 @@ def test_demo_without_a_gpu_prints_the_plan_and_why_it_stops(tmp_path):
       "256", "--vocab", "100"], "multiple of kv_heads"),
     # the estimate passed 2**63 and the profile refused it as "torch_peak", a name no option has
     (["--gpu-mem-gib", "80", "--max-num-tokens", "99999999999999"], "estimated from shapes for 99999999999999 tokens"),
+    # past 2**63 the planner named its own parameter ("ways", "user_cap"), not the flag
+    (["--kv-shards", "99999999999999999999999"], "argument --kv-shards: '99999999999999999999999' must be a positive"),
+    (["--attended-token-cap", "99999999999999999999999"], "argument --attended-token-cap: '9999"),
 ])
 def test_plan_with_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert cli.main(["plan", *argv]) == 2
@@ -181,6 +184,14 @@ def test_every_option_of_every_command_says_its_default(command):
         if text.startswith("--") and " in GiB when no unit is given" in text:  # the older spelling of a size flag
             continue
         assert "default" in text, f"{command} {action.option_strings} does not say its default: {text!r}"
+
+
+def test_a_plan_whose_kv_pool_cannot_hold_one_request_of_the_longest_length_exits_1(capsys):
+    # 13 tokens of KV for requests of up to 2048 tokens: a plan no engine could serve with
+    assert cli.main(["plan", "--gpu-mem", "248.2MiB"]) == 1
+    out, err = capsys.readouterr()
+    assert "KV pool" in out
+    assert "the KV pool holds 13 tokens, fewer than one request of the longest length (2048 tokens)" in err
 
 
 def test_plan_without_arguments_or_a_device_plans_an_assumed_card_and_says_so():

@@ -249,8 +249,9 @@ def test_plan_per_token_workspace_uses_the_shared_split():
     p = plan(base_profile(), COST, workspace_bytes_per_token=w, max_batch=64, max_num_tokens=4096, max_seq_len=8192)
     available = math.floor((80 - 22) * GiB * 0.9)
     # min(w * L, B * w / (k + w)) with L = min(64, 4096) * 8192: here the proportional split is smaller.
-    reserve = min(w * 64 * 8192, available * w // (k + w))
-    assert reserve == available * w // (k + w) > 0
+    # (rounded down to whole tokens)
+    reserve = min(w * 64 * 8192, available * w // (k + w)) // w * w
+    assert reserve == available * w // (k + w) // w * w > 0
     assert p.kv_bytes == available - reserve
     assert p.workspace_tokens == reserve // w
     check_ledger(p, expected_ledger(**{"per-token workspace": reserve}, kv=available - reserve,
@@ -501,3 +502,9 @@ def test_profile_measures_a_real_forward_on_the_device():
     assert p.total == total
     assert p.activation_bytes >= 32 * MiB
     assert p.peak >= p.torch_peak >= 96 * MiB
+
+
+def test_workspace_reserve_holds_whole_tokens_only():
+    # 10**15 B per attended token out of 10**6: no token fits, so nothing is reserved
+    assert workspace_reserve(4096, 10**15, 10**6, 8) == WorkspaceReserve(0, 0)
+    assert workspace_reserve(3, 7, 1000, 10_000) == WorkspaceReserve(bytes=700, tokens=100)

@@ -30,10 +30,11 @@ def seed(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse type: a positive whole number."""
+    """argparse type: a positive whole number below 2**63 (what the planner and the core take),
+    so that a larger one is named by its flag, not by a parameter deep inside."""
     value = whole_number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    if not 0 < value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number below 2**63")
     return value
 
 

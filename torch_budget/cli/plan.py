@@ -215,4 +215,11 @@ def run(argv: list[str]) -> int:
         print(f"{PROG} plan: the card is over-committed by {format_bytes(-headroom)}: the peak and the reserves "
               "do not fit", file=sys.stderr)
         return 1
+    # As serving engines refuse to start when their KV cache cannot hold one request of the longest length.
+    longest = shape.max_seq_len or result.kv_cost.max_tokens_per_request
+    if longest and result.kv_tokens < longest:
+        print(f"{PROG} plan: the KV pool holds {result.kv_tokens} tokens, fewer than one request of the longest "
+              f"length ({longest} tokens): nothing that long could be served; give more memory, a shorter "
+              "--max-seq-len, fewer reserves or a smaller workspace", file=sys.stderr)
+        return 1
     return 0

@@ -99,14 +99,14 @@ def workspace_reserve(kv_bytes_per_token, workspace_bytes_per_token, budget_byte
     With k = KV bytes/token, w = workspace bytes/attended token, B = budget, L = cap:
     `reserve = min(w*L, B*w/(k+w))` - the workspace never needs more than its cap, and beyond
     that the split keeps workspace and KV in proportion so that every cached token can also be
-    attended. Admission cap = `reserve / w` tokens. Any non-positive input means there is no
+    attended - rounded down to whole tokens: admission cap = `reserve / w` tokens. Any non-positive input means there is no
     such workspace (or nothing to split): no reserve.
     """
     k, w, b, cap = kv_bytes_per_token, workspace_bytes_per_token, budget_bytes, token_cap
     if k <= 0 or w <= 0 or b <= 0 or cap <= 0:
         return WorkspaceReserve(0, 0)
-    reserve = int(min(w * cap, (b * w) // (k + w)))
-    return WorkspaceReserve(reserve, int(reserve // w))
+    tokens = int(min(w * cap, (b * w) // (k + w)) // w)
+    return WorkspaceReserve(tokens * w, tokens)  # whole tokens only: a part of one admits nothing
 
 
 @dataclass(frozen=True)
