@@ -102,8 +102,9 @@ def _deep_pickle():
     (_deep_pickle(), "event 0 of device 0|nested too deep"),
     # and these were read as fine, to fail on a GPU
     (b"# torch_budget trace 1\n# nothing\n", "allocates nothing"),
-    (b"# torch_budget trace 1\na 0 10 -1\nf 0\n", "stream -1: streams are numbered 0 to 127"),
-    (b"# torch_budget trace 1\na 0 10 200\nf 0\n", "stream 200"),
+    (b"# torch_budget trace 1\na 0 10 -1\nf 0\n", "line 2: stream -1: streams are whole numbers from 0"),
+    (b"# torch_budget trace 1\n" + b"".join(b"a %d 10 %d\n" % (i, i) for i in range(129)),
+     "line 130: more than 128 streams"),
     (b"# torch_budget trace 10\na 0 10 0\n", "neither a memory snapshot"),
 ])
 def test_bad_trace_files_are_refused_with_the_reason(tmp_path, content, match):
@@ -172,6 +173,54 @@ def test_replay_names_a_bad_trace_and_exits_2(capsys, tmp_path):
     assert "cannot read it" in capsys.readouterr().err
     assert cli.main(["replay", "mix:small", "--configs", "native,tb-quick"]) == 2
     assert "unknown configuration 'tb-quick'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    # an empty list had run every configuration, the three the default leaves out included
+    (["mix:small", "--configs", ",,"], "--configs ',,' names none"),
+    # a name given twice was replayed twice into one row, each round counted twice
+    (["mix:small", "--configs", "native,tb-vmm,tb-vmm"], "configuration 'tb-vmm' is given twice"),
+    (["mix:small", "mix:small"], "trace 'mix:small' is given twice"),
+])
+def test_replay_refuses_an_empty_or_repeated_list_and_exits_2(capsys, argv, message):
+    assert cli.main(["replay", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_help_names_the_default_configurations(capsys):
+    from torch_budget.replay.configs import DEFAULT
+
+    assert cli.main(["replay", "--help"]) == 0
+    assert f"default: {', '.join(DEFAULT)};" in " ".join(capsys.readouterr().out.split())
+
+
+def test_what_a_history_drops_and_which_device_it_replays_are_printed(capsys, monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    snap = {"segments": [], "device_traces": [
+        [{"action": "alloc", "addr": 1, "size": 5, "stream": 0}],
+        [{"action": "free_requested", "addr": 99, "size": 5, "stream": 0},  # allocated before recording
+         {"action": "alloc", "addr": 100, "size": 5, "stream": 0},
+         {"action": "free_requested", "addr": 100, "size": 5, "stream": 0},
+         {"action": "free_requested", "addr": 100, "size": 5, "stream": 0}],  # freed twice
+    ]}
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert cli.main(["replay", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "device 1 has the most events; the history of device(s) 0 is not replayed" in err
+    assert "1 free(s) of addresses the history never allocated" in err
+    assert "1 free(s) of addresses already freed were dropped" in err
+
+
+def test_the_text_format_numbers_streams_in_order_of_first_use(tmp_path):
+    path = tmp_path / "t.tbtrace"
+    path.write_text("# torch_budget trace 1\na 0 512 5\na 1 512 300\na 2 512 5\n")
+    t = load(str(path))
+    assert list(t.streams) == [0, 1, 0] and t.num_streams == 2
+    path.write_text("# torch_budget trace 1\na 0 512 -1\n")
+    with pytest.raises(TraceError, match="line 2: stream -1"):
+        load(str(path))
 
 
 def test_a_comparison_names_a_trace_it_cannot_read_before_it_starts_a_process(monkeypatch, tmp_path):

@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="a memory-history pickle, a .tbtrace[.gz] file, or mix:<name>")
     p.add_argument("--configs", default=",".join(DEFAULT),
-                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; native is always run)".replace("%", "%%"))
+                   help=(f"comma-separated, from {', '.join(CONFIGS)} (default: {', '.join(DEFAULT)}; native is "
+                         "always run)").replace("%", "%%"))
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--passes", type=positive_int, default=3,
                    help="replays of the trace in each process, each timed (default 3; a short trace runs more, "
@@ -56,10 +57,16 @@ def run(argv: list[str]) -> int:
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        print(f"{PROG} replay: unknown configuration {unknown[0]!r}: choose from {', '.join(CONFIGS)}",
-              file=sys.stderr)
+    if unknown or not configs:
+        what = f"unknown configuration {unknown[0]!r}" if unknown else f"--configs {args.configs!r} names none"
+        print(f"{PROG} replay: {what}: choose from {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
+    # A name given twice would be replayed twice into one row, each round counted twice.
+    for what, names in (("configuration", configs), ("trace", args.traces)):
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            print(f"{PROG} replay: {what} {twice!r} is given twice", file=sys.stderr)
+            return 2
     for spec in args.traces:
         try:
             t = read_trace(spec)
@@ -68,6 +75,8 @@ def run(argv: list[str]) -> int:
             return 2
         print(f"{spec}: {len(t)} operations, {t.allocations()} allocations on {t.num_streams} stream(s), "
               f"peak live {format_bytes(t.peak_live())}", file=sys.stderr)
+        for comment in t.comments:
+            print(f"  {comment}", file=sys.stderr)
     try:
         import torch
     except ImportError:

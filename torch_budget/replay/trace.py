@@ -9,7 +9,9 @@ Two sources:
     dict `_snapshot()` returns). Its `alloc` and `free_requested` events become operations
     (a `free_completed` later than its request is the allocator honouring record_stream, not
     the workload); `free_completed` without a request (torch versions that record only that)
-    counts as the free. Frees of blocks allocated before recording started are dropped.
+    counts as the free. Frees of addresses not live (blocks allocated before recording started,
+    or freed twice) are dropped, and the trace's comments say how many of each; a snapshot of
+    several devices gives the busiest device's history unless one is named, and says so.
   - our own text format, optionally gzip-compressed:
 
         # torch_budget trace 1
@@ -133,6 +135,17 @@ class Trace:
 
 def _parse_text(name: str, text: io.TextIOBase) -> Trace:
     trace = Trace(name)
+    streams: dict = {}  # as written -> in order of first use
+
+    def stream(text: str, lineno: int) -> int:
+        written = int(text)
+        if written < 0:
+            raise TraceError(f"{name}: line {lineno}: stream {written}: streams are whole numbers from 0")
+        s = streams.setdefault(written, len(streams))
+        if s >= MAX_STREAMS:
+            raise TraceError(f"{name}: line {lineno}: more than {MAX_STREAMS} streams")
+        return s
+
     for lineno, line in enumerate(text, 1):
         line = line.strip()
         if not line:
@@ -144,7 +157,7 @@ def _parse_text(name: str, text: io.TextIOBase) -> Trace:
         parts = line.split()
         try:
             if parts[0] == "a" and len(parts) == 4:
-                trace.alloc(int(parts[1]), int(parts[2]), int(parts[3]))
+                trace.alloc(int(parts[1]), int(parts[2]), stream(parts[3], lineno))
             elif parts[0] == "f" and len(parts) == 2:
                 trace.free(int(parts[1]))
             else:
@@ -165,6 +178,7 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     for d, t in enumerate(traces):
         if not isinstance(t, list):
             raise TraceError(f"{name}: the history of device {d} is not a list of events: {_short(t)}")
+    chosen = device is None
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     if device >= len(traces) or not traces[device]:
@@ -187,10 +201,15 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     free_action = "free_requested" if has_requests else "free_completed"
     trace = Trace(name)
     trace.comments.append(f"from torch's memory history, device {device}, {len(events)} events")
+    others = [d for d, t in enumerate(traces) if d != device and t]
+    if chosen and others:
+        trace.comments.append(f"device {device} has the most events; the history of device(s) "
+                              f"{', '.join(map(str, others))} is not replayed (name one to replay it)")
     streams: dict = {}
     by_addr: dict = {}
+    freed: set = set()  # addresses freed in the history and not allocated since
     next_id = 0
-    dropped = 0
+    before_recording = twice = 0
     for e in events:
         action = e.get("action")
         if action == "alloc":
@@ -202,15 +221,22 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
                 raise TraceError(f"{name}: more than 128 streams")
             trace.alloc(next_id, int(e["size"]), s)
             by_addr[addr] = next_id
+            freed.discard(addr)
             next_id += 1
         elif action == free_action:
             tid = by_addr.pop(e["addr"], None)
-            if tid is None:
-                dropped += 1
-            else:
+            if tid is not None:
                 trace.free(tid)
-    if dropped:
-        trace.comments.append(f"{dropped} frees of blocks allocated before recording started were dropped")
+                freed.add(e["addr"])
+            elif e["addr"] in freed:
+                twice += 1
+            else:
+                before_recording += 1
+    if before_recording:
+        trace.comments.append(f"{before_recording} free(s) of addresses the history never allocated (allocated "
+                              "before recording started) were dropped")
+    if twice:
+        trace.comments.append(f"{twice} free(s) of addresses already freed were dropped")
     if not trace.allocations():
         raise TraceError(f"{name}: the history of device {device} holds no allocations")
     return trace
