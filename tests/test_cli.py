@@ -201,6 +201,13 @@ def test_plan_without_arguments_or_a_device_plans_an_assumed_card_and_says_so():
     assert "assumed NVIDIA H200" in proc.stdout and "KV pool" in proc.stdout
 
 
+def test_bench_without_a_gpu_exits_1_saying_nothing_was_measured(capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--rounds", "1"]) == 1  # it had exited 0, having measured nothing
+    assert "no CUDA device is visible; nothing was measured" in capsys.readouterr().err
+
+
 def test_bench_help_describes_the_benchmark_instead_of_running_it(capsys):
     assert cli.main(["bench", "--help"]) == 0
     assert "round trips" in capsys.readouterr().out

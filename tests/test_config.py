@@ -99,6 +99,10 @@ def test_errors_from_the_environment_variable_say_they_came_from_it():
         config.parse_conf("reuse_before_grow:maybe")
     with pytest.raises(ValueError, match="TORCH_BUDGET_CONF host_pool"):
         config.parse_conf("host_pool:lots")
+    # a bare number below 1 MiB: it had been read as bytes, and doctor showed "0.0 MiB"
+    with pytest.raises(ValueError, match="TORCH_BUDGET_CONF host_pool '10' has no unit, and a bare number is bytes"):
+        config.parse_conf("host_pool:10")
+    assert config.parse_conf("host_pool:0")["host_pool"] == 0
     with pytest.raises(ValueError, match="TORCH_BUDGET_CONF map_run must be at least 2MiB"):
         config.parse_conf("map_run:1MiB")
     with pytest.raises(ValueError, match="TORCH_BUDGET_CONF: route is given twice"):
@@ -118,7 +122,7 @@ def test_described_settings_say_which_values_are_defaults():
         ("reuse_before_grow", "true (default)"),
         ("map_run", "16.0 MiB (default)"),
         ("packing_time", "0.03 (default)"),
-        ("host_pool", "8.00 GiB"),
+        ("host_pool", f"8.00 GiB ({8 << 30} bytes)"),
     ]
     assert config.describe({})[0] == ("budget", "the whole card (default)")
 

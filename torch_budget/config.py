@@ -99,9 +99,10 @@ def format_budget(parsed) -> str:
 
 
 def parse_host_pool(value, source: str = "host_pool") -> int:
-    """Bytes of the pinned host pool: an int >= 0, or a str with a unit ("8GiB")."""
+    """Bytes of the pinned host pool: an int >= 0, or a str with a unit ("8GiB"); a bare number
+    in a str is bytes only from 1 MiB up, as for budgets ("host_pool:64" meant 64 bytes)."""
     if isinstance(value, str):
-        return parse_bytes(value, source)
+        return memory_bytes(value, source, zero=True)
     return non_negative_int(value, source)
 
 
@@ -213,5 +214,5 @@ def describe(settings: dict) -> list[tuple[str, str]]:
         shown("reuse_before_grow", "true" if settings.get("reuse_before_grow", True) else "false"),
         shown("map_run", format_bytes(settings.get("map_run", MAP_RUN_DEFAULT))),
         shown("packing_time", f"{settings.get('packing_time', PACKING_TIME_DEFAULT):g}"),
-        shown("host_pool", format_bytes(host) if host else "none"),
+        shown("host_pool", f"{format_bytes(host)} ({host} bytes)" if host else "none"),
     ] + [(f"budget.{tag}", format_budget(b)) for tag, b in sorted(settings.get("budgets", {}).items())]

@@ -19,10 +19,11 @@ def bench_script() -> Path:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{PROG} bench",
-        description="Run the allocator benchmark: torch.empty + del round trips at 4 KiB, 1 MiB and 64 MiB and a "
-                    "random-size churn trace, for torch's native allocator and each torch_budget route, "
+        description="Run the allocator benchmark: a serving-like mix, a small-only mix and a lognormal mix, "
+                    "the recorded traces of real workloads in tools/traces/, and torch.empty + del round trips "
+                    "at 4 KiB, 1 MiB and 64 MiB, for torch's native allocator and each torch_budget route, "
                     "interleaved and repeated, side by side. Needs a CUDA device and a source checkout "
-                    "(the script is tools/bench_alloc.py).")
+                    "(the script is tools/bench_alloc.py); `torch-budget replay` runs it on your own trace.")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="interleaved rounds per configuration; the table shows medians (default 3)")
     return p
@@ -37,6 +38,15 @@ def run(argv: list[str]) -> int:
         print(f"{PROG} bench: no benchmark script at {script}. The benchmarks live in tools/bench_alloc.py of "
               "the torch_budget source repository; run this command from a source checkout "
               "(pip install --no-build-isolation -e .) or run that script directly.", file=sys.stderr)
+        return 1
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        why = "torch is not installed" if torch is None else "no CUDA device is visible"
+        print(f"{PROG} bench: the benchmark times GPU allocations and {why}; nothing was measured.",
+              file=sys.stderr)
         return 1
     # Its own process: benchmarks install the allocator, which must happen before CUDA starts.
     env = dict(os.environ, BENCH_ALLOC_ROUNDS=str(args.rounds))
