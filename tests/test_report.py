@@ -129,6 +129,9 @@ def test_load_ledger_reads_a_plan_file(tmp_path):
     assert (title, total, lines) == (p.title, p.total, p.lines)
 
 
+HEADROOM = '[{"name": "headroom", "category": "headroom", "bytes": 100}]'  # the lines of a 100-byte card
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "does not exist"),
     ("{not json", "not valid JSON"),
@@ -136,14 +139,20 @@ def test_load_ledger_reads_a_plan_file(tmp_path):
     ('{"total": -5, "lines": []}', "'total' (-5) must be more than 0"),
     ('{"total": 1%s, "lines": []}' % ("0" * 400), "less than 2**63"),  # format_bytes' float overflowed
     ('{"total": 100, "lines": [{"name": "w", "category": "weights", "bytes": 1%s}]}' % ("0" * 400), "less than 2**63"),
-    ('{"total": 100, "lines": [], "budgets": [{"tag": "kv", "budget": 1%s, "used": 0}]}' % ("0" * 400),
+    ('{"total": 100, "lines": %s, "budgets": [{"tag": "kv", "budget": 1%s, "used": 0}]}' % (HEADROOM, "0" * 400),
      "budget 1000000000000000000000"),
     ('{"total": 100, "lines": [{"name": "w", "category": "weights"}]}', "'bytes'"),
     ('{"total": 100, "lines": [{"name": "w", "category": "nope", "bytes": 1}]}', "nope"),
     # each of these three was a traceback (AttributeError, TypeError, TypeError) and exit 1
-    ('{"total": 100, "lines": [], "budgets": ["kv"]}', "a tag budget must be an object"),
-    ('{"total": 100, "lines": [], "budgets": [{"tag": "kv", "budget": null, "used": 0}]}', "'budget' must be"),
-    ('{"total": 100, "lines": [], "title": 5}', "'title' must be a string"),
+    ('{"total": 100, "lines": ' + HEADROOM + ', "budgets": ["kv"]}', "a tag budget must be an object"),
+    ('{"total": 100, "lines": ' + HEADROOM + ', "budgets": [{"tag": "kv", "budget": null, "used": 0}]}',
+     "'budget' must be"),
+    ('{"total": 100, "lines": ' + HEADROOM + ', "title": 5}', "'title' must be a string"),
+    # these two were drawn and exited 0: a ledger's lines add up to the card
+    ('{"total": 100, "lines": []}', "'lines' is empty"),
+    ('{"total": 1000, "lines": [{"name": "w", "category": "weights", "bytes": 9223372036854775807}, '
+     '{"name": "v", "category": "weights", "bytes": 9223372036854775807}]}',
+     "its lines add up to 18446744073709551614 bytes, not the card's 'total' of 1000"),
 ])
 def test_cli_report_bad_input_exits_2_with_a_message(tmp_path, capsys, content, message):
     src = tmp_path / "ledger.json"

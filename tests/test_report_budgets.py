@@ -84,10 +84,11 @@ def test_budgets_survive_the_json_form_and_a_plan_reads_with_none(tmp_path):
 
 def test_budgets_that_are_not_a_list_are_refused(tmp_path):
     src = tmp_path / "bad.json"
-    src.write_text(json.dumps({"total": GiB, "lines": [], "budgets": {"kv": 1}}))
+    lines = [{"name": "headroom", "category": "headroom", "bytes": GiB}]
+    src.write_text(json.dumps({"total": GiB, "lines": lines, "budgets": {"kv": 1}}))
     with pytest.raises(ValueError, match="'budgets' must be a list"):
         load_report(src)
-    src.write_text(json.dumps({"total": GiB, "lines": [], "budgets": [{"tag": "kv", "used": 1}]}))
+    src.write_text(json.dumps({"total": GiB, "lines": lines, "budgets": [{"tag": "kv", "used": 1}]}))
     with pytest.raises(ValueError, match="lacks the key 'budget'"):
         load_report(src)
 

@@ -87,6 +87,13 @@ def load_report(path) -> tuple[str | None, int, list[LedgerLine], list[TagBudget
         lines = [LedgerLine.from_dict(d) for d in data["lines"]]
     except ValueError as e:
         raise ValueError(f"ledger file {str(path)!r}: {e}") from None
+    # A ledger explains every byte of the card (headroom takes the remainder, negative when over-committed).
+    if not lines:
+        raise ValueError(f"ledger file {str(path)!r}: 'lines' is empty: a ledger has a line for every part of the card")
+    summed = sum(line.bytes for line in lines)
+    if summed != total:
+        raise ValueError(f"ledger file {str(path)!r}: its lines add up to {summed} bytes, not the card's 'total' of "
+                         f"{total} ({summed - total:+d} bytes): a ledger's lines, headroom included, add up to the card")
     budgets = data.get("budgets") or []
     if not isinstance(budgets, list):
         raise ValueError(f"ledger file {str(path)!r}: 'budgets' must be a list of tag budgets")
