@@ -62,6 +62,21 @@ bool probe(int device, Capabilities* caps) { return device_exists(device) && pro
 // do there, unless the device does not exist, which is refused as every other call refuses it.
 int nothing_cached(int device) { return device_exists(device) ? 0 : code(); }
 
+// The `n` addresses at `ptrs` (`what`, for the message); false + kInvalidArgument for a negative
+// count, a null array or a count no host memory could hold (nothing here may throw or abort).
+bool copy_addresses(const uint64_t* ptrs, int64_t n, const char* what, std::vector<uintptr_t>* out) {
+  TB_REQUIRE(n >= 0 && (n == 0 || ptrs != nullptr), kInvalidArgument,
+             std::string(what) + ": " + std::to_string(n) + " given at " + (ptrs ? "an array" : "a null pointer"),
+             false);
+  try {
+    out->assign(ptrs, ptrs + n);
+  } catch (const std::exception&) {
+    set_error(kInvalidArgument, std::string(what) + ": " + std::to_string(n) + " is more than this host can hold");
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -292,11 +307,10 @@ int tb_release_tag(int device, int tag, int backup) {
 
 int tb_release_tag_discarding(int device, int tag, int backup, const uint64_t* ptrs, int64_t n) {
   clear_error();
-  TB_REQUIRE(n >= 0 && (n == 0 || ptrs != nullptr), kInvalidArgument,
-             "discardable addresses: " + std::to_string(n) + " given at a null pointer", code());
+  std::vector<uintptr_t> discardable;
+  if (!copy_addresses(ptrs, n, "discardable addresses", &discardable)) return code();
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return code();
-  const std::vector<uintptr_t> discardable(ptrs, ptrs + n);
   return d->release_tag(tag, backup, discardable) ? 0 : code();
 }
 
@@ -546,7 +560,8 @@ int tb_pool_live_matches(int device, uint64_t id0, uint64_t id1, const uint64_t*
   clear_error();
   DeviceAllocator* d = Allocator::get().device(device);
   if (d == nullptr) return -code();
-  std::vector<uintptr_t> expected(ptrs, ptrs + std::max<int64_t>(n, 0));
+  std::vector<uintptr_t> expected;
+  if (!copy_addresses(ptrs, n, "expected live addresses", &expected)) return -code();
   bool match = false;
   if (!d->pool_live_matches({id0, id1}, expected, &match)) return -code();
   return match ? 1 : 0;

@@ -209,6 +209,8 @@ TB_API void tb_host_node(uint64_t node, const uint64_t* parents, int n);
 // of the allocator, ends under the lock.
 TB_API int tb_host_user_pool(int device, uint64_t id0, uint64_t id1);
 TB_API void tb_host_user_counts(int64_t out[5]);
+// tb_malloc under a quiet first attempt (Note [A quiet first attempt], core/device_allocator.h).
+TB_API void* tb_host_malloc_quiet(int64_t size, int device, void* stream);
 // Note [The parked block] (device_allocator.h) on or off for every device.
 TB_API void tb_host_parking(int on);
 // The stream clock's mark interval (stream_order.h) for every device, in microseconds; 0 makes a

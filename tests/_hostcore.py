@@ -50,6 +50,7 @@ def _host_signatures():
         "tb_host_open_share": (i, [i, cp, i64]),
         "tb_host_open_kept": (i64, [i, cp, i64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
         "tb_host_close_opened": (None, [i, i64]),
+        "tb_host_malloc_quiet": (vp, [i64, i, vp]),
         "tb_host_import_counts": (None, [ctypes.c_int64 * 4]),
         "tb_host_remove_entry": (i, [cp]),
         "tb_host_free_at_exit": (None, [vp]),
@@ -122,6 +123,14 @@ class Host:
 
     def malloc(self, size, stream=S1, device=0):
         p = self.lib.tb_malloc(size, device, stream)
+        if not p:
+            raise _native.error(self.lib)
+        return p
+
+    def malloc_quiet(self, size, stream=S1, device=0):
+        """malloc as the bridge asks first (Note [A quiet first attempt]): an error, with nothing
+        counted, traced or reclaimed, where a full malloc would reclaim or fail."""
+        p = self.lib.tb_host_malloc_quiet(size, device, stream)
         if not p:
             raise _native.error(self.lib)
         return p

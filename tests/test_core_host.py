@@ -266,6 +266,66 @@ def test_shared_graph_pool_is_released_by_its_last_user():
 
 
 @isolated
+def test_a_quiet_first_attempt_fails_before_reclaiming_and_counts_nothing():
+    # The bridge asks quietly first, runs torch's free-memory callbacks, then asks in full: the
+    # first failure had emptied the cache and counted an OOM that nobody saw raised.
+    h = Host(route="sync", budget=64 * MiB)
+    p = h.malloc(40 * MiB, S1)
+    h.submit(S1)  # S1's kernels may still use p
+    h.free(p)     # cached on S1
+    before = h.stats()
+    with pytest.raises(OOM):
+        h.malloc_quiet(40 * MiB, S2)  # S2 cannot reuse it without emptying the cache
+    after = h.stats()
+    for key in ("num_ooms", "num_alloc_retries", "num_device_free"):
+        assert after[key] == before[key], (key, before[key], after[key])
+    assert h.reserved() == 40 * MiB  # nothing was emptied
+    q = h.malloc(40 * MiB, S2)  # asked in full: the cache is emptied and the call retried
+    assert h.stats()["num_ooms"] == 0 and h.stats()["num_alloc_retries"] == 1
+    with pytest.raises(OOM):
+        h.malloc_quiet(1 << 60)  # past the card: quiet too
+    with pytest.raises(OOM):
+        h.malloc(1 << 60)
+    assert h.stats()["num_ooms"] == 1
+    h.free(q)
+
+
+@isolated
+def test_a_quiet_first_attempt_past_a_tag_budget_counts_nothing():
+    h = Host(route="vmm")
+    h.set_tag_budget("kv", 8 * MiB)
+    h.push(tag="kv")
+    p = h.malloc(6 * MiB)
+    with pytest.raises(OOM):
+        h.malloc_quiet(4 * MiB)
+    assert h.stats()["num_ooms"] == 0
+    with pytest.raises(OOM, match="tag 'kv' would exceed its budget"):
+        h.malloc(4 * MiB)
+    assert h.stats()["num_ooms"] == 1
+    h.free(p)
+    h.pop()
+
+
+@isolated
+def test_address_arrays_given_to_the_c_abi_are_checked_not_read_blindly():
+    import ctypes
+
+    h = Host(route="vmm")
+    p = h.malloc(1 * MiB)
+    null = ctypes.POINTER(ctypes.c_uint64)()
+    one = (ctypes.c_uint64 * 1)(p)
+    # a null array (it had crashed the process) and a count no host could hold (it had aborted it)
+    for ptrs, n in ((null, 3), (one, 1 << 60), (one, -1)):
+        rc = h.lib.tb_pool_live_matches(0, 0, 7, ptrs, n)
+        assert rc == -_native.INVALID_ARGUMENT, rc
+        assert "expected live addresses" in h.lib.tb_last_error().decode()
+        rc = h.lib.tb_release_tag_discarding(0, 0, 0, ptrs, n)
+        assert rc == _native.INVALID_ARGUMENT, rc
+        assert "discardable addresses" in h.lib.tb_last_error().decode()
+    h.free(p)
+
+
+@isolated
 def test_bad_input_raises_clear_errors_without_aborting():
     h = Host(route="vmm")
     p = h.malloc(1 * MiB)

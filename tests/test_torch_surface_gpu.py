@@ -488,8 +488,19 @@ def memory_a_consumer_held_is_collected_before_an_oom():
     if torch.cuda.memory_allocated() < GiB:
         print("limbo empty")
         return
+    torch.cuda.memory._record_memory_history(context="all", stacks="python")
+    before = torch.cuda.memory_stats()
     u = torch.empty(GiB, dtype=torch.uint8, device="cuda")  # fits the budget once the limbo is collected
     assert torch.cuda.memory_allocated() < 2 * GiB
+    after = torch.cuda.memory_stats()
+    # torch runs the callbacks before it reclaims anything: no OOM counted, no cache emptied
+    for key in ("num_ooms", "num_alloc_retries"):
+        assert after[key] == before[key], (key, before[key], after[key])
+    # the allocation keeps its own stack: the limbo's free, in the callbacks, had taken it
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    mine = [e for e in events if e["action"] == "alloc" and e["addr"] == u.data_ptr()]
+    assert mine and any("memory_a_consumer_held" in f["name"] for f in mine[-1]["frames"]), mine
+    torch.cuda.memory._record_memory_history(enabled=None)
     del u
     print("limbo ok")
 

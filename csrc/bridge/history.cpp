@@ -64,6 +64,10 @@ void History::forget() {
   t_free.ctx.reset();
 }
 
+History::SetAside::SetAside() : kept_(std::move(t_pending)) { t_pending.reset(); }
+
+History::SetAside::~SetAside() { t_pending = std::move(kept_); }
+
 void History::set_user_metadata(const std::string& md) { t_user_metadata = md; }
 
 std::string History::user_metadata() { return t_user_metadata; }

@@ -61,6 +61,19 @@ class History {
   }
   // Drops the stacks this thread's call gathered and did not use, or used for a free.
   static void forget();
+  // Keeps this thread's gathered allocation stack aside for its lifetime (frees that run meanwhile,
+  // as torch's free-memory callbacks do, record their own) and puts it back at the end; an
+  // exception leaving the scope should forget() it after.
+  class SetAside {
+   public:
+    SetAside();
+    ~SetAside();
+    SetAside(const SetAside&) = delete;
+    SetAside& operator=(const SetAside&) = delete;
+
+   private:
+    std::shared_ptr<c10::GatheredContext> kept_;
+  };
   // Gathers this thread's stack for the events of a call when recording at least
   // `level`, and forgets it when the call is over.
   class Scope {

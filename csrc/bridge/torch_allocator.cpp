@@ -187,12 +187,11 @@ class TorchSource final : public SegmentSource {
 // allocation: what registered in c10's FreeCudaMemoryCallbacksRegistry frees memory it holds
 // (torch's CUDA IPC limbo: blocks this process dropped while a consumer still held them, whose
 // consumers are done). Run with no lock of the core held: the callbacks free through this
-// allocator. Whether any freed memory (then the allocation is tried again).
-bool free_memory_callbacks() {
-  bool freed = false;
+// allocator. Run after a quiet first attempt failed (Note [A quiet first attempt]), before the
+// full one, which reclaims the cache only if what they freed was not enough.
+void free_memory_callbacks() {
   for (const std::string& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys())
-    freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
-  return freed;
+    c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
 }
 
 class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
@@ -523,9 +522,22 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     History& h = History::get();
     const bool recording = h.enabled();
     if (recording) h.before_alloc();
-    Block* b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
-    if (b == nullptr && last_error_code() == kOutOfMemory && free_memory_callbacks())
+    Block* b = nullptr;
+    {
+      const tb::DeviceAllocator::QuietAttempt quiet;  // Note [A quiet first attempt]
       b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
+    }
+    if (b == nullptr && last_error_code() == kOutOfMemory) {
+      try {
+        // The callbacks' frees record their own stacks, not this allocation's (Note [History]).
+        const History::SetAside aside;
+        free_memory_callbacks();
+      } catch (...) {
+        History::forget();  // put back as the exception left the scope: not for the next event
+        throw;
+      }
+      b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
+    }
     if (b == nullptr) {
       if (recording) History::forget();
       raise_last_error("allocation failed", device, size);

@@ -16,7 +16,17 @@ bool is_small(const Block* b) { return b->small_request; }
 // Syncs before an allocation gives up on remapping cached granules and grows.
 constexpr int kSyncRounds = 3;
 
+thread_local int t_quiet_attempts = 0;  // Note [A quiet first attempt]
+
+std::nullptr_t refuse_quietly() {
+  set_error(kOutOfMemory, "refused before reclaiming memory (a quiet first attempt)");
+  return nullptr;
+}
+
 }  // namespace
+
+DeviceAllocator::QuietAttempt::QuietAttempt() { ++t_quiet_attempts; }
+DeviceAllocator::QuietAttempt::~QuietAttempt() { --t_quiet_attempts; }
 
 std::atomic<int> DeviceAllocator::open_captures_{0};
 std::atomic<bool> DeviceAllocator::capture_reuse_{false};
@@ -260,8 +270,10 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   // charged, budgeted and released with the tag the pool was created under.
   const BlockPool* into = graphs_.capturing() ? graphs_.route_for(stream) : nullptr;
   if (into != nullptr) tag = into->tag();
+  const bool quiet = t_quiet_attempts > 0;
   if (size > caps_.total_bytes) {
     // Can never fit (and keeps every size computation far from overflow).
+    if (quiet) return refuse_quietly();
     budget_.clear_refusal();
     fail_oom(size, stream, resolve_route(caps_, route), tag, "the request is larger than the device's total memory");
     if (size >= (size_t{1} << 60))  // torch's own sentence for such sizes, then ours
@@ -280,6 +292,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   };
   if (!tag_live()) return nullptr;
   if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
+    if (quiet) return refuse_quietly();
     fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
     return nullptr;
   }
@@ -291,6 +304,10 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     const int used_route = b->route;
     const int charged_tag = b->tag;
     b->segment->pool->free(b);
+    if (quiet) {
+      refuse_quietly();
+      return false;
+    }
     fail_tag_oom(size, charged, stream, used_route, charged_tag);
     return false;
   };
@@ -310,6 +327,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       continue;
     }
     if (last_error_code() == kInvalidArgument || last_error_code() == kState) return nullptr;
+    if (quiet) return refuse_quietly();
     if (!released && !graphs_.capturing()) {
       released = true;
       bump(ledger_.num_alloc_retries);

@@ -130,6 +130,20 @@ class DeviceAllocator {
   // nullptr + error: kOutOfMemory (after one release-and-retry) carries the
   // quantified message; kInvalidArgument for a zero size.
   Block* malloc(size_t size, CUstream stream, int route, int tag);
+
+  // Note [A quiet first attempt]: while one lives on the calling thread, an allocation that would
+  // reclaim cached memory (empty the cache and retry, borrow from a pool) or fail stops before
+  // that, with kOutOfMemory and nothing counted, traced or reclaimed. The bridge asks so first,
+  // runs torch's free-memory callbacks (what torch's allocator does before it reclaims), then
+  // asks again in full: one failure counts one OOM, and the cache is emptied only if the memory
+  // the callbacks freed did not do.
+  class QuietAttempt {
+   public:
+    QuietAttempt();
+    ~QuietAttempt();
+    QuietAttempt(const QuietAttempt&) = delete;
+    QuietAttempt& operator=(const QuietAttempt&) = delete;
+  };
   // Frees a block torch handed back; checks it under the lock first.
   bool free(Block* block) noexcept;
   // Frees the live block at `ptr`; *found tells whether there was one.

@@ -1294,6 +1294,12 @@ void tb_host_mark_interval(int64_t microseconds) {
   tb::StreamClock::set_mark_interval(std::chrono::microseconds(microseconds));
 }
 
+// tb_malloc under a quiet first attempt (Note [A quiet first attempt]), as the bridge asks first.
+void* tb_host_malloc_quiet(int64_t size, int device, void* stream) {
+  const tb::DeviceAllocator::QuietAttempt quiet;
+  return tb_malloc(static_cast<ssize_t>(size), device, stream);
+}
+
 // The ProbingSource's allocations, frees, and frees that ran under the device lock.
 void tb_host_user_counts(int64_t out[5]) {
   out[0] = g_user_allocs.load();
