@@ -249,5 +249,7 @@ def test_the_plan_help_shows_every_default(capsys):
 
 
 def test_one_mib_is_where_a_bare_number_starts_to_be_bytes(capsys, tmp_path):
-    assert saved_plan(capsys, tmp_path, ["--gpu-mem", "80GiB", "--max-kv", str(MiB)]).kv_bytes == MiB
+    # (requests of up to 256 tokens: a 1 MiB KV pool holds one)
+    args = ["--gpu-mem", "80GiB", "--max-seq-len", "256", "--max-kv"]
+    assert saved_plan(capsys, tmp_path, [*args, str(MiB)]).kv_bytes == MiB
     assert cli_plan(["--gpu-mem", "80GiB", "--max-kv", str(MiB - 1)]) == 2
