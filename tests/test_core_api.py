@@ -417,6 +417,31 @@ def test_a_tag_is_restored_on_all_its_devices_or_on_none():
 
 
 @isolated
+def test_tags_restored_on_several_devices_come_back_whole_tag_by_tag_when_one_refuses():
+    # Restored device by device, a refusal of "b" on device 0 left "a" live there and released on
+    # device 1; under sleeping() the next device restored "a" alone.
+    host = _installed_host(devices=2)
+    for d in (0, 1):
+        _tagged(host, "a", 2 * MiB, b"a", device=d)
+        _tagged(host, "b", 8 * MiB, b"b", device=d)
+    torch_budget.release(["a", "b"], device="all")
+    torch_budget.set_budget(4 * MiB, device=0)  # device 0 can map "a" back, not "b"
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.restore(["a", "b"], device="all")
+    assert [sleep.tag_states(d)["a"]["state"] for d in (0, 1)] == ["live", "live"]
+    assert [sleep.tag_states(d)["b"]["state"] for d in (0, 1)] == ["released", "released"]
+    assert sleep.released_tags() == {"b": "pinned"}
+    torch_budget.set_budget(1 << 40, device=0)
+    torch_budget.restore("b", device="all")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with torch_budget.sleeping("a", device="all"):
+            torch_budget.set_budget(9 * MiB, device=0)  # "a" cannot come back on device 0
+    assert [sleep.tag_states(d)["a"]["state"] for d in (0, 1)] == ["released", "released"]
+    torch_budget.set_budget(1 << 40, device=0)
+    torch_budget.restore("a", device="all")
+
+
+@isolated
 def test_a_producer_that_keeps_shared_tensors_says_when_the_consumers_closed_them_and_releases_their_tag():
     # Weights sent for an RL weight sync stay the producer's: without end_sharing their tag could never go.
     host = _installed_host(route="vmm")

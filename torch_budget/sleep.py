@@ -298,9 +298,15 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
     start = time.perf_counter()
     moved = backed = 0
     failed = None
-    restored: list[tuple[int, int, str, int]] = []  # (device, tag, name, the backup it had, as released)
+    # (device, tag, name, the backup it had as released, bytes moved, bytes copied)
+    restored: list[tuple[int, int, str, int, int, int]] = []
+    undone: set[str] = set()  # tags one device refused: the others stay (or went back to) released
     try:
-        for dev, tag, name in targets:
+        # Tag by tag, each on all its devices before the next: a failure leaves every tag before it
+        # restored everywhere and every tag from it released everywhere.
+        for dev, tag, name in sorted(targets, key=lambda t: (t[1], t[0])):
+            if name in undone:
+                continue
             try:
                 backup = _info(lib, dev, tag)[1]  # this device's own: another may hold the tag with another
                 # Each tag's retention is set as it is restored: one that refuses it (a backup that cannot
@@ -309,13 +315,17 @@ def _restore(lib, targets, retain: bool | None = None, go_on: bool = False) -> S
                     _native.check(lib, lib.tb_retain_tag_backup(dev, tag, int(retain)), state=TagStateError)
                 _native.check(lib, lib.tb_restore_tag(dev, tag), state=TagStateError)
             except Exception as e:
-                _release_again(lib, [r for r in restored if r[2] == name])
+                again = [r for r in restored if r[2] == name]
+                _release_again(lib, [r[:4] for r in again])
+                undone.add(name)
+                moved -= sum(r[4] for r in again)  # the report counts what stays restored
+                backed -= sum(r[5] for r in again)
                 if not go_on:
                     raise
                 failed = failed or e
                 continue
             info = _info(lib, dev, tag)
-            restored.append((dev, tag, name, backup | (_RETAIN if info[7] else 0)))
+            restored.append((dev, tag, name, backup | (_RETAIN if info[7] else 0), info[4], info[5]))
             moved, backed = moved + info[4], backed + info[5]
     finally:
         # Also when one raised: the tags restored before it are live, and listed so no longer.
