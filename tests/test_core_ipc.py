@@ -521,3 +521,22 @@ def test_a_consumers_close_during_a_capture_waits_for_the_capture_to_end_before_
     assert after["unmaps"] > during["unmaps"] and after["syncs"] > during["syncs"], (during, after)
     h.release_pool((0, 3))
     _freed_and_given_back(h, t)
+
+
+@isolated
+def test_a_consumers_close_whose_context_cannot_be_made_current_is_kept_and_done_at_the_next_close():
+    # It had returned at once, and the caller dropped the mapping: the producer's memory stayed until exit.
+    h = Host(route="vmm")
+    t, _, opened, _, _ = _opened_by_a_consumer(h)
+    h.fail("cuCtxGetCurrent", nth=1)  # once: retried, as the context's restore is
+    h.close_opened(opened)
+    h.heal()
+    u, _, first, _, _ = _opened_by_a_consumer(h)
+    v, _, second, _, _ = _opened_by_a_consumer(h)
+    h.fail("cuCtxGetCurrent", nth=-1)  # for good, while the first closes
+    h.close_opened(first)
+    h.heal()
+    h.close_opened(second)  # closes the one kept too
+    h.free(u)
+    h.free(v)
+    _freed_and_given_back(h, t)

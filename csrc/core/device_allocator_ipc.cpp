@@ -20,7 +20,9 @@ constexpr int kShareRestarts = 3;
 // Note [Closing a share during a capture]: a consumer's VMM mapping closed while a capture is
 // open anywhere in the process waits here, with its device, for the last capture to end; work
 // queued on the consumer's streams may still read it, and the device cannot be synchronised
-// under a capture. Process-wide, as open_captures_ is; never destroyed (closes may come at exit).
+// under a capture. So does a close whose device context could not be made current: it is tried
+// again at the next close. Process-wide, as open_captures_ is; never destroyed (closes may come
+// at exit).
 std::mutex g_deferred_mu;
 auto* g_deferred = new std::vector<std::pair<DeviceContext, OpenedShare>>();
 
@@ -34,7 +36,12 @@ void close_deferred_shares(bool forked) {
     due.swap(*g_deferred);
   }
   if (forked) return;
-  for (auto& [ctx, s] : due) close_share(ctx, s, true);
+  std::vector<std::pair<DeviceContext, OpenedShare>> again;
+  for (auto& [ctx, s] : due)
+    if (!close_share(ctx, s, true)) again.emplace_back(ctx, std::move(s));
+  if (again.empty()) return;
+  std::lock_guard<std::mutex> l(g_deferred_mu);
+  for (auto& entry : again) g_deferred->push_back(std::move(entry));
 }
 
 }  // namespace
@@ -142,7 +149,11 @@ void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
     }
   }
   close_deferred_shares(false);
-  close_share(ctx_, s, true);
+  if (!close_share(ctx_, s, true)) {  // kept for the next close: the mapping holds the producer's memory
+    std::lock_guard<std::mutex> l(g_deferred_mu);
+    g_deferred->emplace_back(ctx_, std::move(s));
+    s = OpenedShare{};
+  }
 }
 
 void DeviceAllocator::captures_ended() noexcept { close_deferred_shares(Allocator::get().forked()); }

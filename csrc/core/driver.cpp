@@ -124,14 +124,15 @@ std::string driver_error_name(CUresult r) {
 }
 
 ContextGuard::ContextGuard(CUcontext target) {
+  // Retried as its restore is: a transient refusal would fail a free or a consumer's close.
   const DriverApi* d = driver();
-  CUresult r = d->ctxGetCurrent(&previous_);
+  CUresult r = retry_driver([&] { return d->ctxGetCurrent(&previous_); });
   if (r != CUDA_SUCCESS) {
     fail_driver(r, "cuCtxGetCurrent", __FILE__, __LINE__);
     return;
   }
   if (previous_ != target) {
-    r = d->ctxSetCurrent(target);
+    r = retry_driver([&] { return d->ctxSetCurrent(target); });
     if (r != CUDA_SUCCESS) {
       fail_driver(r, "cuCtxSetCurrent", __FILE__, __LINE__);
       return;

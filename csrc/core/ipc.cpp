@@ -233,9 +233,9 @@ bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<
   return false;
 }
 
-void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync) {
+bool close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync) {
   ContextGuard guard(ctx.ctx);
-  if (!guard.ok()) return;
+  if (!guard.ok()) return false;  // `s` kept, to be closed later
   const DriverApi* d = driver();
   // Retried as every unmap and release is: a refusal would hold the producer's memory (the
   // mapping keeps it) until this process exits.
@@ -253,6 +253,7 @@ void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync) {
     retry_driver([&] { return d->memAddressFree(s.ptr, s.bytes); });
   }
   s = OpenedShare{};
+  return true;
 }
 
 }  // namespace tb

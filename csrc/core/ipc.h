@@ -80,10 +80,11 @@ bool export_block(const DeviceContext& ctx, VmmRoute* vmm, const Block& b, size_
 // it cannot import VMM memory), granting `peers` access too; bytes from another process
 // are checked before anything is opened (kInvalidArgument). close_share undoes it
 // (`may_sync`: wait for work queued on the mapping first, impossible while a capture is open:
-// DeviceAllocator::close_shared then keeps the mapping until the captures end).
+// DeviceAllocator::close_shared then keeps the mapping until the captures end); false, with `s`
+// kept, when the device's context cannot be made current.
 bool open_share(const DeviceContext& ctx, size_t granularity, const std::vector<int>& peers, const std::string& bytes,
                 OpenedShare* out);
-void close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
+bool close_share(const DeviceContext& ctx, OpenedShare& s, bool may_sync);
 
 // Descriptors of another process (pidfd_open + pidfd_getfd); false + error.
 bool take_remote_fds(int32_t pid, const std::vector<int>& fds, std::vector<int>* out);
