@@ -1,6 +1,7 @@
 #include "tb_capi.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -61,6 +62,17 @@ bool probe(int device, Capabilities* caps) { return device_exists(device) && pro
 // What a call that empties caches answers for a device nothing was ever allocated on: nothing to
 // do there, unless the device does not exist, which is refused as every other call refuses it.
 int nothing_cached(int device) { return device_exists(device) ? 0 : code(); }
+
+// What share and end_sharing say of a pointer that starts no live block (the free path's message
+// spoke of a double free): kInvalidArgument.
+int not_a_shared_start(void* ptr, const char* verb) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", ptr);
+  set_error(kInvalidArgument, std::string("cannot ") + verb + " pointer " + buf +
+                                  ": it does not start a live allocation (it lies inside one, was freed, or was not "
+                                  "allocated by torch_budget); give the tensor whose storage was shared");
+  return kInvalidArgument;
+}
 
 // The `n` addresses at `ptrs` (`what`, for the message); false + kInvalidArgument for a negative
 // count, a null array or a count no host memory could hold (nothing here may throw or abort).
@@ -235,7 +247,10 @@ int64_t tb_share(void* ptr, char* buf, int64_t cap, int64_t* offset) {
   clear_error();
   int device = -1;
   BlockInfo info{};
-  if (!Allocator::get().lookup(ptr, &device, &info)) return -1;
+  if (!Allocator::get().lookup(ptr, &device, &info)) {
+    not_a_shared_start(ptr, "share");
+    return -1;
+  }
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
   std::string handle;
   size_t off = 0;
@@ -251,7 +266,7 @@ int tb_end_sharing(void* ptr) {
   clear_error();
   int device = -1;
   BlockInfo info{};
-  if (!Allocator::get().lookup(ptr, &device, &info)) return code();
+  if (!Allocator::get().lookup(ptr, &device, &info)) return not_a_shared_start(ptr, "end sharing");
   DeviceAllocator* d = Allocator::get().device_if_ready(device);
   return d != nullptr && d->end_sharing(reinterpret_cast<uintptr_t>(ptr)) ? 0 : code();
 }

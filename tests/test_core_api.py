@@ -442,6 +442,34 @@ def test_tags_restored_on_several_devices_come_back_whole_tag_by_tag_when_one_re
 
 
 @isolated
+def test_a_discardable_address_of_a_tag_released_on_other_devices_only_is_named_so():
+    host = _installed_host(devices=2)
+    _tagged(host, "w", 8 * MiB, b"w", device=0)
+    w1 = _tagged(host, "w", 2 * MiB, b"v", device=1)
+    # it said the allocation under tag 'w' was "not one of the tags released here ('w')"
+    with pytest.raises(InvalidArgumentError, match=f"discardable address {w1:#x} is an allocation on device 1 "
+                                                   "under tag 'w', which this call releases on device.s. 0 only"):
+        torch_budget.release("w", device=0, discardable=[w1])
+    assert sleep.tag_states(0)["w"]["state"] == "live"
+
+
+@isolated
+def test_a_release_refused_for_want_of_pinned_memory_leaves_the_tags_last_release_as_it_was():
+    # It recorded the refused release: backup "pinned", 8 MiB moved.
+    host = _installed_host(route="vmm")
+    _tagged(host, "w", 8 * MiB, b"w")
+    torch_budget.release("w", backup="none")
+    torch_budget.restore("w")
+    before = sleep.tag_states()["w"]
+    host.fail("cuMemHostRegister", nth=-1)
+    host.fail("cuMemHostAlloc", nth=-1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_budget.release("w", backup="pinned")
+    host.heal()
+    assert sleep.tag_states()["w"] == before
+
+
+@isolated
 def test_a_producer_that_keeps_shared_tensors_says_when_the_consumers_closed_them_and_releases_their_tag():
     # Weights sent for an RL weight sync stay the producer's: without end_sharing their tag could never go.
     host = _installed_host(route="vmm")
@@ -455,6 +483,10 @@ def test_a_producer_that_keeps_shared_tensors_says_when_the_consumers_closed_the
     assert host.peek(w, 4096) == b"w" * 4096
     with pytest.raises(InvalidArgumentError, match="was not allocated by torch_budget"):
         sleep.end_sharing([w + 4096 * 1024 * 1024])
+    # an address inside the block: the message had spoken of a double free
+    with pytest.raises(InvalidArgumentError, match="cannot end sharing pointer 0x[0-9a-f]+: it does not start a "
+                                                   "live allocation .* give the tensor whose storage was shared"):
+        sleep.end_sharing([w + 4096])
     with pytest.raises(TypeError, match="tensors must be a collection"):
         sleep.end_sharing(w)
 

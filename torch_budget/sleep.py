@@ -239,13 +239,19 @@ def _discarding(lib, targets, addresses: list[int]) -> dict[tuple[int, int], lis
         address = _native.ctypes.c_void_p(ptr)
         dev, tag = lib.tb_ptr_device(address), lib.tb_ptr_tag(address)
         if (dev, tag) not in out:
+            names = sorted({name for _, _, name in targets})
             if dev < 0:
                 what = "no live allocation of torch_budget's"
             else:
-                what = f"an allocation on device {dev} under " + (
-                    "no tag" if tag == 0 else f"tag {_name_of(lib, dev, tag) or tag!r}")
+                name = "no tag" if tag == 0 else f"tag {_name_of(lib, dev, tag) or tag!r}"
+                if any(t == tag for _, t, _ in targets):  # the tag is released here, but not on that device
+                    devices = sorted({d for d, t, _ in targets if t == tag})
+                    raise InvalidArgumentError(
+                        f"discardable address {ptr:#x} is an allocation on device {dev} under {name}, which this "
+                        f"call releases on device(s) {', '.join(map(str, devices))} only")
+                what = f"an allocation on device {dev} under {name}"
             raise InvalidArgumentError(f"discardable address {ptr:#x} is {what}, not one of the tags released here "
-                                       f"({', '.join(repr(n) for n in sorted({name for _, _, name in targets}))})")
+                                       f"({', '.join(repr(n) for n in names)})")
         out[(dev, tag)].append(ptr)
     return out
 

@@ -298,10 +298,6 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     state->drop_backup();  // a retained backup this release cannot use
   }
   state->pieces.clear();
-  state->backup = mode;
-  state->retain = retain && copies && !holes;
-  state->last_device_bytes = static_cast<int64_t>(device_total);
-  state->last_backup_bytes = 0;
   copied_ = 0;
   if (copies && total > 0 && !reuse) {
     auto space = std::make_shared<BackupSpace>();
@@ -317,6 +313,11 @@ bool TagMover::release(std::vector<Piece> pieces, Backup mode, bool retain, TagS
     state->space = std::move(space);
     state->backup_bytes = total;
   }
+  // Recorded once the backup's memory is there: a release refused for want of it left them as they were.
+  state->backup = mode;
+  state->retain = retain && copies && !holes;
+  state->last_device_bytes = static_cast<int64_t>(device_total);
+  state->last_backup_bytes = 0;
   if (state->space) state->exposed = state->space->views.load() > 0;
   if (mode == kBackupDisk) return to_disk(pieces, state) || recover(state, recovered);
   if (!copies) {
