@@ -1,35 +1,45 @@
-"""tools/bench_e2e.py: the outputs' checksums tell an allocator's difference (each side steady, the
-two apart) from a workload that is not deterministic on the GPU (a side's own runs disagree, so a
+"""tools/bench_e2e.py: the outputs' checksums, compared run by run, tell an allocator's difference
+(the same run apart on the two sides, each side repeating itself round after round) from a workload
+that is not deterministic on the GPU (a side's run k gives another checksum in another round, so a
 difference says nothing). The lockstep children (which need a GPU) are stood in for."""
 from _harness import REPO, load_tool
 
 
 def rounds_of(native_checks, installed_checks):
+    """Round r of a workload gives each side the checksums listed for it, or the r-th list of them."""
+    count = {}
+
     def one_round(name, repeats, pin):
+        r = count[name] = count.get(name, -1) + 1
+
         def side(checks, seconds):
+            checks = checks[r] if isinstance(checks[0], list) else checks
             return {"runs": [{"seconds": seconds, "check": c} for c in checks],
                     "peak_reserved": 100 << 20, "peak_allocated": 90 << 20}
         return {"native": side(native_checks[name], 1.0), "installed": side(installed_checks[name], 0.9)}
     return one_round
 
 
-def test_checksums_say_equal_differs_or_vary(monkeypatch, capsys):
+def test_checksums_are_compared_run_by_run_and_say_equal_differs_or_vary(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO / "tools"))  # its _bench, found beside it when run as a script
     tool = load_tool("bench_e2e")
-    native = {"steady": [7, 7, 7], "apart": [7, 7, 7], "noisy": [7.0, 7.5, 7.25]}
-    installed = {"steady": [7, 7, 7], "apart": [8, 8, 8], "noisy": [7.0, 7.0, 7.0]}
+    # "steps": each run a training step of its own, the same on both sides: it had said VARY for good
+    native = {"steady": [7, 7, 7], "apart": [7, 7, 7], "steps": [1, 2, 3],
+              "noisy": [[7.0, 7.5, 7.25], [7.0, 7.25, 7.5]]}
+    installed = {"steady": [7, 7, 7], "apart": [8, 8, 8], "steps": [1, 2, 3], "noisy": [7.0, 7.0, 7.0]}
     monkeypatch.setattr(tool, "cuda_torch", lambda *a: object())
     monkeypatch.setattr(tool, "one_round", rounds_of(native, installed))
-    monkeypatch.setenv("BENCH_E2E_WORKLOADS", "steady,apart,noisy")
-    monkeypatch.setenv("BENCH_E2E_ROUNDS", "1")
+    monkeypatch.setenv("BENCH_E2E_WORKLOADS", "steady,apart,steps,noisy")
+    monkeypatch.setenv("BENCH_E2E_ROUNDS", "2")
     assert tool.main() == 0
     out = capsys.readouterr().out.splitlines()
     rows = {ln.split()[0]: ln.split() for ln in out if ln.split() and ln.split()[0] in native}
     assert rows["steady"][7:9] == ["equal", "1/1"]
     assert rows["apart"][7:9] == ["DIFFERS", "1/1"]
+    assert rows["steps"][7:9] == ["equal", "3/3"]
     assert rows["noisy"][7:9] == ["VARY", "3/1"]
     assert out[-1] == ("RESULT bench_e2e steady=0.900x,rsv=1.00 apart=0.900x,rsv=1.00,CHECKS_DIFFERS "
-                       "noisy=0.900x,rsv=1.00,CHECKS_VARY")
+                       "steps=0.900x,rsv=1.00 noisy=0.900x,rsv=1.00,CHECKS_VARY")
 
 
 def test_a_described_gpu_side_names_the_first_kernel_that_differs(monkeypatch, capsys):

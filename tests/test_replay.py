@@ -1,6 +1,7 @@
 """Allocation traces without a GPU: both file formats, torch's memory history, the built-in
 mixes, bad files named with what is wrong, and `torch-budget replay` saying why it stops."""
 import gzip
+import os
 import types
 import pickle
 import sys
@@ -382,6 +383,11 @@ class _FakeCuda:
     def memory_stats(self):
         return {"num_device_alloc": 0, "num_device_free": 0}
 
+    backend = "native"
+
+    def get_allocator_backend(self):
+        return self.backend
+
 
 class _FakeTorch:
     uint8 = "uint8"
@@ -432,6 +438,47 @@ def test_a_replay_times_every_pass_with_its_calibration_and_runs_a_short_trace_l
     assert len(exactly["us_per_op"]) == 3
 
 
+def test_a_backend_that_counts_no_driver_calls_reports_none_rather_than_zero(monkeypatch):
+    # torch's cudaMallocAsync backend leaves num_device_alloc/free at 0: the table printed 0.0 per 1000 ops
+    from torch_budget.replay import child
+    from torch_budget.replay.mixes import mix
+
+    fake = _fake_torch(monkeypatch)
+    fake.cuda.backend = "cudaMallocAsync"
+    assert child.replay(mix("small:2000"), passes=2, min_grown_seconds=0.0)["device_calls"] == []
+
+
+def test_touching_each_tensor_keeps_no_freed_one_alive(monkeypatch):
+    # The touch kept the last tensor in a local until the next allocation: two live where the trace had one.
+    import weakref
+
+    from torch_budget.replay import child
+    from torch_budget.replay.mixes import mix
+
+    fake = _fake_torch(monkeypatch)
+    live, most = set(), [0]
+
+    class Tensor:
+        def __init__(self):
+            live.add(id(self))
+            most[0] = max(most[0], len(live))
+            weakref.finalize(self, live.discard, id(self))
+
+        def __getitem__(self, key):
+            return self
+
+        def fill_(self, value):
+            return self
+
+        def add_(self, value):
+            return self
+
+    fake.empty = lambda size, dtype=None, device=None: Tensor()
+    trace = mix("1MiB:50")  # one tensor live at a time
+    child.replay(trace, passes=2, min_grown_seconds=0.0, touch=True)
+    assert most[0] == 1
+
+
 def test_a_replays_reserved_peak_covers_every_pass_and_the_first_is_kept_beside_it(monkeypatch):
     # A cache that packs its first pass tightly and grows in later ones: the figure is the later peak.
     from torch_budget.replay import child
@@ -474,3 +521,15 @@ def test_each_round_is_one_sample_however_many_passes_it_ran():
     row = {r["config"]: r for r in summarise([native, tb])}["tb-vmm"]
     assert row["x_native"] == pytest.approx(0.95)
     assert (row["wins"], row["pairs"]) == (2, 3)
+
+
+def test_every_configuration_starts_without_the_callers_allocator_settings(monkeypatch):
+    # expandable_segments:True left in a shell had made "native" (and every tb- one) expandable segments
+    from torch_budget.replay.configs import CONFIGS, environment
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    for name in CONFIGS:
+        env = {**os.environ, **environment(name)}
+        want = {"expandable": "expandable_segments:True", "cudaMallocAsync": "backend:cudaMallocAsync"}.get(name, "")
+        assert (env["PYTORCH_CUDA_ALLOC_CONF"], env["PYTORCH_ALLOC_CONF"]) == (want, ""), name

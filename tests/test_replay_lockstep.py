@@ -87,6 +87,10 @@ FAKE_TORCH = textwrap.dedent('''
         @staticmethod
         def memory_stats():
             return {"num_device_alloc": _count, "num_device_free": 0}
+
+        @staticmethod
+        def get_allocator_backend():
+            return "native"
 ''')
 
 

@@ -21,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench import cuda_torch  # noqa: E402
+from torch_budget.replay.configs import CLEAN_ENVIRONMENT  # noqa: E402  (no torch import: the parent stays light)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ["llama_generate", "resnet_amp", "decode_graphs"]
@@ -32,7 +33,7 @@ def one_round(name, repeats, pin):
     {"error": ...}."""
     from torch_budget.replay import lockstep
 
-    env = {**os.environ, "TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CLEAN_ENVIRONMENT, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, os.path.join(HERE, "workloads.py"), name, "--lockstep"] + (["--pin"] if pin else [])
     started = lockstep.start({"native": (cmd, env), "installed": (cmd + ["--install"], env)}, TIMEOUT)
     children = {k: v for k, v in started.items() if isinstance(v, lockstep.Child)}
@@ -53,18 +54,29 @@ def one_round(name, repeats, pin):
             child.close()
 
 
-def checks(pairs):
-    """What the outputs' checksums say over (native run, installed run) pairs: "equal", "DIFFERS"
-    (each side gives one checksum, not the same), or "VARY" (a side's own runs disagree: the
-    workload is not deterministic, so a difference says nothing of the allocator), with the
-    number of distinct checksums of each side."""
-    native = {repr(a["check"]) for a, _ in pairs}
-    installed = {repr(b["check"]) for _, b in pairs}
-    if len(native) > 1 or len(installed) > 1:
-        verdict = "VARY"
+def checks(rounds):
+    """What the outputs' checksums say over rounds of (native runs, installed runs), run k of one
+    side against run k of the other (the same work: a workload's runs may differ from each other,
+    a training step or a new prompt each): "equal" when every pair agrees; else "VARY" when a side's
+    run k gives another checksum in another round (fresh processes repeating the same runs: the
+    workload is not deterministic on the GPU, so a difference says nothing of the allocator), and
+    "DIFFERS" when it does not (one round cannot tell the two apart). With the number of distinct
+    checksums of each side."""
+    pairs = [(a, b) for nat, ins in rounds for a, b in zip(nat, ins)]
+    key = lambda run: repr(run["check"])  # noqa: E731
+
+    def varies(side):  # a run index whose checksum is not the same in every round
+        by_index: dict = {}
+        for runs in side:
+            for k, run in enumerate(runs):
+                by_index.setdefault(k, set()).add(key(run))
+        return any(len(v) > 1 for v in by_index.values())
+
+    if all(key(a) == key(b) for a, b in pairs):
+        verdict = "equal"
     else:
-        verdict = "equal" if native == installed else "DIFFERS"
-    return verdict, len(native), len(installed)
+        verdict = "VARY" if varies([n for n, _ in rounds]) or varies([i for _, i in rounds]) else "DIFFERS"
+    return verdict, len({key(a) for a, _ in pairs}), len({key(b) for _, b in pairs})
 
 
 def gpu_side(ok):
@@ -125,7 +137,7 @@ def main():
         ratio = statistics.median(ratios)
         nat_rsv = statistics.median(x["native"]["peak_reserved"] for x in ok)
         tb_rsv = statistics.median(x["installed"]["peak_reserved"] for x in ok)
-        verdict, native_kinds, tb_kinds = checks(pairs)
+        verdict, native_kinds, tb_kinds = checks([(x["native"]["runs"], x["installed"]["runs"]) for x in ok])
         wins = sum(1 for q in ratios if q <= 1.0)
         print(f"{n:16} {statistics.median(a['seconds'] for a, _ in pairs):9.3f} "
               f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.3f}x {wins:>3}/{len(ratios):<3} "
@@ -139,8 +151,9 @@ def main():
     errors = [x["error"] for n in names for x in res[n] if "error" in x]
     print("(paired: each installed run over the native run next to it, the two processes taking turns; '<=1 in' "
           "counts the pairs at or under native; peak reserved is each process's, medians over rounds; 'checks' "
-          "compares the outputs' checksums: equal, DIFFERS, or VARY where a side's own runs disagree; 'kinds' "
-          "counts each side's distinct checksums, native/installed)")
+          "compares the outputs' checksums run by run: equal, DIFFERS, or VARY where a side's run gives another "
+          "checksum in another round (not deterministic: says nothing of the allocator); 'kinds' counts each "
+          "side's distinct checksums, native/installed)")
     print("RESULT bench_e2e " + " ".join(summary) + (f" failed={failed}" if failed else "")
           + (f" failed_rounds={len(errors)}" if errors else ""))
     return 1 if failed or errors else 0

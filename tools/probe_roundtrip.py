@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torch_budget.replay.configs import CLEAN_ENVIRONMENT  # noqa: E402
+
 CONFIGS = ("native", "tb-vmm")
 FLOOR_ARENA = 256 << 20  # the bump pointer wraps within it: each tensor dies before the next
 
@@ -221,7 +223,7 @@ def child_command(config, sizes, batches, library, meta=False):
     inherited: install() is given the configuration's own)."""
     cmd = [sys.executable, __file__, "--child", config, "--sizes", ",".join(map(str, sizes)), "--batches", str(batches),
            "--library", library]
-    return cmd + ["--meta"] * meta, {**os.environ, "TORCH_BUDGET_CONF": ""}
+    return cmd + ["--meta"] * meta, {**os.environ, **CLEAN_ENVIRONMENT}
 
 
 def run_together(sizes, batches, library):

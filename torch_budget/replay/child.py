@@ -69,9 +69,12 @@ def read_trace(spec: str):
     return mix(spec[4:]) if spec.startswith("mix:") else load(spec)
 
 
-def _device_calls(torch) -> int:
+def _device_calls(torch) -> int | None:
     """Allocations and frees of driver memory so far (cudaMalloc / cudaFree natively, handles
-    created and released under torch_budget's VMM route): what the allocator's cache missed."""
+    created and released under torch_budget's VMM route): what the allocator's cache missed. None
+    where torch does not count them (its cudaMallocAsync backend reports them as zeros)."""
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        return None
     stats = torch.cuda.memory_stats()
     return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
@@ -148,8 +151,8 @@ class Replayer:
                     torch.cuda.set_stream(streams[s])
                     current = s
                 if size:
-                    t = slots[tid] = empty(size, dtype=uint8, device=dev)
-                    t[:1].fill_(1)
+                    slots[tid] = empty(size, dtype=uint8, device=dev)
+                    slots[tid][:1].fill_(1)  # no local name: one would keep the tensor past its free
                 else:
                     slots[tid] = None
         else:
@@ -172,7 +175,9 @@ class Replayer:
         torch = self._torch
         torch.cuda.set_stream(self.streams[0])
         self.times.append(self._pass_seconds / len(self.ops) * 1e6)
-        self.device_calls.append(_device_calls(torch) - self._calls_before)
+        calls = _device_calls(torch)
+        if calls is not None:  # none counted: no figure, not zero (the table prints "-")
+            self.device_calls.append(calls - self._calls_before)
         self.backing.append(tuple(a - b for a, b in zip(_backing_ns(self._tb), self._backing_before)))
         if len(self.times) == 1:
             torch.cuda.synchronize()

@@ -21,15 +21,20 @@ CONFIGS = {
     "tb-sync": ({}, {"route": "sync"}),
 }
 DEFAULT = ("native", "expandable", "cudaMallocAsync", "tb-vmm", "tb-pool", "tb-sync")
+# What every benchmark process starts with before its configuration's own variables: no allocator
+# settings of the caller's (torch reads PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF first in newer
+# versions; an empty value is no setting).
+CLEAN_ENVIRONMENT = {"TORCH_BUDGET_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
 BASELINE = "native"
 
 
 def environment(name: str) -> dict:
     """The environment variables that process is started with."""
     env, _ = CONFIGS[name]
-    # torch_budget's own settings come from install(): one left in the caller's environment
-    # would make every tb- configuration something else than its name says.
-    return {"TORCH_BUDGET_CONF": "", **env}
+    # torch_budget's own settings come from install(), torch's from the configuration: either left
+    # in the caller's environment (expandable_segments:True set in a shell, say) would make every
+    # configuration, the native baseline included, something else than its name says.
+    return {**CLEAN_ENVIRONMENT, **env}
 
 
 def apply_config(name: str) -> None:
