@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from _hostcore import OOM, MiB, S2, Host, in_child, isolated, while_a_sync_waits
+from _hostcore import OOM, MiB, S1, S2, Host, in_child, isolated, while_a_sync_waits
 from torch_budget import _native
 from torch_budget.errors import StateError
 
@@ -528,9 +528,11 @@ def test_a_consumers_close_whose_context_cannot_be_made_current_is_kept_and_done
     # It had returned at once, and the caller dropped the mapping: the producer's memory stayed until exit.
     h = Host(route="vmm")
     t, _, opened, _, _ = _opened_by_a_consumer(h)
+    before = h.import_counts()["reservations"]
     h.fail("cuCtxGetCurrent", nth=1)  # once: retried, as the context's restore is
     h.close_opened(opened)
     h.heal()
+    assert h.import_counts()["reservations"] == before - 1  # closed now, not at the next close
     u, _, first, _, _ = _opened_by_a_consumer(h)
     v, _, second, _, _ = _opened_by_a_consumer(h)
     h.fail("cuCtxGetCurrent", nth=-1)  # for good, while the first closes
@@ -540,3 +542,30 @@ def test_a_consumers_close_whose_context_cannot_be_made_current_is_kept_and_done
     h.free(u)
     h.free(v)
     _freed_and_given_back(h, t)
+
+
+@isolated
+def test_a_capture_that_begins_while_deferred_closes_run_waits_for_them():
+    # The closes checked for captures once, then synchronised and unmapped inside one begun meanwhile.
+    import threading
+
+    h = Host(route="vmm")
+    _, _, first, _, _ = _opened_by_a_consumer(h)
+    _, _, second, _, _ = _opened_by_a_consumer(h)
+    h.begin_pool((0, 3), S2)
+    h.close_opened(first)
+    h.close_opened(second)  # both wait for the capture to end
+    h.hold_syncs(True)
+    ender = threading.Thread(target=h.end_pool, args=((0, 3),))
+    ender.start()
+    h.hold_syncs(True, wait_for=1)  # the first deferred close waits in its sync
+    at_begin = []
+    starter = threading.Thread(target=lambda: (h.begin_pool((0, 4), S1), at_begin.append(h.counters())))
+    starter.start()
+    starter.join(0.5)
+    assert starter.is_alive() and not at_begin  # the capture waits for the closes under way
+    h.hold_syncs(False)
+    ender.join()
+    starter.join()
+    assert at_begin[0]["unmaps"] == h.counters()["unmaps"]  # nothing unmapped once it began
+    h.end_pool((0, 4))

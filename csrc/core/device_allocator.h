@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -402,6 +403,9 @@ class DeviceAllocator {
   TagArenas tags_{graphs_, store_, clock_};  // each tag's pools and sleep state (Note [Tag arenas])
 
   static std::atomic<int> open_captures_;
+  // Closes of shares hold it shared, a capture's begin exclusively (Note [Closing a share during a
+  // capture], device_allocator_ipc.cpp); taken before any device lock.
+  static std::shared_mutex close_gate_;
   static std::atomic<bool> capture_reuse_;
   static std::atomic<bool> parking_;
 };

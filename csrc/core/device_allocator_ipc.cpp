@@ -1,6 +1,7 @@
 // DeviceAllocator: sharing its blocks with other processes (Note [Sharing memory between
 // processes], ipc.h, which does the work).
 #include <mutex>
+#include <shared_mutex>
 #include <utility>
 #include <vector>
 
@@ -19,29 +20,30 @@ constexpr int kShareRestarts = 3;
 
 // Note [Closing a share during a capture]: a consumer's VMM mapping closed while a capture is
 // open anywhere in the process waits here, with its device, for the last capture to end; work
-// queued on the consumer's streams may still read it, and the device cannot be synchronised
-// under a capture. So does a close whose device context could not be made current: it is tried
-// again at the next close. Process-wide, as open_captures_ is; never destroyed (closes may come
-// at exit).
-std::mutex g_deferred_mu;
+// queued on the consumer's streams may still read it, and the device cannot be synchronised nor
+// memory unmapped under a capture. So does a close whose device context could not be made
+// current: it is tried again at the next close. Closes hold DeviceAllocator::close_gate_ shared
+// from their check of open_captures() to their last driver call, and begin_allocate_to_pool
+// takes it exclusively before it counts a capture: no capture begins in the middle of a close.
+// Process-wide, as open_captures_ is; never destroyed (closes may come at exit).
+std::mutex g_deferred_mu;  // taken under the gate, never the other way round
 auto* g_deferred = new std::vector<std::pair<DeviceContext, OpenedShare>>();
 
-// Closes what waited for the captures to end, when none is open (a fork child forgets the
-// parent's mappings, Note [Fork]).
-void close_deferred_shares(bool forked) {
+void defer_close(const DeviceContext& ctx, OpenedShare& s) {
+  std::lock_guard<std::mutex> l(g_deferred_mu);
+  g_deferred->emplace_back(ctx, std::move(s));
+  s = OpenedShare{};
+}
+
+// Closes what waited, the gate held shared and no capture open; what fails again waits again.
+void close_deferred_shares() {
   std::vector<std::pair<DeviceContext, OpenedShare>> due;
   {
     std::lock_guard<std::mutex> l(g_deferred_mu);
-    if (g_deferred->empty() || DeviceAllocator::open_captures() > 0) return;
     due.swap(*g_deferred);
   }
-  if (forked) return;
-  std::vector<std::pair<DeviceContext, OpenedShare>> again;
   for (auto& [ctx, s] : due)
-    if (!close_share(ctx, s, true)) again.emplace_back(ctx, std::move(s));
-  if (again.empty()) return;
-  std::lock_guard<std::mutex> l(g_deferred_mu);
-  for (auto& entry : again) g_deferred->push_back(std::move(entry));
+    if (!close_share(ctx, s, true)) defer_close(ctx, s);
 }
 
 }  // namespace
@@ -135,27 +137,25 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) no
   return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
 }
 
+std::shared_mutex DeviceAllocator::close_gate_;
+
 void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
   if (Allocator::get().forked()) {  // the parent's mapping, on the parent's context: as a free, ignored (Note [Fork])
     s = OpenedShare{};
     return;
   }
-  if (s.kind != kShareCudaMalloc && s.ptr != 0 && open_captures() > 0) {
-    std::lock_guard<std::mutex> l(g_deferred_mu);
-    if (open_captures() > 0) {  // else the capture ended meanwhile: closed below
-      g_deferred->emplace_back(ctx_, std::move(s));
-      s = OpenedShare{};
-      return;
-    }
-  }
-  close_deferred_shares(false);
-  if (!close_share(ctx_, s, true)) {  // kept for the next close: the mapping holds the producer's memory
-    std::lock_guard<std::mutex> l(g_deferred_mu);
-    g_deferred->emplace_back(ctx_, std::move(s));
-    s = OpenedShare{};
-  }
+  std::shared_lock<std::shared_mutex> gate(close_gate_);  // Note [Closing a share during a capture]
+  const bool capturing = open_captures() > 0;
+  if (capturing && s.kind != kShareCudaMalloc && s.ptr != 0) return defer_close(ctx_, s);
+  if (!capturing) close_deferred_shares();
+  // (an IPC mapping of cudaMalloc memory closes under a capture too: its close is no stream work)
+  if (!close_share(ctx_, s, !capturing)) defer_close(ctx_, s);  // the mapping holds the producer's memory
 }
 
-void DeviceAllocator::captures_ended() noexcept { close_deferred_shares(Allocator::get().forked()); }
+void DeviceAllocator::captures_ended() noexcept {
+  if (Allocator::get().forked()) return;  // the parent's mappings: forgotten, as their closes are
+  std::shared_lock<std::shared_mutex> gate(close_gate_);
+  if (open_captures() == 0) close_deferred_shares();
+}
 
 }  // namespace tb
