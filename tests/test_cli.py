@@ -192,6 +192,10 @@ def test_a_plan_whose_kv_pool_cannot_hold_one_request_of_the_longest_length_exit
     out, err = capsys.readouterr()
     assert "KV pool" in out
     assert "the KV pool holds 13 tokens, fewer than one request of the longest length (2048 tokens)" in err
+    assert "give more memory" in err
+    # a cap the user gave is named, not more memory: most of the card was left unplanned
+    assert cli.main(["plan", "--gpu-mem", "80GiB", "--max-kv-tokens", "1000"]) == 1
+    assert "raise --max-kv-tokens (the cap you gave)" in capsys.readouterr().err
 
 
 def test_plan_without_arguments_or_a_device_plans_an_assumed_card_and_says_so():

@@ -631,7 +631,8 @@ def test_growth_under_a_graph_capture_is_refused_and_leaves_the_workspace_as_it_
     capturing[0] = True
     with workspace(meta):
         meta.get(1 * MiB).fill_(3)  # within what it holds: served in the capture
-        with pytest.raises(StateError, match="CUDA graph capture asked it for 2097152.*warm it up"):
+        with pytest.raises(StateError, match="CUDA graph capture asked it for 2097152.*graph workspace, or warm up "
+                                             "a new metadata object with at least 2097152 bytes"):
             meta.get(2 * MiB)
     assert meta.capacity == 1 * MiB and meta.workspace.untyped_storage().data_ptr() == storage
     capturing[0] = False

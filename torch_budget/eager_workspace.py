@@ -397,8 +397,8 @@ class WorkspaceState:
                 raise StateError(
                     f"the eager workspace of {_describe(meta)} holds {self._capacity} bytes and a CUDA graph capture "
                     f"asked it for {nbytes}: growing it there would take its new storage from the graph's private "
-                    "pool; warm it up to the captured forwards' need first (warm_up(meta, nbytes), or one eager "
-                    "forward of that size), or give captured forwards a graph workspace"
+                    "pool; give captured forwards a graph workspace, or warm up a new metadata object with at least "
+                    f"{nbytes} bytes (its floor, which it never shrinks below)"
                 )
             before = tensor.numel()
             try:

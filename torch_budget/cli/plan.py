@@ -218,8 +218,11 @@ def run(argv: list[str]) -> int:
     # As serving engines refuse to start when their KV cache cannot hold one request of the longest length.
     longest = shape.max_seq_len or result.kv_cost.max_tokens_per_request
     if longest and result.kv_tokens < longest:
+        caps = [flag for flag, value in (("--max-kv", args.max_kv), ("--max-kv-tokens", args.max_kv_tokens))
+                if value is not None]
+        fix = (f"raise {' or '.join(caps)} (the cap you gave) or give a shorter --max-seq-len" if caps else
+               "give more memory, a shorter --max-seq-len, fewer reserves or a smaller workspace")
         print(f"{PROG} plan: the KV pool holds {result.kv_tokens} tokens, fewer than one request of the longest "
-              f"length ({longest} tokens): nothing that long could be served; give more memory, a shorter "
-              "--max-seq-len, fewer reserves or a smaller workspace", file=sys.stderr)
+              f"length ({longest} tokens): nothing that long could be served; {fix}", file=sys.stderr)
         return 1
     return 0
