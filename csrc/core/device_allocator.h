@@ -404,8 +404,9 @@ class DeviceAllocator {
 
   static std::atomic<int> open_captures_;
   // Closes of shares hold it shared, a capture's begin exclusively (Note [Closing a share during a
-  // capture], device_allocator_ipc.cpp); taken before any device lock.
-  static std::shared_mutex close_gate_;
+  // capture], device_allocator_ipc.cpp); taken before any device lock. Never destroyed: closes
+  // may come during interpreter shutdown, after static objects are gone.
+  static std::shared_mutex& close_gate();
   static std::atomic<bool> capture_reuse_;
   static std::atomic<bool> parking_;
 };

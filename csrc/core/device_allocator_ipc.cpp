@@ -22,7 +22,7 @@ constexpr int kShareRestarts = 3;
 // open anywhere in the process waits here, with its device, for the last capture to end; work
 // queued on the consumer's streams may still read it, and the device cannot be synchronised nor
 // memory unmapped under a capture. So does a close whose device context could not be made
-// current: it is tried again at the next close. Closes hold DeviceAllocator::close_gate_ shared
+// current: it is tried again at the next close. Closes hold DeviceAllocator::close_gate() shared
 // from their check of open_captures() to their last driver call, and begin_allocate_to_pool
 // takes it exclusively before it counts a capture: no capture begins in the middle of a close.
 // Process-wide, as open_captures_ is; never destroyed (closes may come at exit).
@@ -137,14 +137,17 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) no
   return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
 }
 
-std::shared_mutex DeviceAllocator::close_gate_;
+std::shared_mutex& DeviceAllocator::close_gate() {
+  static auto* gate = new std::shared_mutex();
+  return *gate;
+}
 
 void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
   if (Allocator::get().forked()) {  // the parent's mapping, on the parent's context: as a free, ignored (Note [Fork])
     s = OpenedShare{};
     return;
   }
-  std::shared_lock<std::shared_mutex> gate(close_gate_);  // Note [Closing a share during a capture]
+  std::shared_lock<std::shared_mutex> gate(close_gate());  // Note [Closing a share during a capture]
   const bool capturing = open_captures() > 0;
   if (capturing && s.kind != kShareCudaMalloc && s.ptr != 0) return defer_close(ctx_, s);
   if (!capturing) close_deferred_shares();
@@ -154,7 +157,7 @@ void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
 
 void DeviceAllocator::captures_ended() noexcept {
   if (Allocator::get().forked()) return;  // the parent's mappings: forgotten, as their closes are
-  std::shared_lock<std::shared_mutex> gate(close_gate_);
+  std::shared_lock<std::shared_mutex> gate(close_gate());
   if (open_captures() == 0) close_deferred_shares();
 }
 

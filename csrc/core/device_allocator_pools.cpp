@@ -23,7 +23,7 @@ Backing* DeviceAllocator::private_backing(int tag) {
 bool DeviceAllocator::begin_allocate_to_pool(const PoolId& id, StreamFilter filter) noexcept {
   // No share's close is between its check of open_captures() and its driver calls (Note [Closing a
   // share during a capture]).
-  std::unique_lock<std::shared_mutex> gate(close_gate_);
+  std::unique_lock<std::shared_mutex> gate(close_gate());
   auto lock = hold();
   // Refused before the pool takes a use (Note [Interaction with CUDA graph capture]).
   TB_REQUIRE(!graphs_.capturing_into(id), kState,
