@@ -109,6 +109,16 @@ def output_problem(path: Path) -> str | None:
     return None
 
 
+def why_no_gpu() -> str | None:
+    """Why this process cannot measure a GPU ("torch is not installed", "no CUDA device is
+    visible"), or None when it can: what the commands that need one say before they stop."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA device is visible"
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str]):
     """(namespace, None), or (None, exit code) when parsing ended the command (--help, bad input)."""
     try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torch_budget.cli.arguments import PROG, parse, positive_int
+from torch_budget.cli.arguments import PROG, parse, positive_int, why_no_gpu
 
 
 def bench_script() -> Path:
@@ -39,12 +39,8 @@ def run(argv: list[str]) -> int:
               "the torch_budget source repository; run this command from a source checkout "
               "(pip install --no-build-isolation -e .) or run that script directly.", file=sys.stderr)
         return 1
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        why = "torch is not installed" if torch is None else "no CUDA device is visible"
+    why = why_no_gpu()
+    if why is not None:
         print(f"{PROG} bench: the benchmark times GPU allocations and {why}; nothing was measured.",
               file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from torch_budget.cli.arguments import PROG, output_file, parse, positive_int
+from torch_budget.cli.arguments import PROG, output_file, parse, positive_int, why_no_gpu
 from torch_budget.units import format_bytes
 
 
@@ -77,12 +77,8 @@ def run(argv: list[str]) -> int:
               f"peak live {format_bytes(t.peak_live())}", file=sys.stderr)
         for comment in t.comments:
             print(f"  {comment}", file=sys.stderr)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        why = "torch is not installed" if torch is None else "no CUDA device is visible"
+    why = why_no_gpu()
+    if why is not None:
         print(f"{PROG} replay: the traces above read correctly, but replaying them needs a GPU and {why}.",
               file=sys.stderr)
         return 1
