@@ -212,6 +212,31 @@ def test_new_memory_all_mapped_that_the_driver_refuses_to_unmap_is_said_to_stay_
     _serves_again_and_goes_back(h)
 
 
+@pytest.mark.parametrize("entry_point", ["cuMemUnmap", "cuMemAddressFree"])
+@isolated
+def test_a_scratch_range_the_driver_will_not_unmap_or_free_stays_booked_and_goes_back_later(entry_point):
+    h = Host(route="vmm", map_run=16 * MiB)
+    t = h.malloc(40 * MiB)                       # runs of 16, 16 and 8 MiB
+    h.poke(t, pattern(40 * MiB, 2))
+    # From its first call on, the driver refuses: unmapping the first run's scratch range (its copy
+    # made), which fails the share; or freeing that range's addresses once its handles took the old
+    # run's place, which does not.
+    h.fail(entry_point, nth=-1)
+    if entry_point == "cuMemUnmap":
+        with pytest.raises(Exception):
+            h.share(t)
+    else:
+        h.share(t)
+    h.heal()
+    assert h.peek(t, 40 * MiB) == pattern(40 * MiB, 2)
+    assert h.reserved() == h.device_used()       # what the scratch range still holds is booked
+    h.free(t)
+    h.empty_cache()                              # and goes back with the cache
+    counters = h.counters()
+    assert (h.reserved(), h.device_used(), counters["mappings"], counters["handles"]) == (0, 0, 0, 0)
+    assert counters["reservations"] == 0, "the scratch range's addresses were never freed"
+
+
 @isolated
 def test_a_mapping_put_back_without_access_is_reached_before_its_memory_serves_again():
     h = Host(route="vmm", map_run=16 * MiB)

@@ -401,6 +401,10 @@ void VmmRoute::park_handle(CUmemGenericAllocationHandle h) {
 
 void VmmRoute::release_free_handles() {
   ContextGuard guard(ctx_.ctx);
+  std::vector<Scratch> scratch;
+  for (Scratch& s : stuck_scratch_)
+    if (!give_back_scratch(s)) scratch.push_back(std::move(s));
+  stuck_scratch_.swap(scratch);
   std::vector<CUmemGenericAllocationHandle> kept;
   for (CUmemGenericAllocationHandle h : free_handles_) {
     if (release_handle(h) != CUDA_SUCCESS) {

@@ -168,7 +168,8 @@ class VmmRoute final : public Backing {
   // The staged handles take the old mapping's place, which is released. false + error, the
   // mapping as it was and what was staged dropped.
   bool commit_cut(Segment& seg, StagedCut* st);
-  // Gives back whatever `st` staged (nothing when it is empty).
+  // Gives back whatever `st` staged (nothing when it is empty); what the driver refuses to let
+  // go stays charged as kCached and is retried by release_free_handles (stuck_scratch_).
   void drop_staged(StagedCut* st);
   // Whether the mapping a staged cut would replace was exported meanwhile (another thread
   // shared a block on it while this one waited): then it must stay as it is.
@@ -285,6 +286,18 @@ class VmmRoute final : public Backing {
   std::unordered_map<CUmemGenericAllocationHandle, int> fds_;
   // Run handles the driver refused to release (unmapped, charged as kCached): retried.
   std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> stuck_runs_;
+  // A staged cut's scratch range (Note [Sharing run mappings]) on its way back to the driver:
+  // unmapped (`mapped` bytes from va), its handles released, its addresses freed, in that order.
+  // Its handles stay charged as kCached until released: a range still mapped holds their memory.
+  struct Scratch {
+    CUdeviceptr va = 0;
+    size_t reserved = 0, mapped = 0, piece_bytes = 0;
+    std::vector<CUmemGenericAllocationHandle> handles;
+  };
+  // Takes `s` as far back to the driver as the driver lets it; true once nothing of it is left.
+  bool give_back_scratch(Scratch& s);
+  // Scratch ranges the driver refused to unmap or free: retried by release_free_handles.
+  std::vector<Scratch> stuck_scratch_;
   // Note [Unreachable mappings]: (segment, head) of mappings left without access.
   std::vector<std::pair<const Segment*, size_t>> unreachable_;
   std::vector<Segment*> arenas_;  // every arena of every pool this route backs

@@ -191,21 +191,34 @@ bool VmmRoute::stage_cut(Segment& seg, size_t head, size_t piece, StagedCut* st)
 void VmmRoute::drop_staged(StagedCut* st) {
   if (!st->charged) return;
   ContextGuard guard(ctx_.ctx);
-  const DriverApi* d = driver();
   const size_t bytes = st->count * granule_, piece_bytes = st->piece * granule_;
-  // Retried: a refusal here would leave memory the ledger no longer counts.
-  if (st->at_scratch > 0) retry_driver([&] { return d->memUnmap(st->scratch, st->at_scratch); });
-  if (st->scratch != 0) retry_driver([&] { return d->memAddressFree(st->scratch, bytes); });
-  for (CUmemGenericAllocationHandle h : st->handles) {
-    if (retry_driver([&] { return d->memRelease(h); }) == CUDA_SUCCESS) {
-      budget_.uncharge(piece_bytes, st->placement);
-    } else {
-      stuck_runs_.emplace_back(h, piece_bytes);  // still charged: retried later
-      budget_.move(piece_bytes, st->placement, kCached);
-    }
-  }
-  budget_.uncharge(bytes - st->handles.size() * piece_bytes, st->placement);
+  const size_t held = st->handles.size() * piece_bytes;
+  budget_.uncharge(bytes - held, st->placement);  // never created
+  budget_.move(held, st->placement, kCached);
+  Scratch scratch{st->scratch, bytes, st->at_scratch, piece_bytes, std::move(st->handles)};
   *st = StagedCut{};
+  // A refusal here must not leave memory the ledger no longer counts: what stays is retried.
+  if (!give_back_scratch(scratch)) stuck_scratch_.push_back(std::move(scratch));
+}
+
+bool VmmRoute::give_back_scratch(Scratch& s) {
+  const DriverApi* d = driver();
+  if (s.mapped > 0) {
+    if (retry_driver([&] { return d->memUnmap(s.va, s.mapped); }) != CUDA_SUCCESS) return false;
+    s.mapped = 0;
+  }
+  for (CUmemGenericAllocationHandle h : s.handles) {
+    if (retry_driver([&] { return d->memRelease(h); }) == CUDA_SUCCESS)
+      budget_.uncharge(s.piece_bytes, kCached);
+    else
+      stuck_runs_.emplace_back(h, s.piece_bytes);  // unmapped, still charged as kCached: retried later
+  }
+  s.handles.clear();
+  if (s.va != 0) {
+    if (retry_driver([&] { return d->memAddressFree(s.va, s.reserved); }) != CUDA_SUCCESS) return false;
+    s.va = 0;
+  }
+  return true;
 }
 
 bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
@@ -275,7 +288,8 @@ bool VmmRoute::commit_cut(Segment& seg, StagedCut* st) {
   }
   call = "cuMemSetAccess";
   if ((r = d->memSetAccess(va, bytes, access_.data(), access_.size())) != CUDA_SUCCESS) return undo(true);
-  retry_driver([&] { return d->memAddressFree(st->scratch, bytes); });
+  Scratch scratch{st->scratch, bytes, 0, piece_bytes, {}};  // only its addresses are left
+  if (!give_back_scratch(scratch)) stuck_scratch_.push_back(std::move(scratch));
   bump(ledger_.num_device_alloc, static_cast<int64_t>(st->handles.size()));
   note_unmap(seg, head);
   for (size_t i = 0; i < st->handles.size(); ++i) note_map(seg, head + i * st->piece, st->piece, st->handles[i]);
