@@ -34,12 +34,14 @@ def test_checksums_are_compared_run_by_run_and_say_equal_differs_or_vary(monkeyp
     assert tool.main() == 0
     out = capsys.readouterr().out.splitlines()
     rows = {ln.split()[0]: ln.split() for ln in out if ln.split() and ln.split()[0] in native}
-    assert rows["steady"][7:9] == ["equal", "1/1"]
-    assert rows["apart"][7:9] == ["DIFFERS", "1/1"]
-    assert rows["steps"][7:9] == ["equal", "3/3"]
-    assert rows["noisy"][7:9] == ["VARY", "3/1"]
-    assert out[-1] == ("RESULT bench_e2e steady=0.900x,rsv=1.00 apart=0.900x,rsv=1.00,CHECKS_DIFFERS "
-                       "steps=0.900x,rsv=1.00 noisy=0.900x,rsv=1.00,CHECKS_VARY")
+    assert rows["steady"][8:10] == ["equal", "1/1"]
+    assert rows["apart"][8:10] == ["DIFFERS", "1/1"]
+    assert rows["steps"][8:10] == ["equal", "3/3"]
+    assert rows["noisy"][8:10] == ["VARY", "3/1"]
+    assert rows["steady"][4] == "0.900-0.900"  # six pairs: the least and the most bound the median
+    assert out[-1] == ("RESULT bench_e2e steady=0.900x[0.900-0.900],rsv=1.00 apart=0.900x[0.900-0.900],rsv=1.00,"
+                       "CHECKS_DIFFERS steps=0.900x[0.900-0.900],rsv=1.00 noisy=0.900x[0.900-0.900],rsv=1.00,"
+                       "CHECKS_VARY")
 
 
 def test_a_described_gpu_side_names_the_first_kernel_that_differs(monkeypatch, capsys):

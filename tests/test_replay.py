@@ -533,3 +533,24 @@ def test_every_configuration_starts_without_the_callers_allocator_settings(monke
         env = {**os.environ, **environment(name)}
         want = {"expandable": "expandable_segments:True", "cudaMallocAsync": "backend:cudaMallocAsync"}.get(name, "")
         assert (env["PYTORCH_CUDA_ALLOC_CONF"], env["PYTORCH_ALLOC_CONF"]) == (want, ""), name
+
+
+def test_the_median_interval_is_the_binomial_order_statistics_and_holds_the_median_as_often_as_it_says():
+    import random
+
+    from torch_budget.replay.compare import median_interval
+
+    assert median_interval(range(16, 0, -1)) == (4, 13)      # the textbook 4th and 13th of 16
+    assert median_interval(range(1, 101)) == (40, 61)
+    assert median_interval([3, 1, 2, 5, 4, 6]) == (1, 6)     # six: only the extremes
+    assert median_interval([1, 2, 3, 4, 5]) is None          # five cannot give 95 %
+    assert median_interval([1, 2, 3, 4, 5], confidence=0.9) == (1, 5)
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ValueError, match="confidence"):
+            median_interval([1.0] * 10, confidence=bad)
+    rng = random.Random(5)
+    held = 0
+    for _ in range(2000):                                    # lognormal draws, true median 1.0
+        lo, hi = median_interval([rng.lognormvariate(0, 0.05) for _ in range(16)])
+        held += lo <= 1.0 <= hi
+    assert 0.95 <= held / 2000 <= 0.995                      # 0.979 by the binomial, within sampling

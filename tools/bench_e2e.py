@@ -21,7 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench import cuda_torch  # noqa: E402
-from torch_budget.replay.configs import CLEAN_ENVIRONMENT  # noqa: E402  (no torch import: the parent stays light)
+from torch_budget.replay.compare import median_interval  # noqa: E402  (no torch import: the parent stays light)
+from torch_budget.replay.configs import CLEAN_ENVIRONMENT  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ["llama_generate", "resnet_amp", "decode_graphs"]
@@ -122,8 +123,8 @@ def main():
                         f"{statistics.median(x['seconds'] for x in out['installed']['runs']):.3f} s, paired median "
                         f"{statistics.median(paired(out)):.3f}x")
             print(f"[round {r + 1}] {n}: {what}", file=sys.stderr, flush=True)
-    print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'<=1 in':>7} {'native rsv MiB':>15} "
-          f"{'tb rsv MiB':>11} {'checks':>8} {'kinds':>6}")
+    print(f"{'workload':16} {'native s':>9} {'tb s':>9} {'x native':>9} {'95% interval':>13} {'<=1 in':>7} "
+          f"{'native rsv MiB':>15} {'tb rsv MiB':>11} {'checks':>8} {'kinds':>6}")
     summary, failed = [], 0
     for n in names:
         ok = [x for x in res[n] if "error" not in x]
@@ -139,18 +140,22 @@ def main():
         tb_rsv = statistics.median(x["installed"]["peak_reserved"] for x in ok)
         verdict, native_kinds, tb_kinds = checks([(x["native"]["runs"], x["installed"]["runs"]) for x in ok])
         wins = sum(1 for q in ratios if q <= 1.0)
+        # Pairs as draws of one ratio: an interval that excludes 1.0 says these runs tell the two apart.
+        interval = median_interval(ratios)
+        shown = f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "too few"
         print(f"{n:16} {statistics.median(a['seconds'] for a, _ in pairs):9.3f} "
-              f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.3f}x {wins:>3}/{len(ratios):<3} "
+              f"{statistics.median(b['seconds'] for _, b in pairs):9.3f} {ratio:8.3f}x {shown:>13} {wins:>3}/{len(ratios):<3} "
               f"{nat_rsv / 2**20:15.0f} {tb_rsv / 2**20:11.0f} {verdict:>8} {native_kinds:>2}/{tb_kinds:<3}  rounds: "
               + " ".join(f"{x:.3f}" for x in per_round))
-        summary.append(f"{n}={ratio:.3f}x,rsv={tb_rsv / nat_rsv:.2f}{'' if verdict == 'equal' else ',CHECKS_' + verdict}")
+        summary.append(f"{n}={ratio:.3f}x[{shown}],rsv={tb_rsv / nat_rsv:.2f}{'' if verdict == 'equal' else ',CHECKS_' + verdict}")
     for n in names:
         line = gpu_side([x for x in res[n] if "error" not in x])
         if line:
             print(f"{n}: {line}")
     errors = [x["error"] for n in names for x in res[n] if "error" in x]
     print("(paired: each installed run over the native run next to it, the two processes taking turns; '<=1 in' "
-          "counts the pairs at or under native; peak reserved is each process's, medians over rounds; 'checks' "
+          "counts the pairs at or under native; '95% interval' bounds the median ratio, pairs taken as independent draws (an "
+          "interval holding 1.0: these runs cannot tell the two apart); peak reserved is each process's, medians over rounds; 'checks' "
           "compares the outputs' checksums run by run: equal, DIFFERS, or VARY where a side's run gives another "
           "checksum in another round (not deterministic: says nothing of the allocator); 'kinds' counts each "
           "side's distinct checksums, native/installed)")

@@ -23,6 +23,7 @@ Note [Packing time]: moves draw on a share of wall-clock time): it packs as a pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -173,6 +174,25 @@ def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes
             record(r, config, pinned, run_child(config, list(traces), pinned, passes, touch, timeout),
                    done, rounds * len(plan))
     return list(runs.values())
+
+
+def median_interval(values, confidence: float = 0.95) -> tuple | None:
+    """A distribution-free confidence interval for the median of `values` (independent draws):
+    the order statistics (k-th smallest, k-th largest) for the largest k whose chance of the
+    median lying outside is at most 1 - confidence, from the binomial distribution with p = 1/2.
+    None when there are too few values for any such interval (5 or fewer at 95 %)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}")
+    xs = sorted(values)
+    n = len(xs)
+    tail, below, k = (1 - confidence) / 2, 0.0, 0
+    # below: P(Binomial(n, 1/2) <= k - 1), the chance that fewer than k values lie under the median
+    while k < n // 2:
+        nxt = below + math.comb(n, k) / 2 ** n
+        if nxt > tail:
+            break
+        below, k = nxt, k + 1
+    return (xs[k - 1], xs[n - k]) if k > 0 else None
 
 
 def _time(res: dict) -> float:
