@@ -177,7 +177,7 @@ def test_a_plan_larger_than_the_device_budget_is_refused_and_sets_nothing():
     with pytest.raises(PlanDoesNotFitError) as raised:
         sample_plan().apply()
     message = str(raised.value)
-    for words in ("the plan does not fit device 0: its tag budgets add up to 70.0 MiB",
+    for words in ("the plan does not fit device 0: the tag budgets in force would add up to 70.0 MiB",
                   "weights 16.0 MiB", "kv 32.0 MiB", "22.0 MiB more than its budget of 48.0 MiB",
                   "torch_budget.set_budget"):
         assert words in message, (words, message)
@@ -211,6 +211,9 @@ def test_a_tag_holding_more_than_its_line_already_is_refused():
     assert all(b is None for b in budgets_now().values())
 
 
+_real_set_budget = None
+
+
 def _weights_at_40_mib_and_graphs_refused(undo_refused=False):
     """Installed over the host, with 'weights' at 40 MiB; set_budget then refuses the graphs tag
     a budget (RuntimeError), and with `undo_refused` putting 'weights' back to 40 MiB (OSError)."""
@@ -218,7 +221,8 @@ def _weights_at_40_mib_and_graphs_refused(undo_refused=False):
 
     installed_host()
     torch_budget.set_budget("40MiB", tag="weights")
-    real = allocator.set_budget
+    global _real_set_budget
+    real = _real_set_budget = allocator.set_budget
 
     def failing(budget, device=None, tag=None):
         if tag == "graphs" and budget is not None:
@@ -327,5 +331,56 @@ def test_when_putting_back_fails_too_the_failure_that_stopped_apply_is_raised_wi
     _weights_at_40_mib_and_graphs_refused(undo_refused=True)
     with pytest.raises(RuntimeError, match="refused") as e:
         sample_plan().apply()
-    assert any("putting back the budgets set before it failed too: OSError: cannot go back" in n
-               for n in getattr(e.value, "__notes__", ())), e.value
+    notes = "".join(getattr(e.value, "__notes__", ()))
+    assert "putting back the budgets set before it failed too: 'weights' on device 0 (OSError: cannot go back)" \
+        in notes, e.value
+    assert "call undo() on this error's `applied`" in notes
+    # what stayed on the plan's budget can still be put back, once the allocator lets it
+    from torch_budget import allocator
+
+    allocator.set_budget = _real_set_budget
+    assert budgets_now()["weights"] == 16 * MiB
+    e.value.applied.undo()
+    assert budgets_now()["weights"] == 40 * MiB and budgets_now().get("kv") is None
+
+
+def _plan_without_workspace():
+    """sample_plan's profile, planned with no eager workspace and a KV cap of 48 MiB."""
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=31 * MiB, total=CARD,
+                                     model_bytes=16 * MiB)
+    return planner.plan(prof, CacheCost(slope=4096), max_kv_bytes=48 * MiB)
+
+
+@pytest.mark.built("_host_core")
+@isolated
+@pytest.mark.parametrize("undo_order", ["earlier first", "later first"])
+def test_a_plan_applied_over_another_replaces_it_and_either_undo_returns_to_before_both(undo_order):
+    installed_host()
+    torch_budget.set_budget("64MiB", tag="kv")  # set before any plan: what undo must come back to
+    first, second = sample_plan(), _plan_without_workspace()
+    assert "workspace" in first.tag_budgets() and "workspace" not in second.tag_budgets()
+    a1 = first.apply()
+    a2 = second.apply()
+    # the second plan's budgets, and none of the first's left over (its workspace line went back)
+    assert {t: b for t, b in budgets_now().items() if b is not None} == second.tag_budgets()
+    if undo_order == "earlier first":
+        a1.undo()  # the device is the second plan's now: nothing of it changes
+        assert {t: b for t, b in budgets_now().items() if b is not None} == second.tag_budgets()
+        a2.undo()
+    else:
+        a2.undo()
+        a1.undo()  # must not bring the first plan's budgets back
+    assert {t: b for t, b in budgets_now().items() if b is not None} == {"kv": 64 * MiB}
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_the_fit_check_counts_the_budgets_of_tags_the_plan_does_not_name():
+    installed_host(budget="100MiB")
+    torch_budget.set_budget("40MiB", tag="encoder")  # 70 MiB of plan + 40 MiB > 100 MiB
+    with pytest.raises(PlanDoesNotFitError, match=r"would add up to 110\.0 MiB .*of tags the plan does not name, "
+                                                  r"encoder 40\.0 MiB\), 10\.0 MiB more than its budget"):
+        sample_plan().apply()
+    assert budgets_now().get("weights") is None  # nothing was set
+    torch_budget.set_budget(None, tag="encoder")
+    sample_plan().apply().undo()

@@ -18,6 +18,7 @@ nothing checks that they fit it: Plan.apply() after install() does.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from torch_budget.eager_workspace import WORKSPACE_TAG
@@ -75,42 +76,62 @@ def as_setting(n):
     return None if n is None else ("bytes", int(n))
 
 
+# Note [One plan in force per device]
+# A device holds the budgets of one plan at a time. apply() on a device where an earlier plan is in
+# force replaces it: the tags the earlier plan set and this one does not go back to their budgets from
+# before any plan, and the new plan's `previous` keeps those pre-plan budgets, so its undo() returns
+# the device to the state before the first plan. The earlier plan's undo() then leaves that device to
+# the later one (undoing it there would drop the later plan's budgets, or bring back its own). The
+# fit check counts every budget that will be in force, the tags the plan does not name included.
+# _lock makes apply() and undo() one step each for other threads.
+_lock = threading.RLock()
+_in_force: dict[int, "AppliedBudgets"] = {}
+
+
 @dataclass
 class AppliedBudgets:
     """What `Plan.apply()` set: `budgets` {tag: bytes} on each of `devices`, and `previous`
-    {device: {tag: the budget before, None for none}}. `undo()` puts the previous ones back;
-    used as a context manager, the block's end undoes them."""
+    {device: {tag: the budget before any plan, None for none}} of the devices where this plan is
+    still in force. `undo()` puts the previous ones back; used as a context manager, the block's
+    end undoes them."""
 
     budgets: dict[str, int]
     devices: tuple[int, ...]
     previous: dict[int, dict[str, int | None]] = field(default_factory=dict)
     undone: bool = False
+    superseded: dict[int, "AppliedBudgets"] = field(default_factory=dict)  # device -> the later plan
 
     def undo(self) -> None:
-        """Restore every tag's budget from before apply() (removing those it did not have);
-        idempotent. A budget that cannot go back (its tag now holds more than it) does not stop
-        the others: each is tried, the first refusal is raised after, naming the tags left on
-        the plan's budget, and a later undo() tries those again."""
-        if self.undone:
-            return
-        from torch_budget import allocator
+        """Restore every tag's budget from before the plan (removing those it did not have) on the
+        devices where this plan is still in force; idempotent. A device where a later apply()
+        replaced this plan is left to that one (Note [One plan in force per device]). A budget that
+        cannot go back (its tag now holds more than it) does not stop the others: each is tried,
+        the first refusal is raised after, naming the tags left on the plan's budget, and a later
+        undo() tries those again."""
+        with _lock:
+            if self.undone:
+                return
+            from torch_budget import allocator
 
-        first: Exception | None = None
-        left: list[str] = []
-        for device, tags in self.previous.items():
-            for tag, budget in list(tags.items()):
-                try:
-                    allocator.set_budget(as_setting(budget), device=device, tag=tag)
-                except Exception as e:  # noqa: BLE001 -- raised after the other tags went back
-                    first = first or e
-                    left.append(f"{tag!r} on device {device}")
-                else:
-                    del tags[tag]
-        if first is not None:
-            first.add_note(f"undo() restored every other budget; {', '.join(left)} stayed on the plan's "
-                           "budget: free memory of those tags, then call undo() again")
-            raise first
-        self.undone = True
+            first: Exception | None = None
+            left: list[str] = []
+            for device, tags in self.previous.items():
+                for tag, budget in list(tags.items()):
+                    try:
+                        allocator.set_budget(as_setting(budget), device=device, tag=tag)
+                    except Exception as e:  # noqa: BLE001 -- raised after the other tags went back
+                        first = first or e
+                        left.append(f"{tag!r} on device {device}")
+                    else:
+                        del tags[tag]
+                if not tags and _in_force.get(device) is self:
+                    del _in_force[device]
+            if first is not None:
+                first.add_note(f"undo() restored every other budget; {', '.join(left)} stayed on the plan's "
+                               "budget: free memory of those tags, then call undo() again")
+                raise first
+            self.previous.clear()
+            self.undone = True
 
     def __enter__(self) -> "AppliedBudgets":
         return self
@@ -135,20 +156,27 @@ def _room(stats: dict, outside_torch: int) -> tuple[int, str]:
             f"{format_bytes(outside_torch)} outside torch")
 
 
-def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, planned_total: int) -> None:
-    """PlanDoesNotFitError unless `budgets` fit the device `stats` describes (see the Note)."""
+def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, planned_total: int,
+               others: dict[str, int] | None = None) -> None:
+    """PlanDoesNotFitError unless `budgets`, with `others` {tag: bytes} (the budgets of tags the plan
+    does not name that stay in force), fit the device `stats` describes (see the Note)."""
     device = stats["device"]
-    need = sum(budgets.values())
+    others = {tag: n for tag, n in (others or {}).items() if tag not in budgets}
+    need = sum(budgets.values()) + sum(others.values())
     room, where = _room(stats, outside_torch)
-    parts = ", ".join(f"{tag} {format_bytes(n)}" for tag, n in budgets.items())
-    card = ("" if planned_total == stats["total"] else
-            f" The plan was made for a card of {format_bytes(planned_total)}; this one has "
-            f"{format_bytes(stats['total'])}.")
     if need > room:
+        parts = ", ".join(f"{tag} {format_bytes(n)}" for tag, n in budgets.items())
+        if others:
+            parts += "; and of tags the plan does not name, " + ", ".join(
+                f"{tag} {format_bytes(n)}" for tag, n in others.items())
+        card = ("" if planned_total == stats["total"] else
+                f" The plan was made for a card of {format_bytes(planned_total)}; this one has "
+                f"{format_bytes(stats['total'])}.")
         raise PlanDoesNotFitError(
-            f"the plan does not fit device {device}: its tag budgets add up to {format_bytes(need)} ({parts}), "
-            f"{format_bytes(need - room)} more than {where}.{card} Plan on this device's own profile, lower the "
-            "plan's fraction, or raise the device budget (torch_budget.set_budget(...), install(budget=...))")
+            f"the plan does not fit device {device}: the tag budgets in force would add up to {format_bytes(need)} "
+            f"({parts}), {format_bytes(need - room)} more than {where}.{card} Plan on this device's own profile, "
+            "lower the plan's fraction, remove other tags' budgets, or raise the device budget "
+            "(torch_budget.set_budget(...), install(budget=...))")
     over = {tag: stats["by_tag"][tag]["allocated"] for tag, n in budgets.items()
             if tag in stats["by_tag"] and stats["by_tag"][tag]["allocated"] > n}
     if over:
@@ -159,11 +187,24 @@ def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, plan
             "these allocations in place, or free them before apply()")
 
 
+def _staying(stats: dict, earlier: dict[str, int | None]) -> dict[str, int]:
+    """{tag: bytes} of the budgets that stay in force beside a new plan on a device: those set now,
+    the tags an earlier plan set back at their budgets from before it (`earlier`)."""
+    out = {tag: entry["budget"] for tag, entry in stats["by_tag"].items() if entry["budget"] is not None}
+    for tag, before in earlier.items():
+        if before is None:
+            out.pop(tag, None)
+        else:
+            out[tag] = before
+    return out
+
+
 def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, device=None) -> AppliedBudgets:
     """Set `budgets` {tag: bytes} on `device` (None: the current device; "all": every device
-    torch_budget serves now, at least one) after checking that they fit every one (check_fits);
-    a failure part way restores what was set and raises. Needs torch_budget.install()
-    (NotInstalledError)."""
+    torch_budget serves now, at least one) after checking that they fit every one (check_fits),
+    in place of a plan applied there before (Note [One plan in force per device]); a failure part
+    way restores what was set and raises, the AppliedBudgets as the error's `applied` where even
+    that failed. Needs torch_budget.install() (NotInstalledError)."""
     from torch_budget import _runtime, allocator
 
     lib = _runtime.require_installed("Plan.apply()")
@@ -173,23 +214,55 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
         raise InvalidArgumentError("Plan.apply(device='all'): no device serves allocations yet, so 'all' names "
                                    "none; apply the plan to a device by index (it is checked against that "
                                    "device), or after the first allocation")
-    seen = {}
-    for dev in devices:
-        seen[dev] = allocator.stats(dev)
-        check_fits(budgets, seen[dev], outside_torch=outside_torch, planned_total=planned_total)
-    applied = AppliedBudgets(dict(budgets), devices)
-    try:
+    with _lock:
+        seen, earlier = {}, {}
         for dev in devices:
-            by_tag = seen[dev]["by_tag"]
-            for tag, n in budgets.items():
-                before = by_tag[tag]["budget"] if tag in by_tag else None
-                allocator.set_budget(as_setting(n), device=dev, tag=tag)
-                applied.previous.setdefault(dev, {})[tag] = before
-    except BaseException as failure:
+            seen[dev] = allocator.stats(dev)
+            earlier[dev] = dict(_in_force[dev].previous.get(dev, {})) if dev in _in_force else {}
+            check_fits(budgets, seen[dev], outside_torch=outside_torch, planned_total=planned_total,
+                       others=_staying(seen[dev], earlier[dev]))
+        applied = AppliedBudgets(dict(budgets), devices)
+        done: list[tuple[int, str, int | None]] = []  # (device, tag, budget before this call): for a rollback
         try:
-            applied.undo()
-        except Exception as e:  # noqa: BLE001 -- the failure that stopped apply() is the one raised
-            failure.add_note(f"and putting back the budgets set before it failed too: {type(e).__name__}: {e}")
-        raise
-    return applied
+            for dev in devices:
+                by_tag = seen[dev]["by_tag"]
+                now = lambda tag: by_tag[tag]["budget"] if tag in by_tag else None  # noqa: E731
+                # The earlier plan's tags that this one does not set go back first: they free room.
+                for tag, before in earlier[dev].items():
+                    if tag not in budgets:
+                        allocator.set_budget(as_setting(before), device=dev, tag=tag)
+                        done.append((dev, tag, now(tag)))
+                for tag, n in budgets.items():
+                    allocator.set_budget(as_setting(n), device=dev, tag=tag)
+                    done.append((dev, tag, now(tag)))
+                    applied.previous.setdefault(dev, {})[tag] = earlier[dev].get(tag, now(tag))
+        except BaseException as failure:
+            _roll_back(done, failure, applied)
+            raise
+        for dev in devices:
+            if dev in _in_force:
+                replaced = _in_force[dev]
+                replaced.previous.pop(dev, None)
+                replaced.superseded[dev] = applied
+            _in_force[dev] = applied
+        return applied
 
+
+def _roll_back(done: list, failure: BaseException, applied: AppliedBudgets) -> None:
+    """Puts back the budgets apply() set before `failure`, latest first; where one cannot go back,
+    notes it on `failure` with undo()'s own advice, and hands the caller `applied` to undo later."""
+    from torch_budget import allocator
+
+    stuck = []
+    applied.previous.clear()  # what stays to undo is only what could not go back
+    for dev, tag, before in reversed(done):
+        try:
+            allocator.set_budget(as_setting(before), device=dev, tag=tag)
+        except Exception as e:  # noqa: BLE001 -- the failure that stopped apply() is the one raised
+            stuck.append(f"{tag!r} on device {dev} ({type(e).__name__}: {e})")
+            applied.previous.setdefault(dev, {})[tag] = before
+    if stuck:
+        failure.add_note("and putting back the budgets set before it failed too: " + "; ".join(stuck) +
+                         ". Those stay on the budget apply() gave them: free memory of those tags, then call "
+                         "undo() on this error's `applied`")
+        failure.applied = applied
