@@ -187,11 +187,11 @@ def test_every_option_of_every_command_says_its_default(command):
 
 
 def test_a_plan_whose_kv_pool_cannot_hold_one_request_of_the_longest_length_exits_1(capsys):
-    # 13 tokens of KV for requests of up to 2048 tokens: a plan no engine could serve with
+    # 12 tokens of KV for requests of up to 2048 tokens: a plan no engine could serve with
     assert cli.main(["plan", "--gpu-mem", "248.2MiB"]) == 1
     out, err = capsys.readouterr()
     assert "KV pool" in out
-    assert "the KV pool holds 13 tokens, fewer than one request of the longest length (2048 tokens)" in err
+    assert "the KV pool holds 12 tokens, fewer than one request of the longest length (2048 tokens)" in err
     assert "give more memory" in err
     # a cap the user gave is named, not more memory: most of the card was left unplanned
     assert cli.main(["plan", "--gpu-mem", "80GiB", "--max-kv-tokens", "1000"]) == 1

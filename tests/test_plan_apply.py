@@ -384,3 +384,21 @@ def test_the_fit_check_counts_the_budgets_of_tags_the_plan_does_not_name():
     assert budgets_now().get("weights") is None  # nothing was set
     torch_budget.set_budget(None, tag="encoder")
     sample_plan().apply().undo()
+
+
+@pytest.mark.built("_host_core")
+@isolated
+@pytest.mark.parametrize("tensors", [1, 8])
+def test_a_kv_pool_of_the_plans_tokens_fits_its_tag_budget_whatever_its_cost_per_token(tensors):
+    """70,272 B a token (not a multiple of the allocator's 512 B unit), capped at 1,001 tokens: the
+    pool, one tensor or eight of equal size, is charged more than its bytes; the KV line holds it."""
+    host = installed_host()
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=31 * MiB, total=CARD,
+                                     model_bytes=16 * MiB)
+    cost = CacheCost(slope=70272, tensors=tensors)
+    for p in (planner.plan(prof, cost, max_kv_tokens=1001), planner.plan(prof, cost, max_kv_bytes=64 * MiB)):
+        pool = cost.bytes_for_tokens(p.kv_tokens)
+        with p.apply():
+            ptrs = [under(host, "kv", pool // tensors) for _ in range(tensors)]
+            for ptr in ptrs:
+                host.free(ptr)

@@ -22,11 +22,22 @@ from torch_budget.planner import (
 # --- CacheCost ---------------------------------------------------------------------------------
 
 
-def test_tokens_for_budget_is_floor_of_budget_minus_intercept_over_slope():
+def test_tokens_for_budget_is_the_most_tokens_whose_cache_the_allocator_charges_within_it():
     cost = CacheCost(slope=4096, intercept=1000)
-    assert cost.tokens_for_budget(10 * 4096 + 1000) == 10
-    assert cost.tokens_for_budget(10 * 4096 + 999) == 9
     assert cost.bytes_for_tokens(10) == 10 * 4096 + 1000
+    # the allocator charges whole 512-byte units: 41,960 bytes of cache are charged 41,984
+    assert cost.charged_for_tokens(10) == 41984
+    assert cost.tokens_for_budget(41984) == 10
+    assert cost.tokens_for_budget(41983) == cost.tokens_for_budget(10 * 4096 + 1000) == 9
+    # each tensor of the cache is rounded up on its own
+    per_layer = CacheCost(slope=4096, intercept=1000, tensors=4)   # four of 10,490 bytes: 10,752 each
+    assert per_layer.charged_for_tokens(10) == 4 * 10752
+    parts = CacheCost(slope=4096, intercept=1000, tensors=4, one_size=False)  # sizes unknown: 511 B each at most
+    assert parts.charged_for_tokens(10) == (41960 + 4 * 511) // 512 * 512
+    for cost in (per_layer, parts):
+        for budget in range(40000, 50000, 37):  # the most tokens that fit, never one that does not
+            t = cost.tokens_for_budget(budget)
+            assert cost.charged_for_tokens(t) <= budget < cost.charged_for_tokens(t + 1)
 
 
 def test_tokens_for_budget_below_intercept_is_zero_not_negative():
@@ -43,7 +54,8 @@ def test_adding_costs_adds_slope_and_intercept_and_drops_policy_fields():
     kv = CacheCost(slope=4096, intercept=0, max_tokens_per_request=8192, policy="lru")
     state = CacheCost(slope=0, intercept=2 * MiB, max_tokens_per_request=1024, policy="pinned")
     total = kv + state
-    assert total == CacheCost(slope=4096, intercept=2 * MiB)
+    # each cache's tensors are rounded apart, and they are not of one size
+    assert total == CacheCost(slope=4096, intercept=2 * MiB, tensors=2, one_size=False)
     assert total.max_tokens_per_request is None and total.policy is None
 
 
@@ -329,7 +341,7 @@ def test_reserves_past_the_kv_budget_are_said_to_come_out_of_the_margin():
 
 def test_a_fractional_slope_gives_whole_bytes_that_read_back():
     p = plan(base_profile(), CacheCost(slope=1536.5), max_kv_tokens=1000)
-    assert p.kv_bytes == 1536500 and isinstance(p.kv_bytes, int)
+    assert p.kv_bytes == 1536512 and isinstance(p.kv_bytes, int)  # 1,536,500 B charged in 512 B units
     assert CacheCost(slope=0.5).bytes_for_tokens(3) == 2  # rounded up: never under-counts
     assert Plan.from_json(p.to_json()).kv_bytes == p.kv_bytes
 

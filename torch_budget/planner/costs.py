@@ -12,17 +12,26 @@ from torch_budget._validate import integer, non_negative_int, number
 from torch_budget.planner.ledger import CATEGORIES
 
 
+# The allocator's unit: every block, so every tag's charge, is a whole number of these bytes.
+ALLOCATION_UNIT = 512
+
+
 @dataclass(frozen=True)
 class CacheCost:
     """What a KV cache costs: `bytes = slope * tokens + intercept`.
 
     slope: bytes per cached token (all layers, K and V). intercept: per-request state that does
-    not grow with length (e.g. recurrent state). The remaining fields are per-request policy of
-    one cache; they are meaningless for a sum of caches and are dropped by `+`.
+    not grow with length (e.g. recurrent state). tensors: how many tensors the cache is allocated
+    as (1: one pool; 2 per layer: K and V apart): the allocator charges each in whole units of
+    ALLOCATION_UNIT bytes, so a budget must hold that rounding too (charged_for_tokens). The
+    remaining fields are per-request policy of one cache; they are meaningless for a sum of caches
+    and are dropped by `+`.
     """
 
     slope: int
     intercept: int = 0
+    tensors: int = 1
+    one_size: bool = True  # the tensors are all of one size (False for a sum of caches)
     max_tokens_per_request: int | None = None  # policy: longest sequence one request may hold
     policy: str | None = None  # policy: name of the cache's admission/eviction policy
 
@@ -33,24 +42,46 @@ class CacheCost:
                 raise ValueError(f"CacheCost.{name} must be a finite number of bytes, got {value}")
         if self.intercept < 0:
             raise ValueError(f"CacheCost.intercept must be >= 0, got {self.intercept}")
+        integer(self.tensors, "CacheCost.tensors", minimum=1)
+        if not isinstance(self.one_size, bool):
+            raise TypeError(f"CacheCost.one_size must be True or False, got {self.one_size!r}")
 
     def bytes_for_tokens(self, tokens: int) -> int:
         """Whole bytes, rounded up: a fractional slope (an average over layers) never under-counts."""
         non_negative_int(tokens, "tokens")
         return math.ceil(self.slope * tokens + self.intercept)
 
+    def charged_for_tokens(self, tokens: int) -> int:
+        """What the allocator charges a tag for the cache of `tokens` tokens, at most: each of its
+        `tensors` rounded up to whole ALLOCATION_UNITs (a tag budget of bytes_for_tokens() alone
+        refuses the last tensor whenever the cost is not a multiple of the unit)."""
+        unit, n, total = ALLOCATION_UNIT, self.tensors, self.bytes_for_tokens(tokens)
+        if self.one_size:  # n tensors of total / n bytes (rounded up: never under-counts) each
+            return n * ((-(-total // n) + unit - 1) // unit * unit)
+        return (total + n * (unit - 1)) // unit * unit  # each may be rounded up by unit - 1 bytes
+
     def tokens_for_budget(self, budget_bytes: int) -> int:
-        """Largest token count whose cost fits `budget_bytes`; 0 when nothing fits or the cache
-        does not grow with tokens (slope <= 0 would otherwise divide by zero or go negative)."""
+        """Largest token count whose cache, as the allocator charges it (charged_for_tokens), fits
+        `budget_bytes`; 0 when nothing fits or the cache does not grow with tokens (slope <= 0 would
+        otherwise divide by zero or go negative)."""
         if self.slope <= 0:
             return 0
-        return max(int((budget_bytes - self.intercept) // self.slope), 0)
+        hi = max(int((budget_bytes - self.intercept) // self.slope), 0)  # the cost alone fits
+        lo = max(int((budget_bytes - self.intercept - self.tensors * ALLOCATION_UNIT) // self.slope), 0)
+        if hi == 0 or self.charged_for_tokens(hi) <= budget_bytes:
+            return hi
+        # lo's cache fits (its cost leaves room for every tensor's rounding) or lo is 0; hi's does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.charged_for_tokens(mid) <= budget_bytes else (lo, mid)
+        return lo
 
     def __add__(self, other: "CacheCost") -> "CacheCost":
         # Two caches side by side (e.g. attention KV + recurrent state): costs add, policies don't.
         if not isinstance(other, CacheCost):
             return NotImplemented
-        return CacheCost(slope=self.slope + other.slope, intercept=self.intercept + other.intercept)
+        return CacheCost(slope=self.slope + other.slope, intercept=self.intercept + other.intercept,
+                         tensors=self.tensors + other.tensors, one_size=False)
 
     def shard(self, ways: int) -> "CacheCost":
         """Per-rank cost when tensor or context parallelism splits every token's KV `ways` ways.

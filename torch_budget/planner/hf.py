@@ -109,9 +109,11 @@ def model_shape(config, dtype: str = "bfloat16") -> ModelShape:
 
 
 def kv_cost(config, dtype: str = "bfloat16") -> CacheCost:
-    """KV bytes per cached token: one K and one V vector per KV head per layer."""
+    """KV bytes per cached token: one K and one V vector per KV head per layer, a K and a V tensor
+    per layer (as transformers' caches allocate them)."""
     slope = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * DTYPE_BYTES[dtype]
-    return CacheCost(slope=slope, max_tokens_per_request=config.max_position_embeddings)
+    return CacheCost(slope=slope, tensors=2 * config.num_hidden_layers,
+                     max_tokens_per_request=config.max_position_embeddings)
 
 
 def _torch_dtype(dtype: str):

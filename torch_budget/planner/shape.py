@@ -105,9 +105,9 @@ def weight_bytes(shape: ModelShape) -> int:
 
 def kv_cache_cost(shape: ModelShape) -> CacheCost:
     """KV bytes per token: one K and one V vector per KV head per layer. No per-request state
-    that is independent of length, so the intercept is 0."""
+    that is independent of length, so the intercept is 0; a K and a V tensor per layer."""
     slope = 2 * shape.layers * shape.kv_heads * shape.head_dim * shape.itemsize
-    return CacheCost(slope=slope, intercept=0, max_tokens_per_request=shape.max_seq_len)
+    return CacheCost(slope=slope, intercept=0, tensors=2 * shape.layers, max_tokens_per_request=shape.max_seq_len)
 
 
 def estimate_activation_bytes(shape: ModelShape, num_tokens: int, num_sequences: int = 1) -> int:

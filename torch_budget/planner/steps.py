@@ -260,7 +260,7 @@ def plan(
         caps.append(f"max_kv_bytes {format_bytes(max_kv_bytes)}")
         budget = min(budget, max_kv_bytes)
     if max_kv_tokens is not None:
-        cap_bytes = kv_cost.bytes_for_tokens(max_kv_tokens)
+        cap_bytes = kv_cost.charged_for_tokens(max_kv_tokens)
         caps.append(f"max_kv_tokens {max_kv_tokens} = {format_bytes(cap_bytes)}")
         budget = min(budget, max(cap_bytes, 0))
     steps.append(PlanStep(6, "caps", budget, ", ".join(caps) if caps else "no caps"))
