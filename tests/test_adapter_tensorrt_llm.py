@@ -9,6 +9,7 @@ import inspect
 import os
 
 import pytest
+import torch
 
 import torch_budget
 from _hostcore import OOM, MiB, Host, isolated, python_api_over, sees_cuda
@@ -280,6 +281,40 @@ def test_a_materialize_short_of_memory_keeps_earlier_tags_and_the_failing_one_wh
     torch_budget.set_budget(1 << 30)
     assert module.materialize_with_tag("a", "b") == 2
     assert host.peek(a, 4096) == b"a" * 4096 and host.peek(b, 4096) == b"c" * 4096
+
+
+@built
+@isolated
+def test_an_undo_that_runs_out_of_memory_does_not_stop_the_others_or_hide_the_failure(monkeypatch):
+    from torch_budget.errors import DriverError
+
+    host, module = _trt()
+    for tag, mode in (("a", module.RestoreMode.PINNED), ("b", module.RestoreMode.CPU),
+                      ("c", module.RestoreMode.PINNED)):
+        with module.scope(tag, mode):
+            _alloc(host, 4 * MiB, tag.encode())
+    real_release, real_restore = torch_budget.release, torch_budget.restore
+    refusals = iter([True])  # the first restore of the undo runs out of memory (a torch error)
+
+    def release(name, **kw):
+        if name == "c+pinned":
+            raise DriverError("c refused")
+        return real_release(name, **kw)
+
+    def restore(name, **kw):
+        if next(refusals, False):
+            raise torch.cuda.OutOfMemoryError(f"no room to restore {name}")
+        return real_restore(name, **kw)
+
+    monkeypatch.setattr(torch_budget, "release", release)
+    monkeypatch.setattr(torch_budget, "restore", restore)
+    with pytest.raises(DriverError, match="c refused") as raised:
+        module.release_with_tag("a", "b", "c")
+    notes = "".join(raised.value.__notes__)
+    assert "restoring 'b+cpu' again to undo it failed too (OutOfMemoryError" in notes
+    # b stays released (its undo failed), a was still put back
+    assert _states() == {"a+pinned": ("live", "pinned"), "b+cpu": ("released", "cpu"),
+                         "c+pinned": ("live", None)}, _states()
 
 
 @built

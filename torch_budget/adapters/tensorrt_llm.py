@@ -61,7 +61,7 @@ import torch_budget
 from torch_budget import diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
-from torch_budget.errors import InvalidArgumentError, TorchBudgetError, UnsupportedError
+from torch_budget.errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
            "serve_tensorrt_llm", "UnsupportedError"]
@@ -193,10 +193,8 @@ def release_with_tag(*tags: str) -> int:
             for name, backup in todo:
                 count += torch_budget.release(name, backup=backup, device="all")["allocations"]
                 done.append(name)
-        except BaseException:
-            for name in reversed(done):  # all or nothing
-                with contextlib.suppress(TorchBudgetError):
-                    torch_budget.restore(name, device="all")
+        except BaseException as failure:  # all or nothing
+            _undo_each(done, lambda name: torch_budget.restore(name, device="all"), "restoring", failure)
             raise
         return count
 
@@ -219,12 +217,23 @@ def materialize_with_tag(*tags: str) -> int:
                 for name in sorted(n for n in _registry.of(tag) if n in asleep):
                     count += torch_budget.restore(name, device="all")["allocations"]
                     done.append(name)
-            except BaseException:
-                for name in reversed(done):  # the failing tag stays released as a whole
-                    with contextlib.suppress(TorchBudgetError):
-                        torch_budget.release(name, backup=asleep[name], device="all")
+            except BaseException as failure:  # the failing tag stays released as a whole
+                _undo_each(done, lambda name: torch_budget.release(name, backup=asleep[name], device="all"),
+                           "releasing", failure)
                 raise
     return count
+
+
+def _undo_each(names: list[str], undo, doing: str, failure: BaseException) -> None:
+    """Undoes each of `names` (latest first) after `failure`; one whose undo fails too (out of memory
+    is a torch error, not torch_budget's) does not stop the others, and is noted on `failure`, which
+    stays the error raised."""
+    for name in reversed(names):
+        try:
+            undo(name)
+        except Exception as e:  # noqa: BLE001 -- the failure that stopped the call is the one raised
+            failure.add_note(f"and {doing} {name!r} again to undo it failed too ({type(e).__name__}: {e}), "
+                             "so it stays as the failure left it")
 
 
 _SERVED = ("scope", "maybe_scope", "preserve_contents", "release_with_tag", "materialize_with_tag")
