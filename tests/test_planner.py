@@ -1,6 +1,7 @@
 import contextlib
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -520,3 +521,28 @@ def test_workspace_reserve_holds_whole_tokens_only():
     # 10**15 B per attended token out of 10**6: no token fits, so nothing is reserved
     assert workspace_reserve(4096, 10**15, 10**6, 8) == WorkspaceReserve(0, 0)
     assert workspace_reserve(3, 7, 1000, 10_000) == WorkspaceReserve(bytes=700, tokens=100)
+
+
+def test_bad_plan_input_is_refused_naming_what_is_wrong():
+    from torch_budget.planner.ledger import LedgerLine
+
+    p = plan(base_profile(), COST, max_kv_bytes=20 * GiB)
+    for mutate, words in [(lambda d: d.update(total="80GiB"), "the plan's total must be an integer"),
+                          (lambda d: d.update(lines=[x for x in d["lines"] if x["category"] != "kv_pool"]),
+                           "0 KV pool line(s)"),
+                          (lambda d: d.update(kv_bytes=d["kv_bytes"] + 1), "1 KV pool line(s) where a plan has one, "
+                                                                            "of its kv_bytes")]:
+        d = json.loads(p.to_json())
+        mutate(d)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            Plan.from_dict(d)
+    with pytest.raises(TypeError, match="bytes are a whole number"):
+        LedgerLine("weights", "weights", 1.5, "a fraction of a byte")
+    with pytest.raises(TypeError, match=r"beside_peak is a list of Reserve, and holds int"):
+        plan(base_profile(), COST, beside_peak=[MiB])
+    with pytest.raises(TypeError, match=r"from_kv is a list of Reserve; got one Reserve: write from_kv=\[Reserve"):
+        plan(base_profile(), COST, from_kv=Reserve("g", MiB, "r", "graph_pools"))
+    with pytest.raises(TypeError, match="tags maps ledger categories to tags, as a dict"):
+        p.tag_budgets(["kv_pool"])
+    with pytest.raises(TypeError, match="to a tag"):
+        p.tag_budgets({"kv_pool": 3})

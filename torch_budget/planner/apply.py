@@ -45,7 +45,7 @@ def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> 
     maps a category to its tag, TAGS by default). A tag whose lines add up to 0 gets a budget of
     0: the plan gives it nothing, so nothing may be allocated under it (a tag the plan has no
     line for gets no budget)."""
-    tags = TAGS if tags is None else tags
+    tags = TAGS if tags is None else _checked_tags(tags)
     unknown = sorted(set(tags) - set(CATEGORIES))
     if unknown:
         raise ValueError(f"tags name ledger categories {unknown} that are not among {list(CATEGORIES)}")
@@ -55,6 +55,18 @@ def tag_budgets(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> 
         if tag is not None:
             out[tag] = out.get(tag, 0) + line.bytes
     return out
+
+
+def _checked_tags(tags) -> dict[str, str | None]:
+    """`tags` as given to tag_budgets(): a dict of ledger category -> tag (a str, or None for no tag)."""
+    if not isinstance(tags, dict):
+        raise TypeError(f"tags maps ledger categories to tags, as a dict (like planner.TAGS), got "
+                        f"{type(tags).__name__} ({tags!r})")
+    for category, tag in tags.items():
+        if not isinstance(category, str) or not (tag is None or isinstance(tag, str)):
+            raise TypeError(f"tags maps a ledger category (str) to a tag (str, or None for none), got "
+                            f"{category!r}: {tag!r}")
+    return tags
 
 
 def bounds(lines: list[LedgerLine], tags: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:

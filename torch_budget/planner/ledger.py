@@ -53,6 +53,8 @@ class LedgerLine:
     state: str = ""
 
     def __post_init__(self):
+        if isinstance(self.bytes, bool) or not isinstance(self.bytes, int):
+            raise TypeError(f"ledger line {self.name!r} has bytes {self.bytes!r}; bytes are a whole number (int)")
         if self.category not in CATEGORIES:
             raise ValueError(f"ledger category {self.category!r} is not one of {list(CATEGORIES)}")
         if self.bytes < 0 and self.category != "headroom":

@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch_budget._validate import fraction as _fraction, integer, non_negative_int
+from torch_budget._validate import fraction as _fraction, integer, non_negative_int, number
+from torch_budget.errors import InvalidArgumentError
 import torch_budget.planner.apply as _apply
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
 from torch_budget.planner.ledger import LedgerLine, format_table
@@ -116,13 +117,37 @@ class Plan:
             d["kv_cost"] = CacheCost.from_dict(d["kv_cost"])
             d["lines"] = [LedgerLine.from_dict(x) for x in d["lines"]]
             d["steps"] = [PlanStep(**x) for x in d["steps"]]
-            return cls(**d)
-        except (TypeError, AttributeError, KeyError) as e:
+            for name in ("total", "kv_bytes", "kv_tokens", "workspace_tokens", "world_size", "kv_shards"):
+                if name in d:
+                    integer(d[name], f"the plan's {name}", minimum=1 if name in ("total", "world_size",
+                                                                                 "kv_shards") else 0)
+            number(d["fraction"], "the plan's fraction")
+            plan = cls(**d)
+        except (TypeError, AttributeError, KeyError, InvalidArgumentError) as e:
             raise ValueError(f"not a torch_budget plan: {e}") from None
+        kv = [line for line in plan.lines if line.category == "kv_pool"]
+        if len(kv) != 1 or kv[0].bytes != plan.kv_bytes:
+            raise ValueError(f"not a torch_budget plan: it has {len(kv)} KV pool line(s) where a plan has one, "
+                             "of its kv_bytes")
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+def _reserves(given, what: str) -> list[Reserve]:
+    """`given` as a list of Reserve, or TypeError naming `what` and what it holds instead."""
+    if isinstance(given, Reserve):
+        raise TypeError(f"{what} is a list of Reserve; got one Reserve: write {what}=[{given!r}]")
+    if isinstance(given, (str, bytes, dict)) or not hasattr(given, "__iter__"):
+        raise TypeError(f"{what} is a list of Reserve, got {type(given).__name__} ({given!r})")
+    out = list(given)
+    for r in out:
+        if not isinstance(r, Reserve):
+            raise TypeError(f"{what} is a list of Reserve, and holds {type(r).__name__} ({r!r}): write "
+                            f"Reserve(name, bytes, reason)")
+    return out
 
 
 def _min_over_ranks(value: int, group) -> tuple[int, int]:
@@ -191,6 +216,7 @@ def plan(
         hint = f": for {kv_cost!r} bytes per token write CacheCost(slope={kv_cost!r})" if numeric else ""
         raise TypeError(f"kv_cost must be a CacheCost, got {type(kv_cost).__name__}{hint}")
     _fraction(fraction, "fraction")
+    beside_peak, from_kv = _reserves(beside_peak, "beside_peak"), _reserves(from_kv, "from_kv")
     non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
     non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
     non_negative_int(eager_workspace_in_peak, "eager_workspace_in_peak")
