@@ -45,3 +45,32 @@ def test_plan_budget_is_min_over_ranks_in_bytes(ranks):
         assert results[rank]["world_size"] == 2
         assert results[rank]["kv_bytes"] == expected
         assert results[rank]["kv_tokens"] == CacheCost(slope=cfg["slope"]).tokens_for_budget(expected)
+
+
+WORKSPACE_CHILD = """
+import json, os, sys
+import torch.distributed as dist
+from torch_budget.planner import CacheCost, Profile, plan
+
+non_torch = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=os.environ["TB_INIT_METHOD"], rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]))
+GiB = 1 << 30
+prof = Profile.from_measurements(torch_peak=20 * GiB, torch_used=20 * GiB, total_used=20 * GiB + non_torch,
+                                 total=80 * GiB, model_bytes=16 * GiB)
+p = plan(prof, CacheCost(slope=64 * 1024), workspace_bytes_per_token=1024, max_batch=64, max_num_tokens=8192,
+         max_seq_len=1 << 20)
+dist.destroy_process_group()
+print(json.dumps({"kv_bytes": p.kv_bytes, "workspace_tokens": p.workspace_tokens,
+                  "workspace": p.line("per-token workspace").bytes}))
+"""
+
+
+def test_the_workspaces_admission_cap_is_one_for_all_ranks(ranks):
+    """1 GiB and 9 GiB outside torch: each rank's own split gives another cap; a scheduler admitting
+    up to rank 0's would take rank 1's workspace past its line."""
+    outs = ranks(WORKSPACE_CHILD, 2, timeout=120, rank_args=[[1 * GiB], [9 * GiB]])
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert results[0]["kv_bytes"] == results[1]["kv_bytes"]
+    assert results[0]["workspace_tokens"] == results[1]["workspace_tokens"] > 0
+    assert results[0]["workspace"] == results[1]["workspace"] == results[0]["workspace_tokens"] * 1024

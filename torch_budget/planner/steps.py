@@ -294,6 +294,12 @@ def plan(
     # 7. min over ranks, in bytes
     capped = budget
     budget, world = _min_over_ranks(budget, group)
+    if world > 1 and workspace_bytes_per_token > 0:  # the same on every rank, so every rank reduces
+        # One admission cap for all: a scheduler admitting up to its own rank's cap would take
+        # another rank's workspace past its line.
+        fewest, _ = _min_over_ranks(ws.tokens, group)
+        if fewest < ws.tokens:
+            ws = WorkspaceReserve(fewest * workspace_bytes_per_token, fewest)
     if world > 1:
         ranks = f"min over {world} ranks"
     elif kv_shards > 1:
