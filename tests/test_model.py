@@ -1,4 +1,6 @@
 """The demo's model and its paged KV cache (torch_budget.demo.model), on CPU unless marked."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,12 +44,14 @@ def test_kv_cost_per_token_matches_the_cache_tensors():
 
 
 def test_cache_from_budget_uses_tokens_for_budget_rounded_to_blocks():
-    cost = kv_cache_cost(TINY)
-    budget = cost.bytes_for_tokens(37) + cost.slope - 1  # 37 tokens fit, 38 do not
-    assert cost.tokens_for_budget(budget) == 37
-    cache = PagedKVCache.from_budget(TINY, budget, max_batch=2, block_size=8)
-    assert cache.num_blocks == 37 // 8
-    assert cache.nbytes <= budget
+    cost = dataclasses.replace(kv_cache_cost(TINY), tensors=2)  # the pool's K and V tensors
+    budget = cost.charged_for_tokens(38)  # 38 tokens fit, as the allocator charges them; 39 do not
+    assert cost.tokens_for_budget(budget) == 38 and cost.charged_for_tokens(39) > budget
+    tables = -(-PagedKVCache.table_bytes(TINY, 2, 8) // 512) * 512
+    cache = PagedKVCache.from_budget(TINY, budget + tables, max_batch=2, block_size=8)
+    assert cache.num_blocks == 38 // 8
+    charged = sum(-(-t.nbytes // 512) * 512 for t in (cache.k, cache.v, cache.block_tables))
+    assert charged <= budget + tables  # what the KV tag is charged: the pool fits its own budget
 
 
 def test_cache_from_budget_leaves_room_for_its_block_tables():
@@ -56,7 +60,9 @@ def test_cache_from_budget_leaves_room_for_its_block_tables():
     cache = PagedKVCache.from_budget(TINY, budget, max_batch=2, block_size=8)
     assert cache.block_tables.nbytes == PagedKVCache.table_bytes(TINY, 2, 8) == 2 * 5 * 8
     assert cache.num_blocks == 4 and cache.nbytes + cache.block_tables.nbytes <= budget
-    assert PagedKVCache.from_budget(TINY, budget + 80, max_batch=2, block_size=8).num_blocks == 5
+    # the 80 bytes of tables are charged a whole 512-byte unit
+    assert PagedKVCache.from_budget(TINY, budget + 511, max_batch=2, block_size=8).num_blocks == 4
+    assert PagedKVCache.from_budget(TINY, budget + 512, max_batch=2, block_size=8).num_blocks == 5
 
 
 def test_cache_from_too_small_budget_names_the_numbers():

@@ -10,11 +10,13 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
+from torch_budget.planner.costs import ALLOCATION_UNIT
 from torch_budget.planner.shape import ModelShape, kv_cache_cost
 
 DTYPES = {
@@ -76,9 +78,11 @@ class PagedKVCache:
         block tables: the pool and its tables together never exceed the budget."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        cost = kv_cache_cost(_checked(cfg))
+        # Two tensors (K and V, every layer in each), and the tables, as the allocator charges them.
+        cost = dataclasses.replace(kv_cache_cost(_checked(cfg)), tensors=2)
         tables = cls.table_bytes(cfg, max_batch, block_size)
-        tokens = cost.tokens_for_budget(budget_bytes - tables)
+        unit = ALLOCATION_UNIT
+        tokens = cost.tokens_for_budget(budget_bytes - (tables + unit - 1) // unit * unit)
         num_blocks = tokens // block_size
         if num_blocks < 2:
             raise ValueError(
