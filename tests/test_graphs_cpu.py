@@ -762,6 +762,83 @@ def test_an_out_of_memory_error_allocating_a_static_output_leaves_the_next_step_
     assert torch.allclose(out["y"], x @ weight)
 
 
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: a capture runs its pieces once, a replay does nothing."""
+
+    def replay(self):
+        pass
+
+    def reset(self):
+        pass
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+def _fake_cuda(monkeypatch, manager, *runners):
+    """Lets `runners` warm up, capture and step on the CPU: the device reads as cuda:0, and torch's
+    streams, graphs and pool handles are stand-ins (a fresh pool id per handle, as torch gives).
+    Warm-up and capture_bucket are the real ones, so the pool ledger is the real one too. Returns
+    an object whose `now` is True while a capture runs."""
+    import contextlib
+    import itertools
+    import types
+
+    import torch_budget.graphs.manager as manager_module
+
+    cuda = torch.device("cuda", 0)
+    manager.device = cuda
+    for runner in runners:
+        object.__setattr__(runner, "device", cuda)
+    ids = itertools.count(1000)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(ids)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    capturing = types.SimpleNamespace(now=False)
+
+    @contextlib.contextmanager
+    def graph(graph, pool=None, stream=None):
+        capturing.now = True
+        try:
+            yield
+        finally:
+            capturing.now = False
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(manager_module, "_CAPTURE_STREAMS", {})
+    return capturing
+
+
+@pytest.mark.parametrize("pool", ["shared", "own"])
+def test_a_bucket_whose_second_piece_fails_to_capture_leaves_the_smaller_buckets_captured(monkeypatch, pool):
+    # The failed bucket's undo dropped the holder of its first piece, the pool's only one: the pool released
+    # itself, and every smaller bucket then failed capturing into a released pool (captured was ()).
+    def first(b):
+        return {"h": b["x"] + 1}
+
+    def second(b):
+        if capturing.now and b.bucket == 8:
+            raise torch.OutOfMemoryError("out of memory capturing bucket 8")
+        return {"y": b["h"] * 2}
+
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", [first, second], buckets=(2, 4, 8), pool=pool,
+                            inputs=[StaticInput("x", torch.float32, ())])
+    capturing = _fake_cuda(monkeypatch, manager, runner)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        runner.capture()
+    assert "bucket(s) [8] not captured (captured: (2, 4))" in "".join(getattr(e.value, "__notes__", ()))
+    assert runner.captured == (2, 4) and not manager.ledger.is_released(runner.pool)
+    assert manager.ledger.holders(runner.pool) == tuple(("g", b, p) for b in (2, 4) for p in (0, 1))
+    runner.close()
+    assert manager.pools() == {}
+
+
 def test_a_bucket_that_fails_to_capture_leaves_the_others_captured_and_serves_no_step(monkeypatch):
     import torch_budget.graphs.runner as runner_module
 
@@ -769,7 +846,10 @@ def test_a_bucket_that_fails_to_capture_leaves_the_others_captured_and_serves_no
     runner, _ = _runner(manager, buckets=(2, 4, 8))
     object.__setattr__(runner, "device", torch.device("cuda", 0))  # capture's path, with the device faked
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
+    # The stand-in captures hold no pool, so each capture() ends by releasing its pool: a fresh id per handle,
+    # as torch gives.
+    ids = iter(range(99, 200))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(ids)))
     monkeypatch.setattr(manager, "capture_stream", lambda: None)
     monkeypatch.setattr(runner, "_warm_up", lambda bucket, stream: None)
     refuse = {8}

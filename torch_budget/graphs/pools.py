@@ -5,7 +5,7 @@ from __future__ import annotations
 from .._validate import pool_handle as pool_key  # the key of a pool: its checked handle
 from ..errors import InvalidArgumentError, PoolInUseError, PoolReleasedError
 
-__all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "pool_key"]
+__all__ = ["PoolHandle", "PoolInUseError", "PoolLedger", "PoolReleasedError", "capture_guard", "pool_key"]
 
 PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() return
 
@@ -22,7 +22,23 @@ PoolHandle = tuple  # what torch.cuda.graph_pool_handle() and CUDAGraph.pool() r
 #   hands out a fresh handle for the next capture;
 # - a pool handed in from outside (pool=other.pool()) may still be held by graphs the
 #   ledger does not know, so only an explicit release() ends it;
-# - capturing into a released handle raises PoolReleasedError.
+# - capturing into a released handle raises PoolReleasedError;
+# - a runner's capture() holds the pool while it runs (capture_guard: piece -1, no graph), so
+#   that a bucket whose capture failed and was undone cannot release the pool under the
+#   buckets still to capture; dropped at the end, it releases the pool only when no bucket
+#   was captured.
+
+def capture_guard(runner: str) -> tuple:
+    """The holder that stands for `runner`'s capture in progress (see Note [Pool ownership])."""
+    return (runner, 0, -1)
+
+
+def _holder_text(holder: tuple) -> str:
+    runner, bucket, piece = holder
+    if piece < 0:
+        return f"runner {runner!r} (capturing now)"
+    return f"runner {runner!r} bucket {bucket} piece {piece}"
+
 
 class PoolLedger:
     """Which graphs hold which private pool. See Note [Pool ownership]."""
@@ -76,7 +92,7 @@ class PoolLedger:
             return
         holders = self._holders.get(key, set())
         if holders:
-            listed = ", ".join(f"runner {r!r} bucket {b} piece {p}" for r, b, p in sorted(holders))
+            listed = ", ".join(_holder_text(h) for h in sorted(holders))
             raise PoolInUseError(
                 f"graph pool {key} (owner: {self._owner.get(key, 'unknown')}) is still held by "
                 f"{len(holders)} graph(s): {listed}; close or release those runners first"

@@ -22,7 +22,7 @@ from .buckets import BucketRule, pad_to_bucket, resolve_buckets
 from .capture import CapturedBucket, capture_bucket
 from .outputs import StaticOutputs
 from .pieces import EagerPiece, call_eager
-from .pools import PoolHandle, PoolLedger, pool_key
+from .pools import PoolHandle, PoolLedger, capture_guard, pool_key
 from .staging import StaticInputs
 from .static import (
     AxisSize,
@@ -294,6 +294,10 @@ class GraphRunner:
         pool = self._pool = self._manager.capture_pool(self)
         stream = self._manager.capture_stream()
         failed: dict[int, Exception] = {}
+        # Held until every bucket was tried: a failed bucket's undo may drop the pool's last
+        # graph, and a pool of the manager's would then release itself under the buckets after it.
+        guard = capture_guard(self.name)
+        self._ledger.acquire(pool, guard)
         try:
             for bucket in pending:
                 try:
@@ -304,6 +308,7 @@ class GraphRunner:
                 except Exception as e:  # noqa: BLE001 -- raised below, once the other buckets were tried
                     failed[bucket] = e
         finally:
+            self._ledger.drop(pool, guard)  # releases a pool of the manager's only if nothing was captured
             self._available = sorted((set(self._available) | set(self._captured_buckets)) - set(failed))
             self._result_cache.clear()
         if failed:
