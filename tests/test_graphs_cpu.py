@@ -347,6 +347,22 @@ def test_step_data_that_autograd_tracks_leaves_the_buffers_untracked(source):
     assert runner.run_eager(2, x=torch.full((2, 2), 4.0))["y"].tolist() == [[8.0, 8.0]] * 2
 
 
+@pytest.mark.parametrize("last_outputs", ["copy", "in_pool"])
+def test_outputs_of_pieces_that_autograd_tracks_leave_the_output_buffers_untracked(last_outputs):
+    # A weight that requires grad (a module's parameter) made the in-place copy into the static output
+    # buffer tracked: the buffer took a grad_fn, results came back with requires_grad, and each run chained
+    # one more copy onto the buffer's graph, keeping every earlier run's activations alive.
+    weight = torch.ones(2, 2, requires_grad=True)
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", [lambda b: {"h": b["x"] @ weight}, lambda b: {"y": b["h"] * 2}], buckets=[2, 4],
+                            inputs=[StaticInput("x", torch.float32, (2,))], pool="own", last_outputs=last_outputs)
+    for n in (4, 2, 3):
+        out = runner.run_eager(n, x=torch.ones(n, 2))
+        assert out["y"].tolist() == [[4.0, 4.0]] * n
+        assert not any(t.requires_grad for t in out.values())
+        assert not any(t.requires_grad or t.grad_fn is not None for t in runner.outputs.values())
+
+
 def test_step_above_the_largest_bucket_raises_with_eager_hint():
     runner, _ = _runner(GraphPoolManager("cpu"))
     with pytest.raises(ValueError, match="9 rows exceed its largest bucket 8.*eagerly"):

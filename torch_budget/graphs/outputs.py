@@ -106,7 +106,7 @@ class StaticOutputs:
     def store(self, index: int, bucket: int, result: object,
               capturing: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Copy a piece's results into static outputs; returns (static views, outputs kept
-        as they are). See Note [Static outputs make pool sharing safe]."""
+        as they are), all untracked by autograd. See Note [Static outputs make pool sharing safe]."""
         pname = piece_name(self._pieces[index])
         if result is not None and not isinstance(result, Mapping):
             raise TypeError(
@@ -140,6 +140,9 @@ class StaticOutputs:
                     f"expected {expected} {dtype} on {device} (only its batch axis "
                     f"{self._axis[name]} may follow the bucket)"
                 )
+            # Detached: gradients cannot flow through a replay, and an in-place copy of a tracked
+            # tensor would make the static buffer tracked, each run chaining its graph onto the last.
+            tensor = tensor.detach()
             if name in self._kept:
                 kept[name] = tensor
                 continue

@@ -265,7 +265,8 @@ class GraphRunner:
     def run_eager(self, n: int, *, bucket: int | None = None, **data: object) -> dict[str, torch.Tensor]:
         """The step's computation without graphs, through the same static buffers and padding.
 
-        The reference for a replay, and the way to run a runner on a CPU device.
+        The reference for a replay, and the way to run a runner on a CPU device. As with
+        step(), the outputs are detached from autograd: a replay carries no gradients.
         """
         self._require_open()
         n = self._rows(n)
