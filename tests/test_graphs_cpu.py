@@ -855,6 +855,29 @@ def test_a_bucket_whose_second_piece_fails_to_capture_leaves_the_smaller_buckets
     assert manager.pools() == {}
 
 
+def test_steps_at_explicit_buckets_keep_the_staging_and_result_caches_bounded(monkeypatch):
+    # Both caches kept an entry per (bucket, rows) seen; with buckets agreed between ranks the rows can be
+    # anything up to the bucket: about 40,000 pairs at BucketRule(1024), each holding views of the buffers.
+    import random
+
+    from torch_budget.graphs.staging import STEP_CACHE_ENTRIES
+
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", lambda b: {"y": b["x"] * 2}, buckets=BucketRule(1024),
+                            inputs=[StaticInput("x", torch.float32, ())])
+    _fake_cuda(monkeypatch, manager, runner)
+    runner.capture()
+    rng = random.Random(0)
+    for _ in range(2000):
+        bucket = rng.choice(runner.buckets)
+        n = rng.randint(1, bucket)
+        assert runner.run_eager(n, bucket=bucket, x=torch.ones(n))["y"].shape == (n,)
+        assert runner.step(n, bucket=bucket, x=torch.ones(n))["y"].shape == (n,)
+    assert STEP_CACHE_ENTRIES <= 1024
+    assert len(runner._ins._copies_cache) <= STEP_CACHE_ENTRIES
+    assert len(runner._result_cache) <= STEP_CACHE_ENTRIES
+
+
 def test_a_bucket_that_fails_to_capture_leaves_the_others_captured_and_serves_no_step(monkeypatch):
     import torch_budget.graphs.runner as runner_module
 

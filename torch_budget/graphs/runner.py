@@ -9,6 +9,7 @@ manager that made it for the pool to capture into (RunnerOwner).
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from .capture import CapturedBucket, capture_bucket
 from .outputs import StaticOutputs
 from .pieces import EagerPiece, call_eager
 from .pools import PoolHandle, PoolLedger, capture_guard, pool_key
-from .staging import StaticInputs
+from .staging import STEP_CACHE_ENTRIES, StaticInputs
 from .static import (
     AxisSize,
     StaticBuffers,
@@ -97,8 +98,8 @@ class GraphRunner:
         self._outs = StaticOutputs(label, self._pieces, self._ins.names, output_axes or {}, self._all_buckets,
                                    self._keep_last)
         self._captured_buckets: dict[int, CapturedBucket] = {}
-        # Built on first use: (bucket, n, slot) -> the step's result views.
-        self._result_cache: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        # Built on first use, at most STEP_CACHE_ENTRIES: (bucket, n, slot) -> the step's result views.
+        self._result_cache: OrderedDict[tuple[int, int, int], dict[str, torch.Tensor]] = OrderedDict()
         self._closed = False
 
     def _require_open(self) -> None:
@@ -338,7 +339,8 @@ class GraphRunner:
         `bucket` overrides the padded size (e.g. the one agree() returned). Returns the
         outputs as views narrowed to n rows, valid until the next step, run_eager() or capture()
         (its warm-up runs the pieces, writing the same buffers); the same view
-        objects come back for the same (bucket, n), so do not change their shape in place.
+        objects come back for the same (bucket, n) while it stays among the last
+        STEP_CACHE_ENTRIES pairs stepped, so do not change their shape in place.
         """
         if self._closed:
             raise StateError(f"{self._label} is closed")
@@ -357,9 +359,14 @@ class GraphRunner:
         for run in plan.rest:
             run()
         key = (chosen, n, slot)
-        result = self._result_cache.get(key)
-        if result is None:
-            result = self._result_cache[key] = self._outs.result(chosen, n, plan.kept)
+        cache = self._result_cache
+        result = cache.get(key)
+        if result is not None:
+            cache.move_to_end(key)
+        else:
+            if len(cache) >= STEP_CACHE_ENTRIES:
+                cache.popitem(last=False)
+            result = cache[key] = self._outs.result(chosen, n, plan.kept)
         return dict(result)
 
     # -- teardown -----------------------------------------------------------------------
@@ -371,7 +378,7 @@ class GraphRunner:
 
     def _drop_plan(self, bucket: int) -> None:
         self._captured_buckets.pop(bucket).destroy(self._ledger, self._pool)
-        self._result_cache = {k: v for k, v in self._result_cache.items() if k[0] != bucket}
+        self._result_cache = OrderedDict((k, v) for k, v in self._result_cache.items() if k[0] != bucket)
 
     def release(self, bucket: int) -> None:
         """Destroy the graphs of one bucket; steps of that size then pad to the next bucket.

@@ -4,6 +4,7 @@ slot), and staging a step's data into them with padding."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -12,7 +13,7 @@ from .shadows import ShadowRing
 from .static import AxisSize, BufferLayout, StaticInput, input_shape
 from ..errors import InvalidArgumentError
 
-__all__ = ["StaticInputs"]
+__all__ = ["STEP_CACHE_ENTRIES", "StaticInputs"]
 
 
 class _InputCopy:
@@ -38,6 +39,12 @@ class _InputCopy:
         self.track = track
         self.data_end = data_end
         self.view_end = view_end
+
+
+# How many (bucket, rows) pairs the per-step caches (staging copies, a runner's results) keep,
+# least recently used dropped first: with an explicit bucket (agreed between ranks) the rows may
+# be anything up to it, so caching every pair seen would grow without limit.
+STEP_CACHE_ENTRIES = 1024
 
 
 class StaticInputs:
@@ -90,8 +97,8 @@ class StaticInputs:
         self._dirty = [[0] * len(self.specs) for _ in range(self.slots)]
         fenced = self._cuda and bool(self.host_names)
         self._ring = ShadowRing(self.slots, torch.cuda.Event if fenced else None)
-        # Built on first use: (bucket, n) -> (host copies, device copies).
-        self._copies_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
+        # Built on first use, at most STEP_CACHE_ENTRIES: (bucket, n) -> (host copies, device copies).
+        self._copies_cache: OrderedDict[tuple[int, int], tuple[tuple, tuple]] = OrderedDict()
 
     # -- buffers ------------------------------------------------------------------------
 
@@ -138,10 +145,13 @@ class StaticInputs:
     # -- staging ------------------------------------------------------------------------
 
     def _copies(self, bucket: int, n: int) -> tuple[tuple, tuple]:
-        """(host copies, device copies) for a step of n rows at `bucket`; cached."""
+        """(host copies, device copies) for a step of n rows at `bucket`; cached (STEP_CACHE_ENTRIES)."""
         key = (bucket, n)
-        staging = self._copies_cache.get(key)
-        if staging is None:
+        cache = self._copies_cache
+        staging = cache.get(key)
+        if staging is not None:
+            cache.move_to_end(key)
+        else:
             host, device = [], []
             for index, (name, spec) in enumerate(self.specs.items()):
                 cap = self.layouts[name].shapes[bucket]
@@ -158,7 +168,9 @@ class StaticInputs:
                 copy = _InputCopy(index, name, spec, shape, data, pad, track=spec.source == "host" and axis == 0,
                                   data_end=math.prod(shape), view_end=math.prod(cap))
                 (host if spec.source == "host" else device).append(copy)
-            staging = self._copies_cache[key] = (tuple(host), tuple(device))
+            if len(cache) >= STEP_CACHE_ENTRIES:
+                cache.popitem(last=False)
+            staging = cache[key] = (tuple(host), tuple(device))
         return staging
 
     def stage(self, bucket: int, n: int, data: Mapping[str, object]) -> int:
