@@ -735,6 +735,16 @@ def test_agree_without_distributed_returns_the_local_choice():
     assert manager.agree(None, 0) == (None, 0)
 
 
+def test_agree_with_a_runner_pads_the_choice_to_the_runners_buckets():
+    manager = GraphPoolManager("cpu")
+    runner, _ = _runner(manager)
+    assert manager.agree(3, "full", runner=runner) == (4, "full")
+    assert manager.agree(9, "full", runner=runner) == (None, "full")  # above its largest bucket: eager
+    other, _ = _runner(GraphPoolManager("cpu"))
+    with pytest.raises(ValueError, match="an open runner of this manager"):
+        manager.agree(3, "full", runner=other)
+
+
 def test_agree_rejects_unknown_tier_and_bad_bucket():
     manager = GraphPoolManager("cpu")
     with pytest.raises(ValueError, match="'turbo'"):

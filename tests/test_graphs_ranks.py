@@ -74,3 +74,51 @@ def test_ranks_whose_managers_list_different_tiers_all_raise(ranks):
     outs = ranks(agree_or_raise, 2, timeout=120,
                  rank_args=[[choices, ["full", "piecewise"]], [choices, ["full", "eager"]]])
     assert [json.loads(out.strip().splitlines()[-1]) for out in outs] == [["InvalidArgumentError"] * 2] * 2
+
+
+def agree_over_runners(runner_buckets, choices):
+    """One rank: runners named by `runner_buckets` (name -> this rank's buckets), then
+    manager.agree(bucket, "full", runner=runners[name]) for each (name, bucket) in `choices` (name
+    None: no runner); prints each agreed bucket as JSON, after checking the rank's runner has it."""
+    import torch
+    import torch.distributed as dist
+    from torch_budget.graphs import GraphPoolManager, StaticInput
+
+    dist.init_process_group("gloo", init_method=os.environ["TB_INIT_METHOD"], rank=int(os.environ["RANK"]),
+                            world_size=2)
+    manager = GraphPoolManager("cpu")
+    runners = {name: manager.runner(name, lambda b: {"y": b["x"] * 2}, buckets=buckets,
+                                    inputs=[StaticInput("x", torch.float32, ())])
+               for name, buckets in runner_buckets.items()}
+    agreed = []
+    for name, bucket in choices:
+        runner = runners.get(name)
+        got, _ = manager.agree(bucket, "full", runner=runner)
+        assert runner is None or got is None or got in runner.buckets, f"agreed on {got}, not among {runner.buckets}"
+        agreed.append(got)
+    dist.destroy_process_group()
+    print(json.dumps(agreed))
+
+
+def test_ranks_agree_only_on_a_bucket_every_ranks_runner_has_or_all_run_eagerly(ranks):
+    # Bucket 8 failed to capture on rank 1 (capture() goes on past a failed bucket, so the ranks' buckets may
+    # differ): agree() took the largest choice, 8, and rank 1's step raised while rank 0 replayed its
+    # collectives and waited for it.
+    rank0 = {"a": [2, 4, 8, 16], "b": [2, 8]}
+    rank1 = {"a": [2, 4, 16], "b": [2, 16]}
+    choices0 = [["a", 8], ["a", 4], ["a", 3], ["a", 9], ["a", 2], ["b", 8], ["b", 2], ["b", 2], ["a", 8]]
+    choices1 = [["a", 4], ["a", 8], ["a", 2], ["a", 2], ["a", None], ["b", 4], ["b", 2], ["b", 4], [None, 4]]
+    outs = ranks(agree_over_runners, 2, timeout=120, rank_args=[[rank0, choices0], [rank1, choices1]])
+    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+    assert r0 == r1, "ranks left agree() with different buckets"
+    assert r0 == [
+        16,    # the largest choice, 8, is not rank 1's: rank 1 rounds up to 16, which rank 0 has too
+        16,    # rank 1 pads its 8 rows to its own bucket, 16, before the exchange
+        4,     # 3 rows pad to 4 on rank 0; rank 1's 2 fits in it
+        16,    # 9 rows pad to 16
+        None,  # one rank runs eagerly: all do
+        None,  # 8 is rank 0's largest, 16 rank 1's: no bucket both have, so all run eagerly
+        2,     # both chose 2: kept
+        None,  # rank 1 pads 4 to 16, which rank 0 lacks
+        8,     # a rank that names no runner takes any bucket
+    ]

@@ -28,6 +28,13 @@ __all__ = ["GraphPoolManager"]
 # key; if all ranks picked the same it is kept, otherwise every rank takes the most
 # conservative one: the largest bucket (each rank's rows fit, the extra is padding) and the
 # most conservative tier. A rank that must run eagerly (bucket None) makes all run eagerly.
+# The largest bucket may be one a rank's runner lacks (capture() goes on past a bucket that
+# fails, and release() drops one), and that rank's step would raise while the others replay
+# collectives and wait. So with agree(runner=...) each rank first pads its choice to its
+# runner's buckets; then, while the ranks disagree, each pads the largest choice up to its own
+# next bucket and the ranks take the largest again (all-reduce max), until no rank moved it.
+# Every rank sees the same maxima, so every rank runs the same rounds; a rank past its largest
+# bucket answers "eager", which ends the rounds with every rank running eagerly.
 _EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
 
 
@@ -51,6 +58,22 @@ def _capture_stream(device: Any) -> Any:
         if stream is None:
             stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+def _common_bucket(top: int, runner: GraphRunner | None, group: Any, device: Any) -> int:
+    """The smallest bucket >= `top` that every rank's runner has, or _EAGER_BUCKET; every rank of
+    `group` calls it with the same `top`. See Note [Rank agreement]."""
+    import torch.distributed as dist
+
+    while top != _EAGER_BUCKET:
+        mine = top if runner is None else runner.bucket_for(top) or _EAGER_BUCKET
+        largest = torch.tensor([mine], dtype=torch.int64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        agreed = int(largest.item())
+        if agreed == top:  # no rank moved it: every rank has it
+            break
+        top = agreed
+    return top
 
 
 class GraphPoolManager:
@@ -183,13 +206,19 @@ class GraphPoolManager:
             raise InvalidArgumentError(f"graph tier code {code} is past the known tiers {self.tiers}")
         return code
 
-    def agree(self, bucket: int | None, tier: int | str, group: Any = None) -> tuple[int | None, int | str]:
+    def agree(self, bucket: int | None, tier: int | str, group: Any = None, *,
+              runner: GraphRunner | None = None) -> tuple[int | None, int | str]:
         """The (bucket, tier) every rank of `group` uses. See Note [Rank agreement].
 
         `bucket` None means this rank runs eagerly. Returns the local choice when all ranks
         agree, with world size 1, or when torch.distributed is not initialized. A bucket or
         tier refused on any rank, or managers whose tiers differ between ranks, raise on every
         rank, after the ranks have exchanged their choices: none is left waiting or replays alone.
+
+        `runner`: the runner (of this manager) the step goes to. The bucket agreed is then one
+        that every rank's runner has (runner.buckets), `bucket` (a row count or a bucket) padded
+        up to it; None, all ranks running eagerly, when no bucket at or above every choice is on
+        every rank's runner. A rank that passes no runner takes any bucket.
         """
         refused: Exception | None = None
         try:
@@ -198,6 +227,11 @@ class GraphPoolManager:
                 if bucket >= _EAGER_BUCKET:  # the code that says "eager" in the exchange
                     raise InvalidArgumentError(f"agree(): bucket {bucket} must be below 2**62")
             tier_code = self._encode_tier(tier)
+            if runner is not None:
+                if not isinstance(runner, GraphRunner) or self._runners.get(runner.name) is not runner:
+                    raise InvalidArgumentError(f"agree(): runner must be an open runner of this manager, got {runner!r}")
+                if bucket is not None:
+                    bucket = runner.bucket_for(bucket)
         except (TypeError, ValueError) as e:
             refused, tier_code = e, -1
         import torch.distributed as dist
@@ -211,7 +245,7 @@ class GraphPoolManager:
         if str(dist.get_backend(group)) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         bucket_code = -1 if refused is not None else _EAGER_BUCKET if bucket is None else bucket
-        mine = torch.tensor([bucket_code, tier_code, zlib.crc32("\0".join(self.tiers).encode())],
+        mine = torch.tensor([bucket_code, tier_code, zlib.crc32("\0".join(self.tiers).encode()), runner is not None],
                             dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
@@ -229,6 +263,8 @@ class GraphPoolManager:
         if all(row == rows[0] for row in rows):
             return bucket, tier
         top_bucket = max(row[0] for row in rows)
+        if any(row[3] for row in rows) and any(row[0] != top_bucket for row in rows):
+            top_bucket = _common_bucket(top_bucket, runner, group, device)
         top_tier = max(row[1] for row in rows)
         agreed_bucket = None if top_bucket == _EAGER_BUCKET else top_bucket
         if isinstance(tier, str):

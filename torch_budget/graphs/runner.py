@@ -336,7 +336,7 @@ class GraphRunner:
         """Stage `data` (host inputs into the next shadow slot, device inputs into their
         buffers), then replay the bucket's graphs in order with eager pieces in between.
 
-        `bucket` overrides the padded size (e.g. the one agree() returned). Returns the
+        `bucket` overrides the padded size (e.g. the one agree(runner=...) returned). Returns the
         outputs as views narrowed to n rows, valid until the next step, run_eager() or capture()
         (its warm-up runs the pieces, writing the same buffers); the same view
         objects come back for the same (bucket, n) while it stays among the last
