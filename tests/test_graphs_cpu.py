@@ -893,7 +893,8 @@ def test_a_bucket_that_fails_to_capture_leaves_the_others_captured_and_serves_no
 
     manager = GraphPoolManager("cpu")
     runner, _ = _runner(manager, buckets=(2, 4, 8))
-    object.__setattr__(runner, "device", torch.device("cuda", 0))  # capture's path, with the device faked
+    manager.device = torch.device("cuda", 0)  # capture's path, with the device faked
+    object.__setattr__(runner, "device", manager.device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # The stand-in captures hold no pool, so each capture() ends by releasing its pool: a fresh id per handle,
     # as torch gives.
@@ -1004,3 +1005,34 @@ def test_managers_on_two_threads_get_one_capture_stream_per_device(monkeypatch):
     for t in threads:
         t.join()
     assert len(got) == 2 and got[0] is got[1]
+
+
+def test_runners_on_two_threads_capture_on_the_shared_stream_one_at_a_time(monkeypatch):
+    # Every manager of a device captures on one stream, and nothing kept two threads from warming up or
+    # capturing on it at once: each capture would have taken in the other's work.
+    import threading
+    import time
+
+    guard = threading.Lock()
+    running = {"now": 0, "most": 0}
+
+    def piece(b):
+        with guard:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+        time.sleep(0.01)
+        with guard:
+            running["now"] -= 1
+        return {"y": b["x"] * 2}
+
+    managers = [GraphPoolManager("cpu") for _ in range(2)]
+    runners = [m.runner("g", piece, buckets=(2, 4), inputs=[StaticInput("x", torch.float32, ())]) for m in managers]
+    for manager, runner in zip(managers, runners):
+        _fake_cuda(monkeypatch, manager, runner)
+    threads = [threading.Thread(target=runner.capture) for runner in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.captured for r in runners] == [(2, 4), (2, 4)]
+    assert running["most"] == 1

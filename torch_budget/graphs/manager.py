@@ -38,8 +38,18 @@ __all__ = ["GraphPoolManager"]
 _EAGER_BUCKET = 1 << 62  # encodes "above every bucket" in the gathered tensor
 
 
+# Per device index, guarded by _CAPTURE_STREAMS_LOCK: the capture stream, and the lock a
+# runner's capture() holds across its warm-ups and captures on it, since work two threads
+# queued on the one stream at once would run in each other's warm-up or land in each
+# other's graph.
 _CAPTURE_STREAMS: dict[int, Any] = {}
+_CAPTURE_LOCKS: dict[int, threading.Lock] = {}
 _CAPTURE_STREAMS_LOCK = threading.Lock()
+
+
+def _device_index(device: Any) -> int:
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def _capture_stream(device: Any) -> Any:
@@ -48,16 +58,22 @@ def _capture_stream(device: Any) -> Any:
     torch asks that captures sharing a pool use the same stream, and warm-up runs on it
     so its lazy state exists before capture. It is shared by every manager because torch
     keeps a cuBLAS workspace per stream for good (about 32 MiB on Hopper): a stream per
-    manager would grow reserved memory with every manager created.
+    manager would grow reserved memory with every manager created. So captures on it take
+    turns (_capture_lock).
     """
-    index = torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     with _CAPTURE_STREAMS_LOCK:  # managers on two threads get the one stream
         stream = _CAPTURE_STREAMS.get(index)
         if stream is None:
             stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+def _capture_lock(device: Any) -> threading.Lock:
+    """The lock a capture on `device`'s capture stream holds, one per device for the whole process."""
+    index = _device_index(device)
+    with _CAPTURE_STREAMS_LOCK:
+        return _CAPTURE_LOCKS.setdefault(index, threading.Lock())
 
 
 def _common_bucket(top: int, runner: GraphRunner | None, group: Any, device: Any) -> int:
@@ -168,6 +184,10 @@ class GraphPoolManager:
     def capture_stream(self) -> Any:
         """The stream every capture on this manager's device uses (see _capture_stream)."""
         return _capture_stream(self.device)
+
+    def capture_lock(self) -> threading.Lock:
+        """Held while a capture uses the capture stream: every manager of the device shares it."""
+        return _capture_lock(self.device)
 
     def runner_keeping_pool(self, pool: PoolHandle) -> GraphRunner | None:
         """The open runner that keeps `pool` from every other runner, if any: one whose pool it

@@ -41,7 +41,8 @@ class RunnerOwner(Protocol):
 
     Neither reads the other's private state. The manager hands the runner the pool to
     capture into (capture_pool, from the runner's public pool_mode and pool) and the
-    capture stream (capture_stream), and says whether another runner keeps a handed-in pool
+    capture stream (capture_stream) with the lock that makes captures on it take turns
+    (capture_lock), and says whether another runner keeps a handed-in pool
     for itself, as its own or with its outputs in it (runner_keeping_pool); the runner reports its close
     (runner_closed). The runner records and drops its own graphs in `ledger`, and releases
     a pool of its own when it closes. See Note [Pool ownership].
@@ -53,6 +54,8 @@ class RunnerOwner(Protocol):
     def capture_pool(self, runner: GraphRunner) -> PoolHandle: ...
 
     def capture_stream(self) -> Any: ...
+
+    def capture_lock(self) -> Any: ...
 
     def runner_keeping_pool(self, pool: PoolHandle) -> GraphRunner | None: ...
 
@@ -285,11 +288,16 @@ class GraphRunner:
         or capture raises (out of memory, say) does not stop the others: the first error is
         raised once they were tried, and the buckets that failed serve no step (a step pads
         past them, or runs eagerly above the largest bucket captured) until a later capture()
-        captures them.
+        captures them. Captures of every manager on the device take turns (capture_lock): they
+        share its capture stream.
         """
         self._require_open()
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"{self._label} lives on {self.device}; CUDA graph capture needs a CUDA device")
+        with self._manager.capture_lock():  # one capture at a time on the shared capture stream
+            self._capture()
+
+    def _capture(self) -> None:
         pending = [b for b in reversed(self._all_buckets) if b not in self._captured_buckets]
         if not pending:
             return
