@@ -1036,3 +1036,22 @@ def test_runners_on_two_threads_capture_on_the_shared_stream_one_at_a_time(monke
         t.join()
     assert [r.captured for r in runners] == [(2, 4), (2, 4)]
     assert running["most"] == 1
+
+
+def test_a_step_while_a_tag_is_released_checks_the_static_outputs_too(monkeypatch):
+    # Only the pool and the static inputs were checked: a replay writing an output buffer of a released tag
+    # would have faulted the context instead of naming the tag.
+    import torch_budget.graphs.runner as runner_module
+
+    manager = GraphPoolManager("cpu")
+    runner, _ = _runner(manager, buckets=(2, 4))
+    _fake_cuda(monkeypatch, manager, runner)
+    runner.capture()
+    checked = []
+    monkeypatch.setattr(runner_module, "any_released", lambda: True)
+    monkeypatch.setattr(runner_module, "check_awake", lambda device, pool, tensors: checked.extend(tensors))
+    runner.step(3, x=torch.ones(3, HIDDEN), pos=torch.zeros(3))
+    storages = {t.untyped_storage().data_ptr() for t in checked}
+    buffers = [*runner.inputs.values(), *runner.outputs.values()]
+    assert list(runner.outputs) == ["y"]
+    assert all(b.untyped_storage().data_ptr() in storages for b in buffers)

@@ -96,6 +96,10 @@ class StaticOutputs:
             )
         return None
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The buffer of every static output."""
+        return list(self._flat.values())
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flat.values())

@@ -359,7 +359,8 @@ class GraphRunner:
             raise StateError(f"{self._label}: bucket {chosen} is not captured; call capture() first")
         if any_released():
             # A replay into released memory would fault the context: say which tag instead.
-            check_awake(self.device, self._pool and pool_key(self._pool), self._ins.device_buffers())
+            check_awake(self.device, self._pool and pool_key(self._pool),
+                        self._ins.device_buffers() + self._outs.device_buffers())
         slot = self._ins.stage(chosen, n, data)
         plan = captured.plans[slot]
         plan.first.replay()
