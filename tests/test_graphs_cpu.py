@@ -365,7 +365,11 @@ def test_outputs_of_pieces_that_autograd_tracks_leave_the_output_buffers_untrack
 
 def test_step_above_the_largest_bucket_raises_with_eager_hint():
     runner, _ = _runner(GraphPoolManager("cpu"))
-    with pytest.raises(ValueError, match="9 rows exceed its largest bucket 8.*eagerly"):
+    with pytest.raises(ValueError, match=r"9 rows exceed its largest bucket 8; run this step eagerly"):
+        runner.step(9, x=torch.randn(9, HIDDEN), pos=torch.zeros(9))
+    # run_eager pads into the same buffers: it cannot be the eager run it was told to do
+    with pytest.raises(ValueError, match=r"9 rows exceed its largest bucket 8: run_eager\(\) too pads into "
+                                         r"the static buffers.*call the pieces' forward without the runner"):
         runner.run_eager(9, x=torch.randn(9, HIDDEN), pos=torch.zeros(9))
 
 
@@ -1055,3 +1059,47 @@ def test_a_step_while_a_tag_is_released_checks_the_static_outputs_too(monkeypatc
     buffers = [*runner.inputs.values(), *runner.outputs.values()]
     assert list(runner.outputs) == ["y"]
     assert all(b.untyped_storage().data_ptr() in storages for b in buffers)
+
+
+def test_a_runner_whose_buckets_all_failed_to_capture_says_so_not_largest_bucket_none(monkeypatch):
+    def piece(b):
+        if capturing.now:
+            raise torch.OutOfMemoryError("out of memory capturing")
+        return {"y": b["x"] * 2}
+
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", piece, buckets=(2, 4, 8), inputs=[StaticInput("x", torch.float32, ())])
+    capturing = _fake_cuda(monkeypatch, manager, runner)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.capture()
+    with pytest.raises(ValueError, match=r"no bucket is captured: buckets \[2, 4, 8\] failed to capture; "
+                                         r"capture\(\) again.*or run this step eagerly") as e:
+        runner.step(3, x=torch.ones(3))
+    assert "largest bucket None" not in str(e.value)  # what it said
+    with pytest.raises(ValueError, match=r"no bucket is captured.*call the pieces' forward without the runner"):
+        runner.run_eager(3, x=torch.ones(3))
+
+
+def test_naming_a_bucket_that_failed_or_was_released_says_so_not_that_it_cannot_hold_the_rows(monkeypatch):
+    def piece(b):
+        if capturing.now and b.bucket == 8:
+            raise torch.OutOfMemoryError("out of memory capturing bucket 8")
+        return {"y": b["x"] * 2}
+
+    manager = GraphPoolManager("cpu")
+    runner = manager.runner("g", piece, buckets=(2, 4, 8), inputs=[StaticInput("x", torch.float32, ())])
+    capturing = _fake_cuda(monkeypatch, manager, runner)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.capture()
+    runner.release(2)
+    # it said "bucket 8 cannot hold 3 rows"
+    with pytest.raises(ValueError, match=r"bucket 8 failed to capture.*capture\(\) again"):
+        runner.step(3, bucket=8, x=torch.ones(3))
+    with pytest.raises(ValueError, match=r"bucket 8 failed to capture"):
+        runner.run_eager(3, bucket=8, x=torch.ones(3))
+    with pytest.raises(ValueError, match=r"bucket 2 was released.*capture\(\) again"):
+        runner.step(1, bucket=2, x=torch.ones(1))
+    with pytest.raises(ValueError, match=r"16 is not one of its buckets \(2, 4, 8\)"):
+        runner.step(3, bucket=16, x=torch.ones(3))
+    with pytest.raises(ValueError, match=r"bucket 4 cannot hold 5 rows"):
+        runner.step(5, bucket=4, x=torch.ones(5))

@@ -35,6 +35,11 @@ from .static import (
 
 __all__ = ["GraphRunner", "RunnerOwner"]
 
+# Why a bucket serves no step, said of one bucket and of several.
+_FAILED = ("failed to capture", "failed to capture")
+_RELEASED = ("was released", "were released")
+_NOT_AVAILABLE = ("is not available", "are not available")
+
 
 class RunnerOwner(Protocol):
     """What a GraphRunner asks of the manager that made it; GraphPoolManager implements it.
@@ -101,6 +106,8 @@ class GraphRunner:
         self._outs = StaticOutputs(label, self._pieces, self._ins.names, output_axes or {}, self._all_buckets,
                                    self._keep_last)
         self._captured_buckets: dict[int, CapturedBucket] = {}
+        # Buckets taken out of _available -> why, for messages: _FAILED or _RELEASED.
+        self._unavailable: dict[int, tuple[str, str]] = {}
         # Built on first use, at most STEP_CACHE_ENTRIES: (bucket, n, slot) -> the step's result views.
         self._result_cache: OrderedDict[tuple[int, int, int], dict[str, torch.Tensor]] = OrderedDict()
         self._closed = False
@@ -230,24 +237,46 @@ class GraphRunner:
             return n
         return positive_int(n, f"{self._label}: row count n")
 
-    def _choose_bucket(self, n: int, bucket: int | None) -> int:
-        """The bucket a step of n rows (an int >= 1, see _rows) is padded to."""
+    def _choose_bucket(self, n: int, bucket: int | None, eager: bool = False) -> int:
+        """The bucket a step (run_eager when `eager`) of n rows (an int >= 1, see _rows) is padded to."""
+        available = self._available
         if bucket is None:
-            available = self._available
             i = bisect.bisect_left(available, n)
-            if i == len(available):
-                top = available[-1] if available else None
+            if i < len(available):
+                return available[i]
+            instead = ("call the pieces' forward without the runner" if eager
+                       else "run this step eagerly (bucket_for(n) returns None for such steps)")
+            if not available:
                 raise InvalidArgumentError(
-                    f"{self._label}: {n} rows exceed its largest bucket {top}; run this step "
-                    "eagerly (bucket_for(n) returns None for such steps)"
+                    f"{self._label}: no bucket is captured: {self._why_unavailable(self._all_buckets)}; "
+                    f"capture() again to capture them (after freeing memory, if it ran out), or {instead}"
                 )
-            return available[i]
-        if bucket not in self._available or bucket < n:
+            above = self._why_unavailable([b for b in self._all_buckets if b > available[-1]])
+            where = f" ({above})" if above else ""
+            if eager:
+                raise InvalidArgumentError(
+                    f"{self._label}: {n} rows exceed its largest bucket {available[-1]}{where}: run_eager() too "
+                    f"pads into the static buffers of a bucket, so {instead} for such a step"
+                )
+            raise InvalidArgumentError(f"{self._label}: {n} rows exceed its largest bucket {available[-1]}{where}; {instead}")
+        if bucket in available and bucket >= n:
+            return bucket
+        if bucket not in self._all_buckets:
+            raise InvalidArgumentError(f"{self._label}: {bucket!r} is not one of its buckets {self._all_buckets}")
+        if bucket not in available:
             raise InvalidArgumentError(
-                f"{self._label}: bucket {bucket!r} cannot hold {n} rows "
-                f"(buckets: {tuple(self._available)})"
+                f"{self._label}: {self._why_unavailable([bucket])}; capture() again to capture it, or name "
+                f"another bucket (buckets now: {tuple(available)})"
             )
-        return bucket
+        raise InvalidArgumentError(f"{self._label}: bucket {bucket} cannot hold {n} rows (buckets: {tuple(available)})")
+
+    def _why_unavailable(self, buckets: Sequence[int]) -> str:
+        """Which of `buckets` serve no step and why, e.g. "bucket 8 failed to capture"."""
+        why: dict[tuple[str, str], list[int]] = {}
+        for b in buckets:
+            why.setdefault(self._unavailable.get(b, _NOT_AVAILABLE), []).append(b)
+        return "; ".join(f"bucket {bs[0]} {one}" if len(bs) == 1 else f"buckets {bs} {several}"
+                         for (one, several), bs in why.items())
 
     # -- eager runs, warm-up, capture, replay ------------------------------------------
 
@@ -274,7 +303,7 @@ class GraphRunner:
         """
         self._require_open()
         n = self._rows(n)
-        chosen = self._choose_bucket(n, bucket)
+        chosen = self._choose_bucket(n, bucket, eager=True)
         slot = self._ins.stage(chosen, n, data)
         kept = self._run_pieces_eagerly(chosen, slot)
         return self._outs.result(chosen, n, kept)
@@ -320,6 +349,9 @@ class GraphRunner:
         finally:
             self._ledger.drop(pool, guard)  # releases a pool of the manager's only if nothing was captured
             self._available = sorted((set(self._available) | set(self._captured_buckets)) - set(failed))
+            for bucket in self._captured_buckets:
+                self._unavailable.pop(bucket, None)
+            self._unavailable.update(dict.fromkeys(failed, _FAILED))
             self._result_cache.clear()
         if failed:
             first = next(iter(failed.values()))
@@ -401,6 +433,7 @@ class GraphRunner:
         self._synchronize()
         self._drop_plan(bucket)
         self._available.remove(bucket)
+        self._unavailable[bucket] = _RELEASED
 
     def close(self) -> None:
         """Destroy every graph and drop every static buffer and shadow; idempotent.
