@@ -625,3 +625,44 @@ def test_a_forked_child_refuses_allocations_and_ignores_frees():
     assert os.WEXITSTATUS(status) == 0
     assert h.allocated() == 4 * MiB    # the child's free did not reach the parent
     h.free(p)
+
+
+@isolated
+def test_a_budget_bounds_its_tag_and_every_tag_of_its_family_together():
+    """Note [Tag families]: the adapters keep a stack tag's memory under one tag per backup mode
+    ("kv", "kv+cpu"); a budget on "kv" bounds them all, each keeping its own figures."""
+    h = Host(route="vmm")
+    h.set_tag_budget("kv", 8 * MiB)
+
+    def under(tag, n):
+        h.push(tag=tag)
+        try:
+            return h.malloc(n)
+        finally:
+            h.pop()
+
+    a = under("kv", 4 * MiB)
+    b = under("kv+cpu", 3 * MiB)
+    with pytest.raises(OOM, match=r"tag 'kv' \(this allocation is under 'kv\+pinned', whose memory counts toward "
+                                  r"it\) would exceed its budget of 8\.00 MiB: it has 7\.00 MiB allocated"):
+        under("kv+pinned", 2 * MiB)
+    with pytest.raises(OOM, match=r"tag 'kv' would exceed its budget of 8\.00 MiB: it has 7\.00 MiB allocated"):
+        under("kv", 2 * MiB)
+    other = under("kvx", 16 * MiB)  # not of the family: a name that only starts alike
+    c = under("kv+pinned", 1 * MiB)  # what is left fits
+    tags = h.stats()["tags"]
+    assert [tags[t]["allocated"]["current"] for t in ("kv", "kv+cpu", "kv+pinned")] == [4 * MiB, 3 * MiB, 1 * MiB]
+    # a budget below what the family holds is refused, naming the family's figure
+    with pytest.raises(Exception, match=r"below what it already has allocated on device 0 \(8\.00 MiB\)"):
+        h.set_tag_budget("kv", 6 * MiB)
+    # a member's own budget bounds it alone, inside the family's
+    h.set_tag_budget("kv+cpu", 3 * MiB)
+    h.free(a)
+    with pytest.raises(OOM, match=r"tag 'kv\+cpu' would exceed its budget of 3\.00 MiB"):
+        under("kv+cpu", 1 * MiB)
+    # a member that held memory before its head was named joins the family once the head is
+    late = under("late+cpu", 4 * MiB)
+    with pytest.raises(Exception, match=r"below what it already has allocated on device 0 \(4\.00 MiB\)"):
+        h.set_tag_budget("late", 2 * MiB)
+    for p in (b, c, other, late):
+        h.free(p)

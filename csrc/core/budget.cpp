@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "error.h"
+#include "scope.h"
 
 namespace tb {
 
@@ -85,11 +86,39 @@ std::string Budget::torch_head(size_t size, size_t device_free, size_t device_to
          " is free. ";
 }
 
-std::string Budget::tag_oom_message(size_t size, size_t charged, int tag, const std::string& name,
+int64_t Budget::family_used(int tag) const {
+  const int head = tag_family(tag);
+  int64_t used = 0;
+  for (int t = 0; t < kMaxTags; ++t)
+    if (t == tag || (head == tag && tag_family(t) == tag)) used += tag_used(t);
+  return used;
+}
+
+int Budget::binding_tag(int tag) const {
+  const int head = tag_family(tag);
+  const int64_t own = tag_limit(tag) == kNone ? kNone : tag_limit(tag) - family_used(tag);
+  if (head < 0 || head == tag || tag_limit(head) == kNone) return tag;
+  return tag_limit(head) - family_used(head) < own ? head : tag;
+}
+
+int64_t Budget::tag_room(int tag) const {
+  const int head = tag_family(tag);
+  if (tag_limit(tag) == kNone && (head < 0 || head == tag || tag_limit(head) == kNone))
+    return kNone;  // no budget to add up: the allocation path's common case
+  const int t = binding_tag(tag);
+  return tag_limit(t) == kNone ? kNone : tag_limit(t) - family_used(t);
+}
+
+std::string Budget::tag_oom_message(size_t size, size_t charged, int member, const std::string& member_name,
                                     size_t device_free, size_t device_total) const {
-  const int64_t limit = tag_limit(tag), used = tag_used(tag);
+  const int tag = binding_tag(member);
+  const std::string name = tag == member ? member_name : tag_name(tag);
+  const int64_t limit = tag_limit(tag), used = family_used(tag);
   const int64_t room = limit > used ? limit - used : 0;
-  return torch_head(size, device_free, device_total) + "torch_budget: tag '" + name + "' would exceed its budget of " +
+  const std::string counted =
+      tag == member ? "" : " (this allocation is under '" + member_name + "', whose memory counts toward it)";
+  return torch_head(size, device_free, device_total) + "torch_budget: tag '" + name + "'" + counted +
+         " would exceed its budget of " +
          format_size(static_cast<uint64_t>(limit)) + ": it has " + format_size(static_cast<uint64_t>(used)) +
          " allocated, " + format_size(static_cast<uint64_t>(room)) + " left, and this allocation counts " +
          format_size(charged) + (charged > size ? " (its block, rounded up)" : "") + ". Other tags are not affected. To allow more, raise the tag's budget: "

@@ -21,6 +21,15 @@
 // back. A refusal is an out-of-memory error that names the tag, its budget, its use and
 // the knob, and leaves every other tag serving.
 //
+// Note [Tag families]
+// The adapters keep one stack tag's memory under several tags, one per backup mode ("kv" and
+// "kv+cpu": a release backs a whole tag up one way), while a plan bounds the stack's tag
+// as one line. So a tag named "X+suffix" belongs to X's family: its allocations count toward
+// X's budget as well as its own, and the budget of X bounds X and every "X+..." together
+// (the part before the first '+' names the family; a name without one heads its own). Each
+// tag keeps its own figures in the ledger; a refusal by the family's budget names X and says
+// the allocation's tag counts toward it.
+//
 // Lock rule: used only under the owning DeviceAllocator's mutex; the limits themselves
 // are atomic so that stats can read them without the lock.
 #pragma once
@@ -79,13 +88,16 @@ class Budget {
   int64_t tag_limit(int tag) const { return tag_limit_[tag].load(std::memory_order_relaxed); }
   void set_tag_limit(int tag, int64_t bytes) { tag_limit_[tag].store(bytes, std::memory_order_relaxed); }
   int64_t tag_used(int tag) const { return ledger_.tag[tag].allocated.get(); }
+  // Note [Tag families]: what `tag` and every tag of its family hold (tag_used for a tag
+  // without members).
+  int64_t family_used(int tag) const;
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
-  // What `tag` may still allocate under its budget: kNone without one, negative when over it.
-  int64_t tag_room(int tag) const {
-    const int64_t limit = tag_limit(tag);
-    return limit == kNone ? kNone : limit - tag_used(tag);
-  }
+  // What `tag` may still allocate under its budget and its family's (Note [Tag families]):
+  // kNone without either, negative when over one.
+  int64_t tag_room(int tag) const;
+  // The tag whose budget leaves `tag` the least room: `tag`, or the head of its family.
+  int binding_tag(int tag) const;
   // Whether `bytes` more allocated under `tag` stays within the tag's budget.
   bool tag_fits(int tag, size_t bytes) const {
     const int64_t room = tag_room(tag);

@@ -51,7 +51,7 @@ bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) no
   if (!Budget::check_tag_setting(tag, fraction)) return false;
   const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
   auto lock = hold();
-  const int64_t used = budget_.tag_used(tag);
+  const int64_t used = budget_.family_used(tag);
   TB_REQUIRE(limit == Budget::kNone || limit >= used, kInvalidArgument,
              "budget of " + format_size(static_cast<uint64_t>(limit)) + " for tag '" + tag_name(tag) +
                  "' is below what it already has allocated on device " + std::to_string(ctx_.device) + " (" +

@@ -25,6 +25,20 @@ constexpr size_t kTagBytes = 64;
 std::mutex g_tags_mu;
 char g_tags[kMaxTags][kTagBytes] = {"untagged"};
 int g_tag_count = 1;
+// Note [Tag families]: each registered tag's family id + 1 (its own for a head), 0 for an id
+// never registered; "untagged" heads its own. Written once under g_tags_mu when the tag is
+// registered, read without it. Plain storage, as above.
+std::atomic<int> g_family[kMaxTags] = {1};
+
+// The family head named by `name`'s part before its first '+' (-1: none, or not registered);
+// under g_tags_mu.
+int head_of(const std::string& name) {
+  const size_t plus = name.find('+');
+  if (plus == std::string::npos || plus == 0) return -1;
+  for (int i = 0; i < g_tag_count; ++i)
+    if (name.compare(0, plus, g_tags[i]) == 0 && g_tags[i][plus] == '\0') return i;
+  return -1;
+}
 
 }  // namespace
 
@@ -73,8 +87,19 @@ int tag_id(const std::string& name) {
     if (name == g_tags[i]) return i;
   TB_REQUIRE(g_tag_count < kMaxTags, kInvalidArgument,
              "too many tags (at most " + std::to_string(kMaxTags - 1) + "): cannot add '" + name + "'", -1);
-  std::memcpy(g_tags[g_tag_count], name.c_str(), name.size() + 1);
-  return g_tag_count++;
+  const int id = g_tag_count++;
+  std::memcpy(g_tags[id], name.c_str(), name.size() + 1);
+  // Note [Tag families]: a member joins its head if that is registered; a head, once
+  // registered, takes in the members registered before it.
+  const int head = head_of(name);
+  g_family[id].store((head >= 0 ? head : id) + 1);
+  for (int i = 1; i < id; ++i)
+    if (head_of(g_tags[i]) == id) g_family[i].store(id + 1);
+  return id;
+}
+
+int tag_family(int id) {
+  return id >= 0 && id < kMaxTags ? g_family[id].load(std::memory_order_acquire) - 1 : -1;
 }
 
 int tag_find(const std::string& name) {

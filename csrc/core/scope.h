@@ -37,7 +37,12 @@ bool pop_scope();
 
 // Tag registry: names to small integers, process-wide, never shrinks.
 // Returns -1 (kInvalidArgument) on an empty name or when the table is full.
+// Note [Tag families]: "X+suffix" belongs to X's family once both are registered.
 int tag_id(const std::string& name);
+// The family of tag `id`: the tag named by its name up to the first '+' ("kv" for
+// "kv+cpu") when that is registered, else `id` itself; -1 for an id never registered.
+// Lock-free: the allocation path asks it.
+int tag_family(int id);
 // The id of a registered tag, -1 when none has that name (registers nothing).
 int tag_find(const std::string& name);
 std::string tag_name(int id);
