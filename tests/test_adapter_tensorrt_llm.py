@@ -319,6 +319,34 @@ def test_an_undo_that_runs_out_of_memory_does_not_stop_the_others_or_hide_the_fa
 
 @built
 @isolated
+def test_a_plan_applied_with_plan_tags_bounds_tensorrt_llms_memory_in_every_mode():
+    from torch_budget import planner
+    from torch_budget.planner import CacheCost, Profile
+
+    host, module = _trt()
+    prof = Profile.from_measurements(torch_peak=28 * MiB, torch_used=28 * MiB, total_used=31 * MiB, total=4 << 30,
+                                     model_bytes=16 * MiB)
+    p = planner.plan(prof, CacheCost(slope=4096), max_kv_bytes=32 * MiB)
+    weights = module.ExecutorMemoryType.MODEL_WEIGHTS_MAIN
+    with module.scope(weights, module.RestoreMode.PINNED):
+        _alloc(host, 16 * MiB, b"w")  # the weights line, all of it
+    with p.apply(tags=module.PLAN_TAGS):
+        with pytest.raises(OOM, match=r"tag 'model_weights' \(this allocation is under 'model_weights\+pinned'"):
+            with module.scope(weights, module.RestoreMode.PINNED):
+                _alloc(host, 4 * MiB, b"x")
+        with module.scope("kv_cache"):
+            _alloc(host, 24 * MiB, b"k")
+            with module.preserve_contents():  # kv_cache+cpu: the same line
+                _alloc(host, 8 * MiB, b"m")
+                with pytest.raises(OOM, match="tag 'kv_cache'"):
+                    _alloc(host, 4096, b"n")
+    assert module.verify_sleep_wakeup_tags(["kv_cache", weights]) == [module.ExecutorMemoryType.KV_CACHE, weights]
+    with pytest.raises(ValueError, match="Unknown memory tag 'weights'"):
+        module.verify_sleep_wakeup_tags(["weights"])
+
+
+@built
+@isolated
 def test_a_device_without_vmm_is_refused():
     _, module = _trt(vmm=False)
     with pytest.raises(module.UnsupportedError, match="virtual memory management"):

@@ -42,6 +42,13 @@ nothing; a materialize that fails leaves the tags before it materialized and the
 TensorRT-LLM's does; it raises torch.cuda.OutOfMemoryError when the memory is not there, and a later call
 can succeed (the backup is kept). Tags are str (TensorRT-LLM's ExecutorMemoryType members are).
 
+A plan's budgets (torch_budget.planner, Plan.apply) bound TensorRT-LLM's memory through its tags: a budget on
+"kv_cache" bounds "kv_cache" and every "kv_cache+<mode>" together (Note [Tag families] in the core), so
+plan.apply(tags=PLAN_TAGS) puts the weights line on TensorRT-LLM's "model_weights" and the KV line on its
+"kv_cache", whatever modes its SleepConfig picks (releases before MODEL_WEIGHTS_MAIN kept the weights under
+"model": {**PLAN_TAGS, "weights": "model"}). ExecutorMemoryType and verify_sleep_wakeup_tags are TensorRT-LLM's
+own, for the releases whose virtual_memory module exports them.
+
 Scopes are per thread, torch_budget's (TensorRT-LLM's allocator setting is process-wide). What torch_budget
 cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError): a device without CUDA
 virtual memory management. Importing this module installs torch_budget (torch_budget.install(), settings
@@ -63,8 +70,8 @@ from torch_budget._validate import tag_name
 from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["RestoreMode", "maybe_scope", "scope", "preserve_contents", "release_with_tag", "materialize_with_tag",
-           "serve_tensorrt_llm", "UnsupportedError"]
+__all__ = ["RestoreMode", "ExecutorMemoryType", "maybe_scope", "scope", "preserve_contents", "release_with_tag",
+           "materialize_with_tag", "verify_sleep_wakeup_tags", "serve_tensorrt_llm", "PLAN_TAGS", "UnsupportedError"]
 
 
 class RestoreMode(enum.IntEnum):
@@ -74,6 +81,43 @@ class RestoreMode(enum.IntEnum):
     MEMSET = 1  # zeros
     CPU = 2  # copied back from pageable host memory
     PINNED = 3  # copied back from pinned host memory
+
+
+class ExecutorMemoryType(str, enum.Enum):
+    """The tags TensorRT-LLM's executor allocates under (its virtual_memory.ExecutorMemoryType)."""
+    SAMPLER = "sampler"
+    DRAFTER = "drafter"
+    GUIDED_DECODER = "guided_decoder"
+    SPEC_RESOURCES = "spec_resource_manager"
+    INIT_KV_CACHE = "_no_capture_init_kv_cache"
+    INIT_EXTRA_RESOURCES = "_no_capture_init_extra_resources"
+    MODEL_EXTRA = "model_extra"
+    EXTRA_RESOURCES = "executor_extra"
+    KV_CACHE = "kv_cache"
+    MODEL_ENGINE_MAIN = "model"
+    MODEL_ENGINE_DRAFT = "draft_model"
+    MODEL_WEIGHTS_MAIN = "model_weights"
+    MODEL_WEIGHTS_DRAFT = "draft_model_weights"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def verify_sleep_wakeup_tags(tags_strs) -> list[ExecutorMemoryType]:
+    """Each of `tags_strs` as an ExecutorMemoryType; ValueError naming an unknown one and the known ones."""
+    out = []
+    for tag in tags_strs:
+        try:
+            out.append(ExecutorMemoryType(tag))
+        except ValueError:
+            raise ValueError(f"Unknown memory tag {tag!r}. Valid tags are: "
+                             f"{[t.value for t in ExecutorMemoryType]}") from None
+    return out
+
+
+# Ledger category -> the TensorRT-LLM tag its memory is allocated under, for Plan.apply(tags=PLAN_TAGS): each
+# budget bounds the tag with every mode (Note [Tag families]).
+PLAN_TAGS = {"weights": ExecutorMemoryType.MODEL_WEIGHTS_MAIN.value, "kv_pool": ExecutorMemoryType.KV_CACHE.value}
 
 
 _BACKUPS = {RestoreMode.NONE: "none", RestoreMode.MEMSET: "memset", RestoreMode.CPU: "cpu",

@@ -14,6 +14,9 @@ budget when one is set, else the card less what the plan puts outside torch. Bud
 the public set_budget, so the same budget layer checks them as any other.
 install(budgets=plan.budget_settings()) sets the same budgets before any device exists, so
 nothing checks that they fit it: Plan.apply() after install() does.
+A tag's budget also bounds the tags of its family, "<tag>+<suffix>" (Note [Tag families] in the core):
+the adapters keep a stack tag's memory under one tag per backup mode ("kv_cache", "kv_cache+cpu"), so
+tags={"kv_pool": "kv_cache"} bounds all of them (the TensorRT-LLM adapter's PLAN_TAGS).
 """
 
 from __future__ import annotations
