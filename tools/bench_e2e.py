@@ -11,7 +11,7 @@ Every process runs beside the GPU and times on one core there, the same core for
 (workloads.py --pin), unless BENCH_E2E_PIN=0.
 
 Environment: BENCH_E2E_ROUNDS (2: fresh processes each), BENCH_E2E_REPEATS (timed runs per process
-and round, 8), BENCH_E2E_PIN (1), BENCH_E2E_WORKLOADS (comma-separated).
+and round, 24), BENCH_E2E_PIN (1), BENCH_E2E_WORKLOADS (comma-separated).
 """
 import json
 import os
@@ -108,7 +108,9 @@ def main():
     if cuda_torch("bench_e2e", "real workloads end to end") is None:
         return 0
     rounds = int(os.environ.get("BENCH_E2E_ROUNDS", "2"))
-    repeats = int(os.environ.get("BENCH_E2E_REPEATS", "8"))
+    # 24 pairs a round: a run is short next to a process's start, and 16 pairs left a 95% interval
+    # about ±10% wide on one H100, wider than the gaps it was asked about
+    repeats = int(os.environ.get("BENCH_E2E_REPEATS", "24"))
     pin = os.environ.get("BENCH_E2E_PIN", "1") != "0"
     names = os.environ.get("BENCH_E2E_WORKLOADS", ",".join(WORKLOADS)).split(",")
     res = {n: [] for n in names}
