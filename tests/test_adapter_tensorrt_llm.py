@@ -321,6 +321,7 @@ def test_an_undo_that_runs_out_of_memory_does_not_stop_the_others_or_hide_the_fa
 @isolated
 def test_a_plan_applied_with_plan_tags_bounds_tensorrt_llms_memory_in_every_mode():
     from torch_budget import planner
+    from torch_budget.errors import PlanDoesNotFitError
     from torch_budget.planner import CacheCost, Profile
 
     host, module = _trt()
@@ -340,6 +341,11 @@ def test_a_plan_applied_with_plan_tags_bounds_tensorrt_llms_memory_in_every_mode
                 _alloc(host, 8 * MiB, b"m")
                 with pytest.raises(OOM, match="tag 'kv_cache'"):
                     _alloc(host, 4096, b"n")
+        assert torch_budget.stats()["by_tag"]["kv_cache"]["headroom"] == 0  # the whole family's 32 MiB
+    # a plan whose KV line is below what the family holds already does not fit
+    small = planner.plan(prof, CacheCost(slope=4096), max_kv_bytes=16 * MiB)
+    with pytest.raises(PlanDoesNotFitError, match="'kv_cache' has 32.0 MiB allocated"):
+        small.apply(tags=module.PLAN_TAGS)
     assert module.verify_sleep_wakeup_tags(["kv_cache", weights]) == [module.ExecutorMemoryType.KV_CACHE, weights]
     with pytest.raises(ValueError, match="Unknown memory tag 'weights'"):
         module.verify_sleep_wakeup_tags(["weights"])

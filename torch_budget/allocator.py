@@ -61,7 +61,7 @@ class TagStats(TypedDict):
     backup_bytes: int  # host bytes holding its backup
     retained: bool  # a live tag keeps its backup for the next release (sleep.release(retain=True))
     budget: int | None  # the tag's own budget in bytes (Note [Tag budgets]); None: none
-    headroom: int | None  # budget - allocated; None without a budget
+    headroom: int | None  # budget - allocated (its family's, Note [Tag families]); None without a budget
 
 
 class Stats(TypedDict):
@@ -356,11 +356,13 @@ def stats(device: Device = None) -> Stats:
     total, graph_pools, by_route {name: {allocated, reserved, peak_allocated, count}},
     by_tag {name: {allocated, requested, peak_allocated, count (allocations served, cumulative),
     allocations (live ones), state (live | released | restoring), resident (device bytes mapped behind it), released (bytes awaiting restore), backup, backup_bytes,
-    budget (the tag's own, None: none), headroom (budget - allocated)}},
+    budget (the tag's own, None: none), headroom (budget - allocated: for a tag X, what X and
+    every X+<suffix> tag hold together, which its budget bounds)}},
     raw (every counter). Reserved and the budget count resident memory only.
     """
     lib = _runtime.require_installed("torch_budget.stats()")
     raw = _native.read_json(lib, lib.tb_stats_json, _runtime.device_index(device))
+    held = {name: t["allocated"]["current"] for name, t in raw["tags"].items()}
     return {
         "device": raw["device"],
         "allocated": raw["allocated_bytes"]["all"]["current"],
@@ -379,10 +381,18 @@ def stats(device: Device = None) -> Stats:
                           "resident": t["resident"], "released": t["released"], "backup": t["backup"],
                           "backup_bytes": t["backup_bytes"], "retained": bool(t["retained"]),
                           "budget": None if t["budget"] < 0 else t["budget"],
-                          "headroom": None if t["budget"] < 0 else t["budget"] - t["allocated"]["current"]}
+                          "headroom": None if t["budget"] < 0 else t["budget"] - family_allocated(held, name)}
                    for name, t in raw["tags"].items()},
         "raw": raw,
     }
+
+
+def family_allocated(allocated: dict[str, int], tag: str) -> int:
+    """What tag `tag` counts against its budget, from {tag: allocated bytes}: its own, and for a name
+    without '+' that of every "<tag>+<suffix>" tag too (Note [Tag families] in the core)."""
+    if "+" in tag:
+        return allocated.get(tag, 0)
+    return sum(n for name, n in allocated.items() if name == tag or name.partition("+")[0] == tag)
 
 
 def _trim(lib, device: int, tag_id: int) -> int:

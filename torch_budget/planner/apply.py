@@ -192,8 +192,10 @@ def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, plan
             f"({parts}), {format_bytes(need - room)} more than {where}.{card} Plan on this device's own profile, "
             "lower the plan's fraction, remove other tags' budgets, or raise the device budget "
             "(torch_budget.set_budget(...), install(budget=...))")
-    over = {tag: stats["by_tag"][tag]["allocated"] for tag, n in budgets.items()
-            if tag in stats["by_tag"] and stats["by_tag"][tag]["allocated"] > n}
+    from torch_budget.allocator import family_allocated
+
+    held = {name: entry["allocated"] for name, entry in stats["by_tag"].items()}
+    over = {tag: family_allocated(held, tag) for tag, n in budgets.items() if family_allocated(held, tag) > n}
     if over:
         said = ", ".join(f"{tag!r} has {format_bytes(used)} allocated, the plan gives it {format_bytes(budgets[tag])}"
                          for tag, used in over.items())
