@@ -15,7 +15,7 @@ import pytest
 
 import torch_budget
 from _harness import REPO
-from _hostcore import OOM, MiB, Host, isolated, python_api_over, sees_cuda
+from _hostcore import OOM, GiB, MiB, Host, isolated, python_api_over, sees_cuda
 from torch_budget import sleep
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError
 
@@ -50,11 +50,12 @@ def _parameters(fn):
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
-def _vllm(devices=1, vmm=True, cuda=False):
-    """The adapter over a fresh host core, imported while torch sees no CUDA device (so the import
-    installs nothing, on any machine); afterwards torch sees one when `cuda` (the plugin acts only then)."""
+def _vllm(devices=1, vmm=True, cuda=False, capacity=4 * GiB):
+    """The adapter over a fresh host core (`capacity` bytes a device), imported while torch sees no CUDA
+    device (so the import installs nothing, on any machine); afterwards torch sees one when `cuda` (the
+    plugin acts only then)."""
     sees_cuda(False)
-    host = Host(configure=False, devices=devices, vmm=vmm)
+    host = Host(configure=False, devices=devices, vmm=vmm, capacity=capacity)
     python_api_over(host)
     from torch_budget.adapters import vllm as module
 
@@ -262,6 +263,23 @@ def test_a_wake_that_fails_puts_back_to_sleep_what_it_woke():
     assert torch_budget.stats()["reserved"] == 0
     torch_budget.set_budget(1 << 30)
     allocator.wake_up()
+    assert host.peek(weights, 4096) == b"w" * 4096
+
+
+@built
+@isolated
+def test_a_wake_takes_back_the_memory_torch_budget_holds_cached_as_vllms_empties_the_cache_first():
+    # vLLM's wake_up starts with gc.collect() and empty_cache(): memory freed while asleep and held in
+    # the cache would otherwise leave the driver too little to map the tags back
+    host, module = _vllm(capacity=128 * MiB)
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("weights"):
+        weights = _alloc(host, 64 * MiB, b"w")
+    allocator.sleep(offload_tags=("weights",))
+    host.free(_alloc(host, 80 * MiB, b"t"))  # a transient while asleep: its 80 MiB stay cached
+    assert torch_budget.stats()["reserved"] >= 80 * MiB
+    allocator.wake_up()
+    assert _states() == {"weights": ("live", "pinned")}
     assert host.peek(weights, 4096) == b"w" * 4096
 
 

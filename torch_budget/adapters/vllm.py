@@ -26,8 +26,9 @@ The mapping (vLLM name -> what torch_budget does):
                                copy, per 2 MiB granule (vLLM: per segment); "weights" with nothing else goes
                                with backup="none"
   discard(tags)                release(tags, backup="none")
-  wake_up(tags=None)           restore(...) of the released tags (None: all); a list wakes those tags and
-                               every tag outside DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
+  wake_up(tags=None)           gc.collect() and empty_cache(device="all"), then restore(...) of the released
+                               tags (None: all); a list wakes those tags and every tag outside
+                               DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
   get_current_usage()          bytes mapped or released behind the tags (stats()["by_tag"] resident + released)
   use_cudagraph_pool(pool=None) a graph pool handle (vLLM's `pool`, else one of this allocator's) yielded inside
   (also: cudagraph_pool())     torch_budget.region("cudagraph"): the graphs vLLM captures into it (its default
@@ -268,8 +269,9 @@ class CuMemAllocator:
         self._release({t: _DISCARD for t in self._known() if t in wanted}, "discard")
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Maps the released tags back at their addresses, with their copies. `tags` limits the wake to
-        those, plus every tag outside DEFERRABLE_TAGS. All or nothing."""
+        """Maps the released tags back at their addresses, with their copies, once the cache went back
+        to the driver (as vLLM's wake empties it first). `tags` limits the wake to those, plus every
+        tag outside DEFERRABLE_TAGS. All or nothing."""
         if tags is not None:
             if isinstance(tags, str) or not isinstance(tags, Iterable):
                 raise TypeError(f"tags must be None or a list of tag names, got {type(tags).__name__} ({tags!r})")
@@ -278,6 +280,9 @@ class CuMemAllocator:
             asleep = sleep.released_tags()
             names = [t for t in self._tags if t in asleep
                      and (tags is None or t in tags or t not in DEFERRABLE_TAGS)]
+            if names:  # as vLLM's wake: what was freed while asleep may sit in the cache the tags need
+                gc.collect()
+                torch_budget.empty_cache(device="all")
             done: list[str] = []
             try:
                 for name in names:
