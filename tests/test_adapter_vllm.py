@@ -283,6 +283,77 @@ def test_a_wake_takes_back_the_memory_torch_budget_holds_cached_as_vllms_empties
     assert host.peek(weights, 4096) == b"w" * 4096
 
 
+def mapped_usage(allocator) -> int:
+    """vLLM's, as tests/basic_correctness/test_cumem.py writes it: bytes the allocator has mapped."""
+    return sum(
+        data.handle[1]
+        for data in allocator.pointer_to_data.values()
+        if not data.is_asleep
+    )
+
+
+@built
+@isolated
+def test_pointer_to_data_lists_the_tags_allocations_as_vllms_allocation_data():
+    # vLLM's tests (mapped_usage) and TRL read pointer_to_data; it had no such attribute
+    host, module = _vllm(devices=2)
+    allocator = module.CuMemAllocator.get_instance()
+    assert allocator.pointer_to_data == {}
+    with allocator.use_memory_pool("weights"):
+        weights = _alloc(host, 4 * MiB, b"w")
+        other = _alloc(host, 6 * MiB, b"o", device=1)
+    with allocator.use_memory_pool("kv_cache"):
+        kv = _alloc(host, 2 * MiB, b"k")
+    _alloc(host, MiB, b"u")  # untagged: not the allocator's
+    data = allocator.pointer_to_data
+    assert sorted(data) == sorted([weights, other, kv])
+    assert [(d.handle[:3], d.tag, d.is_asleep, d.cpu_backup_tensor) for d in (data[weights], data[other], data[kv])] \
+        == [((0, 4 * MiB, weights), "weights", False, None), ((1, 6 * MiB, other), "weights", False, None),
+            ((0, 2 * MiB, kv), "kv_cache", False, None)]
+    mapped = mapped_usage(allocator)
+    assert mapped == 12 * MiB
+    allocator.sleep(offload_tags=("weights",))
+    assert mapped_usage(allocator) == 0
+    data = allocator.pointer_to_data
+    assert all(d.is_asleep for d in data.values()) and data[kv].cpu_backup_tensor is None
+    backup = data[weights].cpu_backup_tensor  # a copy of what the restore puts back
+    assert backup.nbytes == 4 * MiB and bytes(backup[:4096].numpy()) == b"w" * 4096
+    allocator.wake_up(tags=["weights"])
+    assert mapped_usage(allocator) == 10 * MiB
+    allocator.wake_up()
+    assert mapped_usage(allocator) == mapped
+    allocator.sleep(("weights",), [weights])  # rewritten after the wake: no copy of it, as in vLLM
+    data = allocator.pointer_to_data
+    assert data[weights].cpu_backup_tensor is None and data[other].cpu_backup_tensor is not None
+    allocator.wake_up()
+    assert allocator.pointer_to_data[weights].cpu_backup_tensor is None  # awake: no backup
+    with pytest.raises(AttributeError):
+        allocator.pointer_to_data = {}
+
+
+@built
+@isolated
+def test_allocator_and_pools_holds_an_entry_for_each_use_of_a_tags_pool():
+    # vLLM's workspace test: a resize re-enters the tag, len(allocator_and_pools["workspace"]) == 2
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("workspace"):
+        small = _alloc(host, 32 * MiB, b"s")
+    with allocator.use_memory_pool("workspace"):
+        big = _alloc(host, 64 * MiB, b"b")
+    with allocator.use_memory_pool("weights"):
+        w = _alloc(host, 2 * MiB, b"w")
+    pools = allocator.allocator_and_pools
+    assert {t: len(e) for t, e in pools.items()} == {"workspace": 2, "weights": 1}
+    # vLLM's discardable_allocations reads the weights pools' snapshots
+    (pool, _), = pools["weights"]
+    assert [(s["address"], [(b["address"], b["state"]) for b in s["blocks"]]) for s in pool.snapshot()] \
+        == [(w, [(w, "active_allocated")])]
+    assert {s["address"] for p, _ in pools["workspace"] for s in p.snapshot()} == {small, big}
+    allocator.release_pools()  # as vLLM's: drops the entries, not the memory
+    assert allocator.allocator_and_pools == {} and host.peek(w, 4096) == b"w" * 4096
+
+
 def _allocator_with_tag_hooks():
     """(the tag hooks' calls, as _fake_vllm records them; host; the adapter's CuMemAllocator)
     with vLLM's device_allocator module and its tag hooks faked."""

@@ -36,7 +36,12 @@ The mapping (vLLM name -> what torch_budget does):
                                which sleep backs up at every level and every wake maps back, as vLLM's does
   release_cudagraph_pool(pool=None)  after the graphs are destroyed: empty_cache(tags="cudagraph"), and the next
                                capture gets a fresh pool
-  release_pools(), close()     nothing to drop: torch_budget keeps no MemPool per tag
+  pointer_to_data              {address: AllocationData} read from the ledger: each live block under the tags
+                               (handle (device, bytes, address, 0), tag, is_asleep, cpu_backup_tensor: a
+                               copy of its backup, read when asked); vLLM's tests' mapped_usage sums it
+  allocator_and_pools          tag -> an entry per use of the tag's pool, (TagPool, None): TagPool.snapshot()
+                               lists the tag's allocations as MemPool.snapshot() would
+  release_pools(), close()     drop allocator_and_pools' entries; the memory stays (no MemPool per tag)
   register_tag_hooks(...)      vLLM's own hooks run: before a tag is released, after a wake maps all of it
   TorchBudgetBackend           suspend(discardable=()) as vLLM 0.34's cumem backend: sleep(("weights", "runtime",
                                "cudagraph"), discardable); an int is vLLM 0.33's level (suspend(level)): 1 keeps
@@ -69,6 +74,7 @@ import torch_budget
 from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import allocated_anywhere, ensure_installed, install_at_import
+from torch_budget.adapters._vllm_allocations import AllocationData, allocations, pool_entry
 from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS", "GRAPH_TAG",
@@ -215,8 +221,10 @@ class CuMemAllocator:
 
     def __init__(self):
         self.current_tag: str = CuMemAllocator.default_tag
-        self._lock = threading.RLock()  # guards _tags; held across a sleep or wake
+        self._lock = threading.RLock()  # guards _tags, _pools and _discarded; held across a sleep or wake
         self._tags: dict[str, None] = {}  # every tag a use_memory_pool opened, in order
+        self._pools: dict[str, list] = {}  # allocator_and_pools: an entry per use of a tag, until release_pools()
+        self._discarded: frozenset[int] = frozenset()  # weights allocations asleep without a copy
         self._graph_pool: Optional[tuple[int, int]] = None  # use_cudagraph_pool's, until released
 
     @contextlib.contextmanager
@@ -232,6 +240,7 @@ class CuMemAllocator:
             with torch_budget.region(tag, route="vmm"):
                 with self._lock:  # only once the region opened: a tag it refused is never slept
                     self._tags.setdefault(tag)
+                    self._pools.setdefault(tag, []).append(pool_entry(tag))
                 yield
             if tag not in sleep.released_tags():
                 torch_budget.empty_cache(device="all", tags=tag)  # vLLM frees what the pool holds unused
@@ -293,6 +302,8 @@ class CuMemAllocator:
                     with contextlib.suppress(TorchBudgetError):
                         torch_budget.release(name, backup=asleep[name], device="all")
                 raise
+            if WEIGHTS_TAG in done:
+                self._discarded = frozenset()
             hooks = _vllm_tag_hooks()
             if hooks:  # idempotent: every wake runs them, so one that failed before is retried
                 hooks[1](self._allocations())
@@ -308,11 +319,29 @@ class CuMemAllocator:
                 total += sum(states[t]["resident"] + states[t]["released"] for t in self._tags if t in states)
             return total
 
+    @property
+    def pointer_to_data(self) -> dict[int, AllocationData]:
+        """vLLM's {address: AllocationData}: each live allocation under the tags, on every device, with
+        its handle (device, bytes, address, 0), tag, is_asleep and cpu_backup_tensor (a copy of its
+        backup, read when asked). Read-only; a new dict at each read."""
+        with self._lock:
+            return allocations(list(self._tags), self._discarded)
+
+    @property
+    def allocator_and_pools(self) -> dict[str, list]:
+        """vLLM's tag -> [(pool, allocator)], an entry per use of the tag's pool (use_memory_pool, the one
+        graph pool) until release_pools(); each pool's snapshot() lists the tag's allocations. Read-only."""
+        with self._lock:
+            return {tag: list(entries) for tag, entries in self._pools.items()}
+
     def release_pools(self) -> None:
-        """Nothing to drop: torch_budget keeps no MemPool per tag."""
+        """Drops allocator_and_pools' entries, as vLLM's; the memory stays (torch_budget keeps no MemPool per tag)."""
+        with self._lock:
+            self._pools.clear()
 
     def close(self) -> None:
-        """Nothing to drop, as release_pools()."""
+        """release_pools(), as vLLM's."""
+        self.release_pools()
 
     @contextlib.contextmanager
     def use_cudagraph_pool(self, pool: Optional[tuple[int, int]] = None):
@@ -329,6 +358,7 @@ class CuMemAllocator:
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 pool = self._graph_pool
             self._tags.setdefault(GRAPH_TAG)  # once nothing can refuse it: sleep() releases every tag listed
+            self._pools.setdefault(GRAPH_TAG, [pool_entry(GRAPH_TAG)])  # vLLM's one graph pool
         before, self.current_tag = self.current_tag, GRAPH_TAG
         try:
             # The region opens before the capture: the private pool takes its tag when capture begins.
@@ -383,6 +413,8 @@ class CuMemAllocator:
                         extra = {"discardable": discardable} if backup == _OFFLOAD and WEIGHTS_TAG in group else {}
                         torch_budget.release(group, backup=backup, device="all", **extra)
                         done += group
+                        if extra:
+                            self._discarded = frozenset(discardable)
             except BaseException:
                 if done:  # all or nothing, as one release() is
                     with contextlib.suppress(TorchBudgetError):
