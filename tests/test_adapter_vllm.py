@@ -475,7 +475,7 @@ def test_bad_arguments_raise_before_anything_is_done():
         backend.suspend(True)
     with pytest.raises(TypeError, match="discardable must hold device addresses"):
         backend.suspend({"weights"})
-    with pytest.raises(TypeError, match="discardable must hold device addresses"):
+    with pytest.raises(InvalidArgumentError, match="discardable must hold device addresses"):
         allocator.sleep(("weights",), [-1])
     assert backend.state() == "RUNNING" and _states() == {"weights": ("live", None)}
 
@@ -650,6 +650,24 @@ def test_discardable_addresses_outside_the_weights_or_not_live_change_nothing():
     allocator.wake_up()
     allocator.sleep((), params + [buffer])  # weights not offloaded anyway
     assert _states()["weights"] == ("released", "none")
+
+
+@built
+@isolated
+def test_a_discardable_address_past_64_bits_is_refused_and_counts_for_no_allocation():
+    # ctypes truncated p + 2**64 to p: two "addresses" of one parameter counted as both weights
+    # allocations, and the buffer nobody named was released without a copy
+    host, module = _vllm()
+    params, buffer, _ = _served_like_vllm(host, module)
+    allocator = module.CuMemAllocator.get_instance()
+    for bad in ([params[0], params[1], params[0] + 2**64], [params[0], params[1], buffer - 2**64]):
+        with pytest.raises((TypeError, ValueError), match="device address"):
+            allocator.sleep(("weights",), bad)
+        assert _states()["weights"] == ("live", None)
+    allocator.sleep(("weights",), params + [params[0]])  # one address twice is one allocation
+    assert _states()["weights"] == ("released", "pinned")
+    allocator.wake_up()
+    assert host.peek(buffer, 4096) == b"b" * 4096
 
 
 @built

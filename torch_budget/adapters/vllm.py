@@ -168,13 +168,18 @@ def _vllm_tag_hooks():
 
 
 def _addresses(values, what: str) -> frozenset:
-    """A collection of device addresses (ints), as vLLM passes storage data pointers."""
+    """A collection of device addresses (ints in [0, 2**64)), as vLLM passes storage data pointers
+    (0: an empty parameter's). One outside would reach the core truncated to 64 bits, where it
+    may name another allocation, and count as one more allocation rewritten."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{what} must be a collection of addresses (ints), got {type(values).__name__} ({values!r})")
     values = frozenset(values)
-    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0), None)
+    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
     if bad is not None:
-        raise TypeError(f"{what} must hold device addresses (non-negative ints), got {bad!r}")
+        raise TypeError(f"{what} must hold device addresses (ints), got {type(bad).__name__} ({bad!r})")
+    bad = next((v for v in values if not 0 <= v < 2**64), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"{what} must hold device addresses (ints in [0, 2**64)), got {bad}")
     return values
 
 
