@@ -354,6 +354,32 @@ def test_allocator_and_pools_holds_an_entry_for_each_use_of_a_tags_pool():
     assert allocator.allocator_and_pools == {} and host.peek(w, 4096) == b"w" * 4096
 
 
+@built
+@pytest.mark.parametrize("release_host_memory", [False, True])
+def test_a_wake_frees_the_pinned_host_pool_when_vllm_asks_for_it(release_host_memory):
+    # vLLM's default backend calls CuMemAllocator.wake_up itself: VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY
+    # had been honoured only by TorchBudgetBackend.resume
+    @isolated
+    def body():
+        sys.modules["vllm.envs"] = types.SimpleNamespace(VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=release_host_memory)
+        host, module = _vllm()
+        allocator = module.CuMemAllocator.get_instance()
+        with allocator.use_memory_pool("weights"):
+            weights = _alloc(host, 8 * MiB, b"w")
+        with allocator.use_memory_pool("runtime"):
+            _alloc(host, 2 * MiB, b"r")
+        allocator.sleep(offload_tags=("weights", "runtime"))
+        assert sleep.host_pool_stats()["bytes"] >= 10 * MiB
+        allocator.wake_up(tags=["kv_cache"])  # the weights sleep on: their backup stays either way
+        assert sleep.host_pool_stats()["used"] >= 8 * MiB
+        allocator.wake_up()
+        assert host.peek(weights, 4096) == b"w" * 4096
+        pinned = sleep.host_pool_stats()["bytes"]
+        assert pinned < 8 * MiB if release_host_memory else pinned >= 10 * MiB, pinned
+
+    body()
+
+
 def _allocator_with_tag_hooks():
     """(the tag hooks' calls, as _fake_vllm records them; host; the adapter's CuMemAllocator)
     with vLLM's device_allocator module and its tag hooks faked."""

@@ -28,7 +28,9 @@ The mapping (vLLM name -> what torch_budget does):
   discard(tags)                release(tags, backup="none")
   wake_up(tags=None)           gc.collect() and empty_cache(device="all"), then restore(...) of the released
                                tags (None: all); a list wakes those tags and every tag outside
-                               DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does
+                               DEFERRABLE_TAGS ("weights", "kv_cache"), as vLLM does; then, with
+                               VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY, sleep.free_host_pool() where it
+                               copied a tag back (the pinned memory no backup holds goes back to the OS)
   get_current_usage()          bytes mapped or released behind the tags (stats()["by_tag"] resident + released)
   use_cudagraph_pool(pool=None) a graph pool handle (vLLM's `pool`, else one of this allocator's) yielded inside
   (also: cudagraph_pool())     torch_budget.region("cudagraph"): the graphs vLLM captures into it (its default
@@ -285,7 +287,8 @@ class CuMemAllocator:
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Maps the released tags back at their addresses, with their copies, once the cache went back
         to the driver (as vLLM's wake empties it first). `tags` limits the wake to those, plus every
-        tag outside DEFERRABLE_TAGS. All or nothing."""
+        tag outside DEFERRABLE_TAGS. All or nothing. With vLLM's VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY, a wake
+        that copied tags back unpins the host pool's memory no backup holds any more."""
         if tags is not None:
             if isinstance(tags, str) or not isinstance(tags, Iterable):
                 raise TypeError(f"tags must be None or a list of tag names, got {type(tags).__name__} ({tags!r})")
@@ -309,6 +312,8 @@ class CuMemAllocator:
                 raise
             if WEIGHTS_TAG in done:
                 self._discarded = frozenset()
+            if any(asleep[name] == _OFFLOAD for name in done) and _release_host_memory():
+                sleep.free_host_pool()  # what held the woken tags' copies; backups still asleep stay
             hooks = _vllm_tag_hooks()
             if hooks:  # idempotent: every wake runs them, so one that failed before is retried
                 hooks[1](self._allocations())
@@ -442,7 +447,6 @@ class TorchBudgetBackend:
             raise UnsupportedError(f"sleep_mode_backend_options {sorted(options)}: the torch_budget backend takes "
                                    "none; torch_budget's own settings come from TORCH_BUDGET_CONF")
         self._state = "RUNNING"
-        self._weights_on_host = False
 
     def suspend(self, discardable: Collection[int] = (), *, level: Optional[int] = None) -> None:
         """As vLLM's cumem backend: the weights, the runtime state and the graphs keep a pinned host copy,
@@ -463,19 +467,14 @@ class TorchBudgetBackend:
         else:
             allocator.sleep((WEIGHTS_TAG,) + _KEPT_AT_EVERY_LEVEL, discardable)  # sleep() checks the addresses
         self._state = "SUSPENDED"
-        self._weights_on_host = sleep.released_tags().get(WEIGHTS_TAG) == _OFFLOAD
 
     def resume(self, tags: Optional[list[str]] = None) -> None:
         self._state = "RESUMING"
         try:
-            CuMemAllocator.get_instance().wake_up(tags)
+            CuMemAllocator.get_instance().wake_up(tags)  # frees the host pool where vLLM asks for it
         except BaseException:
             self._state = "SUSPENDED"
             raise
-        if self._weights_on_host and (tags is None or "weights" in tags):
-            self._weights_on_host = False
-            if _release_host_memory():
-                sleep.free_host_pool()
         self._state = "RUNNING"
 
     def discard(self, tags: tuple[str, ...]) -> None:
