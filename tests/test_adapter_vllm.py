@@ -380,6 +380,24 @@ def test_a_wake_frees_the_pinned_host_pool_when_vllm_asks_for_it(release_host_me
     body()
 
 
+@built
+@isolated
+def test_a_pool_opened_for_a_tag_asleep_is_refused_naming_the_tag_and_the_wake_it_needs():
+    # vLLM maps a fresh allocation there; torch_budget maps a tag back only whole
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool("kv_cache"):
+        kv = _alloc(host, 2 * MiB, b"k")
+    allocator.sleep(offload_tags=())
+    with pytest.raises(StateError, match=r"tag 'kv_cache' is asleep.*wake_up\(\['kv_cache'\]\) first"):
+        with allocator.use_memory_pool("kv_cache"):
+            pytest.fail("entered a pool of a tag asleep")
+    assert allocator.current_tag == "default" and _states() == {"kv_cache": ("released", "none")}
+    allocator.wake_up(["kv_cache"])
+    with allocator.use_memory_pool("kv_cache"):
+        assert host.poke(_alloc(host, MiB, b"x"), b"x" * 4096) and host.poke(kv, b"k" * 4096)
+
+
 def _allocator_with_tag_hooks():
     """(the tag hooks' calls, as _fake_vllm records them; host; the adapter's CuMemAllocator)
     with vLLM's device_allocator module and its tag hooks faked."""

@@ -16,7 +16,9 @@ The mapping (vLLM name -> what torch_budget does):
                                get_mem_allocator_instance() returns it) and backend "torch_budget"
                                registered with SleepModeBackendFactory where vLLM has one
   use_memory_pool(tag=None)    torch_budget.region(tag, route="vmm"); None: "default"; on exit the tag's
-                               freed cache goes back to the driver (empty_cache(tags=tag))
+                               freed cache goes back to the driver (empty_cache(tags=tag)). A tag asleep
+                               raises TagStateError (wake_up([tag]) first): vLLM maps a fresh allocation
+                               there, torch_budget maps a tag back only whole
   sleep(offload_tags=None, discardable=())  every tag used: release(tag, backup="pinned") for offload_tags
                                (None: ("default",)), backup="none" for the rest; then the cache is emptied.
                                `discardable` (vLLM 0.34: storage addresses of the tensors the caller rewrites
@@ -77,7 +79,8 @@ from torch_budget import _runtime, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.adapters._vllm_allocations import AllocationData, allocations, pool_entry
-from torch_budget.errors import InstallError, InvalidArgumentError, StateError, TorchBudgetError, UnsupportedError
+from torch_budget.errors import (InstallError, InvalidArgumentError, StateError, TagStateError, TorchBudgetError,
+                                 UnsupportedError)
 
 __all__ = ["register", "CuMemAllocator", "TorchBudgetBackend", "BACKEND_NAME", "DEFERRABLE_TAGS", "GRAPH_TAG",
            "UnsupportedError"]
@@ -242,6 +245,10 @@ class CuMemAllocator:
             raise InvalidArgumentError("use_memory_pool('untagged'): 'untagged' is torch_budget's name for memory of "
                                        "no tag, which cannot sleep; give the pool another tag")
         self._check_vmm()
+        if tag in sleep.released_tags():
+            raise TagStateError(f"use_memory_pool({tag!r}): tag {tag!r} is asleep (sleep() or discard() released it), "
+                                f"and torch_budget maps a tag back only whole, so it cannot give it a fresh allocation "
+                                f"as vLLM's allocator does: call wake_up([{tag!r}]) first")
         before, self.current_tag = self.current_tag, tag
         try:
             with torch_budget.region(tag, route="vmm"):
