@@ -56,6 +56,14 @@ All of it acts on every device. Tags already asleep stay as they are (a sleep as
 logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had woken, then raises.
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError):
 backend options, and devices without VMM.
+What vLLM's own tests (tests/basic_correctness/test_cumem.py) check that this adapter cannot match:
+  - torch.cuda.host_memory_stats() does not see the backups: they live in torch_budget's pinned host
+    pool (torch_budget.sleep.host_pool_stats()), not torch's host caching allocator, so the
+    VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY tests' pinned-byte deltas read 0;
+  - monkeypatching vllm.device_allocator.cumem.create_and_map (their poisoned wake) changes nothing:
+    torch_budget's restore maps the memory, so discarded memory comes back undefined, not poisoned;
+  - pointer_to_data has a record per live tensor block (bytes charged, 512 B units), not per 2 MiB
+    cuMem segment, and a cpu_backup_tensor only while asleep (a copy, not the backup vLLM keeps).
 When CUDA started on torch's own allocator before the plugin ran (a trainer in the same process), register()
 logs a warning saying so and vLLM runs on torch's allocator: the CuMemAllocator slot stays vLLM's, and the
 torch_budget backend, asked for, raises InstallError with that reason. Importing this module installs
