@@ -636,5 +636,79 @@ def test_growth_under_a_graph_capture_is_refused_and_leaves_the_workspace_as_it_
             meta.get(2 * MiB)
     assert meta.capacity == 1 * MiB and meta.workspace.untyped_storage().data_ptr() == storage
     capturing[0] = False
-    with workspace(meta):  # outside the capture it grows as before
-        assert meta.get(2 * MiB).numel() == 2 * MiB
+    fresh = WorkspaceMetadata("cpu", reclaimable=reclaimable)  # the advice: a new metadata, warmed up
+    fresh.warm_up(2 * MiB)
+    with workspace(fresh):
+        assert fresh.get(2 * MiB).numel() == 2 * MiB
+
+
+class SimulatedCapture:
+    """A capture check whose answer the test sets, standing in for torch.cuda.graph()."""
+
+    def __init__(self):
+        self.open = False
+
+    def __call__(self):
+        return self.open
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.open = True
+        try:
+            yield
+        finally:
+            self.open = False
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    from torch_budget import eager_workspace
+
+    simulated = SimulatedCapture()
+    monkeypatch.setattr(eager_workspace, "_device_hooks", lambda device, meta: (None, simulated))
+    return simulated
+
+
+def _captured_forward(meta, capture):
+    with capture.capture(), workspace(meta):
+        meta.get(2 * MiB).fill_(3)
+
+
+def _capture_inside_a_forward(meta, capture):
+    with workspace(meta):
+        with capture.capture():
+            meta.get(2 * MiB).fill_(3)
+
+
+def _capture_of_a_bare_get(meta, capture):
+    with capture.capture():
+        meta.get(2 * MiB).fill_(3)
+
+
+@pytest.mark.parametrize("captured", [_captured_forward, _capture_inside_a_forward, _capture_of_a_bare_get])
+def test_a_workspace_a_capture_used_never_shrinks_and_warns_once(capture, caplog, captured):
+    meta = warmed(1 * MiB)
+    forward(meta, 8 * MiB)
+    storage = meta.workspace.untyped_storage().data_ptr()
+    captured(meta, capture)  # the graph bakes the workspace's address in
+    for _ in range(6):
+        forward(meta, 2 * MiB)
+    assert meta.capacity == storage_bytes(meta.workspace) == 8 * MiB
+    assert meta.workspace.untyped_storage().data_ptr() == storage, "a replay would write freed memory"
+    warnings = warnings_from(caplog)
+    assert len(warnings) == 1 and "CUDA graph capture" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("reclaimable", [True, False])
+def test_growth_of_a_workspace_a_capture_used_is_refused_naming_the_capture(capture, reclaimable):
+    meta = warmed(4 * MiB, reclaimable=reclaimable)
+    storage = meta.workspace.untyped_storage().data_ptr()
+    _captured_forward(meta, capture)
+    with pytest.raises(StateError, match=r"a CUDA graph capture used it.*baked.*graph workspace"):
+        with workspace(meta):
+            meta.get(8 * MiB)
+    with pytest.raises(StateError, match="a CUDA graph capture used it"):
+        get(meta, 8 * MiB)  # nor between forwards
+    assert meta.capacity == storage_bytes(meta.workspace) == 4 * MiB
+    assert meta.workspace.untyped_storage().data_ptr() == storage
+    forward(meta, 4 * MiB)  # what it holds still serves

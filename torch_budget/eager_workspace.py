@@ -56,12 +56,21 @@ Memory is handed back to the allocator on the stream the workspace was used on, 
 only safe while that is the one stream using it; so the first forward on another stream (or
 a metadata that declares `multi_stream`) disables reclamation for good.
 
-Under graph capture the manager does nothing: capture runs on its own stream, a resize would
-be recorded into the graph, and a replacement would move an address the graph baked in.
-Graph metadata is likewise left alone, and the graph workspace is a separate tensor that
-eager forwards never touch. (An eager workspace used inside a capture must already be large
-enough: growing it there would take the new storage from the graph's private pool, so `get`
-refuses it with a StateError.)
+Graph metadata is left alone, and the graph workspace is a separate tensor that eager
+forwards never touch. For an eager workspace used under capture see Note [Eager workspace
+under graph capture].
+
+Note [Eager workspace under graph capture]
+------------------------------------------
+A capture that uses the eager workspace bakes its address into the graph, and every replay
+writes there; an eager forward must never move that address (SPEC 5). So the first forward
+entered under capture, or `get` under capture, pins the workspace for good: it keeps its
+storage, never shrinks (one warning says so), and growth, inside the capture or after it,
+raises a StateError naming the capture (inside, it would also take its storage from the
+graph's private pool). Growing into a new tensor while the graph keeps the old one would
+hold both for the graph's life and hand a stateful backend two copies of its state. Captured
+forwards belong on graph metadata with its own graph workspace; a metadata warmed up again
+to the size needed serves the eager forwards.
 """
 
 import functools
@@ -229,7 +238,7 @@ class WorkspaceState:
 
     __slots__ = (
         "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
-        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner",
+        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_pinned",
     )
 
     def __init__(self, meta, tensor, stream_fn, capturing):
@@ -248,6 +257,7 @@ class WorkspaceState:
         self._entry_capacity = capacity  # _capacity when the current forward began
         self._measuring = False  # this forward's demand feeds the policy
         self._disabled = False  # reclamation disabled for good (stream change or multi-stream)
+        self._pinned = False  # a capture used it: its storage never moves again (Note [... under graph capture])
         self._active = None  # the metadata, held strongly only during a forward
 
     @property
@@ -284,10 +294,11 @@ class WorkspaceState:
             self._active = meta
             if meta.workspace is not self._tensor:
                 raise _replaced(meta)
-            if self._disabled or not meta.reclaimable:
-                return None
             capturing = self._capturing
             if capturing is not None and capturing():
+                self._pin(meta)
+                return None
+            if self._pinned or self._disabled or not meta.reclaimable:
                 return None
             stream_fn = self._stream_fn
             if stream_fn is not None:
@@ -322,7 +333,9 @@ class WorkspaceState:
         try:
             # A forward that raised did not finish its demand; it must not count. Growth in it
             # still restarts the window (three underfilled forwards with no growth between them).
-            if self._measuring and exc_type is None:
+            if self._pinned:
+                pass  # a capture began inside this forward; see Note [Eager workspace under graph capture]
+            elif self._measuring and exc_type is None:
                 target = self._measure()
                 if target is not None:
                     self._shrink(self._active, target)
@@ -391,15 +404,24 @@ class WorkspaceState:
         meta = self._meta()
         if tensor is not self._tensor:
             raise _replaced(meta)
-        if nbytes > self._capacity:
-            capturing = self._capturing
-            if capturing is not None and capturing():
+        capturing = self._capturing
+        if capturing is not None and capturing():
+            self._pin(meta)
+            if nbytes > self._capacity:
                 raise StateError(
                     f"the eager workspace of {_describe(meta)} holds {self._capacity} bytes and a CUDA graph capture "
                     f"asked it for {nbytes}: growing it there would take its new storage from the graph's private "
                     "pool; give captured forwards a graph workspace, or warm up a new metadata object with at least "
                     f"{nbytes} bytes (its floor, which it never shrinks below)"
                 )
+        elif nbytes > self._capacity and self._pinned:
+            raise StateError(
+                f"the eager workspace of {_describe(meta)} holds {self._capacity} bytes and cannot grow to {nbytes}: "
+                "a CUDA graph capture used it and baked its address in, which growth would free under the graph's "
+                "replays; give captured forwards a graph workspace, or warm up a new metadata object with at least "
+                f"{nbytes} bytes for the eager forwards"
+            )
+        if nbytes > self._capacity:
             before = tensor.numel()
             try:
                 with _allocation_scope():
@@ -422,6 +444,24 @@ class WorkspaceState:
                 raise
             self._capacity = tensor.untyped_storage().nbytes()
         tensor.resize_(nbytes)
+
+    def note_use(self):
+        """`get` served a view without growing: under capture that pins the workspace."""
+        capturing = self._capturing
+        if capturing is not None and not self._pinned and capturing():
+            self._pin(self._meta())
+
+    def _pin(self, meta):
+        """A capture uses the workspace; see Note [Eager workspace under graph capture]."""
+        if self._pinned:
+            return
+        self._pinned = True
+        if not meta.is_graph_metadata:
+            _log.warning(
+                "torch_budget: the eager workspace of %s was used in a CUDA graph capture, which baked its address "
+                "in: it keeps its %d bytes for good, neither shrinking nor growing. Give captured forwards graph "
+                "metadata with a graph workspace of their own.", _describe(meta), self._capacity,
+            )
 
     def _disable(self, meta, why):
         self._disabled = True
@@ -459,8 +499,8 @@ def workspace(metadata) -> "AbstractContextManager[None]":
 
     Raises NotWarmedUpError (a ValueError) if warm-up has not created the eager workspace,
     StateError (a RuntimeError) when a forward is already running on the same workspace.
-    Does nothing for graph metadata or under graph capture. See Note [Eager workspace
-    reclamation].
+    Does nothing for graph metadata; under graph capture it only pins the workspace (Note
+    [Eager workspace under graph capture]). See Note [Eager workspace reclamation].
     """
     if not hasattr(metadata, "is_graph_metadata"):
         raise TypeError(f"workspace() takes the forward's attention metadata (an object with is_graph_metadata, "
@@ -556,11 +596,13 @@ def get(meta, nbytes) -> "torch.Tensor":
         nbytes = _as_bytes("nbytes", nbytes)
     if tensor is None:
         raise _missing_warm_up(meta)
+    state = getattr(meta, "workspace_state", None)
     if nbytes > tensor.numel():
-        state = getattr(meta, "workspace_state", None)
         if state is None:
             raise _missing_warm_up(meta)
         state.grow(tensor, nbytes)
+    elif state is not None:
+        state.note_use()
     return tensor[:nbytes]
 
 
