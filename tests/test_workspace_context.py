@@ -126,6 +126,51 @@ def test_warm_up_rejects_a_workspace_that_is_not_flat_owned_uint8(tensor, proble
         warm_up(meta)
 
 
+def _sharing_storage(tensor):
+    """A tensor of its own (not a view) over `tensor`'s storage."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+@pytest.mark.parametrize("same_object", [True, False])
+def test_warm_up_refuses_a_workspace_whose_storage_another_metadata_manages(same_object):
+    first = warmed(1 * MiB)
+    forward(first, 4 * MiB)  # its storage moved: the check follows it
+    second = WorkspaceMetadata("cpu", reclaimable=True)
+    second.workspace = first.workspace if same_object else _sharing_storage(first.workspace)
+    with pytest.raises(ValueError, match="is already the workspace of WorkspaceMetadata"):
+        warm_up(second)
+    assert second.workspace_state is None
+    forward(first, 2 * MiB)  # the first is untouched
+
+
+def test_a_storage_can_be_adopted_again_once_its_metadata_is_gone():
+    first = warmed(1 * MiB)
+    tensor = first.workspace
+    del first
+    second = WorkspaceMetadata("cpu", reclaimable=True)
+    second.workspace = tensor
+    assert warm_up(second) is tensor
+
+
+def test_warm_up_refuses_a_graph_workspace_that_shares_the_eager_workspaces_storage():
+    eager = torch.empty(2 * MiB, dtype=torch.uint8)
+    for graph_ws in (eager, eager[: 1 * MiB], _sharing_storage(eager)):
+        meta = WorkspaceMetadata("cpu", reclaimable=True, graph_workspace=graph_ws)
+        meta.workspace = eager
+        with pytest.raises(ValueError, match="graph_workspace shares its storage with the eager workspace"):
+            warm_up(meta)
+    other = warmed(1 * MiB)  # nor another metadata's eager workspace, which its forwards move
+    meta = WorkspaceMetadata("cpu", reclaimable=True, graph_workspace=other.workspace)
+    with pytest.raises(ValueError, match="graph_workspace shares its storage with the workspace of WorkspaceMetadata"):
+        meta.warm_up(1 * MiB)
+    meta = WorkspaceMetadata("cpu", reclaimable=True, graph_workspace=eager)
+    meta.warm_up(1 * MiB)  # a graph workspace of its own is fine
+    late = WorkspaceMetadata("cpu", reclaimable=True)
+    late.workspace = eager  # and then is no one's eager workspace
+    with pytest.raises(ValueError, match="already the graph_workspace of WorkspaceMetadata"):
+        warm_up(late)
+
+
 def test_second_warm_up_of_one_metadata_is_rejected():
     meta = warmed(1 * MiB)
     with pytest.raises(StateError, match=rf"already warmed up \(floor {MiB} bytes\)"):

@@ -31,7 +31,7 @@ Optional attributes, read when present:
   caller runs on. Needed only for devices whose streams torch_budget cannot see; on CUDA the
   current raw stream is used.
 - ``graph_workspace``: a separate workspace whose addresses are baked into captured graphs.
-  The manager never reads or writes it.
+  The manager never writes it; `warm_up` refuses one that shares the eager one's storage.
 - ``return_to_device`` (bool, read at each shrink, default True): under `torch_budget.install()`
   a shrink hands the freed memory back to the device at once (the workspace tag's own pool is
   trimmed after the stream it was used on finished), so other processes and `mem_get_info`
@@ -39,7 +39,9 @@ Optional attributes, read when present:
 
 One metadata object stands for one workspace: its state (floor, policy, stream, the
 in-forward flag) lives in it, so keep it for the workspace's life rather than rebuilding it
-per step.
+per step. One storage backs one metadata's workspace: `warm_up` refuses a tensor whose
+storage another live metadata manages (as its workspace or its graph workspace), and a
+graph workspace that shares the eager workspace's storage (see `_check_unshared`).
 
 Note [Eager workspace reclamation]
 ----------------------------------
@@ -153,6 +155,7 @@ class WorkspaceState:
     __slots__ = (
         "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
         "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_pinned",
+        "__weakref__",
     )
 
     def __init__(self, meta, tensor, stream_fn, capturing):
@@ -173,6 +176,11 @@ class WorkspaceState:
         self._disabled = False  # reclamation disabled for good (stream change or multi-stream)
         self._pinned = False  # a capture used it: its storage never moves again (Note [... under graph capture])
         self._active = None  # the metadata, held strongly only during a forward
+
+    @property
+    def metadata(self):
+        """The metadata this state belongs to (None once it is gone)."""
+        return self._meta()
 
     @property
     def floor(self):
@@ -445,6 +453,55 @@ def _check_workspace_tensor(tensor, meta):
         raise InvalidArgumentError(f"{_describe(meta)}.workspace cannot be managed: it has " + ", ".join(problems))
 
 
+# Every live state, so that warm_up can refuse a storage another metadata manages: over one
+# storage the per-metadata locks miss overlapping forwards, and one's growth or shrink moves
+# the other's memory. Weak, so a dropped metadata's storage may be adopted again; read through
+# each metadata's current tensors, so growth and shrinks keep it current without a write.
+_managed = weakref.WeakSet()
+_managed_lock = threading.Lock()  # held from warm_up's check to its registration
+
+
+def _shares_storage(a, b):
+    """Whether tensors `a` and `b` share a storage, or any byte of device memory."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa._cdata == sb._cdata:
+        return True
+    if a.device != b.device:
+        return False
+    pa, pb = sa.data_ptr(), sb.data_ptr()  # 0: no memory (empty, or the meta device)
+    return pa != 0 and pb != 0 and pa < pb + sb.nbytes() and pb < pa + sa.nbytes()
+
+
+def _check_unshared(meta, tensor):
+    """Raise unless `tensor` and meta's graph workspace have storages no other live metadata
+    manages, and do not share one with each other. Caller holds _managed_lock."""
+    import torch
+
+    graph_ws = getattr(meta, "graph_workspace", None)
+    if not isinstance(graph_ws, torch.Tensor):
+        graph_ws = None
+    moves = "an eager forward's growth or shrink would move the address captured graphs baked in"
+    if graph_ws is not None and _shares_storage(tensor, graph_ws):
+        raise InvalidArgumentError(f"{_describe(meta)}.graph_workspace shares its storage with the eager workspace: "
+                                   f"{moves}; give the graph workspace a tensor of its own")
+    for state in list(_managed):
+        other = state.metadata
+        if other is None or other is meta:
+            continue
+        other_ws, other_graph = other.workspace, getattr(other, "graph_workspace", None)
+        if other_ws is not None and _shares_storage(tensor, other_ws):
+            raise InvalidArgumentError(
+                f"{_describe(meta)}.workspace is already the workspace of {_describe(other)}: over one storage the "
+                "two would run forwards at once unguarded, and one's growth or shrink would move the other's "
+                "memory; give each metadata a workspace of its own (warm_up(meta, nbytes) allocates one)")
+        if graph_ws is not None and other_ws is not None and _shares_storage(graph_ws, other_ws):
+            raise InvalidArgumentError(f"{_describe(meta)}.graph_workspace shares its storage with the workspace of "
+                                       f"{_describe(other)}: {moves}; give the graph workspace a tensor of its own")
+        if isinstance(other_graph, torch.Tensor) and _shares_storage(tensor, other_graph):
+            raise InvalidArgumentError(f"{_describe(meta)}.workspace is already the graph_workspace of "
+                                       f"{_describe(other)}: {moves}; give each a tensor of its own")
+
+
 def _device_hooks(device, meta):
     """Stream-identity and capture-check callables for `device`, resolved once at warm-up so
     that forwards pay for neither a lookup nor a Stream object."""
@@ -469,7 +526,8 @@ def warm_up(meta, nbytes=None, device=None) -> "torch.Tensor":
     With `nbytes`, allocates a workspace of that many bytes on `device` (default
     ``meta.device``). Without, adopts the tensor already in ``meta.workspace``. Warm up on the
     stream the forwards will run on: the first forward on another stream disables reclamation.
-    A metadata object is warmed up once.
+    A metadata object is warmed up once, and its workspace's storage may back no other live
+    metadata's workspace or graph workspace, nor its own graph workspace (InvalidArgumentError).
     """
     import torch
 
@@ -492,9 +550,12 @@ def warm_up(meta, nbytes=None, device=None) -> "torch.Tensor":
             tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
     _check_workspace_tensor(tensor, meta)
     stream_fn, capturing = _device_hooks(tensor.device, meta)
-    state = WorkspaceState(meta, tensor, stream_fn, capturing)
-    meta.workspace = tensor
-    meta.workspace_state = state
+    with _managed_lock:
+        _check_unshared(meta, tensor)
+        state = WorkspaceState(meta, tensor, stream_fn, capturing)
+        meta.workspace = tensor
+        meta.workspace_state = state
+        _managed.add(state)
     return tensor
 
 
