@@ -19,6 +19,8 @@ from conftest import MiB
 from torch_budget import _runtime, allocator
 from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, get, warm_up, workspace
 from torch_budget.errors import NotWarmedUpError, StateError
+from torch_budget.resources import DummyRequest, Step
+from torch_budget.workspace_resource import WorkspaceResource
 
 LOGGER = "torch_budget.eager_workspace"
 
@@ -393,6 +395,32 @@ def test_growth_of_a_stateful_workspace_keeps_its_contents():
     grown = meta.get(4 * MiB)
     assert storage_bytes(meta.workspace) == 4 * MiB
     assert bool((grown[: 1 * MiB] == 7).all())
+
+
+# -- growth between forwards ----------------------------------------------------------------
+
+
+def test_growth_between_forwards_starts_the_shrink_window_again():
+    meta = warmed(1024)
+    ws = WorkspaceResource(meta, 1024, 64)
+    for demand in (8 * 1024, 2 * 1024, 2 * 1024):  # two underfilled forwards of the three
+        forward(meta, demand)
+    ws.prepare(Step(context=(DummyRequest(1, 2), DummyRequest(2, 32))))  # the next step's long prompt
+    assert meta.capacity == 32 * 1024
+    forward(meta, 2 * 1024)  # the short forward before it must not shrink prepare's growth away
+    assert meta.capacity == 32 * 1024
+
+
+@pytest.mark.parametrize("nbytes", [4 * MiB, 1 * MiB])  # past the storage, and within it
+def test_growth_from_another_thread_during_a_forward_is_refused(nbytes):
+    meta = warmed(1 * MiB)
+    forward(meta, 2 * MiB)
+    storage = meta.workspace.untyped_storage().data_ptr()
+    with _forward_in_another_thread(meta):  # its forward zeroed the logical size
+        with pytest.raises(StateError, match="while a forward runs on it in another thread"):
+            meta.get(nbytes)
+        assert meta.workspace.untyped_storage().data_ptr() == storage and meta.capacity == 2 * MiB
+    assert meta.get(4 * MiB).numel() == 4 * MiB  # between forwards any thread may grow it
 
 
 # -- reclaiming -----------------------------------------------------------------------------

@@ -146,10 +146,10 @@ class WorkspaceState:
     is reused for every forward of its workspace, so entering a forward allocates nothing.
 
     Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
-    in-forward flag; it is taken without blocking, so an overlapping forward (nested, or from
-    another thread) fails at once instead of sharing the buffer. Every field below except the
-    configuration ones is written only by the thread holding `_lock`, or by `get` from the
-    thread running the forward.
+    in-forward flag (`_owner` names its thread), and by `grow` between forwards; it is taken
+    without blocking, so an overlapping forward (nested, or from another thread) or a growth
+    from another thread fails at once instead of sharing the buffer. Every field below except
+    the configuration ones is written only by the thread holding `_lock`.
     """
 
     __slots__ = (
@@ -174,7 +174,7 @@ class WorkspaceState:
         self._entry_capacity = capacity  # _capacity when the current forward began
         self._measuring = False  # this forward's demand feeds the policy
         self._disabled = False  # reclamation disabled for good (stream change or multi-stream)
-        self._pinned = False  # a capture used it: its storage never moves again (Note [... under graph capture])
+        self._pinned = False  # a capture used it: never moves again; any get() may set it (Note [... capture])
         self._active = None  # the metadata, held strongly only during a forward
 
     @property
@@ -322,7 +322,32 @@ class WorkspaceState:
 
     def grow(self, tensor, nbytes):
         """Raise the logical size of the workspace `tensor` to `nbytes`, growing its storage
-        when it is short (what `get` does past the current size)."""
+        when it is short (what `get` does past the current size).
+
+        During a forward only its own thread may grow it (StateError otherwise). Between
+        forwards any thread may, holding `_lock` meanwhile, and that growth starts the shrink
+        window again: the forwards before it did not need it, the one it prepares for will.
+        """
+        me = threading.get_ident()
+        if self._owner == me:  # in this thread's forward
+            self._grow(tensor, nbytes)
+            return
+        if not self._lock.acquire(False):
+            raise StateError(
+                f"the eager workspace of {_describe(self._meta())} was asked for {nbytes} bytes while a forward runs "
+                "on it in another thread: growing it would resize or move the storage under that forward; only the "
+                "forward's own thread may grow it (grow it for the next step before the forward starts)"
+            )
+        self._owner = me
+        try:
+            if self._grow(tensor, nbytes):
+                self._policy.reset()
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _grow(self, tensor, nbytes):
+        """grow() with `_lock` held by this thread; returns whether the storage grew."""
         meta = self._meta()
         if tensor is not self._tensor:
             raise _replaced(meta)
@@ -365,7 +390,10 @@ class WorkspaceState:
                     self._policy.reset()
                 raise
             self._capacity = tensor.untyped_storage().nbytes()
+            tensor.resize_(nbytes)
+            return True
         tensor.resize_(nbytes)
+        return False
 
     def note_use(self):
         """`get` served a view without growing: under capture that pins the workspace."""
