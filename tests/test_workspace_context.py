@@ -454,6 +454,23 @@ def test_shrink_releases_the_old_workspace_before_allocating_the_new_one(shim):
     assert meta.capacity == 2 * MiB
 
 
+def test_a_shrink_whose_memory_cannot_go_back_to_the_device_keeps_it_cached_and_the_forward_succeeds(
+        monkeypatch, caplog):
+    from torch_budget import eager_workspace
+
+    def refused(device):  # what the core says while another thread captures on the device
+        raise StateError("trim of tag 'workspace' while a CUDA graph capture is open")
+
+    monkeypatch.setattr(eager_workspace, "_return_to_device", refused)
+    meta = warmed(1 * MiB)
+    for demand in (8 * MiB, 2 * MiB, 2 * MiB, 2 * MiB):
+        forward(meta, demand)
+    assert meta.capacity == storage_bytes(meta.workspace) == 2 * MiB  # the shrink itself happened
+    assert not meta.workspace_state.in_forward
+    warnings = warnings_from(caplog)
+    assert len(warnings) == 1 and "while a CUDA graph capture is open" in warnings[0].getMessage()
+
+
 def test_shrink_target_is_never_below_the_floor():
     meta = warmed(4 * MiB)
     forward(meta, 16 * MiB)

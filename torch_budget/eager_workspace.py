@@ -35,7 +35,8 @@ Optional attributes, read when present:
 - ``return_to_device`` (bool, read at each shrink, default True): under `torch_budget.install()`
   a shrink hands the freed memory back to the device at once (the workspace tag's own pool is
   trimmed after the stream it was used on finished), so other processes and `mem_get_info`
-  see it. False keeps it cached in the allocator for the next growth.
+  see it. False keeps it cached in the allocator for the next growth, as does a trim the core
+  refuses (a CUDA graph capture open on the device), with a warning.
 
 One metadata object stands for one workspace: its state (floor, policy, stream, the
 in-forward flag) lives in it, so keep it for the workspace's life rather than rebuilding it
@@ -318,7 +319,11 @@ class WorkspaceState:
         meta.workspace = self._tensor = fresh
         self._capacity = target
         if getattr(meta, "return_to_device", True):
-            _return_to_device(device)
+            try:
+                _return_to_device(device)
+            except StateError as e:  # the core trims no tag while a capture is open on the device
+                _log.warning("torch_budget: the eager workspace of %s shrank to %d bytes, but its freed memory "
+                             "stays cached for the next growth: %s", _describe(meta), target, e)
 
     def grow(self, tensor, nbytes):
         """Raise the logical size of the workspace `tensor` to `nbytes`, growing its storage
