@@ -173,6 +173,37 @@ def test_warm_up_refuses_a_graph_workspace_that_shares_the_eager_workspaces_stor
         warm_up(late)
 
 
+class BackendMetadata:
+    """A backend's own metadata with the protocol's required attributes only."""
+
+    def __init__(self):
+        self.workspace = None
+        self.is_graph_metadata = False
+        self.workspace_state = None
+
+
+def test_metadata_without_a_reclaimable_flag_is_a_stateful_workspace():
+    def backend_forward(nbytes):
+        with workspace(meta):
+            get(meta, nbytes).fill_(1)
+
+    meta = BackendMetadata()
+    warm_up(meta, 1 * MiB, device="cpu")
+    backend_forward(8 * MiB)
+    tensor = meta.workspace
+    for _ in range(4):
+        backend_forward(2 * MiB)
+    assert meta.workspace is tensor and storage_bytes(tensor) == 8 * MiB  # never reclaimed
+
+
+def test_warm_up_names_a_required_protocol_attribute_the_metadata_lacks():
+    meta = BackendMetadata()
+    del meta.is_graph_metadata
+    with pytest.raises(TypeError, match="BackendMetadata at 0x[0-9a-f]+ has no is_graph_metadata"):
+        warm_up(meta, 1 * MiB, device="cpu")
+    assert meta.workspace_state is None
+
+
 def test_second_warm_up_of_one_metadata_is_rejected():
     meta = warmed(1 * MiB)
     with pytest.raises(StateError, match=rf"already warmed up \(floor {MiB} bytes\)"):

@@ -16,15 +16,15 @@ is a ready implementation for code without its own metadata class):
   or None before warm-up. Grow it only through `get` or, for a backend with its own sizing,
   by ``workspace.resize_(n)`` of this same tensor object; never rebind it to another tensor.
 - ``is_graph_metadata`` (bool): metadata used by CUDA graphs; `workspace` does nothing for it.
-- ``reclaimable`` (bool): the workspace is pure scratch and may be released and reallocated.
-  Off unless the backend declares it: a backend that keeps staged state in its workspace
-  would lose that state.
 - ``workspace_state``: where `warm_up` stores the manager's per-workspace state (a
   `WorkspaceState`); None or absent before warm-up. The object must allow setting it and
   must support weak references (any ordinary class does).
 
 Optional attributes, read when present:
 
+- ``reclaimable`` (bool, read every forward, default False): the workspace is pure scratch
+  and may be released and reallocated. Off unless the backend declares it: a backend that
+  keeps staged state in its workspace would lose that state.
 - ``multi_stream`` (bool, read every forward): the workspace is used from several streams;
   reclamation is disabled at the next forward, with one warning.
 - ``stream_fn`` (callable, read at warm-up): returns a comparable identity of the stream the
@@ -221,7 +221,7 @@ class WorkspaceState:
             if capturing is not None and capturing():
                 self._pin(meta)
                 return None
-            if self._pinned or self._disabled or not meta.reclaimable:
+            if self._pinned or self._disabled or not getattr(meta, "reclaimable", False):
                 return None
             stream_fn = self._stream_fn
             if stream_fn is not None:
@@ -377,7 +377,7 @@ class WorkspaceState:
             before = tensor.numel()
             try:
                 with _allocation_scope():
-                    if meta.reclaimable:
+                    if getattr(meta, "reclaimable", False):
                         # Pure scratch: release the old storage before allocating the new one, so growth
                         # never holds both (and copies nothing); every view shares this storage object.
                         storage = tensor.untyped_storage()
@@ -564,6 +564,9 @@ def warm_up(meta, nbytes=None, device=None) -> "torch.Tensor":
     """
     import torch
 
+    if not hasattr(meta, "is_graph_metadata"):
+        raise TypeError(f"{_describe(meta)} has no is_graph_metadata, which workspace metadata must have (see the "
+                        "protocol in torch_budget.eager_workspace; reclaimable and the others are optional)")
     if getattr(meta, "workspace_state", None) is not None:
         raise StateError(
             f"{_describe(meta)} is already warmed up (floor {meta.workspace_state.floor} bytes); "
