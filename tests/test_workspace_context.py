@@ -621,6 +621,31 @@ def test_multi_stream_metadata_disables_reclamation_with_one_warning(caplog):
     assert len(warnings) == 1 and "multi_stream" in warnings[0].getMessage()
 
 
+@pytest.fixture
+def syncs(monkeypatch):
+    """The devices growth synchronised before releasing the old storage."""
+    from torch_budget import eager_workspace
+
+    seen = []
+    monkeypatch.setattr(eager_workspace, "_synchronize", seen.append)
+    return seen
+
+
+@pytest.mark.parametrize("reclaimable", [True, False])
+def test_growth_waits_for_the_device_before_freeing_storage_another_stream_may_read(syncs, reclaimable):
+    streams = SimulatedStreams()
+    on_warm_up_stream = warmed(1 * MiB, reclaimable=reclaimable, stream_fn=streams)
+    forward(on_warm_up_stream, 4 * MiB)
+    assert syncs == [], "one stream: stream order alone keeps the old storage safe"
+    multi = warmed(1 * MiB, reclaimable=reclaimable, multi_stream=True)
+    forward(multi, 4 * MiB)
+    assert syncs == [torch.device("cpu")]
+    streams.current = "stream-1"  # a forward on another stream than the warm-up's
+    forward(on_warm_up_stream, 8 * MiB)
+    assert syncs == [torch.device("cpu")] * 2
+    assert on_warm_up_stream.capacity == 8 * MiB
+
+
 # -- the allocator shim ---------------------------------------------------------------------
 
 

@@ -58,7 +58,11 @@ means the new allocation can reuse the released memory instead of raising the pe
 shrinking in place (`resize_` to fewer bytes) would keep the whole storage and return nothing.
 Memory is handed back to the allocator on the stream the workspace was used on, which is
 only safe while that is the one stream using it; so the first forward on another stream (or
-a metadata that declares `multi_stream`) disables reclamation for good.
+a metadata that declares `multi_stream`) disables reclamation for good. Growth cannot be
+disabled, and it frees the old storage too: when the metadata declares `multi_stream`, or
+the stream growing it is not the warm-up stream, growth first waits for the whole device
+(`_synchronize`), since another stream may still read the old storage and the allocator
+would hand it out at once.
 
 Graph metadata is left alone, and the graph workspace is a separate tensor that eager
 forwards never touch. For an eager workspace used under capture see Note [Eager workspace
@@ -119,6 +123,14 @@ def _return_to_device(device):
     """Hands the workspace tag's freed memory back to the driver (installed allocator only)."""
     if device.type == "cuda" and _runtime.installed():
         allocator.empty_cache(device, tags=WORKSPACE_TAG)
+
+
+def _synchronize(device):
+    """Waits for every stream of `device` (CUDA; torch_budget sees no other device's streams)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _describe(meta):
@@ -375,6 +387,8 @@ class WorkspaceState:
             )
         if nbytes > self._capacity:
             before = tensor.numel()
+            if self._other_streams(meta):
+                _synchronize(self._device)  # see Note [Eager workspace reclamation]
             try:
                 with _allocation_scope():
                     if getattr(meta, "reclaimable", False):
@@ -399,6 +413,13 @@ class WorkspaceState:
             return True
         tensor.resize_(nbytes)
         return False
+
+    def _other_streams(self, meta):
+        """Whether a stream other than this one may still use the workspace."""
+        if self._disabled or getattr(meta, "multi_stream", False):
+            return True
+        stream_fn = self._stream_fn
+        return stream_fn is not None and stream_fn() != self._stream
 
     def note_use(self):
         """`get` served a view without growing: under capture that pins the workspace."""
