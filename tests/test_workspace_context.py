@@ -420,6 +420,19 @@ def test_backend_that_resizes_the_workspace_itself_is_measured():
     assert meta.capacity == storage_bytes(meta.workspace) == 3 * MiB
 
 
+@pytest.mark.parametrize("reclaimable, raises", [(True, True), (False, True), (False, False)])
+def test_capacity_follows_a_backends_own_resize_in_a_forward_that_raised_or_was_not_measured(reclaimable, raises):
+    meta = warmed(1 * MiB, reclaimable=reclaimable)
+    with contextlib.suppress(KeyError):
+        with workspace(meta):
+            meta.workspace.resize_(8 * MiB)  # the backend's own growth
+            if raises:
+                raise KeyError("a later layer failed")
+    assert meta.capacity == storage_bytes(meta.workspace) == 8 * MiB
+    forward(meta, 6 * MiB)  # served by the storage it has, without a reallocation
+    assert meta.capacity == storage_bytes(meta.workspace) == 8 * MiB
+
+
 def test_growth_of_a_stateful_workspace_keeps_its_contents():
     meta = warmed(1 * MiB, reclaimable=False)
     meta.get(1 * MiB).fill_(7)

@@ -268,14 +268,17 @@ class WorkspaceState:
         try:
             # A forward that raised did not finish its demand; it must not count. Growth in it
             # still restarts the window (three underfilled forwards with no growth between them).
-            if self._pinned:
-                pass  # a capture began inside this forward; see Note [Eager workspace under graph capture]
-            elif self._measuring and exc_type is None:
+            # A pinned one began a capture inside; see Note [Eager workspace under graph capture].
+            if self._measuring and exc_type is None and not self._pinned:
                 target = self._measure()
                 if target is not None:
                     self._shrink(self._active, target)
-            elif self._measuring and self._tensor.untyped_storage().nbytes() > self._entry_capacity:
-                self._policy.reset()
+            else:
+                tensor = self._tensor
+                if tensor.numel() > self._capacity:  # unmeasured growth by a backend's own resize_
+                    self._capacity = tensor.untyped_storage().nbytes()
+                if self._measuring and not self._pinned and self._capacity > self._entry_capacity:
+                    self._policy.reset()
         finally:
             self._measuring = False
             self._active = None
@@ -368,6 +371,8 @@ class WorkspaceState:
         meta = self._meta()
         if tensor is not self._tensor:
             raise _replaced(meta)
+        if nbytes > self._capacity:  # read the storage: a backend's own resize_ may have grown it
+            self._capacity = tensor.untyped_storage().nbytes()
         capturing = self._capturing
         if capturing is not None and capturing():
             self._pin(meta)
