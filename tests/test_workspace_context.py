@@ -17,7 +17,7 @@ import torch
 
 from conftest import MiB
 from torch_budget import _runtime, allocator
-from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, get, warm_up, workspace
+from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata, get, reserve, warm_up, workspace
 from torch_budget.errors import NotWarmedUpError, StateError
 from torch_budget.resources import DummyRequest, Step
 from torch_budget.workspace_resource import WorkspaceResource
@@ -672,6 +672,20 @@ def test_workspace_allocations_are_routed_to_the_workspace_tag_when_the_shim_is_
     assert shim.scopes == [WORKSPACE_TAG] * 2, "a forward that allocates nothing enters no scope"
     forward(meta, 2 * MiB)
     assert shim.scopes == [WORKSPACE_TAG] * 3  # the shrink's allocation
+
+
+def test_a_backend_sizing_the_workspace_itself_grows_it_under_the_workspace_tag_with_reserve(shim):
+    meta = warmed(1 * MiB)
+    tensor = meta.workspace
+    shim.scopes.clear()
+    with workspace(meta):
+        assert reserve(meta, 8 * MiB) is tensor  # in place, where a backend would call tensor.resize_
+        assert tensor.numel() == storage_bytes(tensor) == 8 * MiB
+    assert shim.scopes == [WORKSPACE_TAG] and meta.capacity == 8 * MiB
+    for _ in range(3):
+        with workspace(meta):
+            reserve(meta, 2 * MiB)
+    assert meta.capacity == storage_bytes(meta.workspace) == 2 * MiB  # measured and shrunk as get()'s growth
 
 
 def test_nothing_is_routed_when_the_shim_is_not_installed(shim):

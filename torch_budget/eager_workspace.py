@@ -14,7 +14,10 @@ is a ready implementation for code without its own metadata class):
 
 - ``workspace``: the eager workspace, a 1-D contiguous ``torch.uint8`` tensor on the device,
   or None before warm-up. Grow it only through `get` or, for a backend with its own sizing,
-  by ``workspace.resize_(n)`` of this same tensor object; never rebind it to another tensor.
+  `reserve` (in place, where it would call ``workspace.resize_(n)``); never rebind it to
+  another tensor. A backend's own ``resize_`` of this tensor is still measured, but its
+  allocation is charged to whatever tag is current rather than "workspace" (so it escapes
+  the workspace's budget and the shrink's empty_cache), and it skips `get`'s checks.
 - ``is_graph_metadata`` (bool): metadata used by CUDA graphs; `workspace` does nothing for it.
 - ``workspace_state``: where `warm_up` stores the manager's per-workspace state (a
   `WorkspaceState`); None or absent before warm-up. The object must allow setting it and
@@ -72,13 +75,13 @@ Note [Eager workspace under graph capture]
 ------------------------------------------
 A capture that uses the eager workspace bakes its address into the graph, and every replay
 writes there; an eager forward must never move that address (SPEC 5). So the first forward
-entered under capture, or `get` under capture, pins the workspace for good: it keeps its
+entered under capture, or `get` or `reserve` under capture, pins the workspace for good: it keeps its
 storage, never shrinks (one warning says so), and growth, inside the capture or after it,
 raises a StateError naming the capture (inside, it would also take its storage from the
 graph's private pool). Growing into a new tensor while the graph keeps the old one would
 hold both for the graph's life and hand a stateful backend two copies of its state. Captured
-forwards belong on graph metadata with its own graph workspace; a metadata warmed up again
-to the size needed serves the eager forwards.
+forwards belong on graph metadata with its own graph workspace; a new metadata, warmed up
+to the size needed, serves the eager forwards.
 """
 
 import functools
@@ -102,6 +105,7 @@ __all__ = [
     "WorkspaceShrinkPolicy",
     "WorkspaceState",
     "get",
+    "reserve",
     "warm_up",
     "workspace",
 ]
@@ -147,7 +151,7 @@ def _missing_warm_up(meta):
 def _replaced(meta):
     return StateError(
         f"the workspace tensor of {_describe(meta)} was replaced outside the manager: grow it "
-        "with get() or resize_() of the same tensor, or use a new metadata object for a new workspace"
+        "with get() or reserve(), or use a new metadata object for a new workspace"
     )
 
 
@@ -155,7 +159,7 @@ class WorkspaceState:
     """Per-workspace state of the manager, and the context manager `workspace()` returns.
 
     Created by `warm_up` and stored in ``meta.workspace_state``; read it through its properties
-    (`get` grows the workspace through `grow`). One object
+    (`get` and `reserve` grow the workspace through `grow`). One object
     is reused for every forward of its workspace, so entering a forward allocates nothing.
 
     Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
@@ -427,7 +431,7 @@ class WorkspaceState:
         return stream_fn is not None and stream_fn() != self._stream
 
     def note_use(self):
-        """`get` served a view without growing: under capture that pins the workspace."""
+        """`get` or `reserve` served without growing: under capture that pins the workspace."""
         capturing = self._capturing
         if capturing is not None and not self._pinned and capturing():
             self._pin(self._meta())
@@ -628,6 +632,17 @@ def get(meta, nbytes) -> "torch.Tensor":
     (grow-only), so the workspace holds the largest layer's need, not the sum. The view is
     valid until the next `get` on the same metadata and must not be kept across forwards.
     """
+    return reserve(meta, nbytes)[:nbytes]
+
+
+def reserve(meta, nbytes) -> "torch.Tensor":
+    """Grow the eager workspace of `meta` in place to a logical size of at least `nbytes`, and
+    return it (``meta.workspace`` itself, not a view).
+
+    For a backend with its own sizing, in place of ``meta.workspace.resize_(nbytes)``: the
+    growth is charged to the workspace tag, counted in its budget and measured for the shrink,
+    and refused where `get`'s would be (see `WorkspaceState.grow`).
+    """
     tensor = meta.workspace
     if type(nbytes) is not int or not 0 <= nbytes < 1 << 63:
         nbytes = as_bytes("nbytes", nbytes)
@@ -640,7 +655,7 @@ def get(meta, nbytes) -> "torch.Tensor":
         state.grow(tensor, nbytes)
     elif state is not None:
         state.note_use()
-    return tensor[:nbytes]
+    return tensor
 
 
 class WorkspaceMetadata:
