@@ -81,7 +81,7 @@ def test_the_demos_tags_are_the_planners():
     import inspect
 
     assert inspect.signature(PagedKVResource).parameters["tag"].default == tags["kv_pool"]
-    assert inspect.signature(WorkspaceResource).parameters["tag"].default == tags["eager_workspace"]
+    assert WorkspaceResource.tag == tags["eager_workspace"]
 
 
 def test_apply_needs_install():

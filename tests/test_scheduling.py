@@ -9,7 +9,7 @@ import torch
 
 from torch_budget.demo.kv_resource import PagedKVResource
 from torch_budget.demo.model import PagedKVCache
-from torch_budget.eager_workspace import WorkspaceMetadata
+from torch_budget.eager_workspace import WORKSPACE_TAG, WorkspaceMetadata
 from torch_budget.errors import RequestTooLargeError, StateError
 from torch_budget.graphs import GraphPoolManager, GraphResource, StaticInput
 from torch_budget.planner.shape import ModelShape
@@ -111,6 +111,20 @@ def test_the_workspace_defers_what_passes_its_tokens_per_step_and_gives_them_bac
     step = scheduler.schedule()
     assert [r.request_id for r in step.context] == [1, 2] and scheduler.deferred == {1}, "2 waited behind 1"
     assert scheduler.waits == {"workspace": 1}
+
+
+@pytest.mark.parametrize("make", [
+    lambda meta, **kw: WorkspaceResource(meta, W, 8, **kw),
+    lambda meta, **kw: WorkspaceResource.from_budget(meta, W, 8 * W, **kw),
+])
+def test_the_workspace_names_the_tag_its_memory_is_charged_to_and_tag_is_deprecated(make):
+    meta = WorkspaceMetadata("cpu", reclaimable=True)
+    meta.warm_up(W)
+    assert make(meta).tag == WORKSPACE_TAG
+    with pytest.warns(DeprecationWarning, match=r"WorkspaceResource\(tag=\) is deprecated"):
+        assert make(meta, tag=WORKSPACE_TAG).tag == WORKSPACE_TAG
+    with pytest.raises(ValueError, match="allocates under tag 'workspace'"):
+        make(meta, tag="scratch")  # it named a tag its memory was never charged to
 
 
 def test_graph_rows_defer_a_request_until_a_row_of_the_largest_bucket_frees():
