@@ -45,7 +45,7 @@ One metadata object stands for one workspace: its state (floor, policy, stream, 
 in-forward flag) lives in it, so keep it for the workspace's life rather than rebuilding it
 per step. One storage backs one metadata's workspace: `warm_up` refuses a tensor whose
 storage another live metadata manages (as its workspace or its graph workspace), and a
-graph workspace that shares the eager workspace's storage (see `_check_unshared`).
+graph workspace that shares the eager workspace's storage (workspace_registry.py).
 
 Note [Eager workspace reclamation]
 ----------------------------------
@@ -95,6 +95,7 @@ from torch_budget import _runtime, allocator
 from torch_budget._validate import boolean
 from torch_budget.errors import InvalidArgumentError, NotWarmedUpError, StateError
 from torch_budget.workspace_policy import WorkspaceShrinkPolicy, as_bytes
+from torch_budget.workspace_registry import claim
 
 if TYPE_CHECKING:
     import torch
@@ -516,55 +517,6 @@ def _check_workspace_tensor(tensor, meta):
         raise InvalidArgumentError(f"{_describe(meta)}.workspace cannot be managed: it has " + ", ".join(problems))
 
 
-# Every live state, so that warm_up can refuse a storage another metadata manages: over one
-# storage the per-metadata locks miss overlapping forwards, and one's growth or shrink moves
-# the other's memory. Weak, so a dropped metadata's storage may be adopted again; read through
-# each metadata's current tensors, so growth and shrinks keep it current without a write.
-_managed = weakref.WeakSet()
-_managed_lock = threading.Lock()  # held from warm_up's check to its registration
-
-
-def _shares_storage(a, b):
-    """Whether tensors `a` and `b` share a storage, or any byte of device memory."""
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    if sa._cdata == sb._cdata:
-        return True
-    if a.device != b.device:
-        return False
-    pa, pb = sa.data_ptr(), sb.data_ptr()  # 0: no memory (empty, or the meta device)
-    return pa != 0 and pb != 0 and pa < pb + sb.nbytes() and pb < pa + sa.nbytes()
-
-
-def _check_unshared(meta, tensor):
-    """Raise unless `tensor` and meta's graph workspace have storages no other live metadata
-    manages, and do not share one with each other. Caller holds _managed_lock."""
-    import torch
-
-    graph_ws = getattr(meta, "graph_workspace", None)
-    if not isinstance(graph_ws, torch.Tensor):
-        graph_ws = None
-    moves = "an eager forward's growth or shrink would move the address captured graphs baked in"
-    if graph_ws is not None and _shares_storage(tensor, graph_ws):
-        raise InvalidArgumentError(f"{_describe(meta)}.graph_workspace shares its storage with the eager workspace: "
-                                   f"{moves}; give the graph workspace a tensor of its own")
-    for state in list(_managed):
-        other = state.metadata
-        if other is None or other is meta:
-            continue
-        other_ws, other_graph = other.workspace, getattr(other, "graph_workspace", None)
-        if other_ws is not None and _shares_storage(tensor, other_ws):
-            raise InvalidArgumentError(
-                f"{_describe(meta)}.workspace is already the workspace of {_describe(other)}: over one storage the "
-                "two would run forwards at once unguarded, and one's growth or shrink would move the other's "
-                "memory; give each metadata a workspace of its own (warm_up(meta, nbytes) allocates one)")
-        if graph_ws is not None and other_ws is not None and _shares_storage(graph_ws, other_ws):
-            raise InvalidArgumentError(f"{_describe(meta)}.graph_workspace shares its storage with the workspace of "
-                                       f"{_describe(other)}: {moves}; give the graph workspace a tensor of its own")
-        if isinstance(other_graph, torch.Tensor) and _shares_storage(tensor, other_graph):
-            raise InvalidArgumentError(f"{_describe(meta)}.workspace is already the graph_workspace of "
-                                       f"{_describe(other)}: {moves}; give each a tensor of its own")
-
-
 def _device_hooks(device, meta):
     """Stream-identity and capture-check callables for `device`, resolved once at warm-up so
     that forwards pay for neither a lookup nor a Stream object."""
@@ -616,12 +568,14 @@ def warm_up(meta, nbytes=None, device=None) -> "torch.Tensor":
             tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
     _check_workspace_tensor(tensor, meta)
     stream_fn, capturing = _device_hooks(tensor.device, meta)
-    with _managed_lock:
-        _check_unshared(meta, tensor)
+
+    def install():
         state = WorkspaceState(meta, tensor, stream_fn, capturing)
         meta.workspace = tensor
         meta.workspace_state = state
-        _managed.add(state)
+        return state
+
+    claim(meta, tensor, install)
     return tensor
 
 
