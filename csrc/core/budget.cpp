@@ -1,5 +1,6 @@
 #include "budget.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -87,26 +88,26 @@ std::string Budget::torch_head(size_t size, size_t device_free, size_t device_to
 }
 
 int64_t Budget::family_used(int tag) const {
-  const int head = tag_family(tag);
-  int64_t used = 0;
-  for (int t = 0; t < kMaxTags; ++t)
-    if (t == tag || (head == tag && tag_family(t) == tag)) used += tag_used(t);
+  int64_t used = tag_used(tag);
+  for (uint64_t m = tag_members(tag); m != 0; m &= m - 1) used += tag_used(__builtin_ctzll(m));
   return used;
 }
 
 int Budget::binding_tag(int tag) const {
   const int head = tag_family(tag);
-  const int64_t own = tag_limit(tag) == kNone ? kNone : tag_limit(tag) - family_used(tag);
   if (head < 0 || head == tag || tag_limit(head) == kNone) return tag;
-  return tag_limit(head) - family_used(head) < own ? head : tag;
+  if (tag_limit(tag) == kNone) return head;
+  return tag_limit(head) - family_used(head) < tag_limit(tag) - family_used(tag) ? head : tag;
 }
 
 int64_t Budget::tag_room(int tag) const {
+  const int64_t own = tag_limit(tag);
   const int head = tag_family(tag);
-  if (tag_limit(tag) == kNone && (head < 0 || head == tag || tag_limit(head) == kNone))
-    return kNone;  // no budget to add up: the allocation path's common case
-  const int t = binding_tag(tag);
-  return tag_limit(t) == kNone ? kNone : tag_limit(t) - family_used(t);
+  const int64_t family = head >= 0 && head != tag ? tag_limit(head) : kNone;
+  if (own == kNone && family == kNone) return kNone;  // no budget to add up: the common case
+  int64_t room = own == kNone ? kNone : own - family_used(tag);  // a head's own budget bounds its family
+  if (family != kNone) room = std::min(room, family - family_used(head));
+  return room;
 }
 
 std::string Budget::tag_oom_message(size_t size, size_t charged, int member, const std::string& member_name,

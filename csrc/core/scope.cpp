@@ -29,6 +29,9 @@ int g_tag_count = 1;
 // never registered; "untagged" heads its own. Written once under g_tags_mu when the tag is
 // registered, read without it. Plain storage, as above.
 std::atomic<int> g_family[kMaxTags] = {1};
+// Each head's members, a bit per tag id; written under g_tags_mu, read without it.
+static_assert(kMaxTags <= 64, "a family's members are one 64-bit mask");
+std::atomic<uint64_t> g_members[kMaxTags] = {};
 
 // The family head named by `name`'s part before its first '+' (-1: none, or not registered);
 // under g_tags_mu.
@@ -93,13 +96,21 @@ int tag_id(const std::string& name) {
   // registered, takes in the members registered before it.
   const int head = head_of(name);
   g_family[id].store((head >= 0 ? head : id) + 1);
+  if (head >= 0) g_members[head].fetch_or(uint64_t{1} << id);
   for (int i = 1; i < id; ++i)
-    if (head_of(g_tags[i]) == id) g_family[i].store(id + 1);
+    if (head_of(g_tags[i]) == id) {
+      g_members[id].fetch_or(uint64_t{1} << i);
+      g_family[i].store(id + 1);
+    }
   return id;
 }
 
 int tag_family(int id) {
   return id >= 0 && id < kMaxTags ? g_family[id].load(std::memory_order_acquire) - 1 : -1;
+}
+
+uint64_t tag_members(int head) {
+  return head >= 0 && head < kMaxTags ? g_members[head].load(std::memory_order_acquire) : 0;
 }
 
 int tag_find(const std::string& name) {

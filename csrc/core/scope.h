@@ -5,6 +5,7 @@
 // allocation path reads only the top entry (no lock).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,9 @@ int tag_id(const std::string& name);
 // "kv+cpu") when that is registered, else `id` itself; -1 for an id never registered.
 // Lock-free: the allocation path asks it.
 int tag_family(int id);
+// The members of the family that tag `head` heads, as a bit per tag id (never `head` itself);
+// 0 for a tag that heads none. Lock-free.
+uint64_t tag_members(int head);
 // The id of a registered tag, -1 when none has that name (registers nothing).
 int tag_find(const std::string& name);
 std::string tag_name(int id);
