@@ -52,25 +52,39 @@ import json, os, sys
 import torch.distributed as dist
 from torch_budget.planner import CacheCost, Profile, plan
 
-non_torch = int(sys.argv[1])
+non_torch, per_token = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=os.environ["TB_INIT_METHOD"], rank=int(os.environ["RANK"]),
                         world_size=int(os.environ["WORLD_SIZE"]))
 GiB = 1 << 30
 prof = Profile.from_measurements(torch_peak=20 * GiB, torch_used=20 * GiB, total_used=20 * GiB + non_torch,
                                  total=80 * GiB, model_bytes=16 * GiB)
-p = plan(prof, CacheCost(slope=64 * 1024), workspace_bytes_per_token=1024, max_batch=64, max_num_tokens=8192,
+p = plan(prof, CacheCost(slope=64 * 1024), workspace_bytes_per_token=per_token, max_batch=64, max_num_tokens=8192,
          max_seq_len=1 << 20)
+import torch
+after = torch.ones(1)
+dist.all_reduce(after)  # the caller's next collective meets the same one on every rank
 dist.destroy_process_group()
+lines = [line.bytes for line in p.lines if line.name == "per-token workspace"]
 print(json.dumps({"kv_bytes": p.kv_bytes, "workspace_tokens": p.workspace_tokens,
-                  "workspace": p.line("per-token workspace").bytes}))
+                  "workspace": lines[0] if lines else 0, "after": int(after.item())}))
 """
 
 
 def test_the_workspaces_admission_cap_is_one_for_all_ranks(ranks):
     """1 GiB and 9 GiB outside torch: each rank's own split gives another cap; a scheduler admitting
     up to rank 0's would take rank 1's workspace past its line."""
-    outs = ranks(WORKSPACE_CHILD, 2, timeout=120, rank_args=[[1 * GiB], [9 * GiB]])
+    outs = ranks(WORKSPACE_CHILD, 2, timeout=120, rank_args=[[1 * GiB, 1024], [9 * GiB, 1024]])
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [r["after"] for r in results] == [2, 2]
     assert results[0]["kv_bytes"] == results[1]["kv_bytes"]
     assert results[0]["workspace_tokens"] == results[1]["workspace_tokens"] > 0
     assert results[0]["workspace"] == results[1]["workspace"] == results[0]["workspace_tokens"] * 1024
+
+
+def test_ranks_with_and_without_a_workspace_run_the_same_collectives(ranks):
+    """One rank plans a per-token workspace, the other none (a pipeline stage without it): both run
+    one collective in plan(), so the caller's next one pairs up on every rank."""
+    outs = ranks(WORKSPACE_CHILD, 2, timeout=120, rank_args=[[1 * GiB, 1024], [1 * GiB, 0]])
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [r["after"] for r in results] == [2, 2]
+    assert results[0]["workspace_tokens"] > 0 and results[1]["workspace_tokens"] == 0

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch_budget._validate import fraction as _fraction, integer, non_negative_int, number
+from torch_budget._validate import INT64_MAX, fraction as _fraction, integer, non_negative_int, number
 from torch_budget.errors import InvalidArgumentError
 import torch_budget.planner.apply as _apply
 from torch_budget.planner.costs import CacheCost, Reserve, WorkspaceReserve, attended_token_cap, workspace_reserve
@@ -150,18 +150,19 @@ def _reserves(given, what: str) -> list[Reserve]:
     return out
 
 
-def _min_over_ranks(value: int, group) -> tuple[int, int]:
-    """All-reduce MIN of a byte count when torch.distributed is up; (value, 1) otherwise."""
+def _min_over_ranks(values: list[int], group) -> tuple[list[int], int]:
+    """All-reduce MIN of byte or token counts, in one collective, when torch.distributed is up;
+    (values, 1) otherwise. Every rank calls it once per plan, whatever its own arguments."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return value, 1
+        return values, 1
     # NCCL only reduces device tensors; every other backend takes host tensors.
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item()), dist.get_world_size(group)
+    return [int(v) for v in t.tolist()], dist.get_world_size(group)
 
 
 def plan(
@@ -293,13 +294,12 @@ def plan(
 
     # 7. min over ranks, in bytes
     capped = budget
-    budget, world = _min_over_ranks(budget, group)
-    if world > 1 and workspace_bytes_per_token > 0:  # the same on every rank, so every rank reduces
-        # One admission cap for all: a scheduler admitting up to its own rank's cap would take
-        # another rank's workspace past its line.
-        fewest, _ = _min_over_ranks(ws.tokens, group)
-        if fewest < ws.tokens:
-            ws = WorkspaceReserve(fewest * workspace_bytes_per_token, fewest)
+    # One admission cap for all, in the same collective: a scheduler admitting up to its own rank's
+    # cap would take another rank's workspace past its line. A rank without such a workspace
+    # gives no cap (ranks may differ in it, and each must run the same collectives).
+    (budget, fewest), world = _min_over_ranks([budget, ws.tokens if ws.tokens > 0 else INT64_MAX], group)
+    if world > 1 and workspace_bytes_per_token > 0 and fewest < ws.tokens:
+        ws = WorkspaceReserve(fewest * workspace_bytes_per_token, fewest)
     if world > 1:
         ranks = f"min over {world} ranks"
     elif kv_shards > 1:
