@@ -46,7 +46,7 @@ def test_kv_cost_per_token_matches_the_cache_tensors():
 def test_cache_from_budget_uses_tokens_for_budget_rounded_to_blocks():
     cost = dataclasses.replace(kv_cache_cost(TINY), tensors=2)  # the pool's K and V tensors
     budget = cost.charged_for_tokens(38)  # 38 tokens fit, as the allocator charges them; 39 do not
-    assert cost.tokens_for_budget(budget) == 38 and cost.charged_for_tokens(39) > budget
+    assert cost.tokens_for_tag_budget(budget) == 38 and cost.charged_for_tokens(39) > budget
     tables = -(-PagedKVCache.table_bytes(TINY, 2, 8) // 512) * 512
     cache = PagedKVCache.from_budget(TINY, budget + tables, max_batch=2, block_size=8)
     assert cache.num_blocks == 38 // 8

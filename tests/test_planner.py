@@ -23,13 +23,20 @@ from torch_budget.planner import (
 # --- CacheCost ---------------------------------------------------------------------------------
 
 
-def test_tokens_for_budget_is_the_most_tokens_whose_cache_the_allocator_charges_within_it():
+def test_tokens_for_budget_is_floor_of_budget_minus_intercept_over_slope():
     cost = CacheCost(slope=4096, intercept=1000)
+    assert cost.tokens_for_budget(10 * 4096 + 1000) == 10
+    assert cost.tokens_for_budget(10 * 4096 + 999) == 9
     assert cost.bytes_for_tokens(10) == 10 * 4096 + 1000
+
+
+def test_tokens_for_a_tag_budget_are_the_most_whose_cache_the_allocator_charges_within_it():
+    cost = CacheCost(slope=4096, intercept=1000)
     # the allocator charges whole 512-byte units: 41,960 bytes of cache are charged 41,984
     assert cost.charged_for_tokens(10) == 41984
-    assert cost.tokens_for_budget(41984) == 10
-    assert cost.tokens_for_budget(41983) == cost.tokens_for_budget(10 * 4096 + 1000) == 9
+    assert cost.tokens_for_tag_budget(41984) == 10
+    assert cost.tokens_for_tag_budget(41983) == cost.tokens_for_tag_budget(10 * 4096 + 1000) == 9
+    assert CacheCost(slope=0).tokens_for_tag_budget(1 << 30) == 0
     # each tensor of the cache is rounded up on its own
     per_layer = CacheCost(slope=4096, intercept=1000, tensors=4)   # four of 10,490 bytes: 10,752 each
     assert per_layer.charged_for_tokens(10) == 4 * 10752
@@ -37,7 +44,7 @@ def test_tokens_for_budget_is_the_most_tokens_whose_cache_the_allocator_charges_
     assert parts.charged_for_tokens(10) == (41960 + 4 * 511) // 512 * 512
     for cost in (per_layer, parts):
         for budget in range(40000, 50000, 37):  # the most tokens that fit, never one that does not
-            t = cost.tokens_for_budget(budget)
+            t = cost.tokens_for_tag_budget(budget)
             assert cost.charged_for_tokens(t) <= budget < cost.charged_for_tokens(t + 1)
 
 

@@ -74,7 +74,7 @@ class PagedKVCache:
     @classmethod
     def from_budget(cls, cfg: ModelShape, budget_bytes: int, *, max_batch: int, block_size: int = 16, device=None):
         """Size the cache from a byte budget (e.g. `Plan.kv_bytes`, the KV tag's budget under
-        Plan.apply()) via `CacheCost.tokens_for_budget`, rounded down to whole blocks, after the
+        Plan.apply()) via `CacheCost.tokens_for_tag_budget`, rounded down to whole blocks, after the
         block tables: the pool and its tables together never exceed the budget."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -82,7 +82,7 @@ class PagedKVCache:
         cost = dataclasses.replace(kv_cache_cost(_checked(cfg)), tensors=2)
         tables = cls.table_bytes(cfg, max_batch, block_size)
         unit = ALLOCATION_UNIT
-        tokens = cost.tokens_for_budget(budget_bytes - (tables + unit - 1) // unit * unit)
+        tokens = cost.tokens_for_tag_budget(budget_bytes - (tables + unit - 1) // unit * unit)
         num_blocks = tokens // block_size
         if num_blocks < 2:
             raise ValueError(

@@ -61,15 +61,20 @@ class CacheCost:
         return (total + n * (unit - 1)) // unit * unit  # each may be rounded up by unit - 1 bytes
 
     def tokens_for_budget(self, budget_bytes: int) -> int:
-        """Largest token count whose cache, as the allocator charges it (charged_for_tokens), fits
-        `budget_bytes`; 0 when nothing fits or the cache does not grow with tokens (slope <= 0 would
-        otherwise divide by zero or go negative)."""
+        """Largest token count whose cost fits `budget_bytes`: max((b - intercept) // slope, 0); 0
+        when the cache does not grow with tokens (slope <= 0 would otherwise divide by zero or go
+        negative). A tag budget holds fewer: tokens_for_tag_budget."""
         if self.slope <= 0:
             return 0
-        hi = max(int((budget_bytes - self.intercept) // self.slope), 0)  # the cost alone fits
-        lo = max(int((budget_bytes - self.intercept - self.tensors * ALLOCATION_UNIT) // self.slope), 0)
+        return max(int((budget_bytes - self.intercept) // self.slope), 0)
+
+    def tokens_for_tag_budget(self, budget_bytes: int) -> int:
+        """Largest token count whose cache, as the allocator charges it (charged_for_tokens), fits a
+        tag budget of `budget_bytes`; 0 as tokens_for_budget."""
+        hi = self.tokens_for_budget(budget_bytes)  # the cost alone fits
         if hi == 0 or self.charged_for_tokens(hi) <= budget_bytes:
             return hi
+        lo = max(int((budget_bytes - self.intercept - self.tensors * ALLOCATION_UNIT) // self.slope), 0)
         # lo's cache fits (its cost leaves room for every tensor's rounding) or lo is 0; hi's does not
         while hi - lo > 1:
             mid = (lo + hi) // 2

@@ -309,7 +309,7 @@ def plan(
         ranks = "single rank"
     steps.append(PlanStep(7, "ranks", budget, ranks))
 
-    tokens = kv_cost.tokens_for_budget(budget)
+    tokens = kv_cost.tokens_for_tag_budget(budget)  # the KV line is the KV tag's budget
     activations = profile.activation_bytes - estimation_kv_bytes - eager_workspace_in_peak
     lines = [LedgerLine("weights", "weights", profile.model_bytes, f"model parameters and buffers ({profile.source})"),
              LedgerLine("activations", "activations", activations,
