@@ -553,3 +553,12 @@ def test_bad_plan_input_is_refused_naming_what_is_wrong():
         p.tag_budgets(["kv_pool"])
     with pytest.raises(TypeError, match="to a tag"):
         p.tag_budgets({"kv_pool": 3})
+
+
+def test_numpy_byte_counts_are_whole_numbers_too():
+    np = pytest.importorskip("numpy")
+    from torch_budget.planner.ledger import LedgerLine
+
+    p = plan(base_profile(), COST, beside_peak=[Reserve("encoder", np.int64(MiB), "numpy")])
+    assert p.line("encoder").bytes == MiB and type(p.line("encoder").bytes) is int
+    assert type(LedgerLine("weights", "weights", np.int64(5), "numpy").bytes) is int

@@ -158,7 +158,8 @@ class Reserve:
     category: str = "reserve"
 
     def __post_init__(self):
-        non_negative_int(self.bytes, f"Reserve({self.name!r}).bytes")
+        # stored as an int: a numpy integer is one too, and the ledger line made of it takes ints
+        object.__setattr__(self, "bytes", non_negative_int(self.bytes, f"Reserve({self.name!r}).bytes"))
         # The plan's own lines, the profile's allocator cache among them, are not reservable.
         if self.category not in CATEGORIES or self.category in ("headroom", "kv_pool", "weights", "allocator_cache"):
             raise ValueError(f"Reserve({self.name!r}) category {self.category!r} is not a reservable ledger category")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from torch_budget._validate import INT64_MAX
+from torch_budget._validate import INT64_MAX, is_int
 from torch_budget.units import format_bytes
 
 # Ledger categories and their display labels, in the order they are stacked on the bar: what is
@@ -53,8 +53,9 @@ class LedgerLine:
     state: str = ""
 
     def __post_init__(self):
-        if isinstance(self.bytes, bool) or not isinstance(self.bytes, int):
+        if not is_int(self.bytes):
             raise TypeError(f"ledger line {self.name!r} has bytes {self.bytes!r}; bytes are a whole number (int)")
+        object.__setattr__(self, "bytes", self.bytes.__index__())  # a numpy integer becomes an int
         if self.category not in CATEGORIES:
             raise ValueError(f"ledger category {self.category!r} is not one of {list(CATEGORIES)}")
         if self.bytes < 0 and self.category != "headroom":
