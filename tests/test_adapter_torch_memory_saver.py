@@ -1060,3 +1060,40 @@ def test_a_pause_that_fails_drops_no_contents_of_a_tag_without_backup():
     host.heal()
     assert not sleep.any_released()
     assert host.peek(a, 4096) == b"A" * 4096 and host.peek(b, 4096) == b"B" * 4096
+
+@built
+@isolated
+def test_disk_backup_without_a_directory_goes_to_tmp_as_in_torch_memory_saver():
+    host, module = _saver()          # no TMS_DISK_BACKUP_DIR, no set_disk_backup_dir: TMS uses /tmp
+    saver = module.torch_memory_saver
+    with saver.region(enable_disk_backup=True):
+        p = _alloc(host, 4 * MiB, b"d")
+    saver.pause()                    # it had raised InvalidArgumentError: no directory set
+    saver.resume()
+    assert host.peek(p, 4096) == b"d" * 4096
+
+
+@built
+@isolated
+def test_a_resume_regrows_no_cache_past_the_tag_familys_budget():
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    with saver.region("kv", enable_cpu_backup=True):
+        _alloc(host, 4 * MiB, b"s")                 # kv+pinned counts against kv's budget
+    with saver.region("kv"):
+        _alloc(host, 2 * MiB, b"a")
+        host.free(_alloc(host, 4 * MiB, b"c"))
+    torch_budget.set_budget(("bytes", 9 * MiB), tag="kv")
+    saver.pause("kv")
+    saver.resume("kv")
+    assert torch_budget.stats()["raw"]["num_ooms"] == 0   # the regrow had asked past kv's budget
+
+
+@built
+@isolated
+def test_private_stubs_answer_hasattr_and_getattr_default():
+    _, module = _saver()
+    saver = module.torch_memory_saver
+    saver._ensure_initialized()
+    assert not hasattr(saver._impl._binary_wrapper.cdll, "tms_xpu_prewarm_devices")
+    assert getattr(saver._impl, "_is_xpu", False) is False

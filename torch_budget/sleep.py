@@ -65,7 +65,7 @@ from ._validate import boolean, non_negative_int, pool_handle, tag_names
 from .errors import InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
-           "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "released_tags", "any_released", "check_awake",
+           "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "disk_backup_dir", "released_tags", "any_released", "check_awake",
            "end_sharing",
            "reserve_host_pool", "free_host_pool", "keep_host_pool", "host_pool_stats", "SleepReport", "TagState",
            "HostPoolStats"]
@@ -518,9 +518,11 @@ def set_disk_backup_dir(path) -> None:
     csrc/core/disk_backup.h); created if missing. None forgets it. A failed write or read raises BackupFileError naming the file."""
     import os
 
+    global _disk_dir
     lib = _runtime.require_installed("torch_budget.sleep.set_disk_backup_dir()")
     if path is None:
         _native.check(lib, lib.tb_set_disk_backup_dir(None))
+        _disk_dir = None
         return
     path = os.fspath(path)
     if not isinstance(path, str) or not path:
@@ -529,6 +531,15 @@ def set_disk_backup_dir(path) -> None:
         raise InvalidArgumentError(f"a disk backup directory must be a directory; {path!r} is a file")
     os.makedirs(path, exist_ok=True)
     _native.check(lib, lib.tb_set_disk_backup_dir(os.path.abspath(path).encode()))
+    _disk_dir = os.path.abspath(path)
+
+
+_disk_dir: str | None = None  # what set_disk_backup_dir named last
+
+
+def disk_backup_dir() -> str | None:
+    """The directory release(backup="disk") writes to (set_disk_backup_dir); None while none is set."""
+    return _disk_dir
 
 
 class _BackupView:

@@ -328,8 +328,10 @@ def _regrow_cache(names) -> None:
         t = s["by_tag"].get(name, {})
         nbytes = at_pause - t.get("resident", at_pause)
         room = (s["budget"] if s["budget"] is not None else s["total"]) - s["reserved"]
-        if t.get("budget") is not None:
-            room = min(room, t["budget"] - t["allocated"])
+        # the tag's own budget and its family's (a "kv+pinned" tag counts toward "kv"'s: Note [Tag families])
+        for bound in (t, s["by_tag"].get(name.partition("+")[0], {})):
+            if bound.get("headroom") is not None:
+                room = min(room, bound["headroom"])
         if nbytes <= 0 or nbytes > room:
             continue
         stream = _current_stream(device)
@@ -537,13 +539,19 @@ class TorchMemorySaver:
         _install()
         if _retain is None:  # the first use of any instance reads it
             _retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
-        if os.environ.get("TMS_DISK_BACKUP_DIR"):
-            sleep.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
+        if os.environ.get("TMS_DISK_BACKUP_DIR") or sleep.disk_backup_dir() is None:
+            # torch_memory_saver's own default is /tmp
+            sleep.set_disk_backup_dir(os.environ.get("TMS_DISK_BACKUP_DIR") or "/tmp")
         self._impl = _Impl(self)
 
 
+class _PrivateError(UnsupportedError, AttributeError):
+    """A private name of torch_memory_saver's that torch_budget does not have: an AttributeError
+    too, as ctypes' for a missing symbol, so hasattr() and getattr(..., default) answer."""
+
+
 def _private(what: str) -> UnsupportedError:
-    return UnsupportedError(f"torch_memory_saver's private {what}: torch_budget implements its public API, "
+    return _PrivateError(f"torch_memory_saver's private {what}: torch_budget implements its public API, "
                             "the tms_get_* configuration getters and tms_set_interesting_region only; read "
                             "torch_budget.sleep.tag_states() for the state of each tag")
 
