@@ -158,3 +158,12 @@ def test_tag_budgets_read_off_the_ledger_match_what_was_set_and_allocated():
     [kv] = tag_budgets(torch_budget.stats()["by_tag"], {"kv": ("kv_pool", "KV pool")})
     assert kv == TagBudget("kv", 8 * MiB, 3 * MiB, 5 * MiB, "kv_pool", "KV pool")
     assert kv.headroom == torch_budget.stats()["by_tag"]["kv"]["headroom"] == 5 * MiB
+
+
+def test_a_budgeted_tags_use_counts_its_familys_tags():
+    from torch_budget.report.measure import tag_budgets
+
+    by_tag = {"kv": {"budget": 8 * MiB, "allocated": 4 * MiB}, "kv+cpu": {"budget": None, "allocated": 3 * MiB},
+              "kvx": {"budget": None, "allocated": 5 * MiB}}
+    (kv,) = tag_budgets(by_tag)
+    assert (kv.tag, kv.used) == ("kv", 7 * MiB)  # "kvx" is not of the family

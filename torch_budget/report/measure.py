@@ -57,14 +57,18 @@ def tag_state(entry: dict) -> str:
 
 def tag_budgets(by_tag: dict, bounds: dict | None = None) -> list[TagBudget]:
     """The tags of a ledger (`torch_budget.stats()["by_tag"]`) that have a budget, in name order:
-    budget, allocated now, peak. `bounds` maps a tag to (ledger category, the lines it bounds)
+    budget, allocated now (with its family's tags), peak. `bounds` maps a tag to (ledger category, the lines it bounds)
     for the picture's colour and the table's last column."""
+    from torch_budget.allocator import family_allocated
+
+    held = {tag: int(entry["allocated"]) for tag, entry in by_tag.items()}
     out = []
     for tag, entry in sorted(by_tag.items()):
         if entry.get("budget") is None:
             continue
         category, lines = (bounds or {}).get(tag, ("reserve", ""))
-        out.append(TagBudget(tag=tag, budget=int(entry["budget"]), used=int(entry["allocated"]),
+        # what the budget bounds: the tag and its family (Note [Tag families])
+        out.append(TagBudget(tag=tag, budget=int(entry["budget"]), used=family_allocated(held, tag),
                              peak=int(entry["peak_allocated"]) if "peak_allocated" in entry else None,
                              category=category, lines=lines))
     return out
