@@ -354,7 +354,7 @@ def _plan_without_workspace():
 @pytest.mark.built("_host_core")
 @isolated
 @pytest.mark.parametrize("undo_order", ["earlier first", "later first"])
-def test_a_plan_applied_over_another_replaces_it_and_either_undo_returns_to_before_both(undo_order):
+def test_a_plan_applied_over_another_alone_bounds_the_device_and_undoing_both_returns_to_before(undo_order):
     installed_host()
     torch_budget.set_budget("64MiB", tag="kv")  # set before any plan: what undo must come back to
     first, second = sample_plan(), _plan_without_workspace()
@@ -368,8 +368,9 @@ def test_a_plan_applied_over_another_replaces_it_and_either_undo_returns_to_befo
         assert {t: b for t, b in budgets_now().items() if b is not None} == second.tag_budgets()
         a2.undo()
     else:
-        a2.undo()
-        a1.undo()  # must not bring the first plan's budgets back
+        a2.undo()  # the first plan is in force again, as at the end of a nested `with` block
+        assert {t: b for t, b in budgets_now().items() if b is not None} == first.tag_budgets()
+        a1.undo()
     assert {t: b for t, b in budgets_now().items() if b is not None} == {"kv": 64 * MiB}
 
 
@@ -402,3 +403,19 @@ def test_a_kv_pool_of_the_plans_tokens_fits_its_tag_budget_whatever_its_cost_per
             ptrs = [under(host, "kv", pool // tensors) for _ in range(tensors)]
             for ptr in ptrs:
                 host.free(ptr)
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_nested_plan_blocks_bring_each_outer_plan_back_and_one_undone_inside_changes_nothing_until_later():
+    installed_host()
+    outer, middle, inner = sample_plan(), _plan_without_workspace(), sample_plan(non_torch=5 * MiB)
+    in_force = lambda: {t: b for t, b in budgets_now().items() if b is not None}  # noqa: E731
+    with outer.apply():
+        m = middle.apply()
+        with inner.apply():
+            assert in_force() == inner.tag_budgets()
+            m.undo()  # below the top: nothing changes now
+            assert in_force() == inner.tag_budgets()
+        assert in_force() == outer.tag_budgets()  # the middle plan is gone: the outer one is back
+    assert in_force() == {}

@@ -91,38 +91,40 @@ def as_setting(n):
     return None if n is None else ("bytes", int(n))
 
 
-# Note [One plan in force per device]
-# A device holds the budgets of one plan at a time. apply() on a device where an earlier plan is in
-# force replaces it: the tags the earlier plan set and this one does not go back to their budgets from
-# before any plan, and the new plan's `previous` keeps those pre-plan budgets, so its undo() returns
-# the device to the state before the first plan. The earlier plan's undo() then leaves that device to
-# the later one (undoing it there would drop the later plan's budgets, or bring back its own). The
-# fit check counts every budget that will be in force, the tags the plan does not name included.
-# _lock makes apply() and undo() one step each for other threads.
+# Note [Plans in force on a device]
+# The plans applied on a device form a stack, the last applied in force. apply() over an earlier plan
+# puts the tags the earlier plan set and this one does not back to their budgets from before the
+# earlier plan, so only the new plan's budgets bound the device; its `previous` keeps the budgets in
+# force just before it (the earlier plan's), so its undo() brings the earlier plan back, as nested
+# `with plan.apply():` blocks expect. Undoing a plan below the top changes no budget now: the plan
+# just above it takes over its `previous` for the tags it had set, so that undoing that one later
+# returns to the state from before both. The fit check counts every budget that will be in force,
+# the tags the plan does not name included. _lock makes apply() and undo() one step each for other
+# threads.
 _lock = threading.RLock()
-_in_force: dict[int, "AppliedBudgets"] = {}
+_in_force: dict[int, list["AppliedBudgets"]] = {}
 
 
-@dataclass
+@dataclass(eq=False)
 class AppliedBudgets:
     """What `Plan.apply()` set: `budgets` {tag: bytes} on each of `devices`, and `previous`
-    {device: {tag: the budget before any plan, None for none}} of the devices where this plan is
-    still in force. `undo()` puts the previous ones back; used as a context manager, the block's
+    {device: {tag: the budget in force before this plan, None for none}} of the devices where it
+    is still applied. `undo()` puts the previous ones back; used as a context manager, the block's
     end undoes them."""
 
     budgets: dict[str, int]
     devices: tuple[int, ...]
     previous: dict[int, dict[str, int | None]] = field(default_factory=dict)
     undone: bool = False
-    superseded: dict[int, "AppliedBudgets"] = field(default_factory=dict)  # device -> the later plan
 
     def undo(self) -> None:
-        """Restore every tag's budget from before the plan (removing those it did not have) on the
-        devices where this plan is still in force; idempotent. A device where a later apply()
-        replaced this plan is left to that one (Note [One plan in force per device]). A budget that
-        cannot go back (its tag now holds more than it) does not stop the others: each is tried,
-        the first refusal is raised after, naming the tags left on the plan's budget, and a later
-        undo() tries those again."""
+        """Restore every tag's budget from before the plan (removing those it did not have), where
+        this plan is the last applied: the plan it was applied over is in force again; idempotent.
+        Where a later plan is applied over it, nothing changes now, and undoing that one returns to
+        the budgets from before both (Note [Plans in force on a device]). A budget that cannot go
+        back (its tag now holds more than it) does not stop the others: each is tried, the first
+        refusal is raised after, naming the tags left on the plan's budget, and a later undo()
+        tries those again."""
         with _lock:
             if self.undone:
                 return
@@ -131,6 +133,11 @@ class AppliedBudgets:
             first: Exception | None = None
             left: list[str] = []
             for device, tags in self.previous.items():
+                stack = _in_force.get(device, [])
+                at = next((i for i, p in enumerate(stack) if p is self), None)
+                if at is not None and at + 1 < len(stack):  # a later plan is applied over this one
+                    stack[at + 1].previous.setdefault(device, {}).update(tags)
+                    tags.clear()
                 for tag, budget in list(tags.items()):
                     try:
                         allocator.set_budget(as_setting(budget), device=device, tag=tag)
@@ -139,8 +146,8 @@ class AppliedBudgets:
                         left.append(f"{tag!r} on device {device}")
                     else:
                         del tags[tag]
-                if not tags and _in_force.get(device) is self:
-                    del _in_force[device]
+                if not tags and at is not None:
+                    del stack[at]
             if first is not None:
                 first.add_note(f"undo() restored every other budget; {', '.join(left)} stayed on the plan's "
                                "budget: free memory of those tags, then call undo() again")
@@ -219,7 +226,7 @@ def _staying(stats: dict, earlier: dict[str, int | None]) -> dict[str, int]:
 def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, device=None) -> AppliedBudgets:
     """Set `budgets` {tag: bytes} on `device` (None: the current device; "all": every device
     torch_budget serves now, at least one) after checking that they fit every one (check_fits),
-    in place of a plan applied there before (Note [One plan in force per device]); a failure part
+    over a plan applied there before (Note [Plans in force on a device]); a failure part
     way restores what was set and raises, the AppliedBudgets as the error's `applied` where even
     that failed. Needs torch_budget.install() (NotInstalledError)."""
     from torch_budget import _runtime, allocator
@@ -235,7 +242,9 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
         seen, earlier = {}, {}
         for dev in devices:
             seen[dev] = allocator.stats(dev)
-            earlier[dev] = dict(_in_force[dev].previous.get(dev, {})) if dev in _in_force else {}
+            # the plan in force: the tags it set go back to what they were before it, unless this one sets them
+            stack = _in_force.get(dev)
+            earlier[dev] = dict(stack[-1].previous.get(dev, {})) if stack else {}
             check_fits(budgets, seen[dev], outside_torch=outside_torch, planned_total=planned_total,
                        others=_staying(seen[dev], earlier[dev]))
         applied = AppliedBudgets(dict(budgets), devices)
@@ -249,19 +258,16 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
                     if tag not in budgets:
                         allocator.set_budget(as_setting(before), device=dev, tag=tag)
                         done.append((dev, tag, now(tag)))
+                        applied.previous.setdefault(dev, {})[tag] = now(tag)  # the earlier plan's, for undo()
                 for tag, n in budgets.items():
                     allocator.set_budget(as_setting(n), device=dev, tag=tag)
                     done.append((dev, tag, now(tag)))
-                    applied.previous.setdefault(dev, {})[tag] = earlier[dev].get(tag, now(tag))
+                    applied.previous.setdefault(dev, {})[tag] = now(tag)
         except BaseException as failure:
             _roll_back(done, failure, applied)
             raise
         for dev in devices:
-            if dev in _in_force:
-                replaced = _in_force[dev]
-                replaced.previous.pop(dev, None)
-                replaced.superseded[dev] = applied
-            _in_force[dev] = applied
+            _in_force.setdefault(dev, []).append(applied)
         return applied
 
 

@@ -70,12 +70,12 @@ class Plan:
     def apply(self, device=None, tags: dict[str, str] | None = None) -> "_apply.AppliedBudgets":
         """Enforce the plan: set each tag's budget to its lines (tag_budgets) through
         torch_budget.set_budget, on `device` (None: the current one; "all": every device), inside
-        the device's budget, in place of a plan applied there before (Note [One plan in force per
-        device], planner/apply.py). Raises PlanDoesNotFitError, setting nothing, when the budgets
+        the device's budget, over a plan applied there before, whose budgets its undo() brings back
+        (Note [Plans in force on a device], planner/apply.py). Raises PlanDoesNotFitError, setting nothing, when the budgets
         in force would add up to more than the device's budget (the card less the plan's non-torch
         lines when none is set; budgets of tags the plan does not name count too) or give a tag
-        less than it has allocated. Returns what was set, with the budgets from before any plan:
-        `.undo()` (or a `with` block) puts those back."""
+        less than it has allocated. Returns what was set, with the budgets it replaced: `.undo()`
+        (or a `with` block) puts those back."""
         return _apply.apply(self.tag_budgets(tags), outside_torch=self.bytes_in("non_torch"),
                             planned_total=self.total, device=device)
 
