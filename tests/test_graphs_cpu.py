@@ -1042,6 +1042,33 @@ def test_runners_on_two_threads_capture_on_the_shared_stream_one_at_a_time(monke
     assert running["most"] == 1
 
 
+def test_a_capture_inside_another_runners_capture_is_refused_and_one_with_nothing_to_capture_returns(monkeypatch):
+    # The device's capture lock is not reentrant: a piece whose warm-up called another runner's capture()
+    # waited for ever on the lock its own thread held.
+    manager = GraphPoolManager("cpu")
+    refused = []
+
+    def piece(b):
+        done.capture()  # nothing pending: returns at once, without the lock
+        try:
+            later.capture()
+        except StateError as e:
+            refused.append(str(e))
+        return {"y": b["x"] * 2}
+
+    x = [StaticInput("x", torch.float32, ())]
+    done = manager.runner("done", lambda b: {"y": b["x"] + 1}, buckets=(2,), inputs=x)
+    later = manager.runner("later", lambda b: {"y": b["x"] + 2}, buckets=(2,), inputs=x)
+    outer = manager.runner("outer", piece, buckets=(2,), inputs=x)
+    _fake_cuda(monkeypatch, manager, done, later, outer)
+    done.capture()  # captured: a later capture() has nothing to do
+    outer.capture()
+    assert outer.captured == (2,) and refused
+    assert "inside the warm-up or capture of" in refused[0] and "'outer'" in refused[0]
+    later.capture()  # on its own, it captures
+    assert later.captured == (2,)
+
+
 def test_a_step_while_a_tag_is_released_checks_the_static_outputs_too(monkeypatch):
     # Only the pool and the static inputs were checked: a replay writing an output buffer of a released tag
     # would have faulted the context instead of naming the tag.

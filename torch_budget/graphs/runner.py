@@ -9,6 +9,7 @@ manager that made it for the pool to capture into (RunnerOwner).
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -65,6 +66,11 @@ class RunnerOwner(Protocol):
     def runner_keeping_pool(self, pool: PoolHandle) -> GraphRunner | None: ...
 
     def runner_closed(self, runner: GraphRunner) -> None: ...
+
+
+# The runner whose capture() this thread is running, if any: a piece whose warm-up calls another
+# runner's capture() would wait for the device's capture lock this thread holds.
+_capturing = threading.local()
 
 
 class GraphRunner:
@@ -323,8 +329,18 @@ class GraphRunner:
         self._require_open()
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"{self._label} lives on {self.device}; CUDA graph capture needs a CUDA device")
+        if all(b in self._captured_buckets for b in self._all_buckets):
+            return  # nothing to capture: no need to wait for another capture's turn
+        busy = getattr(_capturing, "runner", None)
+        if busy is not None:  # the lock is not reentrant, and a capture inside a capture is invalid anyway
+            raise StateError(f"{self._label}.capture() was called inside the warm-up or capture of {busy} on this "
+                             "thread: capture each runner on its own, before or after the other")
         with self._manager.capture_lock():  # one capture at a time on the shared capture stream
-            self._capture()
+            _capturing.runner = self._label
+            try:
+                self._capture()
+            finally:
+                _capturing.runner = None
 
     def _capture(self) -> None:
         pending = [b for b in reversed(self._all_buckets) if b not in self._captured_buckets]
