@@ -467,6 +467,32 @@ def test_growth_from_another_thread_during_a_forward_is_refused(nbytes):
     assert meta.get(4 * MiB).numel() == 4 * MiB  # between forwards any thread may grow it
 
 
+def test_a_forward_entered_while_another_thread_grows_the_workspace_between_forwards_waits_for_it(monkeypatch):
+    # A scheduler thread preparing the next step (WorkspaceResource.prepare) holds the forward lock while it
+    # grows; a forward entered meanwhile was refused as an overlapping forward, in the middle of serving.
+    import torch_budget.eager_workspace as eager_workspace
+
+    meta = warmed(1 * MiB)
+    growing, may_finish = threading.Event(), threading.Event()
+    real = eager_workspace._allocation_scope
+
+    @contextlib.contextmanager
+    def slow_scope():
+        growing.set()
+        assert may_finish.wait(10)
+        with real():
+            yield
+
+    monkeypatch.setattr(eager_workspace, "_allocation_scope", slow_scope)
+    grower = threading.Thread(target=lambda: meta.get(8 * MiB))
+    grower.start()
+    assert growing.wait(10)
+    threading.Timer(0.05, may_finish.set).start()
+    forward(meta, 4 * MiB)  # waits for the growth, then runs on the grown workspace
+    grower.join()
+    assert meta.capacity >= 8 * MiB
+
+
 # -- reclaiming -----------------------------------------------------------------------------
 
 

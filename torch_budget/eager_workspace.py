@@ -164,7 +164,8 @@ class WorkspaceState:
     is reused for every forward of its workspace, so entering a forward allocates nothing.
 
     Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
-    in-forward flag (`_owner` names its thread), and by `grow` between forwards; it is taken
+    in-forward flag (`_owner` names its thread), and by `grow` between forwards (`_between`,
+    which a forward entered meanwhile waits for instead of refusing as an overlap); it is taken
     without blocking, so an overlapping forward (nested, or from another thread) or a growth
     from another thread fails at once instead of sharing the buffer. Every field below except
     the configuration ones is written only by the thread holding `_lock`.
@@ -172,7 +173,7 @@ class WorkspaceState:
 
     __slots__ = (
         "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
-        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_pinned",
+        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_between", "_pinned",
         "__weakref__",
     )
 
@@ -181,6 +182,7 @@ class WorkspaceState:
         self._meta = weakref.ref(meta)  # weak: the metadata owns the state, not the reverse
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread whose forward holds _lock
+        self._between = False  # _lock is held by a growth between forwards, which a forward waits for
         self._policy = WorkspaceShrinkPolicy(capacity)
         self._floor = capacity  # fixed at warm-up; the capacity is never reclaimed below it
         self._device = tensor.device
@@ -222,7 +224,10 @@ class WorkspaceState:
         return self._lock.locked()
 
     def __enter__(self):
-        if not self._lock.acquire(False):
+        acquired = self._lock.acquire(False)
+        while not acquired and self._between:  # a growth between forwards: it prepares this forward
+            acquired = self._lock.acquire(timeout=0.01)
+        if not acquired:
             meta = self._meta()
             raise StateError(
                 f"overlapping forwards share the workspace of {_describe(meta)}: a forward is already "
@@ -363,12 +368,12 @@ class WorkspaceState:
                 "on it in another thread: growing it would resize or move the storage under that forward; only the "
                 "forward's own thread may grow it (grow it for the next step before the forward starts)"
             )
-        self._owner = me
+        self._owner, self._between = me, True
         try:
             if self._grow(tensor, nbytes):
                 self._policy.reset()
         finally:
-            self._owner = None
+            self._owner, self._between = None, False
             self._lock.release()
 
     def _grow(self, tensor, nbytes):
