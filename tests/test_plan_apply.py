@@ -419,3 +419,21 @@ def test_nested_plan_blocks_bring_each_outer_plan_back_and_one_undone_inside_cha
             assert in_force() == inner.tag_budgets()
         assert in_force() == outer.tag_budgets()  # the middle plan is gone: the outer one is back
     assert in_force() == {}
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_third_plan_over_two_brings_back_none_of_the_first_ones_budgets():
+    from torch_budget.planner import apply as apply_module
+
+    installed_host()
+    in_force = lambda: {t: b for t, b in budgets_now().items() if b is not None}  # noqa: E731
+    with sample_plan().apply():  # sets workspace and graphs, which the two below do not
+        with _plan_without_workspace().apply():
+            inner = _plan_without_workspace()
+            with inner.apply():
+                assert in_force() == inner.tag_budgets()
+    assert in_force() == {}
+    empty = sample_plan().apply(tags={})  # sets nothing, and still leaves the stack when undone
+    empty.undo()
+    assert all(p is not empty for stack in apply_module._in_force.values() for p in stack)

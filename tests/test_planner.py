@@ -562,3 +562,9 @@ def test_numpy_byte_counts_are_whole_numbers_too():
     p = plan(base_profile(), COST, beside_peak=[Reserve("encoder", np.int64(MiB), "numpy")])
     assert p.line("encoder").bytes == MiB and type(p.line("encoder").bytes) is int
     assert type(LedgerLine("weights", "weights", np.int64(5), "numpy").bytes) is int
+
+
+def test_numpy_caps_leave_a_plan_that_writes_to_json():
+    np = pytest.importorskip("numpy")
+    p = plan(base_profile(), COST, max_kv_bytes=np.int64(20 * GiB), kv_shards=np.int64(2))
+    assert Plan.from_json(p.to_json()).kv_bytes == p.kv_bytes

@@ -88,3 +88,11 @@ def test_ranks_with_and_without_a_workspace_run_the_same_collectives(ranks):
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     assert [r["after"] for r in results] == [2, 2]
     assert results[0]["workspace_tokens"] > 0 and results[1]["workspace_tokens"] == 0
+
+
+def test_a_rank_whose_workspace_admits_no_token_caps_every_rank(ranks):
+    """Rank 1 has no KV budget left (60 GiB outside torch on an 80 GiB card), so its workspace admits
+    nothing: every rank's cap is that 0, or rank 0 would admit what rank 1 cannot hold."""
+    outs = ranks(WORKSPACE_CHILD, 2, timeout=120, rank_args=[[1 * GiB, 1024], [60 * GiB, 1024]])
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [r["workspace_tokens"] for r in results] == [0, 0]

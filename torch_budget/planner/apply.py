@@ -132,7 +132,8 @@ class AppliedBudgets:
 
             first: Exception | None = None
             left: list[str] = []
-            for device, tags in self.previous.items():
+            for device in self.devices:  # a plan that set no tag there is on the stack too
+                tags = self.previous.setdefault(device, {})
                 stack = _in_force.get(device, [])
                 at = next((i for i, p in enumerate(stack) if p is self), None)
                 if at is not None and at + 1 < len(stack):  # a later plan is applied over this one
@@ -244,7 +245,8 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
             seen[dev] = allocator.stats(dev)
             # the plan in force: the tags it set go back to what they were before it, unless this one sets them
             stack = _in_force.get(dev)
-            earlier[dev] = dict(stack[-1].previous.get(dev, {})) if stack else {}
+            top = stack[-1] if stack else None  # what it set; the tags it reset are at their old values already
+            earlier[dev] = {t: b for t, b in top.previous.get(dev, {}).items() if t in top.budgets} if top else {}
             check_fits(budgets, seen[dev], outside_torch=outside_torch, planned_total=planned_total,
                        others=_staying(seen[dev], earlier[dev]))
         applied = AppliedBudgets(dict(budgets), devices)

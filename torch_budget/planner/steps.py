@@ -218,14 +218,14 @@ def plan(
         raise TypeError(f"kv_cost must be a CacheCost, got {type(kv_cost).__name__}{hint}")
     _fraction(fraction, "fraction")
     beside_peak, from_kv = _reserves(beside_peak, "beside_peak"), _reserves(from_kv, "from_kv")
-    non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
-    non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
-    non_negative_int(eager_workspace_in_peak, "eager_workspace_in_peak")
-    integer(kv_shards, "kv_shards", minimum=1)
+    estimation_kv_bytes = non_negative_int(estimation_kv_bytes, "estimation_kv_bytes")
+    workspace_bytes_per_token = non_negative_int(workspace_bytes_per_token, "workspace_bytes_per_token")
+    eager_workspace_in_peak = non_negative_int(eager_workspace_in_peak, "eager_workspace_in_peak")
+    kv_shards = integer(kv_shards, "kv_shards", minimum=1)  # as ints: a numpy integer would reach the JSON
     if max_kv_bytes is not None:
-        non_negative_int(max_kv_bytes, "max_kv_bytes")
+        max_kv_bytes = non_negative_int(max_kv_bytes, "max_kv_bytes")
     if max_kv_tokens is not None:
-        non_negative_int(max_kv_tokens, "max_kv_tokens")
+        max_kv_tokens = non_negative_int(max_kv_tokens, "max_kv_tokens")
     if estimation_kv_bytes > profile.activation_bytes:
         raise ValueError(
             f"estimation_kv_bytes ({estimation_kv_bytes}) exceeds the profiled activation bytes "
@@ -297,7 +297,8 @@ def plan(
     # One admission cap for all, in the same collective: a scheduler admitting up to its own rank's
     # cap would take another rank's workspace past its line. A rank without such a workspace
     # gives no cap (ranks may differ in it, and each must run the same collectives).
-    (budget, fewest), world = _min_over_ranks([budget, ws.tokens if ws.tokens > 0 else INT64_MAX], group)
+    (budget, fewest), world = _min_over_ranks([budget, ws.tokens if workspace_bytes_per_token > 0 else INT64_MAX],
+                                              group)
     if world > 1 and workspace_bytes_per_token > 0 and fewest < ws.tokens:
         ws = WorkspaceReserve(fewest * workspace_bytes_per_token, fewest)
     if world > 1:
