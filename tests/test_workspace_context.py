@@ -467,12 +467,36 @@ def test_growth_from_another_thread_during_a_forward_is_refused(nbytes):
     assert meta.get(4 * MiB).numel() == 4 * MiB  # between forwards any thread may grow it
 
 
-def test_a_forward_entered_while_another_thread_grows_the_workspace_between_forwards_waits_for_it(monkeypatch):
+class _SlowRelease:
+    """A lock whose release() is slow: a waiting forward's attempts fall between the growth's end
+    and its release of the lock."""
+
+    def __init__(self, lock):
+        self._lock = lock
+
+    def acquire(self, blocking=True, timeout=-1):
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        import time
+
+        time.sleep(0.1)
+        self._lock.release()
+
+    def locked(self):
+        return self._lock.locked()
+
+
+@pytest.mark.parametrize("slow_release", [False, True])
+def test_a_forward_entered_while_another_thread_grows_the_workspace_between_forwards_waits_for_it(monkeypatch,
+                                                                                                  slow_release):
     # A scheduler thread preparing the next step (WorkspaceResource.prepare) holds the forward lock while it
     # grows; a forward entered meanwhile was refused as an overlapping forward, in the middle of serving.
     import torch_budget.eager_workspace as eager_workspace
 
     meta = warmed(1 * MiB)
+    if slow_release:
+        meta.workspace_state._lock = _SlowRelease(meta.workspace_state._lock)
     growing, may_finish = threading.Event(), threading.Event()
     real = eager_workspace._allocation_scope
 

@@ -138,6 +138,27 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
+class _Growths:
+    """Growths of one workspace between forwards under way, which a forward entered meanwhile waits
+    for: `count` changes with `cond` held, together with taking or releasing the forward lock."""
+
+    __slots__ = ("cond", "count")
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.count = 0
+
+    def wait_for(self, lock) -> bool:
+        """Takes `lock` once the growths under way are done; False when it is held by no growth
+        (a forward)."""
+        with self.cond:
+            while not lock.acquire(False):
+                if self.count == 0:
+                    return False
+                self.cond.wait()
+            return True
+
+
 def _describe(meta):
     return f"{type(meta).__name__} at {id(meta):#x}"
 
@@ -164,7 +185,7 @@ class WorkspaceState:
     is reused for every forward of its workspace, so entering a forward allocates nothing.
 
     Lock rule: `_lock` is held from `__enter__` to `__exit__` of a forward and is the
-    in-forward flag (`_owner` names its thread), and by `grow` between forwards (`_between`,
+    in-forward flag (`_owner` names its thread), and by `grow` between forwards (`_growths`,
     which a forward entered meanwhile waits for instead of refusing as an overlap); it is taken
     without blocking, so an overlapping forward (nested, or from another thread) or a growth
     from another thread fails at once instead of sharing the buffer. Every field below except
@@ -173,7 +194,7 @@ class WorkspaceState:
 
     __slots__ = (
         "_meta", "_lock", "_policy", "_floor", "_device", "_stream_fn", "_stream", "_capturing",
-        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_between", "_pinned",
+        "_tensor", "_capacity", "_entry_capacity", "_measuring", "_disabled", "_active", "_owner", "_growths", "_pinned",
         "__weakref__",
     )
 
@@ -182,7 +203,9 @@ class WorkspaceState:
         self._meta = weakref.ref(meta)  # weak: the metadata owns the state, not the reverse
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread whose forward holds _lock
-        self._between = False  # _lock is held by a growth between forwards, which a forward waits for
+        # Growths between forwards under way (marked before they take _lock, cleared after they
+        # release it), which a forward entered meanwhile waits for; `_growths.count` under its condition.
+        self._growths = _Growths()
         self._policy = WorkspaceShrinkPolicy(capacity)
         self._floor = capacity  # fixed at warm-up; the capacity is never reclaimed below it
         self._device = tensor.device
@@ -225,8 +248,8 @@ class WorkspaceState:
 
     def __enter__(self):
         acquired = self._lock.acquire(False)
-        while not acquired and self._between:  # a growth between forwards: it prepares this forward
-            acquired = self._lock.acquire(timeout=0.01)
+        if not acquired and self._owner != threading.get_ident():  # never wait for this thread's own growth
+            acquired = self._growths.wait_for(self._lock)  # a growth between forwards prepares this forward
         if not acquired:
             meta = self._meta()
             raise StateError(
@@ -362,19 +385,24 @@ class WorkspaceState:
         if self._owner == me:  # in this thread's forward
             self._grow(tensor, nbytes)
             return
-        if not self._lock.acquire(False):
-            raise StateError(
-                f"the eager workspace of {_describe(self._meta())} was asked for {nbytes} bytes while a forward runs "
-                "on it in another thread: growing it would resize or move the storage under that forward; only the "
-                "forward's own thread may grow it (grow it for the next step before the forward starts)"
-            )
-        self._owner, self._between = me, True
+        with self._growths.cond:  # taken with the mark, atomically for a forward that would wait for it
+            if not self._lock.acquire(False):
+                raise StateError(
+                    f"the eager workspace of {_describe(self._meta())} was asked for {nbytes} bytes while a forward "
+                    "runs on it in another thread: growing it would resize or move the storage under that forward; "
+                    "only the forward's own thread may grow it (grow it for the next step before the forward starts)"
+                )
+            self._growths.count += 1
+        self._owner = me
         try:
             if self._grow(tensor, nbytes):
                 self._policy.reset()
         finally:
-            self._owner, self._between = None, False
-            self._lock.release()
+            self._owner = None
+            with self._growths.cond:  # released with the mark, so a waiting forward finds the lock free
+                self._lock.release()
+                self._growths.count -= 1
+                self._growths.cond.notify_all()
 
     def _grow(self, tensor, nbytes):
         """grow() with `_lock` held by this thread; returns whether the storage grew."""
