@@ -254,17 +254,14 @@ def apply(budgets: dict[str, int], *, outside_torch: int, planned_total: int, de
         try:
             for dev in devices:
                 by_tag = seen[dev]["by_tag"]
-                now = lambda tag: by_tag[tag]["budget"] if tag in by_tag else None  # noqa: E731
-                # The earlier plan's tags that this one does not set go back first: they free room.
-                for tag, before in earlier[dev].items():
-                    if tag not in budgets:
-                        allocator.set_budget(as_setting(before), device=dev, tag=tag)
-                        done.append((dev, tag, now(tag)))
-                        applied.previous.setdefault(dev, {})[tag] = now(tag)  # the earlier plan's, for undo()
-                for tag, n in budgets.items():
+                # The earlier plan's tags that this one does not set go back first (they free room),
+                # then this plan's; each one's budget before is what undo() and a rollback put back.
+                wanted = {t: b for t, b in earlier[dev].items() if t not in budgets} | budgets
+                for tag, n in wanted.items():
+                    before = by_tag[tag]["budget"] if tag in by_tag else None
                     allocator.set_budget(as_setting(n), device=dev, tag=tag)
-                    done.append((dev, tag, now(tag)))
-                    applied.previous.setdefault(dev, {})[tag] = now(tag)
+                    done.append((dev, tag, before))
+                    applied.previous.setdefault(dev, {})[tag] = before
         except BaseException as failure:
             _roll_back(done, failure, applied)
             raise
