@@ -101,13 +101,11 @@ int Budget::binding_tag(int tag) const {
 }
 
 int64_t Budget::tag_room(int tag) const {
-  const int64_t own = tag_limit(tag);
   const int head = tag_family(tag);
-  const int64_t family = head >= 0 && head != tag ? tag_limit(head) : kNone;
-  if (own == kNone && family == kNone) return kNone;  // no budget to add up: the common case
-  int64_t room = own == kNone ? kNone : own - family_used(tag);  // a head's own budget bounds its family
-  if (family != kNone) room = std::min(room, family - family_used(head));
-  return room;
+  if (tag_limit(tag) == kNone && (head < 0 || head == tag || tag_limit(head) == kNone))
+    return kNone;  // no budget to add up: the common case
+  const int t = binding_tag(tag);  // a head's own budget bounds its family
+  return tag_limit(t) - family_used(t);
 }
 
 std::string Budget::tag_oom_message(size_t size, size_t charged, int member, const std::string& member_name,
