@@ -387,12 +387,19 @@ def stats(device: Device = None) -> Stats:
     }
 
 
+def family_head(tag: str) -> str | None:
+    """The tag whose budget also bounds `tag`: "kv" for "kv+cpu" (Note [Tag families] in the core);
+    None for a name without '+', or one that starts with it."""
+    head, plus, _ = tag.partition("+")
+    return head if plus and head else None
+
+
 def family_allocated(allocated: dict[str, int], tag: str) -> int:
     """What tag `tag` counts against its budget, from {tag: allocated bytes}: its own, and for a name
-    without '+' that of every "<tag>+<suffix>" tag too (Note [Tag families] in the core)."""
-    if "+" in tag:
+    that heads a family that of every "<tag>+<suffix>" tag too."""
+    if family_head(tag) is not None:
         return allocated.get(tag, 0)
-    return sum(n for name, n in allocated.items() if name == tag or name.partition("+")[0] == tag)
+    return sum(n for name, n in allocated.items() if name == tag or family_head(name) == tag)
 
 
 def _trim(lib, device: int, tag_id: int) -> int:

@@ -78,7 +78,7 @@ from collections.abc import Iterator
 from typing import Literal, NamedTuple, Optional
 
 import torch_budget
-from torch_budget import _runtime, sleep
+from torch_budget import _runtime, allocator, sleep
 from torch_budget._validate import non_negative_int, tag_name
 from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError, UnsupportedError
@@ -247,8 +247,6 @@ def _init_enable() -> None:
     a region is under tag 'default', backed up when TMS_INIT_ENABLE_CPU_BACKUP=1 (with the backend
     of TMS_INIT_CPU_BACKUP_BACKEND) or to disk when TMS_INIT_ENABLE_DISK_BACKUP=1: torch_budget's
     default tag (allocator.set_default_tag)."""
-    from torch_budget import allocator
-
     cpu, disk = _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"), _env_flag("TMS_INIT_ENABLE_DISK_BACKUP")
     if cpu and disk:  # torch_memory_saver exits at the first allocation outside a region
         raise InvalidArgumentError("TMS_INIT_ENABLE_CPU_BACKUP=1 and TMS_INIT_ENABLE_DISK_BACKUP=1 are mutually "
@@ -329,7 +327,7 @@ def _regrow_cache(names) -> None:
         nbytes = at_pause - t.get("resident", at_pause)
         room = (s["budget"] if s["budget"] is not None else s["total"]) - s["reserved"]
         # the tag's own budget and its family's (a "kv+pinned" tag counts toward "kv"'s: Note [Tag families])
-        for bound in (t, s["by_tag"].get(name.partition("+")[0], {})):
+        for bound in (t, s["by_tag"].get(allocator.family_head(name) or name, {})):
             if bound.get("headroom") is not None:
                 room = min(room, bound["headroom"])
         if nbytes <= 0 or nbytes > room:
