@@ -1088,10 +1088,12 @@ def test_a_step_while_a_tag_is_released_checks_the_static_outputs_too(monkeypatc
     assert all(b.untyped_storage().data_ptr() in storages for b in buffers)
 
 
-def test_a_runner_whose_buckets_all_failed_to_capture_says_so_not_largest_bucket_none(monkeypatch):
+def _runner_failing_to_capture(monkeypatch, failing):
+    """A runner of buckets 2, 4 and 8 on the CPU whose capture of the buckets in `failing` runs out
+    of memory; capture() was called (and raised)."""
     def piece(b):
-        if capturing.now:
-            raise torch.OutOfMemoryError("out of memory capturing")
+        if capturing.now and b.bucket in failing:
+            raise torch.OutOfMemoryError(f"out of memory capturing bucket {b.bucket}")
         return {"y": b["x"] * 2}
 
     manager = GraphPoolManager("cpu")
@@ -1099,6 +1101,11 @@ def test_a_runner_whose_buckets_all_failed_to_capture_says_so_not_largest_bucket
     capturing = _fake_cuda(monkeypatch, manager, runner)
     with pytest.raises(torch.OutOfMemoryError):
         runner.capture()
+    return runner
+
+
+def test_a_runner_whose_buckets_all_failed_to_capture_says_so_not_largest_bucket_none(monkeypatch):
+    runner = _runner_failing_to_capture(monkeypatch, (2, 4, 8))
     with pytest.raises(ValueError, match=r"no bucket is captured: buckets \[2, 4, 8\] failed to capture; "
                                          r"capture\(\) again.*or run this step eagerly") as e:
         runner.step(3, x=torch.ones(3))
@@ -1108,16 +1115,7 @@ def test_a_runner_whose_buckets_all_failed_to_capture_says_so_not_largest_bucket
 
 
 def test_naming_a_bucket_that_failed_or_was_released_says_so_not_that_it_cannot_hold_the_rows(monkeypatch):
-    def piece(b):
-        if capturing.now and b.bucket == 8:
-            raise torch.OutOfMemoryError("out of memory capturing bucket 8")
-        return {"y": b["x"] * 2}
-
-    manager = GraphPoolManager("cpu")
-    runner = manager.runner("g", piece, buckets=(2, 4, 8), inputs=[StaticInput("x", torch.float32, ())])
-    capturing = _fake_cuda(monkeypatch, manager, runner)
-    with pytest.raises(torch.OutOfMemoryError):
-        runner.capture()
+    runner = _runner_failing_to_capture(monkeypatch, (8,))
     runner.release(2)
     # it said "bucket 8 cannot hold 3 rows"
     with pytest.raises(ValueError, match=r"bucket 8 failed to capture.*capture\(\) again"):
