@@ -389,6 +389,21 @@ def test_the_fit_check_counts_the_budgets_of_tags_the_plan_does_not_name():
 
 @pytest.mark.built("_host_core")
 @isolated
+def test_the_fit_check_counts_a_budget_inside_its_family_heads_once():
+    """Note [Tag families]: a budget on "kv+cpu" bounds memory that "kv"'s budget bounds too, so the
+    family holds at most the head's budget: 70 MiB of plan in 80 MiB, whatever "kv+cpu" is given."""
+    installed_host(budget="80MiB")
+    torch_budget.set_budget("30MiB", tag="kv+cpu")
+    with sample_plan().apply():
+        assert budgets_now()["kv"] == 32 * MiB and budgets_now()["kv+cpu"] == 30 * MiB
+    torch_budget.set_budget("20MiB", tag="encoder")  # not of the family: it adds its own
+    with pytest.raises(PlanDoesNotFitError, match=r"would add up to 90\.0 MiB .*kv\+cpu 30\.0 MiB \(inside kv's\), "
+                                                  r"encoder 20\.0 MiB\), 10\.0 MiB more"):
+        sample_plan().apply()
+
+
+@pytest.mark.built("_host_core")
+@isolated
 @pytest.mark.parametrize("tensors", [1, 8])
 def test_a_kv_pool_of_the_plans_tokens_fits_its_tag_budget_whatever_its_cost_per_token(tensors):
     """70,272 B a token (not a multiple of the allocator's 512 B unit), capped at 1,001 tokens: the

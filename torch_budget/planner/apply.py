@@ -16,7 +16,8 @@ install(budgets=plan.budget_settings()) sets the same budgets before any device 
 nothing checks that they fit it: Plan.apply() after install() does.
 A tag's budget also bounds the tags of its family, "<tag>+<suffix>" (Note [Tag families] in the core):
 the adapters keep a stack tag's memory under one tag per backup mode ("kv_cache", "kv_cache+cpu"), so
-tags={"kv_pool": "kv_cache"} bounds all of them (the TensorRT-LLM adapter's PLAN_TAGS).
+tags={"kv_pool": "kv_cache"} bounds all of them (the TensorRT-LLM adapter's PLAN_TAGS). A budget of
+its own on "kv_cache+cpu" beside one on "kv_cache" adds nothing to what the budgets add up to.
 """
 
 from __future__ import annotations
@@ -183,15 +184,23 @@ def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, plan
                others: dict[str, int] | None = None) -> None:
     """PlanDoesNotFitError unless `budgets`, with `others` {tag: bytes} (the budgets of tags the plan
     does not name that stay in force), fit the device `stats` describes (see the Note)."""
+    from torch_budget.allocator import family_allocated, family_head
+
     device = stats["device"]
     others = {tag: n for tag, n in (others or {}).items() if tag not in budgets}
-    need = sum(budgets.values()) + sum(others.values())
+    # A tag whose family head has a budget in force holds part of what that budget bounds, no more
+    # (Note [Tag families]): its own budget adds nothing to the sum.
+    inside = {tag: head for tag in (*budgets, *others)
+              if (head := family_head(tag)) is not None and (head in budgets or head in others)}
+    need = sum(n for tag, n in (*budgets.items(), *others.items()) if tag not in inside)
     room, where = _room(stats, outside_torch)
     if need > room:
-        parts = ", ".join(f"{tag} {format_bytes(n)}" for tag, n in budgets.items())
+        def part(tag: str, n: int) -> str:
+            return f"{tag} {format_bytes(n)}" + (f" (inside {inside[tag]}'s)" if tag in inside else "")
+
+        parts = ", ".join(part(tag, n) for tag, n in budgets.items())
         if others:
-            parts += "; and of tags the plan does not name, " + ", ".join(
-                f"{tag} {format_bytes(n)}" for tag, n in others.items())
+            parts += "; and of tags the plan does not name, " + ", ".join(part(tag, n) for tag, n in others.items())
         card = ("" if planned_total == stats["total"] else
                 f" The plan was made for a card of {format_bytes(planned_total)}; this one has "
                 f"{format_bytes(stats['total'])}.")
@@ -200,8 +209,6 @@ def check_fits(budgets: dict[str, int], stats: dict, *, outside_torch: int, plan
             f"({parts}), {format_bytes(need - room)} more than {where}.{card} Plan on this device's own profile, "
             "lower the plan's fraction, remove other tags' budgets, or raise the device budget "
             "(torch_budget.set_budget(...), install(budget=...))")
-    from torch_budget.allocator import family_allocated
-
     held = {name: entry["allocated"] for name, entry in stats["by_tag"].items()}
     over = {tag: family_allocated(held, tag) for tag, n in budgets.items() if family_allocated(held, tag) > n}
     if over:
