@@ -167,3 +167,17 @@ def test_a_budgeted_tags_use_counts_its_familys_tags():
               "kvx": {"budget": None, "allocated": 5 * MiB}}
     (kv,) = tag_budgets(by_tag)
     assert (kv.tag, kv.used) == ("kv", 7 * MiB)  # "kvx" is not of the family
+
+
+def test_a_family_heads_peak_is_unknown_once_another_tag_of_its_family_allocated():
+    """The ledger keeps each tag's own peak, not its family's (Note [Tag families]): kv's own 1 MiB
+    is no peak of the 7 MiB its budget bounds now."""
+    from torch_budget.report.measure import tag_budgets
+
+    by_tag = {"kv": {"budget": 8 * MiB, "allocated": 1 * MiB, "peak_allocated": 1 * MiB},
+              "kv+cpu": {"budget": None, "allocated": 6 * MiB, "peak_allocated": 6 * MiB},
+              "weights": {"budget": 8 * MiB, "allocated": 2 * MiB, "peak_allocated": 3 * MiB},
+              "weights+cpu": {"budget": None, "allocated": 0, "peak_allocated": 0}}
+    kv, weights = tag_budgets(by_tag)
+    assert (kv.used, kv.peak) == (7 * MiB, None)
+    assert (weights.used, weights.peak) == (2 * MiB, 3 * MiB)  # its family allocated nothing else

@@ -57,9 +57,10 @@ def tag_state(entry: dict) -> str:
 
 def tag_budgets(by_tag: dict, bounds: dict | None = None) -> list[TagBudget]:
     """The tags of a ledger (`torch_budget.stats()["by_tag"]`) that have a budget, in name order:
-    budget, allocated now (with its family's tags), peak. `bounds` maps a tag to (ledger category, the lines it bounds)
+    budget, allocated now (with its family's tags), peak (None once another tag of its family has
+    allocated: the ledger keeps no family's peak). `bounds` maps a tag to (ledger category, the lines it bounds)
     for the picture's colour and the table's last column."""
-    from torch_budget.allocator import family_allocated
+    from torch_budget.allocator import family_allocated, family_head
 
     held = {tag: int(entry["allocated"]) for tag, entry in by_tag.items()}
     out = []
@@ -67,10 +68,14 @@ def tag_budgets(by_tag: dict, bounds: dict | None = None) -> list[TagBudget]:
         if entry.get("budget") is None:
             continue
         category, lines = (bounds or {}).get(tag, ("reserve", ""))
-        # what the budget bounds: the tag and its family (Note [Tag families])
+        # what the budget bounds: the tag and its family (Note [Tag families]); the ledger keeps each
+        # tag's own peak, which is the family's only while no other tag of it has allocated
+        members = [m for name, m in by_tag.items() if family_head(name) == tag]
+        peak = entry.get("peak_allocated")
+        if any(m.get("peak_allocated", 0) or m.get("allocated", 0) for m in members):
+            peak = None
         out.append(TagBudget(tag=tag, budget=int(entry["budget"]), used=family_allocated(held, tag),
-                             peak=int(entry["peak_allocated"]) if "peak_allocated" in entry else None,
-                             category=category, lines=lines))
+                             peak=None if peak is None else int(peak), category=category, lines=lines))
     return out
 
 
