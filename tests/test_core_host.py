@@ -653,7 +653,8 @@ def test_a_budget_bounds_its_tag_and_every_tag_of_its_family_together():
     tags = h.stats()["tags"]
     assert [tags[t]["allocated"]["current"] for t in ("kv", "kv+cpu", "kv+pinned")] == [4 * MiB, 3 * MiB, 1 * MiB]
     # a budget below what the family holds is refused, naming the family's figure
-    with pytest.raises(Exception, match=r"below what it already has allocated on device 0 \(8\.00 MiB\)"):
+    with pytest.raises(Exception, match=r"below what it and its family already have allocated on device 0 "
+                                        r"\(8\.00 MiB: 'kv' 4\.00 MiB, 'kv\+cpu' 3\.00 MiB, 'kv\+pinned' "):
         h.set_tag_budget("kv", 6 * MiB)
     # a member's own budget bounds it alone, inside the family's
     h.set_tag_budget("kv+cpu", 3 * MiB)
@@ -662,7 +663,29 @@ def test_a_budget_bounds_its_tag_and_every_tag_of_its_family_together():
         under("kv+cpu", 1 * MiB)
     # a member that held memory before its head was named joins the family once the head is
     late = under("late+cpu", 4 * MiB)
-    with pytest.raises(Exception, match=r"below what it already has allocated on device 0 \(4\.00 MiB\)"):
+    with pytest.raises(Exception, match=r"already have allocated on device 0 \(4\.00 MiB: 'late\+cpu' 4\.00 MiB\)"):
         h.set_tag_budget("late", 2 * MiB)
     for p in (b, c, other, late):
         h.free(p)
+
+
+@isolated
+def test_a_budget_below_what_a_family_holds_is_refused_naming_the_tags_that_hold_it():
+    """Note [Tag families]: the memory a head's budget would cut into may be under its members
+    alone, so the refusal says which of them hold it, not only that the head "has" it."""
+    h = Host(route="vmm")
+    h.push(tag="kv+cpu")
+    p = h.malloc(3 * MiB)
+    h.pop()
+    h.push(tag="kv")
+    q = h.malloc(2 * MiB)
+    h.pop()
+    with pytest.raises(Exception, match=r"budget of 2\.00 MiB for tag 'kv' is below what it and its family "
+                                        r"already have allocated on device 0 \(5\.00 MiB: 'kv\+cpu' 3\.00 MiB, "
+                                        r"'kv' 2\.00 MiB\): free their tensors first"):
+        h.set_tag_budget("kv", 2 * MiB)
+    with pytest.raises(Exception, match=r"for tag 'kv\+cpu' is below what it already has allocated on device 0 "
+                                        r"\(3\.00 MiB\): free its tensors first"):
+        h.set_tag_budget("kv+cpu", 2 * MiB)
+    h.free(p)
+    h.free(q)

@@ -93,6 +93,20 @@ int64_t Budget::family_used(int tag) const {
   return used;
 }
 
+std::string Budget::family_use(int tag) const {
+  const int64_t used = family_used(tag);
+  std::string out = format_size(static_cast<uint64_t>(used));
+  if (used == tag_used(tag)) return out;
+  const char* sep = ": ";
+  for (uint64_t m = tag_members(tag) | uint64_t{1} << tag; m != 0; m &= m - 1) {
+    const int t = __builtin_ctzll(m);
+    if (tag_used(t) == 0) continue;
+    out += sep + ("'" + tag_name(t) + "' ") + format_size(static_cast<uint64_t>(tag_used(t)));
+    sep = ", ";
+  }
+  return out;
+}
+
 int Budget::binding_tag(int tag) const {
   const int head = tag_family(tag);
   if (head < 0 || head == tag || tag_limit(head) == kNone) return tag;

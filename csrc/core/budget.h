@@ -91,6 +91,9 @@ class Budget {
   // Note [Tag families]: what `tag` and every tag of its family hold (tag_used for a tag
   // without members).
   int64_t family_used(int tag) const;
+  // family_used as text, then, when its members hold any of it, each tag holding some, in id order
+  // ("5.00 MiB: 'kv' 2.00 MiB, 'kv+cpu' 3.00 MiB").
+  std::string family_use(int tag) const;
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
   // What `tag` may still allocate under its budget and its family's (Note [Tag families]):

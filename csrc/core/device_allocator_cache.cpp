@@ -52,10 +52,13 @@ bool DeviceAllocator::set_tag_budget(int tag, int64_t bytes, double fraction) no
   const int64_t limit = Budget::resolve(bytes, fraction, caps_.total_bytes);
   auto lock = hold();
   const int64_t used = budget_.family_used(tag);
+  // Note [Tag families]: its family's tags may hold all of it, so the refusal names each that does.
+  const bool family = used != budget_.tag_used(tag);
   TB_REQUIRE(limit == Budget::kNone || limit >= used, kInvalidArgument,
              "budget of " + format_size(static_cast<uint64_t>(limit)) + " for tag '" + tag_name(tag) +
-                 "' is below what it already has allocated on device " + std::to_string(ctx_.device) + " (" +
-                 format_size(static_cast<uint64_t>(used)) + "): free its tensors first",
+                 "' is below what " + (family ? "it and its family already have" : "it already has") +
+                 " allocated on device " + std::to_string(ctx_.device) + " (" + budget_.family_use(tag) +
+                 "): free " + (family ? "their" : "its") + " tensors first",
              false);
   budget_.set_tag_limit(tag, limit);
   return true;
