@@ -13,8 +13,10 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
     Resident lines (weights, KV, graph buffers and pools) are what they hold now; eager workspace
     and activations are their peaks during serving; non-torch is device-wide used minus torch's
     reserved bytes at the device-wide peak; what torch reserved beyond all torch lines then is the
-    allocator's cache. With torch_budget installed every torch line comes from its per-tag ledger;
-    on the native allocator they come from allocation deltas and the activations are derived.
+    allocator's cache. With torch_budget installed every torch line but the pools' comes from its
+    per-tag ledger; on the native allocator they come from allocation deltas and the activations
+    are derived. The pools' line (`pools`, measure.graph_pool_bytes) is what graph pools hold
+    beyond their live blocks, which are allocated memory and counted on the lines above.
     A released tag's line holds its resident bytes and says what is released.
     """
     import dataclasses
@@ -34,8 +36,9 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
         states = {category: report.tag_state(tags.get(name, {})) for category, name in
                   (("weights", TAG_WEIGHTS), ("kv_pool", TAG_KV), ("graph_workspace", TAG_GRAPHS))}
 
+        # A pool's live blocks are the graphs tag's (the pool's tag): `pools` is what the pools
+        # hold beyond them (measure.graph_pool_bytes), so no byte is on both lines.
         weights, kv, graph_static = tag(TAG_WEIGHTS), tag(TAG_KV), tag(TAG_GRAPHS)
-        pools = int(s["graph_pools"])  # resident bytes only: a released pool is uncharged
         from torch_budget.eager_workspace import WORKSPACE_TAG
 
         ws_peak = tag(WORKSPACE_TAG, "peak_allocated")
@@ -44,7 +47,7 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
             "weights": "torch_budget ledger, tag 'weights'",
             "kv_pool": "torch_budget ledger, tag 'kv'",
             "graph_workspace": "torch_budget ledger, tag 'graphs': static buffers, capture-stream state",
-            "graph_pools": "torch_budget ledger: graph pool bytes",
+            "graph_pools": "torch_budget segments: graph pool bytes beyond their live blocks",
             "eager_workspace": f"torch_budget ledger, tag '{WORKSPACE_TAG}': peak during serving",
             "activations": "torch_budget ledger, tags 'activations' + 'untagged': peak during serving",
         }
@@ -54,7 +57,7 @@ def measured_lines(torch, device, mode, *, total, weights, kv, graph_static, poo
             "weights": "allocation delta while loading",
             "kv_pool": "allocation delta of the KV pool",
             "graph_workspace": "allocation deltas of both captures: static buffers, capture-stream state",
-            "graph_pools": "private-pool segments in torch.cuda.memory_snapshot()",
+            "graph_pools": "private-pool segments in torch.cuda.memory_snapshot(), beyond their live blocks",
             "eager_workspace": "largest workspace capacity seen while serving",
             "activations": "derived: max_memory_allocated minus the other torch lines",
         }

@@ -162,7 +162,8 @@ def serve(torch, settings: Settings, mode: str) -> None:
     after = measure.read(device, installed)
     graph_pools = after.pools - before.pools
     # Static buffers, plus what capture creates once per stream (e.g. cuBLAS's workspace for the
-    # capture stream): allocated outside the pool and kept.
+    # capture stream): allocated outside the pool and kept; and any block a graph keeps in its
+    # pool, which graph_pools (what the pools hold beyond their live blocks) leaves out.
     graph_static = after.allocated - before.allocated
     # Warm-up runs eagerly before capture: its transient peak may pass what stays (pools and
     # static buffers), and under Plan.apply() the graphs tag must hold that peak too.
@@ -257,7 +258,8 @@ def serve(torch, settings: Settings, mode: str) -> None:
     # 9. Plan against measurement, then the ledger.
     _step(9, "predicted against measured peak")
     predicted_torch = predicted - plan.bytes_in("non_torch")
-    # Between replays a graph pool's blocks are reserved but not allocated; so is the allocator's cache.
+    # The graph pools' line is what they hold beyond their live blocks: reserved, not allocated;
+    # so is the allocator's cache.
     predicted_allocated = predicted_torch - plan.bytes_in("graph_pools") - plan.bytes_in("allocator_cache")
     rows = [
         ("predicted peak: every plan line but headroom", predicted, None),

@@ -1,9 +1,9 @@
 """Reading what a device holds, for a measured ledger.
 
 torch's allocated and reserved bytes, the device-wide used bytes (`mem_get_info`, which
-counts memory outside torch and other processes too) and the bytes of CUDA-graph
-private pools: under torch_budget they come from its ledger; on torch's native
-allocator from the pool id torch's snapshot gives each segment.
+counts memory outside torch and other processes too) and the bytes CUDA-graph private
+pools hold beyond their live blocks: under torch_budget from its segments; on torch's
+native allocator from the pool id torch's snapshot gives each segment.
 
 A tag of the ledger (`torch_budget.stats()["by_tag"][name]`) may be released
 (torch_budget.sleep): `tag_bytes` and `tag_state` read its entry, and read an entry without
@@ -21,7 +21,8 @@ from torch_budget.units import format_bytes
 
 @dataclass
 class Reading:
-    """One look at the device: torch's allocated/reserved bytes, device-wide used, graph pools."""
+    """One look at the device: torch's allocated/reserved bytes, device-wide used, and what graph
+    pools hold beyond their live blocks (graph_pool_bytes)."""
 
     allocated: int
     reserved: int
@@ -80,13 +81,17 @@ def tag_budgets(by_tag: dict, bounds: dict | None = None) -> list[TagBudget]:
 
 
 def graph_pool_bytes(device, installed: bool) -> int:
-    """Bytes held by CUDA-graph private pools on `device`."""
+    """Bytes CUDA-graph private pools on `device` hold beyond their live blocks: what replays
+    reuse. A live block of a pool (an output a graph keeps there) is allocated memory, on the
+    line of the tag or allocation that holds it, so a ledger counts it there and not here too."""
     import torch
 
-    import torch_budget
+    from torch_budget import diagnostics
 
     if installed:
-        return int(torch_budget.stats(device)["graph_pools"])
+        # Mapped bytes only: a released pool holds none (its blocks are still counted allocated).
+        return sum(max(int(seg["mapped_size"]) - int(seg["allocated_size"]), 0)
+                   for seg in diagnostics.segments(device) if tuple(seg["pool"]) != (0, 0))
     total = 0
     for seg in torch.cuda.memory_snapshot():
         if seg.get("device", device.index) != device.index:
@@ -96,7 +101,7 @@ def graph_pool_bytes(device, installed: bool) -> int:
             raise RuntimeError("torch.cuda.memory_snapshot() segments lack 'segment_pool_id' in this torch; "
                                "graph pool bytes cannot be measured on the native allocator")
         if tuple(pool) != (0, 0):
-            total += int(seg["total_size"])
+            total += int(seg["total_size"]) - int(seg["allocated_size"])
     return total
 
 
