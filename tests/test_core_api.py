@@ -712,3 +712,49 @@ def test_drop_backup_of_an_unknown_tag_and_a_file_as_backup_directory_are_refuse
     afile.write_text("")
     with pytest.raises(InvalidArgumentError, match="is a file"):
         sleep.set_disk_backup_dir(afile)
+
+
+@isolated
+def test_a_stray_exit_of_a_region_raises_and_leaves_the_scopes_as_they_were():
+    # contextlib ran the body of a region never entered (its scope opened and closed again) and
+    # raised RuntimeError("generator didn't stop"); a second exit of a region said nothing.
+    host = _installed_host()
+    with pytest.raises(StateError, match="region\\('a'\\) was never entered"):
+        torch_budget.region("a").__exit__(None, None, None)
+    with torch_budget.region("b"):
+        scope = torch_budget.region("a")
+        with pytest.raises(StateError, match="region\\('a'\\) was never entered"):
+            scope.__exit__(None, None, None)
+        host.malloc(2 * MiB)         # still inside b
+        with scope:
+            host.malloc(4 * MiB)
+            with pytest.raises(StateError, match="region\\('a'\\) is open already"):
+                scope.__enter__()
+            host.malloc(8 * MiB)     # still inside a
+        with pytest.raises(StateError, match="region\\('a'\\) has ended already"):
+            scope.__exit__(None, None, None)
+        host.malloc(16 * MiB)        # back in b
+    host.malloc(32 * MiB)
+    tags = torch_budget.stats()["by_tag"]
+    assert (tags["b"]["allocated"], tags["a"]["allocated"], tags["untagged"]["allocated"]) == (18 * MiB, 12 * MiB,
+                                                                                               32 * MiB)
+
+
+@isolated
+def test_a_stray_exit_of_sleeping_raises_and_neither_releases_nor_restores():
+    # contextlib ran the body of a sleeping() never entered: a release and a restore of every tag
+    # it names, which with backup="none" lost their contents, then RuntimeError.
+    host = _installed_host()
+    p = _tagged(host, "w", 4 * MiB, fill=b"w")
+    with pytest.raises(StateError, match="sleeping\\('w'\\) was never entered"):
+        torch_budget.sleeping("w", backup="none").__exit__(None, None, None)
+    assert host.peek(p, 4096) == b"w" * 4096, "the stray exit released the tag without a backup"
+    assert sleep.tag_states()["w"]["state"] == "live" and sleep.tag_states()["w"]["backup"] is None
+    scope = torch_budget.sleeping("w")
+    with scope as report:
+        assert sleep.tag_states()["w"]["state"] == "released"
+    with pytest.raises(StateError, match="sleeping\\('w'\\) has ended already"):
+        scope.__exit__(None, None, None)
+    assert report["restore"]["tags"] == ["w"] and host.peek(p, 4096) == b"w" * 4096
+    assert sleep.tag_states()["w"]["state"] == "live"
+

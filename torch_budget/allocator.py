@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from . import _deprecation, _native, _runtime, config
+from . import _deprecation, _native, _runtime, _scope, config
 from ._validate import INT64_MAX, tag_name, tag_names
 from ._runtime import Device, Tags
 from .diagnostics import Capabilities, capabilities, route_for
@@ -297,7 +297,7 @@ def _shown(tag) -> str:
     return "region()" if tag is None else f"region({tag!r})"
 
 
-@contextlib.contextmanager
+@_scope.once(lambda tag=None, route=None: _shown(tag))
 def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
     """`with torch_budget.region("kv"):` charges the allocations inside to tag "kv" (and
     `route="vmm"` sends them through that route). Scoped, nestable, per thread.

@@ -59,7 +59,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypedDict
 
-from . import _native, _runtime
+from . import _native, _runtime, _scope
 from ._runtime import Device, Tags
 from ._validate import boolean, non_negative_int, pool_handle, tag_names
 from .errors import InvalidArgumentError, TagStateError
@@ -397,7 +397,7 @@ def restore(tags: Tags = None, device: Device = None, *, retain: bool | None = N
     return _restore(lib, _targets(lib, tags, device, _RELEASED), retain)
 
 
-@contextlib.contextmanager
+@_scope.once(lambda tags=None, *_, **__: "sleeping()" if tags is None else f"sleeping({tags!r})")
 def sleeping(tags: Tags = None, backup: str = DEFAULT_BACKUP, device: Device = None, *,
              retain: bool = False, discardable: Iterable = ()) -> Iterator[SleepReport]:
     """`with torch_budget.sleeping("weights"):` releases on entry (as release(), same
