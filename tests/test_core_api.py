@@ -2,6 +2,7 @@
 sleeping) over the host stand-in: each test installs into a forked child whose torch_budget
 serves the host core instead of a GPU (_hostcore.python_api_over)."""
 import asyncio
+import os
 import threading
 
 import pytest
@@ -758,3 +759,27 @@ def test_a_stray_exit_of_sleeping_raises_and_neither_releases_nor_restores():
     assert report["restore"]["tags"] == ["w"] and host.peek(p, 4096) == b"w" * 4096
     assert sleep.tag_states()["w"]["state"] == "live"
 
+
+@isolated
+def test_a_disk_backup_directory_is_any_path_and_one_that_cannot_be_made_is_named(tmp_path):
+    # bytes were refused as "must be a non-empty path", a name with undecodable bytes raised
+    # UnicodeEncodeError after the directory was made, and a path under a file raised a bare
+    # NotADirectoryError.
+    from torch_budget.errors import BackupFileError
+
+    _installed_host()
+    sleep.set_disk_backup_dir(bytes(tmp_path / "as-bytes"))
+    assert sleep.disk_backup_dir() == str(tmp_path / "as-bytes") and (tmp_path / "as-bytes").is_dir()
+    odd = str(tmp_path) + "/odd-\udcff"       # a name of bytes that are not UTF-8, as os.fsdecode gives it
+    sleep.set_disk_backup_dir(odd)
+    assert sleep.disk_backup_dir() == odd and os.path.isdir(odd)
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    with pytest.raises(BackupFileError, match="cannot make the disk backup directory .*a_file/sub"):
+        sleep.set_disk_backup_dir(afile / "sub")
+    for bad in ("", b"", "a\x00b"):
+        with pytest.raises(InvalidArgumentError, match="disk backup directory"):
+            sleep.set_disk_backup_dir(bad)
+    with pytest.raises(TypeError, match="disk backup directory"):
+        sleep.set_disk_backup_dir(5)
+    assert sleep.disk_backup_dir() == odd    # every refusal left the directory set before

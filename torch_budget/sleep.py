@@ -62,7 +62,7 @@ from typing import TypedDict
 from . import _native, _runtime, _scope
 from ._runtime import Device, Tags
 from ._validate import boolean, non_negative_int, pool_handle, tag_names
-from .errors import InvalidArgumentError, TagStateError
+from .errors import BackupFileError, InvalidArgumentError, TagStateError
 
 __all__ = ["BACKUPS", "RETAINABLE", "DEFAULT_BACKUP", "release", "restore", "sleeping", "drop_backup", "tag_states",
            "tag_of", "pool_tag", "backup_of", "set_disk_backup_dir", "disk_backup_dir", "released_tags", "any_released", "check_awake",
@@ -515,7 +515,9 @@ def pool_tag(pool: tuple[int, int], device: Device = None) -> str | None:
 def set_disk_backup_dir(path) -> None:
     """The directory release(backup="disk") writes to, one file per piece (about 64 MiB; a piece
     ends where a mapping ends, so with the default map_run one can reach 320 MiB), deleted by the restore (Note [Disk backups],
-    csrc/core/disk_backup.h); created if missing. None forgets it. A failed write or read raises BackupFileError naming the file."""
+    csrc/core/disk_backup.h); created if missing. A path is a str, bytes or os.PathLike, as os
+    takes it; None forgets it. A directory that cannot be made raises BackupFileError naming it,
+    as a failed write or read does naming the file."""
     import os
 
     global _disk_dir
@@ -524,13 +526,20 @@ def set_disk_backup_dir(path) -> None:
         _native.check(lib, lib.tb_set_disk_backup_dir(None))
         _disk_dir = None
         return
-    path = os.fspath(path)
-    if not isinstance(path, str) or not path:
-        raise InvalidArgumentError(f"a disk backup directory must be a non-empty path, got {path!r}")
+    try:
+        path = os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"a disk backup directory is a path (str, bytes or os.PathLike) or None, "
+                        f"got {type(path).__name__}") from None
+    if not path or "\0" in path:
+        raise InvalidArgumentError(f"a disk backup directory must be a non-empty path without NUL bytes, got {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise InvalidArgumentError(f"a disk backup directory must be a directory; {path!r} is a file")
-    os.makedirs(path, exist_ok=True)
-    _native.check(lib, lib.tb_set_disk_backup_dir(os.path.abspath(path).encode()))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise BackupFileError(e.errno, f"cannot make the disk backup directory {path!r}: {e.strerror}") from None
+    _native.check(lib, lib.tb_set_disk_backup_dir(os.fsencode(os.path.abspath(path))))
     _disk_dir = os.path.abspath(path)
 
 
