@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from _hostcore import GiB, Host, in_child
+from _hostcore import OOM, GiB, MiB, Host, in_child, isolated, while_a_sync_waits
 from torch_budget.replay import mixes
 
 pytestmark = pytest.mark.built("_host_core")
@@ -51,3 +51,20 @@ def test_threads_in_the_core_at_once_leave_every_operation_counted():
     # Every allocation counted once and freed once: nothing lost between two threads.
     assert allocation["allocated"] == expected and allocation["freed"] == expected
     assert allocation["current"] == 0 and allocated_bytes == 0 and active == 0
+
+
+@isolated
+def test_an_out_of_memory_message_names_its_own_refusal_while_another_thread_allocates():
+    # The refusal was read from the device's Budget when the message was written, after the
+    # failed allocation had let the lock go to trim a pool past the budget: an allocation of
+    # another thread meanwhile had reset it, and a budget's refusal read as the driver's.
+    h = Host(route="pool", vmm=False, pool_chunk=32 * MiB, budget=24 * MiB)
+    h.fail("cuMemPoolTrimTo", nth=-1)  # the driver keeps what its pool grew by: 32 MiB, past the budget
+    h.malloc(16 * MiB)
+    assert h.reserved() == 32 * MiB
+    # The first synchronisation is the retry's; the second the trim's, before the message.
+    finished, refused, other = while_a_sync_waits(h, lambda: h.malloc(40 * MiB), lambda: h.malloc(4 * MiB),
+                                                  passed=1)
+    assert finished and not isinstance(other, Exception), other
+    assert isinstance(refused, OOM), refused
+    assert "it would exceed the budget of 24.00 MiB" in str(refused) and "raise the budget" in str(refused), refused

@@ -88,20 +88,23 @@ class ProfiledFree {
 
 // Out of memory: torch's observers first (with the numbers torch gives them), then
 // torch's OutOfMemoryError with the core's message.
-void bridge::raise_last_error(const char* what, int device, size_t size) {
+void bridge::raise_last_error(const char* what, int device, size_t size, const tb::OomFigures* oom) {
   const std::string msg = *last_error_message() ? std::string(last_error_message()) : std::string(what);
   if (last_error_code() == kOutOfMemory) {
     if (tb::DeviceAllocator* d = device >= 0 ? tb::Allocator::get().device_if_ready(device) : nullptr) {
       size_t free_b = 0, total_b = 0;
       d->mem_info(&free_b, &total_b);
       const int64_t limit = d->budget() < static_cast<int64_t>(total_b) ? d->budget() : static_cast<int64_t>(total_b);
-      if (d->budget_refused())
-        History::get().notify_rejection(device, size, static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
-                                        static_cast<size_t>(limit));
+      // The allocation's own figures, from under the lock: the device's have moved on since
+      // wherever another thread allocated meanwhile.
+      const tb::OomFigures now{false, d->ledger().blocks[kAggregate].allocated_bytes.get(),
+                               d->ledger().reserved_bytes.s[kAggregate].get()};
+      const tb::OomFigures& f = oom != nullptr ? *oom : now;
+      if (f.by_budget)
+        History::get().notify_rejection(device, size, static_cast<size_t>(f.allocated), static_cast<size_t>(limit));
       History::get().notify_oom(device, size, static_cast<size_t>(limit), free_b);
-      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size),
-                                       static_cast<size_t>(d->ledger().blocks[kAggregate].allocated_bytes.get()),
-                                       static_cast<size_t>(d->ledger().reserved_bytes.s[kAggregate].get()),
+      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), static_cast<size_t>(f.allocated),
+                                       static_cast<size_t>(f.reserved),
                                        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
@@ -523,6 +526,7 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     const bool recording = h.enabled();
     if (recording) h.before_alloc();
     Block* b = nullptr;
+    tb::OomFigures oom;
     {
       const tb::DeviceAllocator::QuietAttempt quiet;  // Note [A quiet first attempt]
       b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
@@ -536,11 +540,11 @@ class BudgetAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         History::forget();  // put back as the exception left the scope: not for the next event
         throw;
       }
-      b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream));
+      b = tb::Allocator::get().malloc(size, device, static_cast<CUstream>(stream), &oom);
     }
     if (b == nullptr) {
       if (recording) History::forget();
-      raise_last_error("allocation failed", device, size);
+      raise_last_error("allocation failed", device, size, &oom);
     }
     if (c10::memoryProfilingEnabled()) report_to_profiler(device, b->ptr, static_cast<int64_t>(b->size));
     return b;

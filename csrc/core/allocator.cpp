@@ -139,13 +139,13 @@ DeviceAllocator* Allocator::create_device(int index) noexcept {
   }
 }
 
-Block* Allocator::malloc(size_t size, int device_index, CUstream stream) noexcept {
+Block* Allocator::malloc(size_t size, int device_index, CUstream stream, OomFigures* oom) noexcept {
   if (refuse_in_fork_child()) return nullptr;
   DeviceAllocator* d = device_if_ready(device_index);
   if (__builtin_expect(d == nullptr, 0) && (d = create_device(device_index)) == nullptr) return nullptr;
   if (!started_.load(std::memory_order_relaxed)) started_.store(true, std::memory_order_relaxed);
   const Scope scope = current_scope();
-  return d->malloc(size, stream, scope.route, scope.tag);
+  return d->malloc(size, stream, scope.route, scope.tag, oom);
 }
 
 bool Allocator::free(Block* block) {

@@ -47,7 +47,8 @@ class Allocator {
   DeviceAllocator* device_if_ready(int index);
 
   // noexcept: Note [An exception stops the process] (device_allocator.h).
-  Block* malloc(size_t size, int device, CUstream stream) noexcept;
+  // `oom` (when given): an out-of-memory failure's figures (DeviceAllocator::malloc).
+  Block* malloc(size_t size, int device, CUstream stream, OomFigures* oom = nullptr) noexcept;
   // Frees a block by its object (torch's deleter context).
   bool free(Block* block);
   // Frees the live block at `ptr` on whichever device holds it.

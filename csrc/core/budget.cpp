@@ -144,16 +144,16 @@ std::string Budget::describe() const {
 }
 
 std::string Budget::oom_message(size_t size, int route, const std::string& tag, const std::string& cause,
-                                size_t device_free, size_t device_total, bool retried) const {
+                                bool by_budget, size_t device_free, size_t device_total, bool retried) const {
   std::string msg = torch_head(size, device_free, device_total);
   msg += "torch_budget: route " + std::string(route_name(route)) + ", tag '" + tag + "': ";
-  msg += refused_ ? "it would exceed the budget of " + describe() + "."
+  msg += by_budget ? "it would exceed the budget of " + describe() + "."
                   : "the driver refused it (" + cause + ").";
   msg += " Allocated " + format_size(ledger_.blocks[kAggregate].allocated_bytes.get()) + ", reserved " +
          format_size(static_cast<uint64_t>(reserved())) + ", budget " + describe() + ", device free " +
          format_size(device_free) + " of " + format_size(device_total) +
          (retried ? "; cached memory was released and the allocation retried. " : ". ");
-  msg += refused_
+  msg += by_budget
              ? "To allow more, raise the budget: torch_budget.install(budget=...), TORCH_BUDGET_CONF=budget:..., "
                "torch_budget.set_budget() or torch.cuda.set_per_process_memory_fraction(); or free tensors."
              : "Other processes or memory outside torch hold the rest: lower the batch size or the KV cache, or "

@@ -79,10 +79,11 @@ class Budget {
   // arena); the total is unchanged.
   void move(size_t bytes, const Placement& from, const Placement& to);
 
-  // Why the last failed charge failed: the budget (true) or something else.
-  // Atomic: the bridge reads it after the allocation returned, without the device lock.
-  bool refused() const { return refused_.load(std::memory_order_relaxed); }
-  void clear_refusal() { refused_.store(false, std::memory_order_relaxed); }
+  // Why the last failed charge failed: the budget (true) or something else. Under the device
+  // lock, of whichever thread charged last: a caller that lets the lock go keeps what it read
+  // before (DeviceAllocator::malloc, OomFigures).
+  bool refused() const { return refused_; }
+  void clear_refusal() { refused_ = false; }
 
   // Note [Tag budgets]: kNone for a tag without one.
   int64_t tag_limit(int tag) const { return tag_limit_[tag].load(std::memory_order_relaxed); }
@@ -111,10 +112,11 @@ class Budget {
                               size_t device_total) const;
 
   std::string describe() const;
-  // torch's own first sentence, then ours: what was asked, why it failed, the
-  // numbers, and the setting to change; `retried`: an allocation that released the cache and
-  // tried again first (a tag's restore does neither).
-  std::string oom_message(size_t size, int route, const std::string& tag, const std::string& cause,
+  // torch's own first sentence, then ours: what was asked, why it failed (`by_budget`: the
+  // budget refused it, else the driver, for `cause`), the numbers, and the setting to change;
+  // `retried`: an allocation that released the cache and tried again first (a tag's restore
+  // does neither).
+  std::string oom_message(size_t size, int route, const std::string& tag, const std::string& cause, bool by_budget,
                           size_t device_free, size_t device_total, bool retried = true) const;
 
  private:
@@ -125,7 +127,7 @@ class Budget {
   const int device_;
   Ledger& ledger_;
   std::atomic<int64_t> limit_{kNone};
-  std::atomic<bool> refused_{false};
+  bool refused_ = false;
   std::atomic<int64_t> tag_limit_[kMaxTags];  // set to kNone by the constructor
 };
 

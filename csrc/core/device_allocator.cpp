@@ -257,7 +257,7 @@ Block* DeviceAllocator::attempt(size_t size, CUstream stream, int route, int tag
   return default_pool(used)->malloc(size, stream);
 }
 
-Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag) {
+Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag, OomFigures* oom) {
   TB_REQUIRE(size > 0, kInvalidArgument, "allocation size must be positive", nullptr);
   DeviceLock lock(mu_);
   // The block freed last may be taken back as it is (Note [The parked block]), before anything
@@ -274,8 +274,8 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   if (size > caps_.total_bytes) {
     // Can never fit (and keeps every size computation far from overflow).
     if (quiet) return refuse_quietly();
-    budget_.clear_refusal();
-    fail_oom(size, stream, resolve_route(caps_, route), tag, "the request is larger than the device's total memory");
+    fail_oom(size, stream, resolve_route(caps_, route), tag, "the request is larger than the device's total memory",
+             /*by_budget=*/false, oom);
     if (size >= (size_t{1} << 60))  // torch's own sentence for such sizes, then ours
       set_error(kOutOfMemory, std::string("Tried to allocate more than 1EB memory. ") + last_error_message());
     return nullptr;
@@ -293,7 +293,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
   if (!tag_live()) return nullptr;
   if (!budget_.tag_fits(tag, BlockPool::round_size(size))) {
     if (quiet) return refuse_quietly();
-    fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag);
+    fail_tag_oom(size, BlockPool::round_size(size), stream, resolve_route(caps_, route), tag, oom);
     return nullptr;
   }
   // A block may be larger than the rounded request (a remainder too small to split):
@@ -308,7 +308,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       refuse_quietly();
       return false;
     }
-    fail_tag_oom(size, charged, stream, used_route, charged_tag);
+    fail_tag_oom(size, charged, stream, used_route, charged_tag, oom);
     return false;
   };
   bool released = false;
@@ -335,7 +335,10 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
       if (!tag_live()) return nullptr;
       continue;
     }
+    // Why the last attempt failed, kept before the lock may be let go below (release_cached): the
+    // Budget's record is the last attempt's of any thread.
     const std::string cause = last_error_message();
+    const bool by_budget = budget_.refused();
     if (!graphs_.capturing()) {
       if (Block* lent = borrow(size, stream)) {
         if (!within_tag(lent)) return nullptr;
@@ -348,7 +351,7 @@ Block* DeviceAllocator::malloc(size_t size, CUstream stream, int route, int tag)
     if (budget_.reserved() > budget_.limit()) release_cached(lock);
     const int used_route = graphs_.capturing() && graphs_.route_for(stream) ? graphs_.route_for(stream)->route()
                                                                             : resolve_route(caps_, route);
-    fail_oom(size, stream, used_route, tag, cause);
+    fail_oom(size, stream, used_route, tag, cause, by_budget, oom);
     return nullptr;
   }
 }

@@ -101,6 +101,15 @@ struct BlockInfo {
   int tag;
 };
 
+// An allocation refused for want of memory, as its own call saw it under the device lock: the
+// bridge tells torch's observers once the lock is gone, when another thread's allocation may have
+// changed the Budget's record of the last refusal.
+struct OomFigures {
+  bool by_budget = false;  // the device's budget refused it (not the driver, nor a tag's budget)
+  int64_t allocated = 0;   // bytes allocated on the device then
+  int64_t reserved = 0;    // and reserved
+};
+
 // Note [An exception stops the process]
 // The core throws nothing itself, but its containers do: std::bad_alloc when host memory runs
 // out, or an exception from a filter torch hands to beginAllocateToPool. One thrown halfway
@@ -125,12 +134,9 @@ class DeviceAllocator {
   const Capabilities& caps() const { return caps_; }
   const Ledger& ledger() const { return ledger_; }
   int64_t budget() const { return budget_.limit(); }
-  // The last allocation that failed was refused by the budget (not by the driver).
-  bool budget_refused() const { return budget_.refused(); }
-
   // nullptr + error: kOutOfMemory (after one release-and-retry) carries the
-  // quantified message; kInvalidArgument for a zero size.
-  Block* malloc(size_t size, CUstream stream, int route, int tag);
+  // quantified message, and `oom` (when given) its figures; kInvalidArgument for a zero size.
+  Block* malloc(size_t size, CUstream stream, int route, int tag, OomFigures* oom = nullptr);
 
   // Note [A quiet first attempt]: while one lives on the calling thread, an allocation that would
   // reclaim cached memory (empty the cache and retry, borrow from a pool) or fail stops before
@@ -284,17 +290,21 @@ class DeviceAllocator {
   Block* attempt(size_t size, CUstream stream, int route, int tag, bool allow_sync);
   // torch's use_on_oom: a free block of a pool that lends its memory, or nullptr.
   Block* borrow(size_t size, CUstream stream);
-  // Records an out-of-memory failure: counted, traced, and the error set.
-  void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause);
+  // Records an out-of-memory failure: counted, traced, the error set and *oom filled (when given);
+  // `by_budget`: the device's budget refused it, as the failed attempt found (not read again here:
+  // the lock may have been let go since).
+  void fail_oom(size_t size, CUstream stream, int route, int tag, const std::string& cause, bool by_budget,
+                OomFigures* oom);
   // The tag's own budget refused `size` (Note [Tag budgets]).
-  void fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag);
+  void fail_tag_oom(size_t size, size_t charged, CUstream stream, int route, int tag, OomFigures* oom);
   // Counts, traces and sets an out-of-memory failure with its message.
-  void report_oom(size_t size, CUstream stream, int route, int tag, size_t device_free, const std::string& text);
+  void report_oom(size_t size, CUstream stream, int route, int tag, size_t device_free, const std::string& text,
+                  bool by_budget, OomFigures* oom);
   // Free and total bytes of the device as messages quote them (the card's size if the driver cannot say).
   void device_memory(size_t* free_bytes, size_t* total_bytes);
   // The quantified message; *device_free (when given) gets the free bytes it quotes.
-  std::string oom_text(size_t size, int route, int tag, const std::string& cause, size_t* device_free = nullptr,
-                       bool retried = true);
+  std::string oom_text(size_t size, int route, int tag, const std::string& cause, bool by_budget,
+                       size_t* device_free = nullptr, bool retried = true);
   // A block just taken from a pool becomes live: charged, indexed by address, traced.
   void adopt(Block* b);
   void account_alloc(Block* b);

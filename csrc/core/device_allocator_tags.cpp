@@ -84,7 +84,8 @@ bool DeviceAllocator::restore_tag(int tag) noexcept {
                            "restore can succeed. ";
   if (code == kOutOfMemory) {
     bump(ledger_.num_ooms);
-    set_error(kOutOfMemory, head + oom_text(need, kRouteVmm, tag, why, nullptr, /*retried=*/false));
+    // The lock was held since the restore began: the Budget's record is this restore's.
+    set_error(kOutOfMemory, head + oom_text(need, kRouteVmm, tag, why, budget_.refused(), nullptr, /*retried=*/false));
   } else {
     set_error(code, head + why);
   }
