@@ -205,3 +205,28 @@ def test_a_block_allocated_after_the_restore_has_no_backup_even_where_it_reuses_
     assert h.backup_read(again, 64) == again_data[:64]
     h.restore("weights")
     assert h.peek(again, len(again_data)) == again_data and h.peek(second, len(second_data)) == second_data
+
+
+@isolated
+def test_a_half_done_release_reads_what_it_dropped_and_refuses_what_it_left_on_the_device():
+    # A copy's completion fails after the first piece was dropped, and nothing can be mapped back:
+    # the tag stays released with part of its memory. Its backup holds that part, whole; the rest
+    # is still on the device, and a read of it is refused, never answered from the backup.
+    h = Host(route="vmm")
+    blocks = fill(h, "weights", [100 * MiB, 100 * MiB, 100 * MiB, 40 * MiB])
+    h.fail("cuEventSynchronize", nth=3)
+    h.fail("cuMemCreate", nth=-1)
+    with pytest.raises(TorchBudgetError, match="stays released"):
+        h.release("weights", "pinned")
+    h.heal()
+    info = h.tag_info("weights")
+    assert info["life"] == 1 and 0 < info["released"] < sum(len(d) for _, d in blocks), info
+    first, first_data = blocks[0]
+    assert h.peek(first, 16) is None                          # dropped: its bytes are in the backup
+    assert h.backup_read(first, len(first_data)) == first_data
+    for p, data in blocks[1:]:
+        with pytest.raises(TorchBudgetError, match="the backup does not hold the bytes"):
+            h.backup_read(p, len(data))
+    h.restore("weights")
+    for p, data in blocks:
+        assert h.peek(p, len(data)) == data
