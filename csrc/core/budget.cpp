@@ -93,18 +93,20 @@ int64_t Budget::family_used(int tag) const {
   return used;
 }
 
-std::string Budget::family_use(int tag) const {
-  const int64_t used = family_used(tag);
-  std::string out = format_size(static_cast<uint64_t>(used));
-  if (used == tag_used(tag)) return out;
-  const char* sep = ": ";
+std::string Budget::family_holders(int tag) const {
+  std::string out;
+  if (family_used(tag) == tag_used(tag)) return out;
   for (uint64_t m = tag_members(tag) | uint64_t{1} << tag; m != 0; m &= m - 1) {
     const int t = __builtin_ctzll(m);
     if (tag_used(t) == 0) continue;
-    out += sep + ("'" + tag_name(t) + "' ") + format_size(static_cast<uint64_t>(tag_used(t)));
-    sep = ", ";
+    out += (out.empty() ? "'" : ", '") + tag_name(t) + "' " + format_size(static_cast<uint64_t>(tag_used(t)));
   }
   return out;
+}
+
+std::string Budget::family_use(int tag) const {
+  const std::string holders = family_holders(tag);
+  return format_size(static_cast<uint64_t>(family_used(tag))) + (holders.empty() ? "" : ": " + holders);
 }
 
 int Budget::binding_tag(int tag) const {
@@ -130,13 +132,19 @@ std::string Budget::tag_oom_message(size_t size, size_t charged, int member, con
   const int64_t room = limit > used ? limit - used : 0;
   const std::string counted =
       tag == member ? "" : " (this allocation is under '" + member_name + "', whose memory counts toward it)";
+  // Note [Tag families]: what the family holds, tag by tag, when more tags than the head hold it.
+  const std::string holders = family_holders(tag);
+  const bool family = !holders.empty();
   return torch_head(size, device_free, device_total) + "torch_budget: tag '" + name + "'" + counted +
-         " would exceed its budget of " +
-         format_size(static_cast<uint64_t>(limit)) + ": it has " + format_size(static_cast<uint64_t>(used)) +
-         " allocated, " + format_size(static_cast<uint64_t>(room)) + " left, and this allocation counts " +
-         format_size(charged) + (charged > size ? " (its block, rounded up)" : "") + ". Other tags are not affected. To allow more, raise the tag's budget: "
+         " would exceed its budget of " + format_size(static_cast<uint64_t>(limit)) +
+         (family ? ": it and its family have " : ": it has ") + format_size(static_cast<uint64_t>(used)) +
+         " allocated" + (family ? " (" + holders + ")" : "") + ", " + format_size(static_cast<uint64_t>(room)) +
+         " left, and this allocation counts " + format_size(charged) +
+         (charged > size ? " (its block, rounded up)" : "") +
+         ". Other tags are not affected. To allow more, raise the tag's budget: "
          "torch_budget.set_budget(..., tag='" + name + "'), torch_budget.install(budgets={'" + name +
-         "': ...}) or TORCH_BUDGET_CONF=budget." + name + ":...; or free tensors allocated under the tag.";
+         "': ...}) or TORCH_BUDGET_CONF=budget." + name + ":...; or free tensors allocated under " +
+         (family ? "those tags." : "the tag.");
 }
 
 std::string Budget::describe() const {

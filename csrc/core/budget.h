@@ -95,6 +95,8 @@ class Budget {
   // family_used as text, then, when its members hold any of it, each tag holding some, in id order
   // ("5.00 MiB: 'kv' 2.00 MiB, 'kv+cpu' 3.00 MiB").
   std::string family_use(int tag) const;
+  // The list of family_use alone ("'kv' 2.00 MiB, 'kv+cpu' 3.00 MiB"); empty when `tag` holds all of it.
+  std::string family_holders(int tag) const;
   // The arguments of a tag's budget: a known tag, a fraction at most 1. false + kInvalidArgument.
   static bool check_tag_setting(int tag, double fraction);
   // What `tag` may still allocate under its budget and its family's (Note [Tag families]):
