@@ -143,3 +143,39 @@ def test_a_block_of_one_device_is_freed_from_a_thread_current_on_the_other():
         assert h.stats(0)["allocated_bytes"]["all"]["current"] == 0
         assert h.stats(1)["allocated_bytes"]["all"]["current"] == 0
     body()
+
+
+def test_a_share_opened_before_peer_access_was_enabled_becomes_reachable_by_the_peer():
+    # torch's enablePeerAccess extends the expandable segments it opened from other processes: a
+    # consumer's mapping of a producer's VMM memory stayed reachable by its own device alone, so a
+    # kernel of the peer reading the shared tensor faulted.
+    @isolated
+    def body():
+        h = Host(devices=2, route="vmm")
+        t = h.malloc(4 * MiB, h.stream(0))
+        handle, _ = h.share(t)
+        opened, ptr, size = h.open_kept(handle, device=1)  # a consumer's tensor on device 1
+        assert h.can_access(1, ptr) and not h.can_access(0, ptr)
+        h.grant_peer(1, 0)  # device 0 may now use device 1's memory
+        assert h.can_access(0, ptr) and h.can_access(0, ptr + size - 1)
+        later, ptr2, _ = h.open_kept(handle, device=1)  # opened after the grant
+        assert h.can_access(0, ptr2)
+        h.close_opened(opened, device=1)
+        h.close_opened(later, device=1)
+        h.grant_peer(1, 0)  # granted already: nothing to do
+        h.free(t)
+    body()
+
+
+def test_a_share_closed_before_a_grant_is_not_touched_by_it():
+    @isolated
+    def body():
+        h = Host(devices=3, route="vmm")
+        t = h.malloc(4 * MiB, h.stream(0))
+        handle, _ = h.share(t)
+        opened, ptr, _ = h.open_kept(handle, device=1)
+        h.close_opened(opened, device=1)  # its range is unmapped again: a grant must not name it
+        h.grant_peer(1, 2)  # raised, had the grant set access on the closed mapping
+        assert not h.can_access(2, ptr)
+        h.free(t)
+    body()

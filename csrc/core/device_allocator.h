@@ -171,7 +171,8 @@ class DeviceAllocator {
   // and no fraction removes its budget. Refused below what the tag has allocated now.
   bool set_tag_budget(int tag, int64_t bytes, double fraction = -1) noexcept;
   int64_t tag_budget(int tag) const { return budget_.tag_limit(tag); }
-  // Lets device `peer` access this device's memory (Note [Peer access to VMM memory]).
+  // Lets device `peer` access this device's memory, the VMM mappings of other processes' memory
+  // it opened included (Note [Peer access to VMM memory]).
   bool grant_peer(int peer) noexcept;
   bool mem_info(size_t* free_bytes, size_t* total_bytes);
   size_t largest_free();
@@ -385,6 +386,9 @@ class DeviceAllocator {
   int64_t free_detached(DeviceLock& lock);
   // Under the lock: the bytes free_detached would free now.
   int64_t detached_bytes() const;
+  // Under the lock: read-write access for `peer` to the mapping of `bytes` at `ptr` that
+  // open_shared made (Note [Peer access to VMM memory]); false + error.
+  bool grant_opened(uintptr_t ptr, size_t bytes, int peer);
 
   DeviceContext ctx_;
   Capabilities caps_;
@@ -410,6 +414,10 @@ class DeviceAllocator {
   Block* parked_ = nullptr;       // Note [The parked block]
   StreamUses uses_{[this](Block* b) { retire(b); }, open_captures_};  // frees waiting for other streams
   std::vector<int> peers_;        // devices granted access to this one
+  // (address, bytes) of each VMM mapping of another process's memory that this device opened
+  // (open_shared) and a consumer still holds: grant_peer reaches them too (Note [Peer access to
+  // VMM memory]). Entered once opened, left as its close begins.
+  std::vector<std::pair<uintptr_t, size_t>> opened_;
   TagArenas tags_{graphs_, store_, clock_};  // each tag's pools and sleep state (Note [Tag arenas])
 
   static std::atomic<int> open_captures_;

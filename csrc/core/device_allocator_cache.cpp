@@ -71,6 +71,8 @@ bool DeviceAllocator::grant_peer(int peer) noexcept {
   if (std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return true;
   if (vmm_ && !vmm_->grant_peer(peer)) return false;
   if (pool_ && !pool_->grant_peer(peer)) return false;
+  for (const auto& [ptr, bytes] : opened_)
+    if (!grant_opened(ptr, bytes, peer)) return false;
   peers_.push_back(peer);
   return true;
 }

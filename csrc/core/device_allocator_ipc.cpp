@@ -1,5 +1,6 @@
 // DeviceAllocator: sharing its blocks with other processes (Note [Sharing memory between
 // processes], ipc.h, which does the work).
+#include <algorithm>
 #include <mutex>
 #include <shared_mutex>
 #include <utility>
@@ -134,7 +135,30 @@ bool DeviceAllocator::open_shared(const std::string& bytes, OpenedShare* out) no
     auto lock = hold();
     peers = peers_;
   }
-  return open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out);
+  if (!open_share(ctx_, caps_.vmm ? caps_.granularity : 0, peers, bytes, out)) return false;
+  if (out->kind != kShareVmm) return true;  // cuIpcOpenMemHandle's mapping follows peer access itself
+  auto lock = hold();
+  // Note [Peer access to VMM memory]: peers granted while it was opened, then every later one.
+  for (int peer : peers_) {
+    if (std::find(peers.begin(), peers.end(), peer) != peers.end() || grant_opened(out->ptr, out->bytes, peer))
+      continue;
+    const ErrorCode code = last_error_code();
+    const std::string why = last_error_message();
+    lock.unlock();
+    close_shared(*out);
+    set_error(code, why);
+    return false;
+  }
+  opened_.emplace_back(out->ptr, out->bytes);
+  return true;
+}
+
+bool DeviceAllocator::grant_opened(uintptr_t ptr, size_t bytes, int peer) {
+  ContextGuard guard(ctx_.ctx);
+  if (!guard.ok()) return false;
+  const CUmemAccessDesc desc = read_write_access(peer);
+  TB_DRIVER_CHECK(driver()->memSetAccess(ptr, bytes, &desc, 1), false);
+  return true;
 }
 
 std::shared_mutex& DeviceAllocator::close_gate() {
@@ -146,6 +170,10 @@ void DeviceAllocator::close_shared(OpenedShare& s) noexcept {
   if (Allocator::get().forked()) {  // the parent's mapping, on the parent's context: as a free, ignored (Note [Fork])
     s = OpenedShare{};
     return;
+  }
+  if (s.kind == kShareVmm && s.ptr != 0) {  // no peer is granted access to it from here on
+    auto lock = hold();
+    opened_.erase(std::remove(opened_.begin(), opened_.end(), std::make_pair(s.ptr, s.bytes)), opened_.end());
   }
   std::shared_lock<std::shared_mutex> gate(close_gate());  // Note [Closing a share during a capture]
   const bool capturing = open_captures() > 0;

@@ -40,7 +40,11 @@
 // A mapping is accessible only to the devices named in cuMemSetAccess. Every
 // mapping grants this device and every peer that torch enabled peer access for
 // (enablePeerAccess); granting a new peer walks every arena of every pool this
-// route backs and extends the mapped ranges, as torch's expandable segments do.
+// route backs and extends the mapped ranges, as torch's expandable segments do. The
+// mappings of other processes' VMM memory that the device opened (a consumer's shared
+// tensors, Note [Sharing memory between processes]) are extended too, as torch's
+// enablePeerAccess extends the expandable segments it opened: those opened before the
+// grant were reachable by their own device alone (DeviceAllocator::grant_peer).
 //
 // Note [Run mappings]
 // The driver's VMM calls cost per mapping, not per byte (measured on an H200, µs per
