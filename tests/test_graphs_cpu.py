@@ -749,6 +749,37 @@ def test_agree_with_a_runner_pads_the_choice_to_the_runners_buckets():
         manager.agree(3, "full", runner=other)
 
 
+def test_agree_over_nccl_exchanges_on_the_managers_device_not_the_current_one(monkeypatch):
+    # A rank whose graphs live on cuda:1 and whose current device is still 0 (it never called
+    # set_device) sent its choice from cuda:0: NCCL saw two ranks on one device, or the wrong
+    # communicator. The NCCL group and every device tensor are stood in for: no GPU is needed.
+    import torch.distributed as dist
+
+    used = []
+    real_tensor = torch.tensor
+
+    def tensor(data, *, dtype=None, device=None):
+        used.append(torch.device(device))
+        return real_tensor(data, dtype=dtype)  # on the host, for the stand-in collectives
+
+    def all_gather(out, mine, group=None):
+        for i, t in enumerate(out):
+            t.copy_(mine)
+            if i == 1:
+                t[0] = 16  # the other rank chose bucket 16
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    manager = GraphPoolManager("cuda:1")
+    assert manager.agree(8, "full") == (16, "full")  # the larger choice, as every rank's rows fit it
+    assert used and all(d == torch.device("cuda", 1) for d in used), used
+
+
 def test_agree_rejects_unknown_tier_and_bad_bucket():
     manager = GraphPoolManager("cpu")
     with pytest.raises(ValueError, match="'turbo'"):

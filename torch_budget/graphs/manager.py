@@ -263,7 +263,9 @@ class GraphPoolManager:
         world = dist.get_world_size(group)
         device = "cpu"
         if str(dist.get_backend(group)) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+            # NCCL takes a tensor of the rank's own device: the one its graphs live on, whatever
+            # device is current (a rank that never called set_device would send from cuda:0).
+            device = self.device if self.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         bucket_code = -1 if refused is not None else _EAGER_BUCKET if bucket is None else bucket
         mine = torch.tensor([bucket_code, tier_code, zlib.crc32("\0".join(self.tiers).encode()), runner is not None],
                             dtype=torch.int64, device=device)
