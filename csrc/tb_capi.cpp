@@ -472,9 +472,17 @@ int tb_host_pool_reserve(int64_t bytes) {
     set_error(kInvalidArgument, "a host pool size must be >= 0 bytes, got " + std::to_string(bytes));
     return kInvalidArgument;
   }
-  DeviceAllocator* d = Allocator::get().device(0);  // pinning needs a context; the memory is portable
-  if (d == nullptr) return code();
-  ContextGuard guard(d->context().ctx);
+  // Pinning needs a context, and the memory is portable: the caller's context where one is current
+  // (a process that runs on device 1 alone starts none on device 0), else device 0's (before CUDA
+  // started, as at install()).
+  if (!Allocator::get().load_driver()) return code();
+  CUcontext current = nullptr;
+  if (driver()->ctxGetCurrent(&current) != CUDA_SUCCESS || current == nullptr) {
+    DeviceAllocator* d = Allocator::get().device(0);
+    if (d == nullptr) return code();
+    current = d->context().ctx;
+  }
+  ContextGuard guard(current);
   if (!guard.ok()) return code();
   return HostPool::get().reserve(static_cast<size_t>(bytes)) ? 0 : code();
 }

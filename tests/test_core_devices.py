@@ -179,3 +179,21 @@ def test_a_share_closed_before_a_grant_is_not_touched_by_it():
         assert not h.can_access(2, ptr)
         h.free(t)
     body()
+
+
+@pytest.mark.parametrize("current", [1, -1])
+def test_reserving_the_host_pool_pins_under_the_callers_device_and_starts_no_other(current):
+    # It always pinned under device 0's context: a process running on device 1 alone (one rank of
+    # several, every card visible) started a context on device 0, and device 0 counted as served.
+    @isolated
+    def body():
+        from torch_budget import _native
+
+        h = Host(devices=2, route="vmm")
+        h.set_current(current)
+        _native.check(h.lib, h.lib.tb_host_pool_reserve(4 * MiB))
+        assert h.host_pool()["bytes"] >= 4 * MiB
+        assert h.current() == current
+        # Without a current context (before CUDA started), device 0's pins, as before.
+        assert bool(h.lib.tb_device_ready(0)) == (current < 0)
+    body()
