@@ -17,7 +17,7 @@ def consumer(install, q_in, q_out):
         name, t, fill = item
         ok = bool((t == fill).all().item())
         t.add_(1)                       # written back through the shared mapping
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(t.device)  # the tensor's device: the current one is 0 for a cuda:1 tensor
         q_out.put((name, ok, t.numel()))
         del t, item
     q_out.put(("done", True, 0))
@@ -70,8 +70,9 @@ def holder(install, q_in, q_out):
         import torch_budget
         torch_budget.install()
     t = q_in.get(timeout=120)
+    device = t.device
     q_out.put("held")
     assert q_in.get(timeout=120) == "drop"
     del t
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     q_out.put("dropped")
