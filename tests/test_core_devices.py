@@ -197,3 +197,31 @@ def test_reserving_the_host_pool_pins_under_the_callers_device_and_starts_no_oth
         # Without a current context (before CUDA started), device 0's pins, as before.
         assert bool(h.lib.tb_device_ready(0)) == (current < 0)
     body()
+
+
+@pytest.mark.parametrize("route", ["vmm", "sync"])
+def test_a_capture_ending_on_one_device_never_waits_for_another(route):
+    # The end of the last capture settled every device's dead graph pools, waiting for each device
+    # whose pools were not clean: a capture on device 1 synchronised device 0, stalling behind
+    # whatever another thread had queued there.
+    @isolated
+    def body():
+        h = Host(devices=2, route=route)
+        s0, s1 = h.stream(0), h.stream(1)
+        h.begin_pool((0, 5), s0, device=0)
+        out = h.malloc(2 * MiB, s0, device=0)  # a graph's output, outliving its graph
+        h.end_pool((0, 5), device=0)
+        h.release_pool((0, 5), device=0)
+        h.submit(s0)  # device 0 is busy
+        h.free(out)  # the pool dies with work queued on device 0
+        synced = h.stats(0)["num_sync_all_streams"]
+        h.begin_pool((1, 1), s1, device=1)
+        h.capture(s1, 9)
+        h.free(h.malloc(2 * MiB, s1, device=1))
+        h.capture(s1, 0)
+        h.end_pool((1, 1), device=1)
+        assert h.stats(0)["num_sync_all_streams"] == synced, "device 1's capture end waited for device 0"
+        h.release_pool((1, 1), device=1)
+        h.empty_cache(0)  # device 0's own call waits for it, and the dead pool goes
+        assert h.reserved(0) == 0 and h.device_used(0) == 0
+    body()

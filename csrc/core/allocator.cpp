@@ -216,7 +216,8 @@ bool Allocator::record_stream(void* ptr, CUstream stream, int stream_device) {
 bool Allocator::end_pool(int device_index, const PoolId& id) {
   DeviceAllocator* d = device(device_index);
   if (d == nullptr || !d->end_allocate_to_pool(id)) return false;
-  // The last capture anywhere ended: pools that died meanwhile on any device go now.
+  // The last capture anywhere ended: dead pools that are clean go now on every device, without
+  // waiting for any (the ending device waited for its own in end_allocate_to_pool).
   if (DeviceAllocator::open_captures() == 0)
     for (int i = 0; i < kMaxDevices; ++i)
       if (DeviceAllocator* other = device_if_ready(i)) other->settle_pools();

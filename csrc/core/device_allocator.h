@@ -244,7 +244,8 @@ class DeviceAllocator {
   // The caller says no other process maps the live block at `ptr` any more (Note [Sharing memory
   // between processes]): it no longer keeps its tag from being released.
   bool end_sharing(uintptr_t ptr) noexcept;
-  // Destroys dead graph pools once that is safe (called when captures end).
+  // Destroys the dead graph pools already clean (called when the last capture ended, on another
+  // device's thread too): never waits for this device, whose queued work is not that capture's.
   void settle_pools() noexcept;
 
   // `runs`: also each VMM arena's mapped ranges (a walk over its granules).

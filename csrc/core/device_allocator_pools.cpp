@@ -116,7 +116,9 @@ void DeviceAllocator::settle_pools() noexcept {
   auto lock = hold();
   if (!dead_.empty() && open_captures() == 0) {
     uses_.settle();
-    destroy_dead_pools(lock);
+    // A pool not clean yet goes at this device's next empty_cache or out-of-memory retry, which
+    // wait for it: a capture that ended on another device must not wait for this one.
+    destroy_dead_pools(lock, /*all=*/false, /*may_wait=*/false);
   }
 }
 
