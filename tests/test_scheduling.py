@@ -221,3 +221,43 @@ def test_a_dummy_request_checks_its_fields():
         DummyRequest(0, -1)
     assert Step(context=(Req(0, 1, 1),), generation=(Req(0, 1, 1), Req(1, 1, 1))).requests == (Req(0, 1, 1),
                                                                                              Req(1, 1, 1))
+
+
+class _Recording:
+    """A manager that records the hooks called on it."""
+
+    tag = "recording"
+
+    def __init__(self):
+        self.calls = []
+
+    def dummy_requests(self):
+        return [DummyRequest(0, 8)]
+
+    def prepare(self, step):
+        self.calls.append("prepare")
+
+    def update(self, step):
+        self.calls.append("update")
+
+    def free(self, request):
+        self.calls.append("free")
+
+
+def test_a_stray_end_of_dummy_step_raises_and_calls_no_hook():
+    # contextlib ran the body of a dummy_step ended without being entered: every manager prepared the
+    # profiling step and only the cache's requests were freed, so the workspace stayed grown to its worst
+    # case with no token free; then RuntimeError("generator didn't stop"). A second end passed silently.
+    cache_res, ws = kv(longest=16), workspace(tokens=16)
+    with pytest.raises(StateError, match="dummy_step\\(\\) was never entered"):
+        dummy_step([cache_res, ws]).__exit__(None, None, None)
+    assert (ws.meta.capacity, ws.free_tokens()) == (W, 16)
+    assert cache_res.free_tokens() == cache_res.capacity_tokens()
+    manager = _Recording()
+    scope = dummy_step([manager])
+    with scope:
+        with pytest.raises(StateError, match="dummy_step\\(\\) is open already"):
+            scope.__enter__()
+    with pytest.raises(StateError, match="dummy_step\\(\\) has ended already"):
+        scope.__exit__(None, None, None)
+    assert manager.calls == ["prepare", "update", "free"]

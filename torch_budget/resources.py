@@ -19,10 +19,11 @@ per request (the cache) at `free`.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from . import _scope
 
 __all__ = ["TokenRequest", "DummyRequest", "Step", "ResourceManager", "profiling_step", "dummy_step"]
 
@@ -125,11 +126,12 @@ def profiling_step(managers: Sequence[ResourceManager]) -> Step:
     return Step(tuple(context), tuple(generation))
 
 
-@contextlib.contextmanager
+@_scope.once(lambda *_, **__: "dummy_step()")
 def dummy_step(managers: Sequence[ResourceManager]) -> Iterator[Step]:
     """`with dummy_step(managers) as step:` runs the profiling step's hooks around the block: each
     manager prepares the step, the block runs its forward, then each updates and frees every
-    dummy request, even when the forward raised (the managers end as they began)."""
+    dummy request, even when the forward raised (the managers end as they began). Entered once and
+    ended once: an end without an entry, or a second one, raises StateError and calls no hook."""
     step = profiling_step(managers)
     prepared = []
     try:
