@@ -477,6 +477,44 @@ def test_cuda_graph_into_a_pool_another_tag_created_raises_naming_the_pool_and_b
 
 @built
 @isolated
+def test_a_stray_end_of_a_saver_scope_raises_and_changes_nothing():
+    # contextlib ran the body of a scope ended without being entered: a disable() emptied the cache of every
+    # device, a cuda_graph() began and ended a capture into its pool, a region() registered its pool; then
+    # RuntimeError("generator didn't stop"). A second end passed silently.
+    import torch
+
+    host, saver = _saver_capturing()
+    captures = []
+    graph = torch.cuda.graph
+    torch.cuda.graph = lambda *args, **kwargs: captures.append(args) or graph(*args, **kwargs)
+    with saver.region("train"):
+        host.free(_alloc(host, 4 * MiB, b"t"))  # freed, cached under "train"
+        with pytest.raises(StateError, match=r"torch_memory_saver\.disable\(\) was never entered"):
+            saver.disable().__exit__(None, None, None)
+        assert torch_budget.stats()["reserved"] == 4 * MiB, "the stray end emptied the cache"
+        with pytest.raises(StateError, match=r"torch_memory_saver\.cuda_graph\(tag='g'\) was never entered"):
+            saver.cuda_graph(object(), pool=(0, 9), tag="g").__exit__(None, None, None)
+        assert captures == [] and sleep.pool_tag((0, 9)) is None
+        pools = dict(saver._impl._mem_pools)
+        with pytest.raises(StateError, match=r"torch_memory_saver\.region\('w'\) was never entered"):
+            saver.region("w", enable_cpu_backup=True).__exit__(None, None, None)
+        assert saver._impl._mem_pools == pools
+        assert saver._impl._binary_wrapper.cdll.tms_get_current_tag() == b"train"
+        scope = saver.region("inner")
+        with scope:
+            with pytest.raises(StateError, match=r"region\('inner'\) is open already"):
+                scope.__enter__()
+            _alloc(host, MiB, b"i")
+        with pytest.raises(StateError, match=r"region\('inner'\) has ended already"):
+            scope.__exit__(None, None, None)
+        assert saver._impl._binary_wrapper.cdll.tms_get_current_tag() == b"train"
+        _alloc(host, 2 * MiB, b"t")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert (by_tag["train"]["allocated"], by_tag["inner"]["allocated"]) == (2 * MiB, MiB), by_tag
+
+
+@built
+@isolated
 def test_pause_and_resume_act_on_every_device():
     host, module = _saver(devices=2)
     saver = module.torch_memory_saver

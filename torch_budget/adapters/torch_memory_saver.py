@@ -45,6 +45,12 @@ The mapping (torch_memory_saver name -> what torch_budget does):
   configure_subprocess() a context with nothing to set: a child that imports this module installs
                          torch_budget at import, as torch_memory_saver's LD_PRELOAD hooked it
 
+region(), cuda_graph() and disable() (and _impl._with_region_config) are entered once and ended once.
+torch_memory_saver's are contextlib generator scopes, which refuse a second entry too; an end without an
+entry, which contextlib answers by running the body (a disable() emptied the cache, a cuda_graph() captured)
+and raising RuntimeError, and a second end, which it lets pass, raise StateError (a RuntimeError) here and
+change nothing.
+
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
 _impl (None until the first use, as there), but for what its own tests and slime read: the
@@ -78,7 +84,7 @@ from collections.abc import Iterator
 from typing import Literal, NamedTuple, Optional
 
 import torch_budget
-from torch_budget import _runtime, allocator, sleep
+from torch_budget import _runtime, _scope, allocator, sleep
 from torch_budget._validate import non_negative_int, tag_name
 from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, StateError, TagStateError, TorchBudgetError, UnsupportedError
@@ -365,7 +371,7 @@ class TorchMemorySaver:
         self._hook_mode: HookMode = "preload"
         self._impl: Optional[_Impl] = None  # torch_memory_saver's, None until the first use
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self, tag=_TAG_DEFAULT, *_, **__: f"torch_memory_saver.region({tag!r})")
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
                cpu_backup_backend: Optional[CpuBackupBackend] = None):
         """Allocations inside are paused and resumed with `tag`; with enable_cpu_backup their
@@ -379,7 +385,8 @@ class TorchMemorySaver:
                                               _runtime.current_device()), _RegionPool(name))
             yield
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self, cuda_graph=None, pool=None, stream=None, capture_error_mode=None, tag=_TAG_DEFAULT, *_,
+                 **__: f"torch_memory_saver.cuda_graph(tag={tag!r})")
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", tag: str = _TAG_DEFAULT,
                    enable_cpu_backup: bool = False, cpu_backup_backend: Optional[CpuBackupBackend] = None):
         """torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode), captured under
@@ -398,7 +405,7 @@ class TorchMemorySaver:
             with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self: "torch_memory_saver.disable()")
     def disable(self):
         """Inside a region, or anywhere with TMS_INIT_ENABLE=1: allocations here are untagged
         (pause leaves them), and the cache is emptied on exit, so what they freed goes back to
@@ -619,7 +626,7 @@ class _Impl:
         # (tag, enable_cpu_backup, enable_disk_backup, backend or "", device) -> _RegionPool
         self._mem_pools: dict[tuple, _RegionPool] = {}
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self, tag=None, *_, **__: f"torch_memory_saver._impl._with_region_config({tag!r})")
     def _with_region_config(self, tag: str, enable_cpu_backup: bool, cpu_backup_backend: Optional[CpuBackupBackend],
                             enable_disk_backup: bool = False) -> Iterator[str]:
         """A region without its pool: the allocations inside (and the frees, which need no
