@@ -566,6 +566,37 @@ def test_the_graph_pool_charges_captures_to_cudagraph_which_every_sleep_backs_up
 
 @built
 @isolated
+def test_a_stray_end_of_a_pool_scope_raises_and_lists_no_tag_or_pool():
+    # contextlib ran the body of a pool scope ended without being entered: use_memory_pool listed its tag
+    # (the next sleep released it, so a use_memory_pool of it was refused until a wake) and added an
+    # allocator_and_pools entry, use_cudagraph_pool made a graph pool and listed "cudagraph"; then
+    # RuntimeError("generator didn't stop"). A second end passed silently.
+    import torch
+
+    host, module = _vllm()
+    allocator = module.CuMemAllocator.get_instance()
+    made = []
+    torch.cuda.graph_pool_handle = lambda: made.append(1) or (0, 42)
+    with pytest.raises(StateError, match=r"CuMemAllocator\.use_memory_pool\('kv_cache'\) was never entered"):
+        allocator.use_memory_pool("kv_cache").__exit__(None, None, None)
+    with pytest.raises(StateError, match=r"CuMemAllocator\.use_cudagraph_pool\(\) was never entered"):
+        allocator.cudagraph_pool().__exit__(None, None, None)
+    assert allocator.allocator_and_pools == {} and made == [] and allocator.current_tag == "default"
+    scope = allocator.use_memory_pool("weights")
+    with scope:
+        with pytest.raises(StateError, match=r"use_memory_pool\('weights'\) is open already"):
+            scope.__enter__()
+        _alloc(host, 2 * MiB, b"w")
+    with pytest.raises(StateError, match=r"use_memory_pool\('weights'\) has ended already"):
+        scope.__exit__(None, None, None)
+    assert {t: len(e) for t, e in allocator.allocator_and_pools.items()} == {"weights": 1}
+    allocator.sleep()
+    assert _states() == {"weights": ("released", "none")}
+    allocator.wake_up()
+
+
+@built
+@isolated
 def test_a_graph_pool_that_could_not_be_made_leaves_sleep_working():
     # The graph tag was listed before torch made the pool: when that failed, every later sleep
     # raised "unknown tag 'cudagraph'".

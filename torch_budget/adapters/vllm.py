@@ -52,6 +52,11 @@ The mapping (vLLM name -> what torch_budget does):
                                ("weights", "runtime", "cudagraph"), 2 ("runtime", "cudagraph"); resume(tags) =
                                wake_up(tags); discard(tags); state() RUNNING / SUSPENDED / RESUMING
 
+use_memory_pool() and use_cudagraph_pool() are entered once and ended once. vLLM's are contextlib generator
+scopes, which refuse a second entry too; an end without an entry, which contextlib answers by running the
+body (the tag listed for every sleep, a pool entry added, a graph pool made) and raising RuntimeError, and a
+second end, which it lets pass, raise StateError (a RuntimeError) here and change nothing.
+
 All of it acts on every device. Tags already asleep stay as they are (a sleep asking another backup
 logs a warning, as vLLM's does); a failed wake_up puts back to sleep what it had woken, then raises.
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError):
@@ -83,7 +88,7 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple, Optional, Union
 
 import torch_budget
-from torch_budget import _runtime, diagnostics, sleep
+from torch_budget import _runtime, _scope, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.adapters._vllm_allocations import AllocationData, allocations, pool_entry
@@ -245,9 +250,10 @@ class CuMemAllocator:
         self._discarded: frozenset[int] = frozenset()  # weights allocations asleep without a copy
         self._graph_pool: Optional[tuple[int, int]] = None  # use_cudagraph_pool's, until released
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self, tag=None: f"CuMemAllocator.use_memory_pool({tag!r})")
     def use_memory_pool(self, tag: Optional[str] = None):
-        """Allocations inside are charged to `tag` (None: "default") on the VMM route."""
+        """Allocations inside are charged to `tag` (None: "default") on the VMM route. Entered once
+        and ended once (see the module's note on scopes)."""
         tag = self.default_tag if tag is None else tag_name(tag)
         if tag == "untagged":
             raise InvalidArgumentError("use_memory_pool('untagged'): 'untagged' is torch_budget's name for memory of "
@@ -368,7 +374,7 @@ class CuMemAllocator:
         """release_pools(), as vLLM's."""
         self.release_pools()
 
-    @contextlib.contextmanager
+    @_scope.once(lambda self, pool=None: f"CuMemAllocator.use_cudagraph_pool({'' if pool is None else pool})")
     def use_cudagraph_pool(self, pool: Optional[tuple[int, int]] = None):
         """Yields the pool to capture CUDA graphs into (`pool` where vLLM passes its own, else this
         allocator's one graph pool); what the captures inside allocate is charged to GRAPH_TAG
