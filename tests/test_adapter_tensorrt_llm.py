@@ -14,7 +14,7 @@ import torch
 import torch_budget
 from _hostcore import OOM, MiB, Host, isolated, python_api_over, sees_cuda
 from torch_budget import sleep
-from torch_budget.errors import InstallError, InvalidArgumentError
+from torch_budget.errors import InstallError, InvalidArgumentError, StateError
 
 built = pytest.mark.built("_host_core")
 gpu = pytest.mark.gpu
@@ -181,6 +181,33 @@ def test_preserve_contents_keeps_metadata_of_a_dropped_scope_under_its_tag():
     assert module.materialize_with_tag("kv_cache") == 2
     assert host.peek(meta, 4096) == b"m" * 4096 and host.peek(kv, 4096) != b"k" * 4096
     assert host.peek(untagged, 4096) == b"u" * 4096
+
+
+@built
+@isolated
+def test_a_stray_end_of_a_scope_raises_and_registers_nothing():
+    # contextlib ran the body of a scope ended without being entered: it registered the (tag, mode) pair
+    # (so "model+pinned" became taken, a scope of that name refused) and took a core tag for it, then raised
+    # RuntimeError("generator didn't stop"). A second end passed silently.
+    host, module = _trt()
+    pinned = module.RestoreMode.PINNED
+    with pytest.raises(StateError, match=r"scope\('model'\) was never entered"):
+        module.scope("model", pinned).__exit__(None, None, None)
+    with pytest.raises(StateError, match=r"maybe_scope\(True, 'model'\) was never entered"):
+        module.maybe_scope(True, "model", pinned).__exit__(None, None, None)
+    with module.scope("kv_cache"):
+        with pytest.raises(StateError, match=r"preserve_contents\(\) was never entered"):
+            module.preserve_contents().__exit__(None, None, None)
+    assert "model+pinned" not in torch_budget.stats()["by_tag"] and "kv_cache+cpu" not in torch_budget.stats()["by_tag"]
+    entered = module.scope("model+pinned")  # free: no pair took the name
+    with entered:
+        with pytest.raises(StateError, match=r"scope\('model\+pinned'\) is open already"):
+            entered.__enter__()
+        _alloc(host, MiB, b"m")
+    with pytest.raises(StateError, match=r"scope\('model\+pinned'\) has ended already"):
+        entered.__exit__(None, None, None)
+    _alloc(host, MiB, b"u")
+    assert _allocated("model+pinned") == MiB and _allocated("untagged") == MiB
 
 
 @built

@@ -49,7 +49,10 @@ plan.apply(tags=PLAN_TAGS) puts the weights line on TensorRT-LLM's "model_weight
 "model": {**PLAN_TAGS, "weights": "model"}). ExecutorMemoryType and verify_sleep_wakeup_tags are TensorRT-LLM's
 own, for the releases whose virtual_memory module exports them.
 
-Scopes are per thread, torch_budget's (TensorRT-LLM's allocator setting is process-wide). What torch_budget
+Scopes are per thread, torch_budget's (TensorRT-LLM's allocator setting is process-wide). scope(), maybe_scope() and
+preserve_contents() are entered once and ended once: TensorRT-LLM's are contextlib generator scopes, which
+refuse a second entry too; an end without an entry (contextlib ran the body, registering the tag and mode)
+and a second end (which it let pass) raise StateError here and change nothing. What torch_budget
 cannot do raises UnsupportedError (a TorchBudgetError and a NotImplementedError): a device without CUDA
 virtual memory management. Importing this module installs torch_budget (torch_budget.install(), settings
 from TORCH_BUDGET_CONF) when a CUDA device is there and CUDA has not started, as the torch_memory_saver
@@ -58,14 +61,13 @@ InstallError, saying so, when CUDA started on torch's own allocator.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import threading
 from collections.abc import Iterator
 from typing import NamedTuple, Optional
 
 import torch_budget
-from torch_budget import diagnostics, sleep
+from torch_budget import _scope, diagnostics, sleep
 from torch_budget._validate import tag_name
 from torch_budget.adapters._common import TagRegistry, allocated_anywhere, ensure_installed, install_at_import
 from torch_budget.errors import InvalidArgumentError, UnsupportedError
@@ -169,7 +171,7 @@ def _install() -> None:
         f"torch_budget.install()) before the first CUDA tensor or call. {e}"))
 
 
-@contextlib.contextmanager
+@_scope.once(lambda tag=None, *_, **__: f"scope({str(tag)!r})")  # TensorRT-LLM's tags are StrEnums
 def scope(tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[_Scope]:
     """Allocations inside are released and materialized with `tag`; `mode` says what their contents
     are after a materialize. Nestable: the innermost scope decides."""
@@ -188,7 +190,7 @@ def scope(tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[_Scope]:
         stack.pop()
 
 
-@contextlib.contextmanager
+@_scope.once(lambda enable=None, tag=None, *_, **__: f"maybe_scope({enable!r}, {str(tag)!r})")
 def maybe_scope(enable: bool, tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[Optional[_Scope]]:
     """scope(tag, mode) when `enable`, else a context that does nothing (and yields None)."""
     if not isinstance(enable, bool):
@@ -200,7 +202,7 @@ def maybe_scope(enable: bool, tag: str, mode: RestoreMode = RestoreMode.NONE) ->
         yield entered
 
 
-@contextlib.contextmanager
+@_scope.once(lambda: "preserve_contents()")
 def preserve_contents() -> Iterator[None]:
     """Inside a scope whose contents are dropped (NONE, MEMSET): allocations here keep the scope's tag,
     so they are released with it, and come back with their contents (CPU). Elsewhere: nothing."""
