@@ -212,6 +212,28 @@ def test_a_stray_end_of_a_scope_raises_and_registers_nothing():
 
 @built
 @isolated
+def test_a_scope_ended_out_of_order_leaves_the_inner_scope_in_force_for_preserve_contents():
+    # The scope's end popped the innermost entry of the thread's stack, which was the inner scope's:
+    # preserve_contents inside "b" (PINNED: nothing to do) then read "a" (NONE) and charged "a+cpu".
+    host, module = _trt()
+    outer, inner = module.scope("a"), module.scope("b", module.RestoreMode.PINNED)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(StateError, match=r"region\('a'\) is ended while region\('b\+pinned'\)"):
+        outer.__exit__(None, None, None)
+    with module.preserve_contents():
+        _alloc(host, MiB, b"b")
+    inner.__exit__(None, None, None)
+    _alloc(host, MiB, b"u")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert "a+cpu" not in by_tag and _allocated("b+pinned") == MiB and _allocated("untagged") == MiB
+    with module.preserve_contents():  # no scope left open
+        _alloc(host, MiB, b"u")
+    assert _allocated("untagged") == 2 * MiB
+
+
+@built
+@isolated
 def test_maybe_scope_scopes_only_when_enabled():
     host, module = _trt()
     with module.maybe_scope(True, "model", module.RestoreMode.PINNED) as entered:

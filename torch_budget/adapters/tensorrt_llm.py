@@ -187,7 +187,12 @@ def scope(tag: str, mode: RestoreMode = RestoreMode.NONE) -> Iterator[_Scope]:
         with torch_budget.region(name, route="vmm"):
             yield entered
     finally:
-        stack.pop()
+        # Its own entry, not the innermost: an end region() refuses (out of order, or from another
+        # thread) must not take off a scope still open inside this one, which preserve_contents reads.
+        for at in range(len(stack) - 1, -1, -1):
+            if stack[at] is entered:
+                del stack[at]
+                break
 
 
 @_scope.once(lambda enable=None, tag=None, *_, **__: f"maybe_scope({enable!r}, {str(tag)!r})")
