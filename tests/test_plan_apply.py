@@ -7,7 +7,7 @@ import torch
 import torch_budget
 from _hostcore import MiB, Host, isolated, python_api_over
 from torch_budget import planner
-from torch_budget.errors import NotInstalledError, PlanDoesNotFitError
+from torch_budget.errors import NotInstalledError, PlanDoesNotFitError, StateError
 from torch_budget.planner import CacheCost, Profile, Reserve
 
 CARD = 4 << 30  # the host stand-in's device
@@ -126,6 +126,32 @@ def test_undo_puts_back_the_budgets_apply_replaced():
     assert under(host, "weights", 20 * MiB)  # past the plan's line: no budget any more
     applied.undo()  # idempotent
     assert budgets_now()["kv"] == 64 * MiB
+
+
+@pytest.mark.built("_host_core")
+@isolated
+def test_a_second_block_of_one_applied_plan_raises_instead_of_running_without_its_budgets():
+    # __enter__ returned the plan whatever its state: a block entered inside the first ran on without
+    # the budgets once the inner one ended, and one entered after the first (or after undo()) ran
+    # without them from its start.
+    host = installed_host()
+    applied = sample_plan().apply()
+    with applied:
+        with pytest.raises(StateError, match="were entered in a block already"):
+            with applied:
+                pytest.fail("entered twice")
+        assert budgets_now()["weights"] == 16 * MiB, "the refused inner block undid the plan"
+    with pytest.raises(StateError, match="were undone"):
+        with applied:
+            pytest.fail("entered after its block ended")
+    undone = sample_plan().apply()
+    undone.undo()
+    with pytest.raises(StateError, match="were undone"):
+        with undone:
+            pytest.fail("entered after undo()")
+    assert all(budgets_now()[t] is None for t in EXPECTED)
+    applied.__exit__(None, None, None)  # the end of a block is undo(): idempotent
+    host.free(under(host, "weights", 20 * MiB))
 
 
 @pytest.mark.built("_host_core")

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 
 from torch_budget.eager_workspace import WORKSPACE_TAG
-from torch_budget.errors import InvalidArgumentError, PlanDoesNotFitError
+from torch_budget.errors import InvalidArgumentError, PlanDoesNotFitError, StateError
 from torch_budget.planner.ledger import CATEGORIES, LedgerLine
 from torch_budget.units import format_bytes
 
@@ -111,12 +111,14 @@ class AppliedBudgets:
     """What `Plan.apply()` set: `budgets` {tag: bytes} on each of `devices`, and `previous`
     {device: {tag: the budget in force before this plan, None for none}} of the devices where it
     is still applied. `undo()` puts the previous ones back; used as a context manager, the block's
-    end undoes them."""
+    end undoes them, and a second block raises StateError (one entered inside the first, or after
+    it or an undo(), would run without the budgets)."""
 
     budgets: dict[str, int]
     devices: tuple[int, ...]
     previous: dict[int, dict[str, int | None]] = field(default_factory=dict)
     undone: bool = False
+    _entered: bool = field(default=False, init=False, repr=False)  # a block is entered once
 
     def undo(self) -> None:
         """Restore every tag's budget from before the plan (removing those it did not have), where
@@ -158,6 +160,12 @@ class AppliedBudgets:
             self.undone = True
 
     def __enter__(self) -> "AppliedBudgets":
+        # A second block (after the first, or inside it) would run without the budgets once either ended.
+        if self._entered or self.undone:
+            state = "were undone" if self.undone else "were entered in a block already"
+            raise StateError(f"the plan's budgets {state}: a block enters an applied plan once, and its end "
+                             "undoes it; apply the plan again for another block")
+        self._entered = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
