@@ -8,10 +8,11 @@ Two sources:
   - torch's memory history: the pickle `torch.cuda.memory._dump_snapshot()` writes (or the
     dict `_snapshot()` returns). Its `alloc` and `free_requested` events become operations
     (a `free_completed` later than its request is the allocator honouring record_stream, not
-    the workload); `free_completed` without a request (torch versions that record only that)
-    counts as the free. Frees of addresses not live (blocks allocated before recording started,
-    or freed twice) are dropped, and the trace's comments say how many of each; a snapshot of
-    several devices gives the busiest device's history unless one is named, and says so.
+    the workload); `free_completed` without a request (torch versions that record only that),
+    or the `free` of torch's first histories, counts as the free. Frees of addresses not live
+    (blocks allocated before recording started, or freed twice) are dropped, and the trace's
+    comments say how many of each; a snapshot of several devices gives the busiest device's
+    history unless one is named, and says so.
   - our own text format, optionally gzip-compressed:
 
         # torch_budget trace 1
@@ -191,14 +192,15 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
 
     for k, e in enumerate(events):
         action = e.get("action") if isinstance(e, dict) else None
-        if action is None or (action in ("alloc", "free_requested", "free_completed") and (
+        if action is None or (action in ("alloc", "free", "free_requested", "free_completed") and (
                 not whole(e.get("addr")) or not whole(e.get("stream", 0))
                 or (action == "alloc" and (not whole(e.get("size")) or not 0 <= e["size"] < 1 << 63)))):
             raise TraceError(f"{name}: event {k} of device {device} is not one of torch's memory history events (an "
                              f"object with 'action', an integer 'addr' and 'stream', and a 'size' to allocate below "
                              f"2**63): {_short(e)}")
     has_requests = any(e.get("action") == "free_requested" for e in events)
-    free_action = "free_requested" if has_requests else "free_completed"
+    # torch's viewer reads 'free' (the first histories' only free) as one too
+    free_actions = ("free_requested",) if has_requests else ("free_completed", "free")
     trace = Trace(name)
     trace.comments.append(f"from torch's memory history, device {device}, {len(events)} events")
     others = [d for d, t in enumerate(traces) if d != device and t]
@@ -223,7 +225,7 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
             by_addr[addr] = next_id
             freed.discard(addr)
             next_id += 1
-        elif action == free_action:
+        elif action in free_actions:
             tid = by_addr.pop(e["addr"], None)
             if tid is not None:
                 trace.free(tid)
