@@ -59,6 +59,23 @@ def test_an_older_torchs_free_action_frees_the_tensor():
         from_snapshot(history([{"action": "alloc", "addr": 1, "size": 5}, {"action": "free", "addr": "1"}]))
 
 
+def test_a_history_says_what_it_made_up_or_left_out_and_how_many_bytes():
+    # an allocation at an address still live was freed first without a word (its free was not
+    # recorded: the replay moves that free later than the workload's), and the frees dropped as
+    # "allocated before recording" did not say how much memory the replay leaves out
+    snap = history([{"action": "free_requested", "addr": 9, "size": 3 * MiB, "stream": 0},
+                    {"action": "alloc", "addr": 1, "size": MiB, "stream": 0},
+                    {"action": "alloc", "addr": 1, "size": 2 * MiB, "stream": 0},
+                    {"action": "free_requested", "addr": 1, "size": 2 * MiB, "stream": 0},
+                    {"action": "free_requested", "addr": 9, "size": 3 * MiB, "stream": 0}])
+    t = from_snapshot(snap).check()
+    assert list(t.sizes) == [MiB, 0, 2 * MiB, 0]
+    notes = "\n".join(t.comments)
+    assert "1 free(s) of addresses the history never allocated (3.0 MiB" in notes
+    assert "1 allocation(s) at an address still live" in notes
+    assert "1 free(s) of addresses already freed were dropped" in notes
+
+
 def test_both_files_round_trip(tmp_path):
     t = mix("serving:3000:5")
     for name in ("a.tbtrace", "a.tbtrace.gz"):

@@ -32,6 +32,8 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
+from torch_budget.units import format_bytes
+
 HEADER = "# torch_budget trace 1"
 MAX_STREAMS = 128  # Trace.streams holds signed bytes
 
@@ -211,13 +213,14 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     by_addr: dict = {}
     freed: set = set()  # addresses freed in the history and not allocated since
     next_id = 0
-    before_recording = twice = 0
+    before_recording = before_bytes = twice = unrecorded = 0
     for e in events:
         action = e.get("action")
         if action == "alloc":
             addr = e["addr"]
-            if addr in by_addr:  # its free was not recorded (a wrapped ring buffer): treat as freed
+            if addr in by_addr:  # its free was not recorded: free it here, the latest it can have been
                 trace.free(by_addr.pop(addr))
+                unrecorded += 1
             s = streams.setdefault(e.get("stream", 0), len(streams))
             if s > 127:
                 raise TraceError(f"{name}: more than 128 streams")
@@ -234,9 +237,15 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
                 twice += 1
             else:
                 before_recording += 1
+                before_bytes += e["size"] if whole(e.get("size")) else 0
+                freed.add(e["addr"])
     if before_recording:
-        trace.comments.append(f"{before_recording} free(s) of addresses the history never allocated (allocated "
-                              "before recording started) were dropped")
+        trace.comments.append(f"{before_recording} free(s) of addresses the history never allocated "
+                              f"({format_bytes(before_bytes)} allocated before recording started, live at its "
+                              "start and not replayed) were dropped")
+    if unrecorded:
+        trace.comments.append(f"{unrecorded} allocation(s) at an address still live: its free was not recorded, so "
+                              "the tensor there is freed just before (no earlier than the workload freed it)")
     if twice:
         trace.comments.append(f"{twice} free(s) of addresses already freed were dropped")
     if not trace.allocations():
