@@ -246,6 +246,34 @@ def test_what_a_history_drops_and_which_device_it_replays_are_printed(capsys, mo
     assert "1 free(s) of addresses already freed were dropped" in err
 
 
+def test_a_snapshots_other_device_is_replayed_when_named_and_a_device_without_history_is_refused(
+        capsys, monkeypatch, tmp_path):
+    # the comment said "name one to replay it", but neither the command nor load() could name one
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [
+        [{"action": "alloc", "addr": 1, "size": 5 * MiB, "stream": 0}],
+        [{"action": "alloc", "addr": 1, "size": MiB, "stream": 0}, {"action": "alloc", "addr": 2, "size": MiB}],
+        []]}))
+    assert cli.main(["replay", str(path)]) == 1
+    assert "the history of device(s) 0 is not replayed (replay one as two.pickle@0)" in capsys.readouterr().err
+    assert cli.main(["replay", f"{path}@0"]) == 1
+    err = capsys.readouterr().err
+    assert "two.pickle@0: 1 operations" in err and "device 0, 1 events" in err and "peak live 5.0 MiB" in err
+    assert list(load(str(path), device=0).sizes) == [5 * MiB]
+    for device in ("2", "7"):
+        assert cli.main(["replay", f"{path}@{device}"]) == 2
+        assert f"no allocation history for device {device} (there is for device(s) 0, 1)" in capsys.readouterr().err
+    text = tmp_path / "t.tbtrace"
+    text.write_text("# torch_budget trace 1\na 0 10 0\n")
+    assert cli.main(["replay", f"{text}@1"]) == 2
+    assert "a device is named only for a memory snapshot" in capsys.readouterr().err
+    for device in (-1, True, "1"):
+        with pytest.raises(TraceError, match="device"):
+            load(str(path), device=device)
+
+
 def test_the_text_format_numbers_streams_in_order_of_first_use(tmp_path):
     path = tmp_path / "t.tbtrace"
     path.write_text("# torch_budget trace 1\na 0 512 5\na 1 512 300\na 2 512 5\n")

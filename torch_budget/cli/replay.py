@@ -22,10 +22,12 @@ def parser() -> argparse.ArgumentParser:
                     "taking turns slice by slice; "
                     "print time per operation (a paired ratio against native) and peak reserved over peak live "
                     "bytes side by side. A trace is a memory-history pickle from "
-                    "torch.cuda.memory._dump_snapshot(), a torch_budget trace (.tbtrace[.gz]), or "
+                    "torch.cuda.memory._dump_snapshot() (its busiest device's history; PATH@N for device N's), "
+                    "a torch_budget trace (.tbtrace[.gz]), or "
                     f"mix:<name> for a built-in mix ({', '.join(MIXES)}, or a size such as mix:1MiB).")
     p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="a memory-history pickle, a .tbtrace[.gz] file, or mix:<name>")
+                   help="a memory-history pickle (PATH@N: device N's history), a .tbtrace[.gz] file, or "
+                        "mix:<name>")
     p.add_argument("--configs", default=",".join(DEFAULT),
                    help=(f"comma-separated, from {', '.join(CONFIGS)} (default: {', '.join(DEFAULT)}; native is "
                          "always run)").replace("%", "%%"))

@@ -30,7 +30,7 @@ from torch_budget.replay import lockstep
 from torch_budget.replay.configs import CONFIGS, apply_config
 from torch_budget.replay.machine import pin_near_gpu, pin_to_one_core
 from torch_budget.replay.mixes import mix
-from torch_budget.replay.trace import load
+from torch_budget.replay.trace import load, split_device
 
 
 MIN_GROWN_SECONDS = 0.25  # the passes after the first time at least this much in all, where MAX_PASSES allow
@@ -66,7 +66,8 @@ def calibrate(torch, ops: int = CALIBRATION_OPS) -> float:
 
 
 def read_trace(spec: str):
-    return mix(spec[4:]) if spec.startswith("mix:") else load(spec)
+    """`mix:<spec>`, a trace file, or `PATH@N`: device N's history of a memory snapshot."""
+    return mix(spec[4:]) if spec.startswith("mix:") else load(*split_device(spec))
 
 
 def _device_calls(torch) -> int | None:

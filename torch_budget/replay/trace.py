@@ -12,7 +12,8 @@ Two sources:
     or the `free` of torch's first histories, counts as the free. Frees of addresses not live
     (blocks allocated before recording started, or freed twice) are dropped, and the trace's
     comments say how many of each; a snapshot of several devices gives the busiest device's
-    history unless one is named, and says so.
+    history unless one is named (`load(path, device)`, or `PATH@N` on the command line), and
+    says so.
   - our own text format, optionally gzip-compressed:
 
         # torch_budget trace 1
@@ -184,9 +185,13 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     chosen = device is None
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
+    elif type(device) is not int or device < 0:
+        raise TraceError(f"{name}: device {device!r}: devices are numbered from 0")
     if device >= len(traces) or not traces[device]:
-        raise TraceError(f"{name}: no allocation history for device {device}: record it with "
-                         "torch.cuda.memory._record_memory_history() before the workload runs")
+        recorded = [str(d) for d, t in enumerate(traces) if t]
+        raise TraceError(f"{name}: no allocation history for device {device}" + (
+            f" (there is for device(s) {', '.join(recorded)})" if recorded else
+            ": record it with torch.cuda.memory._record_memory_history() before the workload runs"))
     events = traces[device]
 
     def whole(v):
@@ -208,7 +213,7 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     others = [d for d, t in enumerate(traces) if d != device and t]
     if chosen and others:
         trace.comments.append(f"device {device} has the most events; the history of device(s) "
-                              f"{', '.join(map(str, others))} is not replayed (name one to replay it)")
+                              f"{', '.join(map(str, others))} is not replayed (replay one as {name}@{others[0]})")
     streams: dict = {}
     by_addr: dict = {}
     freed: set = set()  # addresses freed in the history and not allocated since
@@ -267,9 +272,21 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to build {module}.{name}: a memory snapshot has no objects")
 
 
-def load(path: str) -> Trace:
-    """A trace from a file of either format (see the module's docstring)."""
+def split_device(spec: str) -> tuple:
+    """`PATH@N` (the command line's TRACE) as (PATH, N): device N's history of the snapshot at
+    PATH; (spec, None) for anything else, a file whose own name ends in `@N` included."""
+    path, at, device = spec.rpartition("@")
+    if at and path and device.isascii() and device.isdigit() and not os.path.exists(spec):
+        return path, int(device)
+    return spec, None
+
+
+def load(path: str, device: int | None = None) -> Trace:
+    """A trace from a file of either format (see the module's docstring); `device` picks one
+    device's history of a memory snapshot (default: the busiest)."""
     name = os.path.basename(path)
+    if device is not None and (type(device) is not int or device < 0):
+        raise TraceError(f"{path}: device {device!r}: devices are numbered from 0")
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -281,6 +298,9 @@ def load(path: str) -> Trace:
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"{path}: a damaged gzip file ({e})") from None
     if raw.startswith(HEADER.encode()) and raw[len(HEADER):len(HEADER) + 1] in (b"", b"\n", b"\r"):
+        if device is not None:
+            raise TraceError(f"{path}: a torch_budget trace, not a memory snapshot: a device is named only for a "
+                             "memory snapshot (a trace holds one device's operations)")
         return _parse_text(name, io.StringIO(raw.decode("utf-8", errors="replace"))).check()
     if raw[:1] == b"\x80":  # a pickle
         try:
@@ -288,7 +308,7 @@ def load(path: str) -> Trace:
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
             raise TraceError(f"{path}: a pickle that is not a memory snapshot ({type(e).__name__}: {e})") from None
         try:
-            return from_snapshot(snap, name).check()
+            return from_snapshot(snap, name, device).check()
         except RecursionError:
             raise TraceError(f"{path}: a pickle nested too deep to be a memory snapshot") from None
     raise TraceError(f"{path}: neither a memory snapshot pickle (torch.cuda.memory._dump_snapshot) nor a "
