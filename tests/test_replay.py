@@ -148,6 +148,21 @@ def test_bad_trace_files_are_refused_with_the_reason(tmp_path, content, match):
         load(str(p))
 
 
+@pytest.mark.parametrize("content,match", [
+    # each named a tensor or an operation's index, not the line (comments and blank lines apart)
+    (b"# torch_budget trace 1\n# c\n# c\na 0 -5 0\n", "bad: line 4: allocation 0 of -5 bytes"),
+    (b"# torch_budget trace 1\na 0 99999999999999999999999 0\n", "bad: line 2: allocation 0 of"),
+    (b"# torch_budget trace 1\na -3 5 0\n", "bad: line 2: tensor id -3"),
+    (b"# torch_budget trace 1\n# c\n\na 0 5 0\nf 0\nf 0\n", "bad: line 6: free of tensor 0, which is not live"),
+    (b"# torch_budget trace 1\n# c\na 0 5 0\n\na 0 5 0\n", "bad: line 5: tensor 0 allocated while still live"),
+])
+def test_a_bad_line_of_a_text_trace_is_named_by_its_number(tmp_path, content, match):
+    p = tmp_path / "bad"
+    p.write_bytes(content)
+    with pytest.raises(TraceError, match=match):
+        load(str(p))
+
+
 def test_a_pickle_with_objects_is_not_unpickled(tmp_path):
     p = tmp_path / "evil.pickle"
     p.write_bytes(pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5, "stream": 0, "x": Trace("t")}])))

@@ -58,13 +58,9 @@ class Trace:
         return len(self.ids)
 
     def alloc(self, tid: int, size: int, stream: int = 0) -> None:
-        if size <= 0 or size >= 1 << 63:
-            raise TraceError(f"{self.name}: allocation {tid} of {size} bytes (sizes must be positive, below 2**63)")
-        if not 0 <= stream < MAX_STREAMS:
-            raise TraceError(f"{self.name}: allocation {tid} on stream {stream}: streams are numbered 0 to "
-                             f"{MAX_STREAMS - 1}")
-        if not 0 <= tid < 1 << 63:
-            raise TraceError(f"{self.name}: tensor id {tid}: ids are whole numbers from 0, below 2**63")
+        problem = _alloc_problem(tid, size, stream)
+        if problem:
+            raise TraceError(f"{self.name}: {problem}")
         self.ids.append(tid)
         self.sizes.append(size)
         self.streams.append(stream)
@@ -137,9 +133,22 @@ class Trace:
                 f.write(f"a {tid} {size} {s}\n" if size else f"f {tid}\n")
 
 
+def _alloc_problem(tid: int, size: int, stream: int) -> str | None:
+    """What is wrong with allocating tensor `tid` (Trace.alloc), or None."""
+    if size <= 0 or size >= 1 << 63:
+        return f"allocation {tid} of {size} bytes (sizes must be positive, below 2**63)"
+    if not 0 <= stream < MAX_STREAMS:
+        return f"allocation {tid} on stream {stream}: streams are numbered 0 to {MAX_STREAMS - 1}"
+    if not 0 <= tid < 1 << 63:
+        return f"tensor id {tid}: ids are whole numbers from 0, below 2**63"
+    return None
+
+
 def _parse_text(name: str, text: io.TextIOBase) -> Trace:
+    """The text format, every problem named by its line (Trace.check finds none after it)."""
     trace = Trace(name)
     streams: dict = {}  # as written -> in order of first use
+    live: set = set()
 
     def stream(text: str, lineno: int) -> int:
         written = int(text)
@@ -161,9 +170,19 @@ def _parse_text(name: str, text: io.TextIOBase) -> Trace:
         parts = line.split()
         try:
             if parts[0] == "a" and len(parts) == 4:
-                trace.alloc(int(parts[1]), int(parts[2]), stream(parts[3], lineno))
+                tid, size, s = int(parts[1]), int(parts[2]), stream(parts[3], lineno)
+                problem = _alloc_problem(tid, size, s) or (
+                    f"tensor {tid} allocated while still live" if tid in live else None)
+                if problem:
+                    raise TraceError(f"{name}: line {lineno}: {problem}")
+                trace.alloc(tid, size, s)
+                live.add(tid)
             elif parts[0] == "f" and len(parts) == 2:
-                trace.free(int(parts[1]))
+                tid = int(parts[1])
+                if tid not in live:
+                    raise TraceError(f"{name}: line {lineno}: free of tensor {tid}, which is not live")
+                trace.free(tid)
+                live.discard(tid)
             else:
                 raise ValueError
         except TraceError:
