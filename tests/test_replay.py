@@ -132,6 +132,9 @@ def _deep_pickle():
     (pickle.dumps({"device_traces": [None, [{"action": "alloc", "addr": 1, "size": 5}]]}), "device 0 is not a list"),
     (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 2**70}])), "below 2\\*\\*63"),
     (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": True}])), "event 0 of device 0"),
+    # named "allocation 1", the loader's own numbering of the tensors, not where the file holds it
+    (pickle.dumps(history([{"action": "alloc", "addr": 1, "size": 5}, {"action": "alloc", "addr": 2, "size": 0}])),
+     "event 1 of device 0"),
     (_deep_pickle(), "event 0 of device 0|nested too deep"),
     # and these were read as fine, to fail on a GPU
     (b"# torch_budget trace 1\n# nothing\n", "allocates nothing"),

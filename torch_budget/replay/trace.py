@@ -220,10 +220,10 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
         action = e.get("action") if isinstance(e, dict) else None
         if action is None or (action in ("alloc", "free", "free_requested", "free_completed") and (
                 not whole(e.get("addr")) or not whole(e.get("stream", 0))
-                or (action == "alloc" and (not whole(e.get("size")) or not 0 <= e["size"] < 1 << 63)))):
+                or (action == "alloc" and (not whole(e.get("size")) or not 0 < e["size"] < 1 << 63)))):
             raise TraceError(f"{name}: event {k} of device {device} is not one of torch's memory history events (an "
-                             f"object with 'action', an integer 'addr' and 'stream', and a 'size' to allocate below "
-                             f"2**63): {_short(e)}")
+                             f"object with 'action', an integer 'addr' and 'stream', and a positive 'size' to allocate "
+                             f"below 2**63): {_short(e)}")
     has_requests = any(e.get("action") == "free_requested" for e in events)
     # torch's viewer reads 'free' (the first histories' only free) as one too
     free_actions = ("free_requested",) if has_requests else ("free_completed", "free")
