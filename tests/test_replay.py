@@ -30,7 +30,7 @@ def test_memory_history_becomes_operations_on_tensor_ids():
         {"action": "alloc", "addr": 1 << 20, "size": 2000, "stream": 7},  # the address again: a new tensor
         {"action": "segment_alloc", "addr": 0, "size": 20 * MiB, "stream": 7},
     ])
-    t = from_snapshot(snap, "h").check()
+    t = from_snapshot(snap, "h", history_only=True).check()  # (the block freed first: test_replay_before_recording)
     assert list(t.ids) == [0, 1, 0, 2]
     assert list(t.sizes) == [1000, 3 * MiB, 0, 2000]
     assert list(t.streams) == [0, 1, 0, 0]  # streams renumbered in order of first use
@@ -68,11 +68,17 @@ def test_a_history_says_what_it_made_up_or_left_out_and_how_many_bytes():
                     {"action": "alloc", "addr": 1, "size": 2 * MiB, "stream": 0},
                     {"action": "free_requested", "addr": 1, "size": 2 * MiB, "stream": 0},
                     {"action": "free_requested", "addr": 9, "size": 3 * MiB, "stream": 0}])
-    t = from_snapshot(snap).check()
+    t = from_snapshot(snap, history_only=True).check()
     assert list(t.sizes) == [MiB, 0, 2 * MiB, 0]
     notes = "\n".join(t.comments)
     assert "1 free(s) of addresses the history never allocated (3.0 MiB" in notes
     assert "1 allocation(s) at an address still live" in notes
+    assert "1 free(s) of addresses already freed were dropped" in notes
+    # by default the block freed first is allocated first, and its second free is the one dropped
+    t = from_snapshot(snap).check()
+    assert list(t.sizes) == [3 * MiB, 0, MiB, 0, 2 * MiB, 0]
+    notes = "\n".join(t.comments)
+    assert "1 block(s) (3.0 MiB) were live when recording started" in notes and "never allocated" not in notes
     assert "1 free(s) of addresses already freed were dropped" in notes
 
 
@@ -260,7 +266,7 @@ def test_what_a_history_drops_and_which_device_it_replays_are_printed(capsys, mo
     assert cli.main(["replay", str(path)]) == 1
     err = capsys.readouterr().err
     assert "device 1 has the most events; the history of device(s) 0 is not replayed" in err
-    assert "1 free(s) of addresses the history never allocated" in err
+    assert "1 block(s) (0.0 MiB) were live when recording started: 1 freed during the recording" in err
     assert "1 free(s) of addresses already freed were dropped" in err
 
 

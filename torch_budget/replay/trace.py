@@ -9,11 +9,16 @@ Two sources:
     dict `_snapshot()` returns). Its `alloc` and `free_requested` events become operations
     (a `free_completed` later than its request is the allocator honouring record_stream, not
     the workload); `free_completed` without a request (torch versions that record only that),
-    or the `free` of torch's first histories, counts as the free. Frees of addresses not live
-    (blocks allocated before recording started, or freed twice) are dropped, and the trace's
-    comments say how many of each; a snapshot of several devices gives the busiest device's
-    history unless one is named (`load(path, device)`, or `PATH@N` on the command line), and
-    says so.
+    or the `free` of torch's first histories, counts as the free. The blocks live when recording
+    started are allocated first: those the history frees without allocating them, and those the
+    snapshot's `segments` hold live at its end that the history never names (the weights, when
+    recording starts after the model is loaded); the trace's comments say how many blocks and
+    bytes, and the peak live without them (Note [Blocks live before recording]).
+    `history_only` (`--history-only` on the command line) leaves them out: frees of blocks
+    allocated before recording are then dropped, as frees of addresses already freed always
+    are, and the comments say how many of each. A snapshot of several devices gives the busiest
+    device's history unless one is named (`load(path, device)`, or `PATH@N` on the command
+    line), and says so.
   - our own text format, optionally gzip-compressed:
 
         # torch_budget trace 1
@@ -33,6 +38,7 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
+from torch_budget.replay.segments import SegmentsError, live_blocks
 from torch_budget.units import format_bytes
 
 HEADER = "# torch_budget trace 1"
@@ -193,8 +199,26 @@ def _parse_text(name: str, text: io.TextIOBase) -> Trace:
     return trace
 
 
-def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = None) -> Trace:
-    """A trace of one device's history in a memory snapshot (the busiest device unless given)."""
+# Note [Blocks live before recording]
+# Users start recording once their model is loaded, so a history begins mid-run: it frees blocks it
+# never allocated, and the blocks live through the whole recording (the weights) appear in it not
+# at all, only in the snapshot's segments at its end. Both were live when recording started, and a
+# real allocator places them before anything else, so the trace allocates them first, as torch's
+# viewer draws them: a block the history frees without allocating it, at the size its free gives,
+# and a block live in the segments at an address the history never names (replay.segments says
+# which blocks count as live), at its requested size. No block is allocated twice: one freed during
+# the recording is no longer live in the segments, and one the history allocates and leaves live is
+# named by the history. A block live at the end at an address whose last event is a free was
+# allocated after that free, unrecorded: it did not live through the recording and is left out.
+# They go stream by stream, in the order the history first uses the streams (then any other, by
+# address), each stream's in address order: an allocator packs a model's weights in the order it
+# loaded them, which their addresses keep.
+
+def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = None,
+                  history_only: bool = False) -> Trace:
+    """A trace of one device's history in a memory snapshot (the busiest device unless given), led
+    by the blocks live when recording started (Note [Blocks live before recording]) unless
+    `history_only`."""
     traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
     if not isinstance(traces, list):
         raise TraceError(f"{name}: not a memory snapshot with 'device_traces' (torch.cuda.memory._snapshot())")
@@ -233,40 +257,100 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     if chosen and others:
         trace.comments.append(f"device {device} has the most events; the history of device(s) "
                               f"{', '.join(map(str, others))} is not replayed (replay one as {name}@{others[0]})")
-    streams: dict = {}
-    by_addr: dict = {}
+    # The history as (tensor, bytes, stream as torch wrote it), 0 bytes freeing the tensor; tensors
+    # are numbered in the order this loop meets them, and get their ids once the order is known.
+    history: list = []
+    stream_order: dict = {}  # streams in the order the history first uses them
+    by_addr: dict = {}  # address -> the tensor live there
     freed: set = set()  # addresses freed in the history and not allocated since
-    next_id = 0
-    before_recording = before_bytes = twice = unrecorded = 0
+    before: list = []  # (stream, address, bytes, tensor) of the blocks live when recording started
+    tensors = dropped = dropped_bytes = twice = unrecorded = 0
     for e in events:
         action = e.get("action")
+        if action != "alloc" and action not in free_actions:
+            continue
+        addr, stream = e["addr"], e.get("stream", 0)
+        stream_order.setdefault(stream, len(stream_order))
         if action == "alloc":
-            addr = e["addr"]
             if addr in by_addr:  # its free was not recorded: free it here, the latest it can have been
-                trace.free(by_addr.pop(addr))
+                history.append((by_addr.pop(addr), 0, 0))
                 unrecorded += 1
-            s = streams.setdefault(e.get("stream", 0), len(streams))
-            if s > 127:
-                raise TraceError(f"{name}: more than 128 streams")
-            trace.alloc(next_id, int(e["size"]), s)
-            by_addr[addr] = next_id
+            history.append((tensors, e["size"], stream))
+            by_addr[addr] = tensors
             freed.discard(addr)
-            next_id += 1
-        elif action in free_actions:
-            tid = by_addr.pop(e["addr"], None)
-            if tid is not None:
-                trace.free(tid)
-                freed.add(e["addr"])
-            elif e["addr"] in freed:
-                twice += 1
-            else:
-                before_recording += 1
-                before_bytes += e["size"] if whole(e.get("size")) else 0
-                freed.add(e["addr"])
-    if before_recording:
-        trace.comments.append(f"{before_recording} free(s) of addresses the history never allocated "
-                              f"({format_bytes(before_bytes)} allocated before recording started, live at its "
+            tensors += 1
+            continue
+        tid = by_addr.pop(addr, None)
+        if tid is not None:
+            history.append((tid, 0, 0))
+        elif addr in freed:
+            twice += 1
+        elif history_only or not (whole(e.get("size")) and 0 < e["size"] < 1 << 63):
+            dropped += 1
+            dropped_bytes += e["size"] if whole(e.get("size")) and e["size"] > 0 else 0
+        else:  # allocated before recording started
+            before.append((stream, addr, e["size"], tensors))
+            history.append((tensors, 0, 0))
+            tensors += 1
+        freed.add(addr)
+    freed_during = len(before)
+    live, no_device = (None, 0) if history_only else _live_blocks(snapshot, device, name)
+    pooled = pooled_bytes = freed_last = 0
+    for block in live or ():
+        if block.addr in by_addr:  # allocated in the history
+            continue
+        if block.addr in freed:
+            freed_last += 1
+            continue
+        before.append((block.stream, block.addr, block.size, tensors))
+        tensors += 1
+        if block.graph_pool:
+            pooled += 1
+            pooled_bytes += block.size
+    for stream, *_ in sorted(before, key=lambda b: b[1]):
+        stream_order.setdefault(stream, len(stream_order))
+    before.sort(key=lambda b: (stream_order[b[0]], b[1]))
+
+    ids: dict = {}  # tensor -> its id, in order of allocation
+    streams: dict = {}  # stream as torch wrote it -> in order of first use
+    for tid, size, stream in [(tid, size, stream) for stream, _, size, tid in before] + history:
+        if not size:
+            trace.free(ids[tid])
+            continue
+        s = streams.setdefault(stream, len(streams))
+        if s >= MAX_STREAMS:
+            raise TraceError(f"{name}: more than {MAX_STREAMS} streams")
+        ids[tid] = len(ids)
+        trace.alloc(ids[tid], size, s)
+    if before:
+        leading = {b[3] for b in before}
+        alone = Trace(name)
+        for tid, size, _ in history:
+            if tid not in leading:
+                alone.alloc(tid, size) if size else alone.free(tid)
+        trace.comments.append(
+            f"{len(before)} block(s) ({format_bytes(sum(b[2] for b in before))}) were live when recording started: "
+            f"{freed_during} freed during the recording, {len(before) - freed_during} still live at the snapshot"
+            + (f" ({pooled} of them ({format_bytes(pooled_bytes)}) in graph pools)" if pooled else "")
+            + f"; they are allocated first (peak live {format_bytes(alone.peak_live())} without them; "
+            "--history-only leaves them out)")
+    if dropped and history_only:
+        trace.comments.append(f"{dropped} free(s) of addresses the history never allocated "
+                              f"({format_bytes(dropped_bytes)} allocated before recording started, live at its "
                               "start and not replayed) were dropped")
+    elif dropped:
+        trace.comments.append(f"{dropped} free(s) of addresses the history never allocated, of no size, were dropped")
+    if history_only:
+        trace.comments.append("history only: blocks allocated before recording started and live to its end (in "
+                              "the snapshot's segments, never in the history) are not replayed")
+    elif live is None:
+        trace.comments.append("the snapshot lists no segments: blocks allocated before recording started and live "
+                              "to its end are not known, and not replayed")
+    if no_device:
+        trace.comments.append(f"{no_device} segment(s) of the snapshot name no device: their blocks are not replayed")
+    if freed_last:
+        trace.comments.append(f"{freed_last} block(s) live in the snapshot at an address the history freed last: "
+                              "their allocation was not recorded, so they are not replayed")
     if unrecorded:
         trace.comments.append(f"{unrecorded} allocation(s) at an address still live: its free was not recorded, so "
                               "the tensor there is freed just before (no earlier than the workload freed it)")
@@ -275,6 +359,14 @@ def from_snapshot(snapshot: dict, name: str = "snapshot", device: int | None = N
     if not trace.allocations():
         raise TraceError(f"{name}: the history of device {device} holds no allocations")
     return trace
+
+
+def _live_blocks(snapshot: dict, device: int, name: str) -> tuple:
+    """replay.segments.live_blocks, its errors as TraceError naming the file."""
+    try:
+        return live_blocks(snapshot, device, _short)
+    except SegmentsError as e:
+        raise TraceError(f"{name}: {e} (--history-only reads the history alone)") from None
 
 
 def _short(value) -> str:
@@ -300,9 +392,11 @@ def split_device(spec: str) -> tuple:
     return spec, None
 
 
-def load(path: str, device: int | None = None) -> Trace:
+def load(path: str, device: int | None = None, history_only: bool = False) -> Trace:
     """A trace from a file of either format (see the module's docstring); `device` picks one
-    device's history of a memory snapshot (default: the busiest)."""
+    device's history of a memory snapshot (default: the busiest); `history_only` leaves out the
+    blocks a snapshot shows live before recording started (from_snapshot), and means nothing for a
+    torch_budget trace, which holds whatever the loader that wrote it replayed."""
     name = os.path.basename(path)
     if device is not None and (type(device) is not int or device < 0):
         raise TraceError(f"{path}: device {device!r}: devices are numbered from 0")
@@ -327,7 +421,7 @@ def load(path: str, device: int | None = None) -> Trace:
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
             raise TraceError(f"{path}: a pickle that is not a memory snapshot ({type(e).__name__}: {e})") from None
         try:
-            return from_snapshot(snap, name, device).check()
+            return from_snapshot(snap, name, device, history_only).check()
         except RecursionError:
             raise TraceError(f"{path}: a pickle nested too deep to be a memory snapshot") from None
     raise TraceError(f"{path}: neither a memory snapshot pickle (torch.cuda.memory._dump_snapshot) nor a "
