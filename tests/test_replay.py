@@ -330,8 +330,10 @@ def test_replay_runs_a_rounds_configurations_in_lockstep_unless_asked_one_after_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     asked = {}
 
-    def fake_compare(traces, configs, rounds, pinning, passes, touch, progress=None, in_lockstep=None):
+    def fake_compare(traces, configs, rounds, pinning, passes, touch, progress=None, in_lockstep=None,
+                     history_only=None):
         asked.update(traces=traces, configs=configs, in_lockstep=in_lockstep)
+        assert history_only is False
         return []
 
     monkeypatch.setattr(compare, "compare", fake_compare)

@@ -147,3 +147,38 @@ def test_segments_naming_no_device_are_left_out_and_said_so():
     t = from_snapshot(snapshot([event("alloc", A, 512)], segs), "s").check()
     assert list(t.sizes) == [512]
     assert any("1 segment(s) of the snapshot name no device" in c for c in t.comments)
+
+
+def test_replay_prints_what_was_live_before_recording_and_history_only_leaves_it_out(capsys, monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch_budget import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(recorded_after_loading()))
+    assert cli.main(["replay", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "s.pickle: 7 operations, 5 allocations on 1 stream(s), peak live 9.0 MiB" in err
+    assert "3 block(s) (9.0 MiB) were live when recording started" in err
+    assert cli.main(["replay", str(path), "--history-only"]) == 1
+    err = capsys.readouterr().err
+    assert "s.pickle: 3 operations, 2 allocations on 1 stream(s), peak live 2.0 MiB" in err
+    assert "history only" in err and "live when recording started" not in err
+
+
+def test_history_only_reaches_every_process_that_replays_the_trace(monkeypatch, tmp_path):
+    from torch_budget.replay import child, compare
+
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(recorded_after_loading()))
+    assert len(child.read_trace(str(path), history_only=True)) == 3 and len(child.read_trace(str(path))) == 7
+    cmd, _ = compare._child("native", [str(path)], False, 1, False, history_only=True)
+    assert "--history-only" in cmd
+    assert "--history-only" not in compare._child("native", [str(path)], False, 1, False)[0]
+    asked = []
+    monkeypatch.setattr(compare, "run_child", lambda *a, **k: asked.append(("child", a, k)) or [{"error": "x"}])
+    monkeypatch.setattr(compare, "run_lockstep", lambda *a, **k: asked.append(("lockstep", a, k)) or
+                        {c: [{"error": "x"}] for c in a[0]})
+    for in_lockstep in (True, False):
+        compare.compare([str(path)], ["native"], rounds=1, pinning=(True,), in_lockstep=in_lockstep, history_only=True)
+    assert [(how, k.get("history_only")) for how, _, k in asked] == [("lockstep", True), ("child", True)]

@@ -108,8 +108,8 @@ def fake_torch(tmp_path, monkeypatch):
 def _logging(make, folder):
     """compare._child, with each child's stdin commands and their times written to a log, so the
     test sees the order in which the configurations took their turns."""
-    def child(config, traces, pinned, passes, touch):
-        cmd, env = make(config, traces, pinned, passes, touch)
+    def child(config, traces, pinned, passes, touch, *more):
+        cmd, env = make(config, traces, pinned, passes, touch, *more)
         log = folder / f"{config}.log"
         wrapper = ("import runpy, sys, time, io\n"
                    f"log = open({str(log)!r}, 'a')\n"

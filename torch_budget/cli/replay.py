@@ -43,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
                         "configuration alike)")
     p.add_argument("--touch", action="store_true", help="write the first byte of every tensor (launches a kernel "
                                                         "per allocation)")
+    p.add_argument("--history-only", action="store_true",
+                   help="replay a memory history as recorded, without the blocks live when recording started "
+                        "(by default those it frees without allocating them, and those the snapshot holds live "
+                        "at its end that it never allocated, such as weights loaded before recording, are "
+                        "allocated first); a torch_budget trace or a mix is replayed as it is")
     p.add_argument("--json", metavar="PATH", type=output_file,
                    help="also write every round's figures here; its folder must exist (default: not written)")
     return p
@@ -71,7 +76,7 @@ def run(argv: list[str]) -> int:
             return 2
     for spec in args.traces:
         try:
-            t = read_trace(spec)
+            t = read_trace(spec, args.history_only)
         except TraceError as e:
             print(f"{PROG} replay: {e}", file=sys.stderr)
             return 2
@@ -87,7 +92,7 @@ def run(argv: list[str]) -> int:
     pinning = {"pinned": (True,), "unpinned": (False,), "both": (True, False)}[args.pinning]
     runs = compare.compare(args.traces, configs, args.rounds, pinning, args.passes, args.touch,
                            progress=lambda line: print(line, file=sys.stderr, flush=True),
-                           in_lockstep=not args.sequential)
+                           in_lockstep=not args.sequential, history_only=args.history_only)
     rows = compare.summarise(runs)
     print(compare.table(rows))
     if args.json:

@@ -3,9 +3,10 @@ started CUDA yet: the configuration decides the allocator), and prints one `REPL
 per trace, in order; each trace starts from an emptied cache (and, under install(), a full packing
 credit), as in a process of its own.
 
-    python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch] [--lockstep]
+    python -m torch_budget.replay.child CONFIG TRACE... [--passes N] [--pin] [--touch] [--lockstep] [--history-only]
 
-TRACE is a file (replay.trace) or `mix:<spec>` (replay.mixes). The trace runs `passes` times
+TRACE is a file (replay.trace; --history-only as its load()'s history_only) or `mix:<spec>`
+(replay.mixes). The trace runs `passes` times
 over the same allocator; each pass is timed alone, with Python's garbage collector off (as
 timeit does: a collection inside one pass would be charged to whichever allocator ran it). A
 short trace runs more passes, up to MAX_PASSES, until the passes after the first add up to
@@ -65,9 +66,10 @@ def calibrate(torch, ops: int = CALIBRATION_OPS) -> float:
     return elapsed / ops * 1e6
 
 
-def read_trace(spec: str):
-    """`mix:<spec>`, a trace file, or `PATH@N`: device N's history of a memory snapshot."""
-    return mix(spec[4:]) if spec.startswith("mix:") else load(*split_device(spec))
+def read_trace(spec: str, history_only: bool = False):
+    """`mix:<spec>`, a trace file, or `PATH@N`: device N's history of a memory snapshot;
+    `history_only` leaves out what a snapshot shows live before recording started (replay.trace)."""
+    return mix(spec[4:]) if spec.startswith("mix:") else load(*split_device(spec), history_only=history_only)
 
 
 def _device_calls(torch) -> int | None:
@@ -267,12 +269,14 @@ def main(argv=None) -> int:
     ap.add_argument("--touch", action="store_true", help="write the first byte of every tensor")
     ap.add_argument("--lockstep", action="store_true",
                     help="replay slices as commands on stdin ask (replay.lockstep), pinned once ready")
+    ap.add_argument("--history-only", action="store_true",
+                    help="leave out the blocks a memory snapshot shows live before recording started")
     args = ap.parse_args(argv)
     if args.pin and not args.lockstep:
         pin_to_one_core()
     elif args.pin:
         pin_near_gpu()
-    traces = [read_trace(spec) for spec in args.traces]
+    traces = [read_trace(spec, args.history_only) for spec in args.traces]
     apply_config(args.config)
     if args.lockstep:
         import torch

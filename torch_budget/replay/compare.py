@@ -46,22 +46,25 @@ class Run:
     errors: list = field(default_factory=list)
 
 
-def _child(config: str, traces: list, pinned: bool, passes: int, touch: bool) -> tuple:
+def _child(config: str, traces: list, pinned: bool, passes: int, touch: bool, history_only: bool = False) -> tuple:
     """The command line and environment of a child replaying `traces` under `config`."""
     cmd = [sys.executable, "-m", "torch_budget.replay.child", config, *traces, "--passes", str(passes)]
     if pinned:
         cmd.append("--pin")
     if touch:
         cmd.append("--touch")
+    if history_only:
+        cmd.append("--history-only")
     env = {**os.environ, **environment(config)}
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return cmd, env
 
 
-def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool, timeout: float) -> list:
+def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool, timeout: float,
+              history_only: bool = False) -> list:
     """One process of `config` replaying every trace; a result (or {"error": ...}) per trace."""
-    cmd, env = _child(config, traces, pinned, passes, touch)
+    cmd, env = _child(config, traces, pinned, passes, touch, history_only)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("REPLAY ")]
@@ -73,7 +76,8 @@ def run_child(config: str, traces: list, pinned: bool, passes: int, touch: bool,
 
 
 def run_lockstep(configs: list, traces: list, lengths: list, pinned: bool, passes: int, touch: bool,
-                 timeout: float, slice_ops: int = SLICE_OPS, min_grown_seconds: float = MIN_GROWN_SECONDS) -> dict:
+                 timeout: float, slice_ops: int = SLICE_OPS, min_grown_seconds: float = MIN_GROWN_SECONDS,
+                 history_only: bool = False) -> dict:
     """One round: a process per configuration, all at once, replaying every trace (`lengths`: its
     operations) in turns of `slice_ops` operations; the order rotates from slice to slice and pass
     to pass. Every configuration runs the same passes: the requested ones, then more while the
@@ -81,7 +85,7 @@ def run_lockstep(configs: list, traces: list, lengths: list, pinned: bool, passe
     Returns {config: [a result, or {"error": ...}, per trace]}; a child that fails leaves the round."""
     children = {}
     for c in configs:
-        cmd, env = _child(c, traces, pinned, passes, touch)
+        cmd, env = _child(c, traces, pinned, passes, touch, history_only)
         children[c] = (cmd + ["--lockstep"], env)
     started = lockstep.start(children, timeout)
     live = {c: x for c, x in started.items() if isinstance(x, lockstep.Child)}
@@ -123,19 +127,20 @@ def run_lockstep(configs: list, traces: list, lengths: list, pinned: bool, passe
 
 
 def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes: int = 3, touch: bool = False,
-            progress=None, timeout: float = 900.0, unpinned_configs=None, in_lockstep: bool = True) -> list:
+            progress=None, timeout: float = 900.0, unpinned_configs=None, in_lockstep: bool = True,
+            history_only: bool = False) -> list:
     """Every (trace, config, pinning) over `rounds` interleaved rounds. In lockstep (the default)
     each round starts one process per (config, pinning), runs those of a pinning at once in turns
     (run_lockstep), and each replays every trace; otherwise each process runs alone, in an order
     that rotates from round to round. `unpinned_configs` limits which configurations also run
-    unpinned (default: all). Returns the Runs; a trace that cannot be read raises TraceError,
-    naming it, before any process starts."""
+    unpinned (default: all); `history_only` is load()'s (replay.trace), in every process. Returns
+    the Runs; a trace that cannot be read raises TraceError, naming it, before any process starts."""
     configs = list(configs or CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(CONFIGS)}")
     # every child replays every trace: one that cannot be read would fail them all
-    lengths = [len(read_trace(spec)) for spec in traces]
+    lengths = [len(read_trace(spec, history_only)) for spec in traces]
     if BASELINE not in configs:
         configs.insert(0, BASELINE)
     plan = [(c, p) for p in pinning for c in configs
@@ -163,7 +168,8 @@ def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes
                 group = [c for c, p in plan if p == pinned]
                 if progress:
                     progress(f"round {r + 1}{' pinned' if pinned else ''}: {', '.join(group)} in lockstep")
-                results = run_lockstep(group, list(traces), lengths, pinned, passes, touch, timeout)
+                results = run_lockstep(group, list(traces), lengths, pinned, passes, touch, timeout,
+                                       history_only=history_only)
                 for config in group:
                     done += 1
                     record(r, config, pinned, results[config], done, rounds * len(plan))
@@ -171,8 +177,8 @@ def compare(traces, configs=None, rounds: int = 3, pinning=(True, False), passes
         shift = (r * max(len(plan) // 3, 1)) % len(plan)
         for config, pinned in plan[shift:] + plan[:shift]:
             done += 1
-            record(r, config, pinned, run_child(config, list(traces), pinned, passes, touch, timeout),
-                   done, rounds * len(plan))
+            record(r, config, pinned, run_child(config, list(traces), pinned, passes, touch, timeout,
+                                                history_only=history_only), done, rounds * len(plan))
     return list(runs.values())
 
 
