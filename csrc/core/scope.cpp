@@ -26,8 +26,9 @@ std::mutex g_tags_mu;
 char g_tags[kMaxTags][kTagBytes] = {"untagged"};
 int g_tag_count = 1;
 // Note [Tag families]: each registered tag's family id + 1 (its own for a head), 0 for an id
-// never registered; "untagged" heads its own. Written once under g_tags_mu when the tag is
-// registered, read without it. Plain storage, as above.
+// never registered; "untagged" heads its own. Written under g_tags_mu when the tag is
+// registered, and a member's again when its head is registered after it (its own id until
+// then); read without the lock. Plain storage, as above.
 std::atomic<int> g_family[kMaxTags] = {1};
 // Each head's members, a bit per tag id; written under g_tags_mu, read without it.
 static_assert(kMaxTags <= 64, "a family's members are one 64-bit mask");
