@@ -624,6 +624,25 @@ def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_a_r
                                                                                                8 * MiB)
 
 
+
+@isolated
+def test_a_region_ended_on_another_thread_inside_one_still_open_ends_before_it():
+    # Ending the enclosing region was refused as out of order: the inner one, though ended, was still open,
+    # and the thread stayed under its tag until the next region.
+    host = _installed_host()
+    outer, inner = torch_budget.region("outer"), torch_budget.region("a")
+    outer.__enter__()
+    inner.__enter__()
+    failed = []
+    other = threading.Thread(target=lambda: failed.append(pytest.raises(StateError, inner.__exit__, None, None, None)))
+    other.start()
+    other.join()
+    assert failed, "the end on another thread was not refused"
+    outer.__exit__(None, None, None)  # ends a, then outer
+    host.malloc(2 * MiB)
+    tags = torch_budget.stats()["by_tag"]
+    assert (tags["a"]["allocated"], tags["outer"]["allocated"], tags["untagged"]["allocated"]) == (0, 0, 2 * MiB)
+
 @isolated
 def test_names_and_switches_of_the_wrong_kind_are_refused_by_name():
     _installed_host()

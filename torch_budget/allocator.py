@@ -330,6 +330,7 @@ def region(tag: str | None = None, route: str | None = None) -> Iterator[None]:
         yield
     finally:
         scopes = _regions.__dict__.setdefault("open", [])
+        _end_refused(lib, scopes)  # those inside it ended from another thread end first
         if not any(token is mine for token, _ in scopes):
             _refused_ends.add(mine)
             raise StateError(f"{_shown(tag)} is ended on a thread that did not open it: a scope belongs to its thread "
