@@ -513,6 +513,169 @@ def test_a_stray_end_of_a_saver_scope_raises_and_changes_nothing():
     assert (by_tag["train"]["allocated"], by_tag["inner"]["allocated"]) == (2 * MiB, MiB), by_tag
 
 
+def _saver_state(saver):
+    """What torch_memory_saver's getters say on this thread, and whether disable() is refused here."""
+    cdll = saver._impl._binary_wrapper.cdll
+    said = (cdll.tms_get_interesting_region(), cdll.tms_get_current_tag(), cdll.tms_get_enable_cpu_backup())
+    try:
+        with saver.disable():
+            return (*said, False)
+    except StateError:
+        return (*said, True)
+
+
+OUTSIDE = (False, b"default", False, True)  # no region: nothing is the saver's, disable() refused
+
+
+def _a_later_region_works(host, saver):
+    with saver.region("later", enable_cpu_backup=True):
+        assert _saver_state(saver) == (True, b"later", True, False)
+        _alloc(host, MiB, b"l")
+    assert _saver_state(saver) == OUTSIDE
+    assert torch_budget.stats()["by_tag"]["later+pinned"]["allocated"] == MiB
+
+
+@built
+@isolated
+def test_a_region_ended_before_one_opened_inside_it_is_refused_and_ends_after_it():
+    # The saver's state popped the inner region's entry: inside it the getters said 'outer' (with its backup)
+    # and, once both ended, the thread counted one region open for good (disable() allowed outside every region).
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    outer, inner = saver.region("outer", enable_cpu_backup=True), saver.region("inner")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(StateError, match=r"region\('outer\+pinned'\) is ended while region\('inner'\), opened inside"):
+        outer.__exit__(None, None, None)
+    assert _saver_state(saver) == (True, b"inner", False, False)  # still inside inner, and outer with it
+    _alloc(host, 2 * MiB, b"i")
+    inner.__exit__(None, None, None)  # outer ends with it
+    assert _saver_state(saver) == OUTSIDE
+    _alloc(host, 4 * MiB, b"u")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert (by_tag["inner"]["allocated"], by_tag["outer+pinned"]["allocated"], by_tag["untagged"]["allocated"]) == (
+        2 * MiB, 0, 4 * MiB), by_tag
+    _a_later_region_works(host, saver)
+
+
+@built
+@isolated
+def test_regions_of_interleaved_asyncio_tasks_leave_the_saver_outside_every_region():
+    import asyncio
+
+    host, module = _saver()
+    saver = module.torch_memory_saver
+
+    async def task(tag, delay):
+        with saver.region(tag, enable_cpu_backup=True):
+            await asyncio.sleep(delay)
+
+    async def main():
+        a = asyncio.create_task(task("a", 0.01))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(task("b", 0.05))  # opens inside a's region, on the same thread
+        await asyncio.sleep(0.03)
+        inside_b = _saver_state(saver)  # a's end was refused: b is in force, a ends with it
+        return inside_b, await asyncio.gather(a, b, return_exceptions=True)
+
+    inside_b, outcome = asyncio.run(main())
+    assert isinstance(outcome[0], StateError) and outcome[1] is None, outcome
+    assert inside_b == (True, b"b", True, False)
+    assert _saver_state(saver) == OUTSIDE
+    _a_later_region_works(host, saver)
+
+
+@built
+@isolated
+def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_one():
+    # The other thread popped this thread's entry at once (the core kept charging the region's tag) and set its
+    # own count of regions to this thread's: there disable() was allowed outside every region.
+    import threading
+
+    host, module = _saver()
+    saver = module.torch_memory_saver
+
+    def open_two_and_end_the_inner_on_another_thread():
+        outer, inner = saver.region("outer"), saver.region("a", enable_cpu_backup=True)
+        outer.__enter__()
+        inner.__enter__()
+        seen = []
+
+        def end_it():
+            with pytest.raises(StateError, match="did not open it"):
+                inner.__exit__(None, None, None)
+            seen.append(_saver_state(saver))
+
+        other = threading.Thread(target=end_it)
+        other.start()
+        other.join()
+        assert seen == [OUTSIDE]
+        return outer
+
+    outer = open_two_and_end_the_inner_on_another_thread()
+    cdll = saver._impl._binary_wrapper.cdll
+    assert (cdll.tms_get_current_tag(), cdll.tms_get_enable_cpu_backup()) == (b"a", True)  # as the core: still in a
+    _alloc(host, 2 * MiB, b"a")
+    outer.__exit__(None, None, None)  # ends a, then outer
+    assert _saver_state(saver) == OUTSIDE
+    outer = open_two_and_end_the_inner_on_another_thread()
+    with saver.disable():  # opening a scope ends a first, as opening a region() does
+        pass
+    assert _saver_state(saver) == (True, b"outer", False, False)
+    outer.__exit__(None, None, None)
+    assert _saver_state(saver) == OUTSIDE
+    by_tag = torch_budget.stats()["by_tag"]
+    assert (by_tag["a+pinned"]["allocated"], by_tag["outer"]["allocated"]) == (2 * MiB, 0), by_tag
+    _a_later_region_works(host, saver)
+
+
+@built
+@isolated
+def test_outside_every_region_but_one_ended_on_another_thread_disable_is_refused_and_a_flip_ends_it():
+    import threading
+
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    scope = saver.region("a")
+    scope.__enter__()
+    other = threading.Thread(target=lambda: pytest.raises(StateError, scope.__exit__, None, None, None))
+    other.start()
+    other.join()
+    with pytest.raises(StateError, match="inside a region"):  # opening it would end a first
+        with saver.disable():
+            pass
+    cdll = saver._impl._binary_wrapper.cdll
+    assert cdll.tms_get_current_tag() == b"a"  # the refusal changed nothing: still in a, as the core
+    _alloc(host, MiB, b"a")
+    cdll.tms_set_interesting_region(False)  # a is what made it True: ending a is what sets it
+    assert _saver_state(saver) == OUTSIDE
+    _alloc(host, 2 * MiB, b"u")
+    by_tag = torch_budget.stats()["by_tag"]
+    assert (by_tag["a"]["allocated"], by_tag["untagged"]["allocated"]) == (MiB, 2 * MiB), by_tag
+    _a_later_region_works(host, saver)
+
+@built
+@isolated
+def test_a_flip_left_open_in_a_region_ended_out_of_order_goes_when_the_region_ends():
+    # slime's tms_set_interesting_region(False) left on, then a region opened inside: the refused outer region
+    # used to close the flip under the inner one, popping the inner one's entry.
+    host, module = _saver()
+    saver = module.torch_memory_saver
+    outer, inner = saver.region("outer"), saver.region("inner")
+    outer.__enter__()
+    cdll = saver._impl._binary_wrapper.cdll
+    cdll.tms_set_interesting_region(False)
+    inner.__enter__()
+    with pytest.raises(StateError, match="opened inside it"):
+        outer.__exit__(None, None, None)
+    assert _saver_state(saver) == (True, b"inner", False, False)
+    inner.__exit__(None, None, None)
+    assert _saver_state(saver) == OUTSIDE  # the flip went with outer, as outer's in-order end closes it
+    _alloc(host, MiB, b"u")
+    assert torch_budget.stats()["by_tag"]["untagged"]["allocated"] == MiB
+    _a_later_region_works(host, saver)
+
+
 @built
 @isolated
 def test_pause_and_resume_act_on_every_device():

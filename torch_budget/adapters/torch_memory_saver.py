@@ -49,7 +49,9 @@ region(), cuda_graph() and disable() (and _impl._with_region_config) are entered
 torch_memory_saver's are contextlib generator scopes, which refuse a second entry too; an end without an
 entry, which contextlib answers by running the body (a disable() emptied the cache, a cuda_graph() captured)
 and raising RuntimeError, and a second end, which it lets pass, raise StateError (a RuntimeError) here and
-change nothing.
+change nothing. An end out of order (a region ended while one opened inside it is open, as asyncio tasks
+interleaving regions on one thread do), where torch_memory_saver fails an assert, raises torch_budget.region()'s
+StateError: the getters then say the inner region's, and the refused one ends with it (Note [Saver scopes]).
 
 What torch_budget cannot do raises UnsupportedError (a TorchBudgetError and a
 NotImplementedError) instead of running differently: memory_margin_bytes above 0 and its private
@@ -122,7 +124,7 @@ _registry = TagRegistry("backup", rename=lambda tag: _TMS_UNTAGGED if tag == _UN
 _retain: Optional[bool] = None  # retain_cpu_backup, one for the process as torch_memory_saver's library keeps it
 _resident_at_pause: dict[tuple[str, int], int] = {}  # (torch_budget tag, device) -> bytes mapped at pause, where some cached
 _pool_set = False  # whether the first pause set the pinned pool's keeping (_set_host_pool)
-_scopes = threading.local()  # depth: saver regions open on this thread; configs: what each asked for; flips
+_scopes = threading.local()  # stack: the _SaverScopes open on this thread, innermost last (Note [Saver scopes])
 
 
 class _Config(NamedTuple):
@@ -134,34 +136,105 @@ class _Config(NamedTuple):
     backend: str  # "pinned" or "mmap"
 
 
-def _depth() -> int:
-    return getattr(_scopes, "depth", 0)
+def _stack() -> list[_SaverScope]:
+    try:
+        return _scopes.stack
+    except AttributeError:
+        _scopes.stack = []
+        return _scopes.stack
 
 
 def _current() -> _Config:
-    configs = getattr(_scopes, "configs", None)
-    if configs:
-        return configs[-1]
+    stack = getattr(_scopes, "stack", None)
+    return stack[-1].config if stack else _outside()
+
+
+def _enclosing() -> _Config:
+    """What a scope opened now finds: _current() less the entries whose refused end its opening
+    completes (_settle)."""
+    stack = getattr(_scopes, "stack", None)
+    at = len(stack) if stack else 0
+    while at and (stack[at - 1].ended or (stack[at - 1].flip and at > 1 and stack[at - 2].ended)):
+        at -= 1
+    return stack[at - 1].config if at else _outside()
+
+
+def _outside() -> _Config:
     # torch_memory_saver's library reads these variables for a thread outside every region
     return _Config(_env_flag("TMS_INIT_ENABLE"), _TAG_DEFAULT, _env_flag("TMS_INIT_ENABLE_CPU_BACKUP"),
                    _env_flag("TMS_INIT_ENABLE_DISK_BACKUP"), _default_backend())
 
 
-@contextlib.contextmanager
-def _saver_scope(depth: int | None = None, config: _Config | None = None) -> Iterator[None]:
-    before = _depth()
-    _scopes.depth = before + 1 if depth is None else depth
-    configs = _scopes.__dict__.setdefault("configs", [])
-    configs.append(config or _current())
-    level = len(configs)
-    try:
-        yield
-    finally:
-        flips = getattr(_scopes, "flips", [])
-        while flips and flips[-1][0] > level:  # a region puts back on exit what it found
-            flips.pop()[1].close()
-        _scopes.depth = before
-        configs.pop()
+# Note [Saver scopes]
+# Each saver scope (region, cuda_graph, disable, a flip of Note [Interesting region]) is one
+# torch_budget.region and one entry of its thread's stack, whose innermost entry the getters read.
+# The entry follows its region: it goes, by identity, only when the region has ended. An end that
+# region() refuses (out of order, as asyncio tasks interleaving regions on one thread do, or from
+# another thread) raises its StateError and marks the entry ended; region() ends such a scope once
+# every scope opened inside it has ended, and so does _settle, which runs where region() does: as
+# a scope of the thread opens and after one ends. A flip left open in a scope goes with it. Only
+# torch_budget.region()s opened directly inside a saver scope are not seen here: a refused end
+# that waits for one of them leaves the getters reading the scope until the next saver scope.
+class _SaverScope:
+    """One saver scope: its torch_budget.region and its entry on its thread's stack."""
+
+    __slots__ = ("config", "flip", "ended", "_tag", "_route", "_core", "_stack")
+
+    def __init__(self, tag: str, route: str, config: _Config, flip: bool = False):
+        self.config, self.flip, self.ended = config, flip, False
+        self._tag, self._route = tag, route
+
+    def __enter__(self) -> _SaverScope:
+        stack = _stack()
+        _settle(stack)
+        core = torch_budget.region(self._tag, route=self._route)
+        core.__enter__()
+        self._core, self._stack = core, stack
+        stack.append(self)
+        return self
+
+    def __exit__(self, typ=None, value=None, traceback=None):
+        stack = self._stack
+        if stack is _stack():
+            _settle(stack)
+            if len(stack) > 1 and stack[-2] is self and stack[-1].flip:  # a scope puts back what it found
+                with contextlib.suppress(StateError):  # refused too: it ends with this one (_settle)
+                    stack[-1]._end()
+        return self._end(typ, value, traceback)
+
+    def _end(self, typ=None, value=None, traceback=None):
+        stack, refused = self._stack, False
+        try:
+            return self._core.__exit__(typ, value, traceback)
+        except StateError:
+            refused = self.ended = True
+            raise
+        finally:
+            if not refused:
+                for at in range(len(stack) - 1, -1, -1):
+                    if stack[at] is self:  # and those above, which region() ended with it
+                        del stack[at:]
+                        break
+                _settle(stack)
+
+
+def _settle(stack: list[_SaverScope]) -> bool:
+    """Drops the innermost entries whose end was refused, as region() ends them, and ends a flip
+    left open in one. Says whether it dropped one that region() is yet to end."""
+    dropped = False
+    while stack:
+        top = stack[-1]
+        if top.ended:
+            stack.pop()
+            dropped = True
+        elif top.flip and len(stack) > 1 and stack[-2].ended:
+            try:
+                top._end()
+            except StateError:  # a torch_budget.region() opened inside it is still open
+                return dropped
+        else:
+            return dropped
+    return dropped
 
 
 # Note [Interesting region]
@@ -169,27 +242,26 @@ def _saver_scope(depth: int | None = None, config: _Config | None = None) -> Ite
 # inside a region, or everywhere with TMS_INIT_ENABLE=1); its library's tms_set_interesting_region
 # sets that flag, and a region's exit puts back what the region found. slime turns it off around
 # deep_ep.Buffer's allocations. Here setting it opens a scope of the other state, as the innermost
-# scope of the thread: False an untagged one (disable() without emptying the cache), True one under
-# the thread's tag and backup. Setting it back closes that scope; a region closes on exit those
-# left open inside it (_saver_scope).
+# scope of the thread (a flip): False an untagged one (disable() without emptying the cache), True
+# one under the thread's tag and backup. Setting it back closes that scope; a scope closes on exit
+# the flip left open inside it (Note [Saver scopes]).
 def _set_interesting(value: bool) -> None:
+    if _current().interesting == value:
+        return
+    stack = _stack()
+    if _settle(stack) and _current().interesting == value:  # the refused ends alone set it: region() ends them too
+        with torch_budget.region():
+            pass
+        return
     current = _current()
-    if current.interesting == value:
-        return
-    flips = _scopes.__dict__.setdefault("flips", [])  # (len(configs) inside the scope, its ExitStack)
-    configs = _scopes.__dict__.setdefault("configs", [])
-    if flips and flips[-1][0] == len(configs):  # the innermost scope is a flip: undo it
-        flips.pop()[1].close()
-        return
-    with contextlib.ExitStack() as stack:
-        if value:
-            name = _registry.register(current.tag, _backup(current.cpu_backup, current.disk_backup, None))
-            stack.enter_context(torch_budget.region(name, route="vmm"))
-            stack.enter_context(_saver_scope(config=current._replace(interesting=True)))
-        else:
-            stack.enter_context(torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]))
-            stack.enter_context(_saver_scope(0, current._replace(interesting=False)))
-        flips.append((len(configs), stack.pop_all()))
+    if stack and stack[-1].flip:  # the innermost scope is a flip: undo it
+        stack[-1].__exit__()
+    elif value:
+        name = _registry.register(current.tag, _backup(current.cpu_backup, current.disk_backup, None))
+        _SaverScope(name, "vmm", current._replace(interesting=True), flip=True).__enter__()
+    else:
+        _SaverScope(_UNTAGGED, torch_budget.install()["route"], current._replace(interesting=False),
+                    flip=True).__enter__()
 
 
 def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
@@ -214,7 +286,7 @@ def _backup(enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
 def _backend(cpu_backup_backend: Optional[str]) -> str:
     """A region's backend: its own, else the enclosing one's, as torch_memory_saver leaves the
     thread's backend alone when a region names none."""
-    return cpu_backup_backend or _current().backend
+    return cpu_backup_backend or _enclosing().backend
 
 
 def _tag_or_all(tag: Optional[str]) -> Optional[str]:
@@ -401,7 +473,7 @@ class TorchMemorySaver:
         name = _registry.register(tag, backup)
         config = _Config(True, tag, enable_cpu_backup, False, _backend(cpu_backup_backend))
         # The region opens before the capture: the private pool takes its tag when capture begins.
-        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
+        with _SaverScope(name, "vmm", config):
             with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield
 
@@ -411,12 +483,13 @@ class TorchMemorySaver:
         (pause leaves them), and the cache is emptied on exit, so what they freed goes back to
         the driver."""
         self._ensure_initialized()
-        if _depth() == 0 and not _current().interesting:
+        enclosing = _enclosing()
+        if not enclosing.interesting:
             raise StateError("torch_memory_saver.disable() is for use inside a region() (or with TMS_INIT_ENABLE=1): "
                              "outside one nothing is paused anyway")
-        outside = _current()._replace(interesting=False)
+        outside = enclosing._replace(interesting=False)
         try:
-            with torch_budget.region(_UNTAGGED, route=torch_budget.install()["route"]), _saver_scope(0, outside):
+            with _SaverScope(_UNTAGGED, torch_budget.install()["route"], outside):
                 yield
         finally:  # torch_memory_saver's pool goes however the body ends
             torch_budget.empty_cache(device="all")
@@ -635,7 +708,7 @@ class _Impl:
         tag_name(tag)
         name = _registry.register(tag, backup)
         config = _Config(True, tag, enable_cpu_backup, enable_disk_backup, _backend(cpu_backup_backend))
-        with torch_budget.region(name, route="vmm"), _saver_scope(config=config):
+        with _SaverScope(name, "vmm", config):
             yield name
 
     def __getattr__(self, name: str):
