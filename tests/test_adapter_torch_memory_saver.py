@@ -585,13 +585,30 @@ def test_regions_of_interleaved_asyncio_tasks_leave_the_saver_outside_every_regi
     _a_later_region_works(host, saver)
 
 
+def _end_on_another_thread(scope, saver):
+    """Ends `scope` on a new thread, which region() refuses (StateError); the saver's state that
+    thread saw after the refusal."""
+    import threading
+
+    seen = []
+
+    def end_it():
+        with pytest.raises(StateError, match="did not open it"):
+            scope.__exit__(None, None, None)
+        seen.append(_saver_state(saver))
+
+    other = threading.Thread(target=end_it)
+    other.start()
+    other.join()
+    assert len(seen) == 1, "the end on the other thread was not refused"
+    return seen[0]
+
+
 @built
 @isolated
 def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_one():
     # The other thread popped this thread's entry at once (the core kept charging the region's tag) and set its
     # own count of regions to this thread's: there disable() was allowed outside every region.
-    import threading
-
     host, module = _saver()
     saver = module.torch_memory_saver
 
@@ -599,17 +616,7 @@ def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_one
         outer, inner = saver.region("outer"), saver.region("a", enable_cpu_backup=True)
         outer.__enter__()
         inner.__enter__()
-        seen = []
-
-        def end_it():
-            with pytest.raises(StateError, match="did not open it"):
-                inner.__exit__(None, None, None)
-            seen.append(_saver_state(saver))
-
-        other = threading.Thread(target=end_it)
-        other.start()
-        other.join()
-        assert seen == [OUTSIDE]
+        assert _end_on_another_thread(inner, saver) == OUTSIDE
         return outer
 
     outer = open_two_and_end_the_inner_on_another_thread()
@@ -632,15 +639,11 @@ def test_a_region_ended_on_another_thread_ends_when_its_own_thread_next_uses_one
 @built
 @isolated
 def test_outside_every_region_but_one_ended_on_another_thread_disable_is_refused_and_a_flip_ends_it():
-    import threading
-
     host, module = _saver()
     saver = module.torch_memory_saver
     scope = saver.region("a")
     scope.__enter__()
-    other = threading.Thread(target=lambda: pytest.raises(StateError, scope.__exit__, None, None, None))
-    other.start()
-    other.join()
+    _end_on_another_thread(scope, saver)
     with pytest.raises(StateError, match="inside a region"):  # opening it would end a first
         with saver.disable():
             pass
@@ -653,6 +656,7 @@ def test_outside_every_region_but_one_ended_on_another_thread_disable_is_refused
     by_tag = torch_budget.stats()["by_tag"]
     assert (by_tag["a"]["allocated"], by_tag["untagged"]["allocated"]) == (MiB, 2 * MiB), by_tag
     _a_later_region_works(host, saver)
+
 
 @built
 @isolated
